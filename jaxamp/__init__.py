@@ -1,0 +1,3 @@
+"""jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast."""
+
+__all__: list[str] = []

@@ -1,0 +1,30 @@
+"""Test configuration: 8 host devices, strict dtype promotion, warnings as errors (pyproject)."""
+
+import os
+
+# Must happen before jax is imported anywhere: multi-device tests run on 8 virtual CPU devices.
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+# Implicit promotions (e.g. f16 * f32 -> f32) hide precision bugs: make them errors in tests.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def float_dtype(request):
+    """Each low/full precision float dtype in turn."""
+    return jnp.dtype(request.param)
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "jit"])
+def maybe_jit(request):
+    """Run a function as is, then under jax.jit."""
+    return jax.jit if request.param else (lambda f, **kw: f)
