@@ -1,3 +1,41 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast."""
 
-__all__: list[str] = []
+from jaxamp.grad import value_and_grad as value_and_grad
+from jaxamp.loss_scale import DynamicLossScale as DynamicLossScale
+from jaxamp.loss_scale import LossScale as LossScale
+from jaxamp.loss_scale import NoOpLossScale as NoOpLossScale
+from jaxamp.loss_scale import StaticLossScale as StaticLossScale
+from jaxamp.loss_scale import all_finite as all_finite
+from jaxamp.optim import AmpInfo as AmpInfo
+from jaxamp.optim import LossScaleDivergedError as LossScaleDivergedError
+from jaxamp.optim import LossScaledState as LossScaledState
+from jaxamp.optim import amp_info as amp_info
+from jaxamp.optim import amp_states as amp_states
+from jaxamp.optim import get_loss_scale as get_loss_scale
+from jaxamp.optim import loss_scaled as loss_scaled
+from jaxamp.optim import set_loss_scale as set_loss_scale
+from jaxamp.policy import Policy as Policy
+from jaxamp.policy import cast_floating as cast_floating
+from jaxamp.policy import get_policy as get_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpInfo",
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaleDivergedError",
+    "LossScaledState",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
+    "amp_info",
+    "amp_states",
+    "cast_floating",
+    "get_loss_scale",
+    "get_policy",
+    "loss_scaled",
+    "set_loss_scale",
+    "value_and_grad",
+]

@@ -1,0 +1,95 @@
+"""`value_and_grad` with a policy and a loss scale: the one call a mixed-precision step needs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp.loss_scale import NoOpLossScale, _scale_tree
+from jaxamp.optim import get_loss_scale
+from jaxamp.policy import Policy, get_policy
+
+__all__ = ["value_and_grad"]
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    policy: Policy | str | None = None,
+    has_aux: bool = False,
+    argnums: int = 0,
+) -> Callable[..., Any]:
+    """Like `jax.value_and_grad`, for a mixed-precision step: casts, scales, differentiates.
+
+    The returned function takes `fun`'s arguments plus a keyword `loss_scale` (a loss scale,
+    an optimizer state of `jaxamp.loss_scaled` — its current scale is used — or None for no
+    scaling). It:
+
+    1. casts the floating leaves of every positional argument (params and inputs) to the
+       policy's compute dtype (ints, bools and PRNG keys untouched);
+    2. runs `fun` and casts its loss (and aux) to the policy's output dtype;
+    3. scales the loss in float32 and differentiates that with respect to `args[argnums]`.
+
+    Returns `(loss, grads)` — or `((loss, aux), grads)` with `has_aux` — where `loss` is the
+    unscaled float32 loss and `grads` are gradients of the *scaled* loss, in the dtype of the
+    parameters as passed (float32 params give float32 grads: the casts are differentiable).
+    Hand `grads` to a `loss_scaled` optimizer, which unscales them.
+
+    Args:
+      fun: `fun(params, *inputs, **kwargs) -> loss` or `-> (loss, aux)`.
+      policy: a `Policy` or anything `get_policy` accepts; None casts nothing.
+      has_aux: whether `fun` returns `(loss, aux)`.
+      argnums: which positional argument to differentiate (an int).
+
+    Examples:
+      >>> grad_fn = jaxamp.value_and_grad(loss_fn, policy="bf16-mixed")
+      >>> loss, grads = grad_fn(params, batch, loss_scale=opt_state)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    if not callable(fun):
+        raise TypeError(f"value_and_grad(fun=...) takes a callable; got {type(fun).__name__}.")
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise TypeError(f"value_and_grad(argnums=...) takes an int; got {argnums!r}.")
+    policy = None if policy is None else get_policy(policy)
+
+    @functools.wraps(fun)
+    def wrapped(*args, loss_scale: Any = None, **kwargs):
+        if not -len(args) <= argnums < len(args):
+            raise ValueError(
+                f"value_and_grad: argnums={argnums} but the function got {len(args)} "
+                "positional arguments."
+            )
+        scale = NoOpLossScale() if loss_scale is None else get_loss_scale(loss_scale)
+        index = argnums % len(args)
+        if policy is not None:
+            # Inputs are cast here; the differentiated argument inside, so that the cast is
+            # part of the gradient (float32 params get float32 gradients).
+            args = tuple(a if i == index else policy.cast_to_compute(a) for i, a in enumerate(args))
+
+        def scaled_loss(diff_arg, *rest):
+            if policy is not None:
+                diff_arg = policy.cast_to_compute(diff_arg)
+            full_args = list(rest)
+            full_args.insert(index, diff_arg)
+            out = fun(*full_args, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            if policy is not None:
+                loss, aux = policy.cast_to_output((loss, aux))
+            loss = jnp.asarray(loss)
+            if loss.shape != ():
+                raise TypeError(
+                    f"value_and_grad: fun must return a scalar loss; got shape {loss.shape}."
+                )
+            loss32 = loss.astype(jnp.float32)
+            return _scale_tree(loss32, jnp.asarray(scale.loss_scale, jnp.float32)), (loss32, aux)
+
+        rest = args[:index] + args[index + 1 :]
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(args[index], *rest)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped

@@ -1,0 +1,477 @@
+"""Loss scales: immutable pytrees implementing jmp's LossScale protocol with torch's update rule.
+
+`DynamicLossScale.create()` moves the scale exactly as `torch.amp.GradScaler` does, with one
+deliberate difference: the scale never falls below `min_scale` (default: the smallest normal
+float32), so it cannot decay to 0.0 the way torch's does after ~150 overflows in a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "all_finite",
+    "PRESET_NAMES",
+]
+
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """jmp's loss-scale protocol; jmp's own loss-scale objects satisfy it too."""
+
+    @property
+    def loss_scale(self) -> jax.Array: ...
+
+    def scale(self, tree: Any) -> Any: ...
+
+    def unscale(self, tree: Any) -> Any: ...
+
+    def adjust(self, grads_finite: jax.Array) -> LossScale: ...
+
+
+def _is_float_array(x) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def all_finite(tree: Any, axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+    """Returns a scalar bool array: whether every floating leaf of `tree` is finite.
+
+    Non-floating leaves (ints, bools, PRNG keys) are ignored; an empty tree is finite. Works on
+    sharded arrays (XLA inserts the cross-device reduction).
+
+    Args:
+      tree: a pytree of arrays.
+      axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
+        is then true only if the leaves are finite on every replica.
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x)]
+    if not leaves:
+        finite = jnp.array(True)
+    else:
+        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    if axis_name is not None:
+        # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def _scale_tree(tree: Any, scale: jax.Array) -> Any:
+    """Multiplies floating leaves by `scale` in float32 (never in float16, where 2**16 is inf)."""
+
+    def mul(x):
+        if _is_float_array(x):
+            return x.astype(jnp.promote_types(x.dtype, jnp.float32)) * scale.astype(
+                jnp.promote_types(x.dtype, jnp.float32)
+            )
+        return x
+
+    return jax.tree_util.tree_map(mul, tree)
+
+
+def _unscale_tree(tree: Any, inv_scale: jax.Array) -> Any:
+    """Multiplies floating leaves by `inv_scale` in float32; each leaf keeps its dtype."""
+
+    def mul(x):
+        if _is_float_array(x):
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return (x.astype(wide) * inv_scale.astype(wide)).astype(x.dtype)
+        return x
+
+    return jax.tree_util.tree_map(mul, tree)
+
+
+def _check_scale_value(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a positive finite number; got {value!r}.") from None
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        allowed = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {allowed}; got {value!r}.")
+    return value
+
+
+class _ScaleMixin:
+    """scale/unscale shared by every loss scale with a `loss_scale` field."""
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: Any) -> Any:
+        """Multiplies floating leaves (e.g. the loss) by the scale.
+
+        Returns float32 for float16/bfloat16/float32 leaves (float64 stays float64): a float16
+        loss times 2**16 would overflow, so scaling happens in float32.
+        """
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: Any) -> Any:
+        """Multiplies floating leaves by 1/scale, computed in float32; each leaf keeps its dtype.
+
+        float32 leaves come back float32; float16 and bfloat16 leaves come back in their own dtype
+        (computed in float32, then rounded once). The reciprocal is exact for power-of-two scales.
+        """
+        return _unscale_tree(tree, self.inverse_scale())
+
+    def inverse_scale(self) -> jax.Array:
+        """1/scale as float32 (torch computes it in float64 and rounds to float32: equal for
+        power-of-two scales)."""
+        return jnp.float32(1.0) / jnp.asarray(self.loss_scale, jnp.float32)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale(_ScaleMixin):
+    """No loss scaling: `scale` and `unscale` return their input unchanged."""
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: Any) -> Any:
+        return tree
+
+    def unscale(self, tree: Any) -> Any:
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+        del grads_finite
+        return self
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale(_ScaleMixin):
+    """A constant loss scale (float32). `adjust` returns it unchanged."""
+
+    loss_scale: jax.Array
+
+    def __init__(self, loss_scale: Any = 2.0**15):
+        # JAX may rebuild pytrees with placeholder leaves: convert only numbers and arrays.
+        if isinstance(loss_scale, (int, float, np.floating, np.integer)) and not isinstance(
+            loss_scale, bool
+        ):
+            loss_scale = _check_scale_value("StaticLossScale(loss_scale=...)", loss_scale)
+            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        elif isinstance(loss_scale, (np.ndarray, jax.Array)) and loss_scale.dtype != jnp.float32:
+            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        object.__setattr__(self, "loss_scale", loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        del grads_finite
+        return self
+
+
+GrowthRule = Literal["torch", "flax"]
+PRESET_NAMES = ("torch", "jmp", "flax", "keras", "megatron")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["loss_scale", "growth_tracker", "hysteresis_tracker"],
+    meta_fields=[
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+        "growth_rule",
+    ],
+)
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale(_ScaleMixin):
+    """A dynamic loss scale with torch.amp.GradScaler's update rule; an immutable pytree.
+
+    Data (pytree children): `loss_scale` (float32 scalar), `growth_tracker` (int32: consecutive
+    finite steps since the last growth or backoff), `hysteresis_tracker` (int32: overflows left
+    before a backoff). Every other field is a static hyperparameter, kept through `jit`,
+    `tree_map` and checkpoints. Build one with `create` or `from_preset`.
+
+    The update (`adjust`), as torch's `_amp_update_scale_`:
+
+    * non-finite step: `growth_tracker = 0`; `hysteresis_tracker -= 1`; if it is now <= 0,
+      `scale = max(scale * backoff_factor, min_scale)`.
+    * finite step: `growth_tracker += 1`; when it reaches `growth_interval`,
+      `scale = scale * growth_factor` (capped at `max_scale`; skipped if not finite),
+      `growth_tracker = 0` and `hysteresis_tracker = hysteresis`.
+
+    With `growth_rule="flax"` growth happens one finite step later (Flax checks the counter
+    before incrementing it).
+
+    Warning:
+      Unlike torch, the scale never goes below `min_scale` (default: the smallest normal
+      float32, 2**-126). torch's scale reaches 0.0 after ~150 consecutive overflows and its
+      unscaling then writes NaN into the parameters. Pass `min_scale=0.0` to reproduce that.
+    """
+
+    loss_scale: jax.Array
+    growth_tracker: jax.Array
+    hysteresis_tracker: jax.Array
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = _F32_TINY
+    max_scale: float | None = None
+    hysteresis: int = 1
+    growth_rule: GrowthRule = "torch"
+
+    @classmethod
+    def create(
+        cls,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = _F32_TINY,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        growth_rule: GrowthRule = "torch",
+    ) -> DynamicLossScale:
+        """Creates a dynamic loss scale; the defaults equal `torch.amp.GradScaler()`'s.
+
+        Args:
+          init_scale: initial scale, finite and > 0 (torch: 2**16).
+          growth_factor: multiplier after `growth_interval` finite steps in a row, > 1.
+          backoff_factor: multiplier after an overflow, in (0, 1).
+          growth_interval: consecutive finite steps before growth, an int >= 1.
+          min_scale: floor for backoff, >= 0 (default: smallest normal float32; 0.0 is torch's
+            unsafe behaviour).
+          max_scale: ceiling for growth, or None (growth is then skipped only if the result
+            would be inf, as in torch).
+          hysteresis: overflows tolerated before backing off (Megatron-LM), an int >= 1;
+            1 backs off on every overflow, as torch does.
+          growth_rule: "torch" (grow on the N-th finite step) or "flax" (on the N+1-th).
+
+        Raises:
+          ValueError / TypeError: a value outside the ranges above, naming it.
+        """
+        init_scale = _check_scale_value("init_scale", init_scale)
+        growth_factor = _check_scale_value("growth_factor", growth_factor)
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}.")
+        backoff_factor = _check_scale_value("backoff_factor", backoff_factor)
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor!r}.")
+        growth_interval = _check_int("growth_interval", growth_interval)
+        hysteresis = _check_int("hysteresis", hysteresis)
+        min_scale = _check_scale_value("min_scale", min_scale, allow_zero=True)
+        if max_scale is not None:
+            max_scale = _check_scale_value("max_scale", max_scale)
+            if max_scale < min_scale:
+                raise ValueError(f"max_scale ({max_scale!r}) must be >= min_scale ({min_scale!r}).")
+        if growth_rule not in ("torch", "flax"):
+            raise ValueError(f"growth_rule must be 'torch' or 'flax'; got {growth_rule!r}.")
+        if init_scale > _F32_MAX:
+            raise ValueError(f"init_scale must fit in float32 (<= {_F32_MAX}); got {init_scale!r}.")
+        return cls(
+            loss_scale=jnp.asarray(init_scale, jnp.float32),
+            growth_tracker=jnp.zeros((), jnp.int32),
+            hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+            growth_rule=growth_rule,
+        )
+
+    @classmethod
+    def from_preset(cls, name: str = "torch", **overrides: Any) -> DynamicLossScale:
+        """A loss scale that moves like another library's.
+
+        * ``"torch"``: `torch.amp.GradScaler` (init 2**16, x2 / x0.5, interval 2000), with
+          jaxamp's floor instead of torch's collapse to 0.
+        * ``"jmp"``: `jmp.DynamicLossScale` as its docs use it (init 2**15, period 2000,
+          factor 2, minimum 1.0 — kept under `jit`, where jmp itself loses it).
+        * ``"flax"``: `flax.training.dynamic_scale.DynamicScale` (init 2**16, grows one finite
+          step later than torch, capped at float32 max, floor float32 tiny).
+        * ``"keras"``: Keras 3 `LossScaleOptimizer` (init 2**15, x2 / /2, 2000 steps).
+        * ``"megatron"``: Megatron-LM `DynamicGradScaler` (init 2**32, min 1.0, interval 1000,
+          hysteresis 2).
+
+        Args:
+          name: one of "torch", "jmp", "flax", "keras", "megatron".
+          **overrides: any `create` argument, applied on top of the preset.
+        """
+        presets: dict[str, dict[str, Any]] = {
+            "torch": {},
+            "jmp": {"init_scale": 2.0**15, "min_scale": 1.0},
+            "flax": {"growth_rule": "flax", "max_scale": _F32_MAX},
+            "keras": {"init_scale": 2.0**15},
+            "megatron": {
+                "init_scale": 2.0**32,
+                "min_scale": 1.0,
+                "growth_interval": 1000,
+                "hysteresis": 2,
+            },
+        }
+        if name not in presets:
+            raise ValueError(
+                f"DynamicLossScale.from_preset(name={name!r}): unknown preset; valid names are "
+                f"{', '.join(repr(p) for p in PRESET_NAMES)}."
+            )
+        return cls.create(**{**presets[name], **overrides})
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """Returns the next loss scale, given whether this step's gradients were finite.
+
+        Args:
+          grads_finite: a scalar bool (traced or not).
+        """
+        grads_finite = jnp.asarray(grads_finite)
+        if grads_finite.shape != () or grads_finite.dtype != jnp.bool_:
+            raise TypeError(
+                f"adjust(grads_finite=...) takes a scalar bool; got shape {grads_finite.shape} "
+                f"dtype {grads_finite.dtype}."
+            )
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        tracker = jnp.asarray(self.growth_tracker, jnp.int32)
+        hysteresis_left = jnp.asarray(self.hysteresis_tracker, jnp.int32)
+
+        if self.growth_rule == "torch":
+            counted = tracker + 1
+            grow = counted >= self.growth_interval
+        else:  # flax: compare the count of earlier finite steps, then count this one
+            counted = tracker + 1
+            grow = tracker >= self.growth_interval
+        grown = _mul_f32(scale, self.growth_factor)
+        if self.max_scale is not None:
+            grown = jnp.minimum(grown, jnp.float32(self.max_scale))
+        grown = jnp.where(jnp.isfinite(grown), grown, scale)
+        finite_scale = jnp.where(grow, grown, scale)
+        finite_tracker = jnp.where(grow, 0, counted)
+        finite_hysteresis = jnp.where(grow, self.hysteresis, hysteresis_left)
+
+        # Saturate instead of wrapping: the tracker only counts to 0 after enough overflows.
+        overflow_hysteresis = jnp.maximum(hysteresis_left - 1, -_INT32_MAX)
+        backed_off = jnp.maximum(_mul_f32(scale, self.backoff_factor), jnp.float32(self.min_scale))
+        overflow_scale = jnp.where(overflow_hysteresis <= 0, backed_off, scale)
+
+        return dataclasses.replace(
+            self,
+            loss_scale=jnp.where(grads_finite, finite_scale, overflow_scale),
+            growth_tracker=jnp.where(grads_finite, finite_tracker, 0).astype(jnp.int32),
+            hysteresis_tracker=jnp.where(
+                grads_finite, finite_hysteresis, overflow_hysteresis
+            ).astype(jnp.int32),
+        )
+
+    # --- torch GradScaler interop -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This scale in `torch.amp.GradScaler.state_dict()`'s format (host values; syncs).
+
+        Keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``. Load it with `GradScaler.load_state_dict`. jaxamp-only settings
+        (min/max scale, hysteresis, growth rule) are not part of torch's format; they are
+        returned under ``jaxamp`` so `from_state_dict` can restore them exactly.
+        """
+        return {
+            "scale": float(self.loss_scale),
+            "growth_factor": float(self.growth_factor),
+            "backoff_factor": float(self.backoff_factor),
+            "growth_interval": int(self.growth_interval),
+            "_growth_tracker": int(self.growth_tracker),
+            "jaxamp": {
+                "min_scale": self.min_scale,
+                "max_scale": self.max_scale,
+                "hysteresis": self.hysteresis,
+                "hysteresis_tracker": int(self.hysteresis_tracker),
+                "growth_rule": self.growth_rule,
+            },
+        }
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, Any], **overrides: Any) -> DynamicLossScale:
+        """Reads `torch.amp.GradScaler.state_dict()` (or `state_dict()` above).
+
+        Args:
+          state_dict: a mapping with ``scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval`` and ``_growth_tracker``.
+          **overrides: other `create` arguments (e.g. ``min_scale``).
+
+        Raises:
+          ValueError: a key is missing (an empty dict is what a disabled GradScaler saves).
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"from_state_dict(state_dict=...) takes a mapping; got {type(state_dict).__name__}."
+            )
+        required = (
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker",
+        )
+        missing = [k for k in required if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"from_state_dict: missing keys {missing}; expected torch GradScaler's format with "
+                f"keys {list(required)} (an empty state_dict comes from a disabled GradScaler)."
+            )
+        extra = dict(state_dict.get("jaxamp") or {})
+        hysteresis_tracker = extra.pop("hysteresis_tracker", None)
+        kwargs = {
+            "init_scale": float(state_dict["scale"]),
+            "growth_factor": float(state_dict["growth_factor"]),
+            "backoff_factor": float(state_dict["backoff_factor"]),
+            "growth_interval": int(state_dict["growth_interval"]),
+            **extra,
+            **overrides,
+        }
+        scale = cls.create(**kwargs)
+        tracker = int(state_dict["_growth_tracker"])
+        if not 0 <= tracker <= scale.growth_interval:
+            raise ValueError(
+                f"from_state_dict: _growth_tracker must be in [0, growth_interval="
+                f"{scale.growth_interval}]; got {tracker}."
+            )
+        if hysteresis_tracker is None:
+            hysteresis_tracker = scale.hysteresis
+        return dataclasses.replace(
+            scale,
+            growth_tracker=jnp.asarray(tracker, jnp.int32),
+            hysteresis_tracker=jnp.asarray(hysteresis_tracker, jnp.int32),
+        )
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 1; got {type(value).__name__} {value!r}.")
+    if not 1 <= int(value) <= _INT32_MAX:
+        raise ValueError(f"{name} must be an int in [1, {_INT32_MAX}]; got {value!r}.")
+    return int(value)
+
+
+def _mul_f32(scale: jax.Array, factor: float) -> jax.Array:
+    """float32(scale * factor) with `factor` a Python (float64) number, as torch computes it.
+
+    torch multiplies the float32 scale by a double and rounds once to float32. In float32 we
+    split the factor into hi + lo parts: exact for power-of-two factors, and within one ulp of
+    torch otherwise.
+    """
+    hi = np.float32(factor)
+    lo = np.float32(factor - float(hi))
+    product = scale * hi
+    if lo != 0:
+        product = product + scale * lo
+    return product
