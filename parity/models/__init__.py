@@ -1,0 +1,301 @@
+"""Matched model pairs: a torch module, its Flax linen twin, and weight transfer both ways.
+
+>>> pair = get_model_pair("mlp", seed=0)
+>>> variables = pair.torch_to_flax()          # same weights as pair.torch_model, float32
+>>> stream = pair.make_data(seed=0, batch_size=32)
+>>> inputs, targets = stream.batch(0)
+>>> logits, _ = pair.flax_apply(variables, jnp.asarray(inputs), train=True)
+
+Models: ``mlp``, ``cnn``, ``cnn_bn`` (``cnn`` with BatchNorm after each conv), ``lstm``,
+``transformer``. Images are NHWC in the data and for Flax; ``torch_forward`` permutes to NCHW for
+convolutional torch models. Bring your own model by building a :class:`ModelPair` directly (see its
+docstring) with transfer functions from :mod:`parity.transfer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import flax.linen as flax_nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from parity.data import BatchStream
+from parity.models import cnn, lstm, mlp, transformer
+
+__all__ = [
+    "MODEL_NAMES",
+    "TASKS",
+    "ModelPair",
+    "eval_metric_jax",
+    "eval_metric_name",
+    "eval_metric_torch",
+    "get_model_pair",
+    "loss_jax",
+    "loss_torch",
+]
+
+TASKS = ("classification", "lm")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    module: ModuleType
+    task: str
+    defaults: dict[str, Any]
+    torch_channels_first: bool  # torch model takes NCHW images
+
+
+_SPECS: dict[str, _Spec] = {
+    "mlp": _Spec(mlp, "classification", mlp.DEFAULTS, False),
+    "cnn": _Spec(cnn, "classification", cnn.DEFAULTS, True),
+    "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True),
+    "lstm": _Spec(lstm, "classification", lstm.DEFAULTS, False),
+    "transformer": _Spec(transformer, "lm", transformer.DEFAULTS, False),
+}
+MODEL_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+@dataclasses.dataclass
+class ModelPair:
+    """A torch model and its Flax twin, with weight transfer, forward passes and data.
+
+    The first five fields are the public description; the rest say how to move weights and feed
+    data, so a user can build a pair for their own models::
+
+        pair = ModelPair(
+            name="mine", task="classification", torch_model=MyTorch(), flax_model=MyFlax(),
+            config={"hidden": 64},
+            to_flax=lambda m: {"params": {"fc": transfer.linear_to_flax(m.fc)}},
+            from_flax=lambda v, m: transfer.linear_from_flax(v["params"]["fc"], m.fc),
+            data=lambda seed, batch_size: synthetic_images(seed, batch_size),
+        )
+
+    Attributes:
+      name: model name.
+      task: ``"classification"`` (logits ``(B, classes)``, int labels ``(B,)``) or ``"lm"``
+        (logits ``(B, T, vocab)``, next-token targets ``(B, T)``).
+      torch_model: the torch module (float32, CPU, as initialised by torch from the seed).
+      flax_model: the Flax module; its ``__call__(inputs, train)`` returns logits. Use
+        ``flax_model.clone(dtype=..., param_dtype=...)`` (or the ``dtype``/``param_dtype`` arguments
+        of ``get_model_pair``) for a low-precision build.
+      config: architecture hyperparameters (JSON-serialisable).
+      to_flax: ``torch_module -> flax variables``.
+      from_flax: ``(flax variables, torch_module) -> None``, in place.
+      data: ``(seed, batch_size) -> BatchStream``, or None if the pair has no default data.
+      torch_channels_first: ``torch_forward`` permutes 4-D NHWC inputs to NCHW.
+    """
+
+    name: str
+    task: str
+    torch_model: torch.nn.Module
+    flax_model: flax_nn.Module
+    config: dict
+    to_flax: Callable[[torch.nn.Module], dict] = dataclasses.field(repr=False, default=None)
+    from_flax: Callable[[dict, torch.nn.Module], None] = dataclasses.field(repr=False, default=None)
+    data: Callable[[int, int], BatchStream] | None = dataclasses.field(repr=False, default=None)
+    torch_channels_first: bool = False
+
+    def __post_init__(self):
+        _check_task(self.task)
+        if self.to_flax is None or self.from_flax is None:
+            raise TypeError(
+                f"ModelPair {self.name!r}: `to_flax` and `from_flax` must be callables (weight "
+                "transfer in both directions), got None."
+            )
+
+    def torch_to_flax(self, torch_model: torch.nn.Module | None = None) -> dict:
+        """Flax variables (``{"params": ..., maybe "batch_stats": ...}``, float32 ``jnp`` arrays)
+        holding the weights of ``torch_model`` (default ``self.torch_model``)."""
+        model = self.torch_model if torch_model is None else torch_model
+        return jax.tree.map(lambda leaf: jnp.asarray(leaf, dtype=jnp.float32), self.to_flax(model))
+
+    def flax_to_torch(self, variables: dict, torch_model: torch.nn.Module | None = None) -> None:
+        """Load Flax ``variables`` (any float dtype) into ``torch_model`` (default
+        ``self.torch_model``) in place, keeping the torch parameters' dtype."""
+        if not isinstance(variables, dict) and not hasattr(variables, "keys"):
+            raise TypeError(
+                f"`variables` must be a dict like {{'params': ...}}, got {type(variables).__name__}."
+            )
+        if "params" not in variables:
+            raise ValueError(
+                f"`variables` must have a 'params' collection, got keys {sorted(variables)}."
+            )
+        self.from_flax(variables, self.torch_model if torch_model is None else torch_model)
+
+    def torch_forward(
+        self, model: torch.nn.Module, inputs: torch.Tensor, train: bool
+    ) -> torch.Tensor:
+        """Logits of the torch ``model`` (sets ``model.train(train)``). Images come NHWC; integer
+        inputs (token ids) are cast to int64."""
+        model.train(train)
+        if inputs.is_floating_point():
+            if self.torch_channels_first and inputs.dim() == 4:
+                inputs = inputs.permute(0, 3, 1, 2)
+        else:
+            inputs = inputs.long()
+        return model(inputs)
+
+    def flax_apply(self, variables: dict, inputs: jax.Array, train: bool) -> tuple[jax.Array, Any]:
+        """``(logits, new_batch_stats)``; ``new_batch_stats`` is None unless ``train`` and the
+        variables hold a ``batch_stats`` collection (which is then updated, torch-style)."""
+        if train and "batch_stats" in variables:
+            logits, updates = self.flax_model.apply(
+                variables, inputs, train=True, mutable=["batch_stats"]
+            )
+            return logits, updates["batch_stats"]
+        return self.flax_model.apply(variables, inputs, train=train), None
+
+    def make_data(self, seed: int, batch_size: int) -> BatchStream:
+        """The pair's default deterministic batches (synthetic; shapes follow ``config``)."""
+        if self.data is None:
+            raise ValueError(f"ModelPair {self.name!r} has no default data; pass a BatchStream.")
+        return self.data(seed, batch_size)
+
+    def num_params(self) -> int:
+        """Trainable parameter count of the torch model (equal to the Flax ``params`` count)."""
+        return sum(p.numel() for p in self.torch_model.parameters() if p.requires_grad)
+
+
+def _check_override(name: str, key: str, value: Any, default: Any) -> Any:
+    allowed = f"of the same kind as the default {default!r}"
+    if isinstance(default, bool):
+        ok = isinstance(value, bool | np.bool_)
+        value = bool(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
+        value = int(value) if ok else value
+        allowed = "a positive integer"
+    elif isinstance(default, tuple):
+        ok = (
+            isinstance(value, tuple | list)
+            and len(value) == len(default)
+            and all(
+                isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= 1
+                for v in value
+            )
+        )
+        value = tuple(int(v) for v in value) if ok else value
+        allowed = f"a tuple of {len(default)} positive integers"
+    else:  # pragma: no cover - all defaults are bool/int/tuple
+        ok = True
+    if not ok:
+        raise ValueError(f"get_model_pair({name!r}): `{key}` must be {allowed}, got {value!r}.")
+    return value
+
+
+def _check_task(task: Any) -> None:
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS}, got {task!r}.")
+
+
+def get_model_pair(
+    name: str,
+    *,
+    seed: int = 0,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    **overrides: Any,
+) -> ModelPair:
+    """Build the named pair; the torch model is initialised under ``torch.manual_seed(seed)``
+    (the global torch RNG state is restored afterwards).
+
+    Args:
+      name: one of ``MODEL_NAMES``.
+      seed: torch initialisation seed.
+      dtype, param_dtype: passed to the Flax module (computation / parameter dtype).
+      **overrides: architecture hyperparameters replacing the defaults (see ``pair.config``),
+        e.g. ``image_shape=(28, 28, 1)`` for Fashion-MNIST, ``d_model=128``.
+
+    Raises:
+      ValueError: unknown name, unknown override, or a value of the wrong kind.
+    """
+    if name not in _SPECS:
+        raise ValueError(f"Unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}.")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"`seed` must be a non-negative integer, got {seed!r}.")
+    spec = _SPECS[name]
+    unknown = sorted(set(overrides) - set(spec.defaults))
+    if unknown:
+        raise ValueError(
+            f"get_model_pair({name!r}): unknown override(s) {unknown}; allowed: "
+            f"{sorted(spec.defaults)}."
+        )
+    config = dict(spec.defaults)
+    for key, value in overrides.items():
+        config[key] = _check_override(name, key, value, spec.defaults[key])
+    if "image_shape" in config and spec.torch_channels_first:
+        height, width, _ = config["image_shape"]
+        if height < 4 or width < 4:
+            raise ValueError(
+                f"get_model_pair({name!r}): `image_shape` needs H and W >= 4 (two 2x2 poolings), "
+                f"got {config['image_shape']}."
+            )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        torch_model, flax_model = spec.module.build(config, dtype, param_dtype)
+    return ModelPair(
+        name=name,
+        task=spec.task,
+        torch_model=torch_model,
+        flax_model=flax_model,
+        config=config,
+        to_flax=functools.partial(spec.module.to_flax, config=config),
+        from_flax=functools.partial(spec.module.from_flax, config=config),
+        data=functools.partial(spec.module.make_data, config),
+        torch_channels_first=spec.torch_channels_first,
+    )
+
+
+# --- losses and metrics -----------------------------------------------------------------------
+
+
+def loss_torch(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in float32 (LM: over all tokens). Returns a float32 scalar."""
+    _check_task(task)
+    logits = logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()
+    )
+
+
+def loss_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy in float32 (LM: over all tokens). Returns a float32 scalar."""
+    _check_task(task)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets.astype(jnp.int32)[..., None], axis=-1)
+    return -jnp.mean(picked)
+
+
+def eval_metric_name(task: str) -> str:
+    """``"accuracy"`` (higher is better) for classification, ``"loss"`` (lower) for lm."""
+    _check_task(task)
+    return "accuracy" if task == "classification" else "loss"
+
+
+def eval_metric_torch(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Accuracy (classification) or mean cross-entropy (lm) of one batch, float32 scalar."""
+    _check_task(task)
+    if task == "classification":
+        return (logits.argmax(dim=-1) == targets.long()).float().mean()
+    return loss_torch(task, logits, targets)
+
+
+def eval_metric_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Accuracy (classification) or mean cross-entropy (lm) of one batch, float32 scalar."""
+    _check_task(task)
+    if task == "classification":
+        hits = jnp.argmax(logits, axis=-1).astype(jnp.int32) == targets.astype(jnp.int32)
+        return jnp.mean(hits.astype(jnp.float32))
+    return loss_jax(task, logits, targets)
+
+
+def _count(tree: Any) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))

@@ -1,0 +1,135 @@
+"""`cnn` / `cnn_bn`: the classic small CIFAR-10 net.
+
+conv3x3(32) [-> BatchNorm] -> ReLU -> maxpool2 -> conv3x3(64) [-> BatchNorm] -> ReLU -> maxpool2 ->
+flatten -> Linear(num_classes). Convs pad by 1, pooling floors (torch ``MaxPool2d(2)`` = Flax
+``max_pool`` with VALID padding). torch flattens C,H,W and Flax H,W,C: the transfer permutes the
+linear layer's input rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import torch
+
+from parity import transfer
+from parity.data import synthetic_images
+from parity.models.layers import TorchBatchNorm
+
+DEFAULTS: dict[str, Any] = {
+    "image_shape": (32, 32, 3),
+    "channels": (32, 64),
+    "num_classes": 10,
+    "batch_norm": False,
+}
+BN_DEFAULTS: dict[str, Any] = {**DEFAULTS, "batch_norm": True}
+_CONVS = ("conv1", "conv2")
+_NORMS = ("bn1", "bn2")
+
+
+def _feature_chw(config) -> tuple[int, int, int]:
+    height, width, _ = config["image_shape"]
+    return (config["channels"][1], height // 2 // 2, width // 2 // 2)
+
+
+class TorchCNN(torch.nn.Module):
+    """Takes NCHW images (``ModelPair.torch_forward`` permutes the NHWC data)."""
+
+    def __init__(self, image_shape, channels, num_classes: int, batch_norm: bool):
+        super().__init__()
+        in_channels = image_shape[2]
+        self.conv1 = torch.nn.Conv2d(in_channels, channels[0], 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(channels[0], channels[1], 3, padding=1)
+        self.bn1 = torch.nn.BatchNorm2d(channels[0]) if batch_norm else torch.nn.Identity()
+        self.bn2 = torch.nn.BatchNorm2d(channels[1]) if batch_norm else torch.nn.Identity()
+        self.pool = torch.nn.MaxPool2d(2)
+        c, h, w = channels[1], image_shape[0] // 4, image_shape[1] // 4
+        self.fc = torch.nn.Linear(c * h * w, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn1(self.conv1(images))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        return self.fc(x.flatten(1))
+
+
+class FlaxCNN(nn.Module):
+    """The Flax twin of ``TorchCNN`` (NHWC)."""
+
+    channels: tuple[int, int]
+    num_classes: int
+    batch_norm: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images, train: bool = False):
+        x = images
+        for conv_name, norm_name, features in zip(_CONVS, _NORMS, self.channels, strict=True):
+            x = nn.Conv(
+                features,
+                (3, 3),
+                padding=((1, 1), (1, 1)),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=conv_name,
+            )(x)
+            if self.batch_norm:
+                x = TorchBatchNorm(
+                    momentum=0.9,
+                    epsilon=1e-5,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                    name=norm_name,
+                )(x, train)
+            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2), padding="VALID")
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(
+            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="fc"
+        )(x)
+
+
+def build(config, dtype, param_dtype):
+    torch_model = TorchCNN(
+        config["image_shape"], config["channels"], config["num_classes"], config["batch_norm"]
+    )
+    flax_model = FlaxCNN(
+        tuple(config["channels"]),
+        config["num_classes"],
+        config["batch_norm"],
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+    return torch_model, flax_model
+
+
+def to_flax(model: TorchCNN, config) -> dict:
+    params = {name: transfer.conv_to_flax(getattr(model, name)) for name in _CONVS}
+    params["fc"] = transfer.linear_to_flax(model.fc, input_chw=_feature_chw(config))
+    variables = {"params": params}
+    if config["batch_norm"]:
+        variables["batch_stats"] = {}
+        for name in _NORMS:
+            params[name], variables["batch_stats"][name] = transfer.batchnorm_to_flax(
+                getattr(model, name)
+            )
+    return variables
+
+
+def from_flax(variables, model: TorchCNN, config) -> None:
+    params = variables["params"]
+    for name in _CONVS:
+        transfer.conv_from_flax(params[name], getattr(model, name))
+    transfer.linear_from_flax(params["fc"], model.fc, input_chw=_feature_chw(config))
+    if config["batch_norm"]:
+        if "batch_stats" not in variables:
+            raise ValueError("cnn_bn: `variables` has no 'batch_stats' collection.")
+        for name in _NORMS:
+            transfer.batchnorm_from_flax(
+                params[name], variables["batch_stats"][name], getattr(model, name)
+            )
+
+
+def make_data(config, seed: int, batch_size: int):
+    return synthetic_images(seed, batch_size, tuple(config["image_shape"]), config["num_classes"])

@@ -1,0 +1,55 @@
+"""Flax layers whose numerics follow torch exactly where flax.linen differs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+class TorchBatchNorm(nn.Module):
+    """BatchNorm over the last axis with torch's semantics and Flax's variable names.
+
+    Same variables as ``flax.linen.BatchNorm`` (params ``scale``/``bias``, batch_stats
+    ``mean``/``var``), but in training the running variance is updated with the *unbiased* batch
+    variance, as ``torch.nn.BatchNorm2d`` does (``flax.linen.BatchNorm`` uses the biased one).
+    Normalisation uses the biased variance in both. Statistics are computed in float32.
+
+    Attributes:
+      momentum: weight of the old running value (torch's ``1 - momentum``: 0.9 for torch's 0.1).
+      epsilon: torch's ``eps``.
+    """
+
+    momentum: float = 0.9
+    epsilon: float = 1e-5
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        features = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (features,), jnp.float32)
+        ra_var = self.variable("batch_stats", "var", jnp.ones, (features,), jnp.float32)
+        axes = tuple(range(x.ndim - 1))
+        x32 = x.astype(jnp.float32)
+        if train:
+            mean = jnp.mean(x32, axis=axes)
+            var = jnp.mean(jnp.square(x32 - mean), axis=axes)
+            if not self.is_initializing():
+                count = 1
+                for axis in axes:
+                    count *= x.shape[axis]
+                unbiased = var * jnp.float32(count / max(count - 1, 1))
+                momentum = jnp.float32(self.momentum)
+                ra_mean.value = momentum * ra_mean.value + (1 - momentum) * mean
+                ra_var.value = momentum * ra_var.value + (1 - momentum) * unbiased
+        else:
+            mean, var = ra_mean.value, ra_var.value
+        y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + jnp.float32(self.epsilon)))
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(self.dtype if self.dtype is not None else x.dtype)

@@ -1,0 +1,92 @@
+"""`lstm`: a sentiment-style classifier over token ids.
+
+Embedding -> one-layer LSTM (zero initial state) -> last time step's hidden state -> Linear.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import torch
+
+from parity import transfer
+from parity.data import synthetic_tokens
+
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "embed_dim": 32,
+    "hidden": 64,
+    "seq_len": 32,
+    "num_classes": 2,
+}
+
+
+class TorchLSTMClassifier(torch.nn.Module):
+    """Takes ``(B, T)`` integer token ids."""
+
+    def __init__(self, vocab_size: int, embed_dim: int, hidden: int, num_classes: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, embed_dim)
+        self.lstm = torch.nn.LSTM(embed_dim, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outputs, _ = self.lstm(self.embed(tokens))
+        return self.head(outputs[:, -1])
+
+
+class FlaxLSTMClassifier(nn.Module):
+    """The Flax twin of ``TorchLSTMClassifier`` (``nn.RNN`` over an ``OptimizedLSTMCell``)."""
+
+    vocab_size: int
+    embed_dim: int
+    hidden: int
+    num_classes: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        x = nn.Embed(self.vocab_size, self.embed_dim, name="embed", **kwargs)(tokens)
+        # parent=None: the cell belongs to the RNN (params under "lstm/cell"), not to this module.
+        cell = nn.OptimizedLSTMCell(self.hidden, parent=None, **kwargs)
+        outputs = nn.RNN(cell, name="lstm")(x)
+        return nn.Dense(self.num_classes, name="head", **kwargs)(outputs[:, -1])
+
+
+def build(config, dtype, param_dtype):
+    args = (config["vocab_size"], config["embed_dim"], config["hidden"], config["num_classes"])
+    return TorchLSTMClassifier(*args), FlaxLSTMClassifier(
+        *args, dtype=dtype, param_dtype=param_dtype
+    )
+
+
+def to_flax(model: TorchLSTMClassifier, config) -> dict:
+    return {
+        "params": {
+            "embed": transfer.embedding_to_flax(model.embed),
+            "lstm": {"cell": transfer.lstm_to_flax(model.lstm)},
+            "head": transfer.linear_to_flax(model.head),
+        }
+    }
+
+
+def from_flax(variables, model: TorchLSTMClassifier, config) -> None:
+    params = variables["params"]
+    transfer.embedding_from_flax(params["embed"], model.embed)
+    transfer.lstm_from_flax(params["lstm"]["cell"], model.lstm)
+    transfer.linear_from_flax(params["head"], model.head)
+
+
+def make_data(config, seed: int, batch_size: int):
+    return synthetic_tokens(
+        seed,
+        batch_size,
+        config["seq_len"],
+        config["vocab_size"],
+        task="classification",
+        num_classes=config["num_classes"],
+    )

@@ -1,0 +1,172 @@
+"""`transformer`: a small decoder-only language model.
+
+Token + learned position embeddings -> ``num_layers`` pre-LayerNorm blocks
+(``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` with causal multi-head attention and an exact-erf GELU
+MLP) -> final LayerNorm -> linear head (not tied). LayerNorm eps is torch's 1e-5 on both sides.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import torch
+
+from parity import transfer
+from parity.data import synthetic_tokens
+
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "seq_len": 64,
+    "d_model": 64,
+    "num_heads": 4,
+    "num_layers": 2,
+    "mlp_ratio": 4,
+}
+LN_EPS = 1e-5
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(d_model, eps=LN_EPS)
+        self.attn = torch.nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(d_model, eps=LN_EPS)
+        self.fc1 = torch.nn.Linear(d_model, mlp_ratio * d_model)
+        self.fc2 = torch.nn.Linear(mlp_ratio * d_model, d_model)
+
+    def forward(self, x: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        h, _ = self.attn(h, h, h, attn_mask=causal_mask, need_weights=False, is_causal=True)
+        x = x + h
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class TorchTransformerLM(torch.nn.Module):
+    """Takes ``(B, T)`` token ids, ``T <= seq_len``; returns ``(B, T, vocab)`` logits."""
+
+    def __init__(self, vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio):
+        super().__init__()
+        self.tok_embed = torch.nn.Embedding(vocab_size, d_model)
+        self.pos_embed = torch.nn.Embedding(seq_len, d_model)
+        self.blocks = torch.nn.ModuleList(
+            [TorchBlock(d_model, num_heads, mlp_ratio) for _ in range(num_layers)]
+        )
+        self.ln_f = torch.nn.LayerNorm(d_model, eps=LN_EPS)
+        self.head = torch.nn.Linear(d_model, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        positions = torch.arange(length, device=tokens.device)
+        x = self.tok_embed(tokens) + self.pos_embed(positions)[None]
+        # True = not allowed to attend (future positions).
+        causal_mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
+        for block in self.blocks:
+            x = block(x, causal_mask)
+        return self.head(self.ln_f(x))
+
+
+class FlaxBlock(nn.Module):
+    d_model: int
+    num_heads: int
+    mlp_ratio: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, mask):
+        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        norm = functools.partial(nn.LayerNorm, epsilon=LN_EPS, use_fast_variance=False, **kwargs)
+        h = norm(name="ln1")(x)
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            qkv_features=self.d_model,
+            out_features=self.d_model,
+            deterministic=True,
+            name="attn",
+            **kwargs,
+        )(h, h, mask=mask)
+        x = x + h
+        h = nn.Dense(self.mlp_ratio * self.d_model, name="fc1", **kwargs)(norm(name="ln2")(x))
+        return x + nn.Dense(self.d_model, name="fc2", **kwargs)(nn.gelu(h, approximate=False))
+
+
+class FlaxTransformerLM(nn.Module):
+    """The Flax twin of ``TorchTransformerLM``."""
+
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    mlp_ratio: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        length = tokens.shape[1]
+        x = nn.Embed(self.vocab_size, self.d_model, name="tok_embed", **kwargs)(tokens)
+        x = (
+            x
+            + nn.Embed(self.seq_len, self.d_model, name="pos_embed", **kwargs)(
+                jnp.arange(length, dtype=jnp.int32)
+            )[None]
+        )
+        mask = nn.make_causal_mask(jnp.ones((1, length), dtype=jnp.int32), dtype=jnp.bool_)
+        for index in range(self.num_layers):
+            x = FlaxBlock(
+                self.d_model, self.num_heads, self.mlp_ratio, name=f"blocks_{index}", **kwargs
+            )(x, mask)
+        x = nn.LayerNorm(epsilon=LN_EPS, use_fast_variance=False, name="ln_f", **kwargs)(x)
+        return nn.Dense(self.vocab_size, name="head", **kwargs)(x)
+
+
+def build(config, dtype, param_dtype):
+    keys = ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "mlp_ratio")
+    args = tuple(config[key] for key in keys)
+    if config["d_model"] % config["num_heads"]:
+        raise ValueError(
+            f"`d_model` ({config['d_model']}) must be divisible by `num_heads` ({config['num_heads']})."
+        )
+    return TorchTransformerLM(*args), FlaxTransformerLM(*args, dtype=dtype, param_dtype=param_dtype)
+
+
+def to_flax(model: TorchTransformerLM, config) -> dict:
+    params = {
+        "tok_embed": transfer.embedding_to_flax(model.tok_embed),
+        "pos_embed": transfer.embedding_to_flax(model.pos_embed),
+        "ln_f": transfer.layernorm_to_flax(model.ln_f),
+        "head": transfer.linear_to_flax(model.head),
+    }
+    for index, block in enumerate(model.blocks):
+        params[f"blocks_{index}"] = {
+            "ln1": transfer.layernorm_to_flax(block.ln1),
+            "attn": transfer.attention_to_flax(block.attn),
+            "ln2": transfer.layernorm_to_flax(block.ln2),
+            "fc1": transfer.linear_to_flax(block.fc1),
+            "fc2": transfer.linear_to_flax(block.fc2),
+        }
+    return {"params": params}
+
+
+def from_flax(variables, model: TorchTransformerLM, config) -> None:
+    params = variables["params"]
+    transfer.embedding_from_flax(params["tok_embed"], model.tok_embed)
+    transfer.embedding_from_flax(params["pos_embed"], model.pos_embed)
+    transfer.layernorm_from_flax(params["ln_f"], model.ln_f)
+    transfer.linear_from_flax(params["head"], model.head)
+    for index, block in enumerate(model.blocks):
+        sub = params[f"blocks_{index}"]
+        transfer.layernorm_from_flax(sub["ln1"], block.ln1)
+        transfer.attention_from_flax(sub["attn"], block.attn)
+        transfer.layernorm_from_flax(sub["ln2"], block.ln2)
+        transfer.linear_from_flax(sub["fc1"], block.fc1)
+        transfer.linear_from_flax(sub["fc2"], block.fc2)
+
+
+def make_data(config, seed: int, batch_size: int):
+    return synthetic_tokens(seed, batch_size, config["seq_len"], config["vocab_size"], task="lm")
