@@ -1,5 +1,11 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast."""
 
+from jaxamp.autocast import AUTOCAST_CATEGORIES as AUTOCAST_CATEGORIES
+from jaxamp.autocast import DtypeRecord as DtypeRecord
+from jaxamp.autocast import autocast as autocast
+from jaxamp.autocast import autocast_rules as autocast_rules
+from jaxamp.autocast import autocast_trace as autocast_trace
+from jaxamp.autocast import full_precision as full_precision
 from jaxamp.grad import value_and_grad as value_and_grad
 from jaxamp.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxamp.loss_scale import LossScale as LossScale
@@ -21,6 +27,12 @@ from jaxamp.policy import get_policy as get_policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AUTOCAST_CATEGORIES",
+    "DtypeRecord",
+    "autocast",
+    "autocast_rules",
+    "autocast_trace",
+    "full_precision",
     "AmpInfo",
     "DynamicLossScale",
     "LossScale",

@@ -223,6 +223,19 @@ PRIMITIVE_COUNTERPARTS: Mapping[str, tuple[str, ...]] = {
 # match wins), and for ops on no list the results come back in the dtype of the first floating
 # input, as torch's kernel returns them.
 FUNCTION_COUNTERPARTS: Mapping[str, tuple[str, ...]] = {
+    "linear": (
+        "flax.linen:Dense.__call__",
+        "flax.linen:DenseGeneral.__call__",
+        "flax.nnx:Linear.__call__",
+        "flax.nnx:LinearGeneral.__call__",
+    ),
+    "conv2d": (
+        "flax.linen:Conv.__call__",
+        "flax.linen:ConvTranspose.__call__",
+        "flax.nnx:Conv.__call__",
+        "flax.nnx:ConvTranspose.__call__",
+    ),
+    "einsum": ("flax.linen:Einsum.__call__", "flax.nnx:Einsum.__call__"),
     "layer_norm": ("flax.linen:LayerNorm.__call__", "flax.nnx:LayerNorm.__call__"),
     "rms_norm": ("flax.linen:RMSNorm.__call__", "flax.nnx:RMSNorm.__call__"),
     "group_norm": ("flax.linen:GroupNorm.__call__", "flax.nnx:GroupNorm.__call__"),

@@ -49,7 +49,7 @@ _F32 = jnp.dtype(jnp.float32)
 _FP32_CATEGORIES = frozenset({"fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "banned"})
 # torch ops that torch itself decomposes (no kernel of their own): their JAX counterparts are left
 # to the primitive rules unless the op is on a list.
-_COMPOSITE_IN_TORCH = frozenset({"cross_entropy_loss", "mean", "var", "std"})
+_COMPOSITE_IN_TORCH = frozenset({"cross_entropy_loss", "einsum"})
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 # Warn once per unknown higher-order primitive and process (a warning, not state the math reads).
