@@ -1,0 +1,439 @@
+"""Policies: preset names, jmp's grammar, "auto", jmp interop and float-only casting (FAULTS 19)."""
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxamp
+from jaxamp.policy import PRESETS, Policy, auto_policy_name, cast_floating, get_policy
+
+F16 = np.dtype(jnp.float16)
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(jnp.float32)
+F64 = np.dtype(jnp.float64)
+
+# DESIGN.md's preset names and aliases, plus the extra aliases the source documents.
+EXPECTED_PRESETS = {
+    # name: (param, compute, output)
+    "fp32": (F32, F32, F32),
+    "32-true": (F32, F32, F32),
+    "no": (F32, F32, F32),
+    "32": (F32, F32, F32),
+    "float32": (F32, F32, F32),
+    "bf16-mixed": (F32, BF16, F32),
+    "mixed_bfloat16": (F32, BF16, F32),
+    "bf16": (F32, BF16, F32),
+    "fp16-mixed": (F32, F16, F32),
+    "16-mixed": (F32, F16, F32),
+    "mixed_float16": (F32, F16, F32),
+    "fp16": (F32, F16, F32),
+    "16": (F32, F16, F32),
+    "bf16-true": (BF16, BF16, BF16),
+    "fp16-true": (F16, F16, F16),
+    "16-true": (F16, F16, F16),
+}
+
+# jmp's grammar: unspecified params are f32, compute follows params, output follows compute.
+GRAMMAR = {
+    "p=f32,c=bf16,o=f32": (F32, BF16, F32),
+    "params=float32,compute=bfloat16,output=float32": (F32, BF16, F32),
+    "p=f32,c=f16,o=f32": (F32, F16, F32),
+    "c=f16": (F32, F16, F16),
+    "c=bf16": (F32, BF16, BF16),
+    "p=f16": (F16, F16, F16),
+    "p=bf16": (BF16, BF16, BF16),
+    "p=f32,c=bf16": (F32, BF16, BF16),
+    "p=f16,c=bf16": (F16, BF16, BF16),
+    "o=f16": (F32, F32, F16),
+    "p=bf16,o=f32": (BF16, BF16, F32),
+    "o=f32,c=bf16,p=f32": (F32, BF16, F32),
+    "p=full,c=half,o=full": (F32, F16, F32),  # "half" is float16 off TPU
+    "compute=float16": (F32, F16, F16),
+    "p=f32,c=f32,o=f32": (F32, F32, F32),
+    "f32": (F32, F32, F32),
+    "full": (F32, F32, F32),
+    "half": (F16, F16, F16),
+    "f16": (F16, F16, F16),
+    "float16": (F16, F16, F16),
+    "bfloat16": (BF16, BF16, BF16),
+    "f64": (F64, F64, F64),
+}
+
+# Strings jmp itself parses (no spaces, lower case, no aliases that jaxamp gives another meaning).
+JMP_COMPATIBLE = [s for s in GRAMMAR if s not in ("float32",)]
+
+
+def dtypes(policy):
+    return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
+def test_preset_names_and_aliases(name):
+    policy = get_policy(name)
+    assert isinstance(policy, Policy)
+    assert dtypes(policy) == EXPECTED_PRESETS[name]
+    assert all(isinstance(d, np.dtype) for d in dtypes(policy))
+
+
+def test_presets_table_is_covered():
+    assert set(PRESETS) <= set(EXPECTED_PRESETS)
+    for name, triple in PRESETS.items():
+        assert triple == EXPECTED_PRESETS[name]
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in EXPECTED_PRESETS if "mixed" in n or n in ("bf16", "fp16")]
+)
+def test_mixed_presets_keep_params_and_outputs_float32(name):
+    policy = get_policy(name)
+    assert policy.param_dtype == F32 and policy.output_dtype == F32
+    assert policy.compute_dtype in (F16, BF16)
+    assert policy.is_mixed
+
+
+@pytest.mark.parametrize("spec", sorted(GRAMMAR))
+def test_jmp_grammar(spec):
+    assert dtypes(get_policy(spec)) == GRAMMAR[spec]
+
+
+@pytest.mark.parametrize("spec", JMP_COMPATIBLE)
+def test_grammar_agrees_with_jmp(spec):
+    theirs = jmp.get_policy(spec)
+    ours = get_policy(spec)
+    assert dtypes(ours) == tuple(
+        np.dtype(d) for d in (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (" P = F32 , C = BF16 , O = F32 ", (F32, BF16, F32)),
+        ("Params=Float32,Compute=BFloat16", (F32, BF16, BF16)),
+        ("\tBF16-Mixed\n", (F32, BF16, F32)),
+        ("FP16-MIXED", (F32, F16, F32)),
+        ("Mixed_Float16", (F32, F16, F32)),
+        ("16 - true", (F16, F16, F16)),
+        ("  no  ", (F32, F32, F32)),
+    ],
+)
+def test_spaces_and_case_are_ignored(spec, expected):
+    assert dtypes(get_policy(spec)) == expected
+
+
+ALL_SPECS = sorted(EXPECTED_PRESETS) + sorted(GRAMMAR) + ["auto"]
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_str_round_trips(spec):
+    policy = get_policy(spec)
+    text = str(policy)
+    assert text.startswith("p=") and ",c=" in text and ",o=" in text
+    again = get_policy(text)
+    assert again == policy
+    assert str(again) == text
+    assert repr(policy) == f"Policy({text!r})"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 3))
+def test_str_round_trips_any_triple(triple):
+    policy = Policy(*triple)
+    assert get_policy(str(policy)) == policy
+    assert dtypes(get_policy(str(policy))) == triple
+
+
+def test_str_examples():
+    assert str(get_policy("bf16-mixed")) == "p=f32,c=bf16,o=f32"
+    assert str(get_policy("fp16-true")) == "p=f16,c=f16,o=f16"
+    assert str(get_policy("fp32")) == "p=f32,c=f32,o=f32"
+
+
+@pytest.mark.parametrize(
+    "platform, capability, expected",
+    [
+        ("tpu", None, "bf16-mixed"),
+        ("TPU", None, "bf16-mixed"),
+        ("gpu", "7.0", "fp16-mixed"),
+        ("gpu", "7.5", "fp16-mixed"),
+        ("gpu", "8.0", "bf16-mixed"),
+        ("gpu", "8.6", "bf16-mixed"),
+        ("gpu", "9.0", "bf16-mixed"),
+        ("cuda", "9.0", "bf16-mixed"),
+        ("cuda", "7.0", "fp16-mixed"),
+        ("gpu", None, "fp16-mixed"),  # unknown capability: the safe choice for older GPUs
+        ("rocm", None, "bf16-mixed"),
+        ("cpu", None, "fp32"),
+        ("cpu", "9.0", "fp32"),
+    ],
+)
+def test_auto_policy_name(platform, capability, expected):
+    name = auto_policy_name(platform, capability)
+    assert name == expected
+    assert name in PRESETS
+
+
+def test_auto_resolves_on_this_backend():
+    assert jax.devices()[0].platform == "cpu"
+    assert auto_policy_name() == "fp32"
+    assert get_policy("auto") == get_policy("fp32")
+    assert get_policy(" AUTO ") == get_policy("fp32")
+
+
+def test_jmp_policy_accepted_and_ours_is_a_jmp_policy():
+    theirs = jmp.Policy(
+        param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, output_dtype=jnp.float32
+    )
+    ours = get_policy(theirs)
+    assert type(ours) is Policy
+    assert dtypes(ours) == (F32, BF16, F32)
+    assert isinstance(ours, jmp.Policy)
+    assert isinstance(get_policy("fp16-mixed"), jmp.Policy)
+    assert get_policy(jmp.get_policy("p=f32,c=f16")) == get_policy("p=f32,c=f16,o=f16")
+    # A Policy is returned as is.
+    policy = get_policy("bf16-true")
+    assert get_policy(policy) is policy
+
+
+def test_policy_methods_match_jmp():
+    ours = get_policy("p=f32,c=bf16,o=f16")
+    theirs = jmp.get_policy("p=f32,c=bf16,o=f16")
+    x = {"w": jnp.ones((2, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float16)}
+    for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+        a, b = getattr(ours, method)(x), getattr(theirs, method)(x)
+        assert jax.tree.map(lambda u: u.dtype, a) == jax.tree.map(lambda u: u.dtype, b)
+    other = ours.with_output_dtype(jnp.float32)
+    assert isinstance(other, Policy)
+    assert dtypes(other) == (F32, BF16, F32)
+    assert dtypes(ours) == (F32, BF16, F16)  # frozen: the original is unchanged
+
+
+def test_policy_constructor_validates_dtypes():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        Policy(jnp.float32, jnp.int32, jnp.float32)
+    with pytest.raises(TypeError, match="output_dtype"):
+        Policy(jnp.float32, jnp.float32, "not-a-dtype")
+    with pytest.raises(ValueError, match="param_dtype"):
+        Policy(jnp.bool_, jnp.float32, jnp.float32)
+
+
+def test_policy_properties():
+    assert get_policy("fp16-mixed").needs_loss_scaling
+    assert get_policy("fp16-true").needs_loss_scaling
+    assert not get_policy("bf16-mixed").needs_loss_scaling
+    assert not get_policy("fp32").is_mixed
+    assert not get_policy("bf16-true").is_mixed
+
+
+# --- casting (FAULTS 19) --------------------------------------------------------------------
+
+
+def _array_tree():
+    return {
+        "f32": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3),
+        "f16": jnp.ones((3,), jnp.float16),
+        "bf16": jnp.full((2,), 0.5, jnp.bfloat16),
+        "scalar": jnp.float32(3.25),
+        "int32": jnp.arange(4, dtype=jnp.int32),
+        "uint8": jnp.arange(3, dtype=jnp.uint8),
+        "bool": jnp.array([True, False]),
+        "key": jax.random.key(0),
+        "legacy_key": jax.random.PRNGKey(1),
+    }
+
+
+FLOAT_NAMES = ("f32", "f16", "bf16", "scalar")
+
+
+def _check_cast(out, tree, target):
+    for name in FLOAT_NAMES:
+        assert out[name].dtype == target, name
+        np.testing.assert_array_equal(
+            np.asarray(out[name], np.float32), np.asarray(tree[name].astype(target), np.float32)
+        )
+    for name in ("int32", "uint8", "bool", "legacy_key"):
+        assert out[name].dtype == tree[name].dtype, name
+        np.testing.assert_array_equal(out[name], tree[name])
+    assert out["legacy_key"].dtype == jnp.uint32
+    assert jnp.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(tree["key"]))
+
+
+@pytest.mark.parametrize("method", ["cast_to_param", "cast_to_compute", "cast_to_output"])
+def test_cast_touches_floating_leaves_only(method, float_dtype, maybe_jit):
+    policy = Policy(float_dtype, float_dtype, float_dtype)
+    tree = _array_tree()
+    python_leaf_types = []
+
+    def cast(t):
+        # Python numbers are closed over (as jit arguments they would become arrays).
+        out = getattr(policy, method)({**t, "py_float": 1.5, "py_int": 3, "none": None})
+        python_leaf_types.append((type(out["py_float"]), type(out["py_int"]), out["none"]))
+        return {k: out[k] for k in t}
+
+    out = maybe_jit(cast)(tree)
+    _check_cast(out, tree, float_dtype)
+    assert python_leaf_types[-1] == (float, int, None)
+
+
+def test_cast_floating_numpy_and_identity(float_dtype):
+    tree = {
+        "np64": np.linspace(0, 1, 4),
+        "np_int": np.arange(3),
+        "np_bool": np.array([True]),
+        "py": 2.5,
+    }
+    out = cast_floating(tree, float_dtype)
+    assert out["np64"].dtype == float_dtype
+    assert out["np_int"] is tree["np_int"]
+    assert out["np_bool"] is tree["np_bool"]
+    assert out["py"] == 2.5 and type(out["py"]) is float
+    same = jnp.ones(2, float_dtype)
+    assert cast_floating(same, float_dtype) is same
+
+
+def test_cast_under_jit_does_not_recast_keys():
+    policy = get_policy("bf16-true")
+
+    @jax.jit
+    def split_after_cast(tree):
+        tree = policy.cast_to_compute(tree)
+        return jax.random.split(tree["key"]), jax.random.split(tree["legacy"]), tree["x"]
+
+    keys, legacy, x = split_after_cast(
+        {"key": jax.random.key(3), "legacy": jax.random.PRNGKey(3), "x": jnp.ones(2)}
+    )
+    assert x.dtype == jnp.bfloat16
+    assert legacy.dtype == jnp.uint32 and legacy.shape == (2, 2)
+    assert keys.shape == (2,)
+
+
+# --- malformed specs (FAULTS 19) ------------------------------------------------------------
+
+BAD_SPECS = [
+    "",
+    "   ",
+    "fp8",
+    "bf16-mixedx",
+    "p=",
+    "=f32",
+    "p=f32,",
+    ",p=f32",
+    "p=f32,,c=f16",
+    "p=f32,p=f16",
+    "x=f32",
+    "p=f32=c",
+    "p==f32",
+    "p=f32;c=f16",
+    "p=int32",
+    "mixed",
+    "p:f32",
+    "c=bf16,compute=f16",
+]
+
+
+def _assert_lists_valid_forms(message):
+    assert "Valid specs" in message
+    for form in ("bf16-mixed", "fp16-mixed", "p=<dtype>", "auto"):
+        assert form in message
+
+
+@pytest.mark.parametrize("spec", BAD_SPECS)
+def test_malformed_specs_raise_value_error_listing_valid_forms(spec):
+    with pytest.raises(ValueError) as info:
+        get_policy(spec)
+    _assert_lists_valid_forms(str(info.value))
+    assert repr(spec) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "spec", [None, 3, 1.5, b"fp32", ["fp32"], {"p": "f32"}, jnp.float32, np.dtype("float32")]
+)
+def test_non_string_raises_type_error_naming_parameter(spec):
+    with pytest.raises(TypeError, match=r"spec"):
+        get_policy(spec)
+
+
+FRAGMENTS = [
+    "p",
+    "c",
+    "o",
+    "params",
+    "compute",
+    "output",
+    "p=",
+    "c=",
+    "o=",
+    "=",
+    ",",
+    "bf16",
+    "f16",
+    "f32",
+    "float32",
+    "bfloat16",
+    "half",
+    "full",
+    "fp16",
+    "-mixed",
+    "-true",
+    "16",
+    "32",
+    "auto",
+    "no",
+    " ",
+    "P",
+    "BF16",
+    "x",
+    "==",
+    ",,",
+    "\t",
+    "é",
+]
+
+
+def _parse_or_value_error(spec):
+    try:
+        policy = get_policy(spec)
+    except ValueError as e:
+        _assert_lists_valid_forms(str(e))
+        return None
+    assert isinstance(policy, Policy)
+    assert get_policy(str(policy)) == policy
+    return policy
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=40))
+def test_fuzz_arbitrary_text(spec):
+    _parse_or_value_error(spec)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
+def test_fuzz_grammar_fragments(spec):
+    _parse_or_value_error(spec)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.floats(),
+        st.binary(max_size=8),
+        st.lists(st.text(max_size=4), max_size=3),
+    )
+)
+def test_fuzz_non_strings(spec):
+    with pytest.raises(TypeError, match="spec"):
+        get_policy(spec)
+
+
+def test_public_names():
+    assert jaxamp.Policy is Policy
+    assert jaxamp.get_policy is get_policy
+    assert jaxamp.cast_floating is cast_floating
