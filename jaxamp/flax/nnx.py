@@ -1,0 +1,256 @@
+"""Per-module mixed precision for unmodified NNX models.
+
+`apply_policy(model, policy, rules)` resolves every submodule's effective policy once, from the
+module tree (see `jaxamp.flax._rules` for the precedence; paths are "/"-joined attribute names
+and indices, e.g. ``"blocks/0/attn"``), and then, in place:
+
+* casts every `nnx.Param` to its module's param dtype (NNX creates params eagerly, so they are
+  cast after construction);
+* makes each module's ``__call__`` cast floating arguments to its compute dtype, read its params
+  in its compute dtype (restored afterwards: the stored params keep the param dtype, and the
+  casts are differentiable, so float32 params get float32 gradients), and cast floating outputs
+  to its output dtype (the parent's compute dtype for inner modules, the global output dtype for
+  the root);
+* gives `nnx.MultiHeadAttention` modules that use Flax's default attention function a float32
+  softmax (``float32_softmax=True``).
+
+The call hook is installed by giving each instance a subclass of its own class (same name,
+``isinstance`` unchanged), so it survives `nnx.split`/`nnx.merge`, `nnx.jit` and `nnx.grad`.
+Only ``__call__`` is hooked; params read by other methods (e.g. `nnx.Embed.attend`) are cast
+when an enclosing module's ``__call__`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxamp.flax import _rules
+from jaxamp.flax._attention import float32_softmax_attention
+from jaxamp.policy import Policy, cast_floating
+
+__all__ = [
+    "DEFAULT_RULES",
+    "apply_policy",
+    "module_policies",
+    "remove_policy",
+]
+
+_F32 = np.dtype(jnp.float32)
+_POLICY_ATTR = "_jaxamp_policy"
+
+#: Normalisation layers compute in float32 by default (torch on CUDA does the same).
+DEFAULT_RULES = {
+    nnx.BatchNorm: _rules.float32_compute,
+    nnx.LayerNorm: _rules.float32_compute,
+    nnx.RMSNorm: _rules.float32_compute,
+    nnx.GroupNorm: _rules.float32_compute,
+    nnx.InstanceNorm: _rules.float32_compute,
+}
+
+_local = threading.local()
+
+
+def _swapped() -> dict[int, tuple[nnx.Param, Any]]:
+    if not hasattr(_local, "swapped"):
+        _local.swapped = {}
+    return _local.swapped
+
+
+def _direct_params(module: nnx.Module) -> Iterator[nnx.Param]:
+    for value in vars(module).values():
+        if isinstance(value, nnx.Param):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, nnx.Param))
+        elif isinstance(value, dict):
+            yield from (v for v in value.values() if isinstance(v, nnx.Param))
+
+
+def _cast_subtree_params(module: nnx.Module) -> list[int]:
+    """Casts the params under `module` to their owners' compute dtypes; returns what it did."""
+    swapped = _swapped()
+    done = []
+    for _, sub in nnx.iter_modules(module):
+        policy = getattr(sub, _POLICY_ATTR, None)
+        if policy is None:
+            continue
+        for param in _direct_params(sub):
+            if id(param) in swapped:
+                continue
+            original = param.get_value()
+            swapped[id(param)] = (param, original)
+            done.append(id(param))
+            param.set_value(cast_floating(original, policy.compute_dtype))
+    return done
+
+
+def _restore(ids: list[int]) -> None:
+    swapped = _swapped()
+    for key in ids:
+        param, original = swapped.pop(key)
+        param.set_value(original)
+
+
+def _amp_call(self, *args, **kwargs):
+    policy: Policy = getattr(self, _POLICY_ATTR)
+    base_call = type(self).__jaxamp_base__.__call__
+    casted = _cast_subtree_params(self)
+    try:
+        args, kwargs = cast_floating((args, kwargs), policy.compute_dtype)
+        out = base_call(self, *args, **kwargs)
+    finally:
+        _restore(casted)
+    return cast_floating(out, policy.output_dtype)
+
+
+@functools.cache
+def _amp_class(cls: type) -> type:
+    if getattr(cls, "__jaxamp_base__", None) is not None:
+        return cls
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": functools.wraps(cls.__call__)(_amp_call),
+            "__jaxamp_base__": cls,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        },
+    )
+
+
+def _base_class(module: Any) -> type:
+    return getattr(type(module), "__jaxamp_base__", None) or type(module)
+
+
+def _ordered_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    seen, out = set(), []
+    for path, module in nnx.iter_modules(model):
+        if id(module) in seen:  # a shared module takes the policy of its first path
+            continue
+        seen.add(id(module))
+        out.append((tuple(path), module))
+    out.sort(key=lambda item: len(item[0]))
+    return out
+
+
+class _Resolved:
+    """Effective policies and the rules that produced them, by module path."""
+
+    def __init__(self):
+        self.policies: dict[tuple, Policy] = {}
+        self.sources: dict[tuple, str] = {}
+
+
+def _resolve_tree(
+    model: nnx.Module, policy: Policy, rules: _rules.Rules, defaults: bool
+) -> tuple[list[tuple[tuple, nnx.Module]], _Resolved]:
+    user_rules = _rules.normalize_rules(rules)
+    default_rules = _rules.normalize_rules(DEFAULT_RULES) if defaults else ()
+    modules = _ordered_modules(model)
+    resolved = _Resolved()
+    for path, module in modules:
+        # Match against the user's class, not the hook subclass.
+        rule = _rules.match(
+            user_rules, default_rules, module, _rules.path_string(path), _base_class(module)
+        )
+        if not path:
+            effective = _rules.root_rule_policy(rule, policy)
+        else:
+            parent = resolved.policies[_parent_path(path, resolved.policies)]
+            effective = _rules.resolve(rule, parent, parent.compute_dtype, is_root=False)
+        resolved.policies[path] = effective
+        resolved.sources[path] = _rules.describe_rule(rule, rule in default_rules)
+    return modules, resolved
+
+
+def _parent_path(path: tuple, known: dict[tuple, Any]) -> tuple:
+    for cut in range(len(path) - 1, -1, -1):
+        if path[:cut] in known:
+            return path[:cut]
+    return ()
+
+
+def apply_policy(
+    model: nnx.Module,
+    policy: Any,
+    rules: _rules.Rules = None,
+    *,
+    defaults: bool = True,
+    float32_softmax: bool = True,
+) -> nnx.Module:
+    """Turns on per-module mixed precision for an NNX model, in place.
+
+    Call it outside of transforms (before `nnx.jit`, `nnx.Optimizer`). Calling it again
+    replaces the previous policies.
+
+    Args:
+      model: the NNX module (its submodules are found with `nnx.iter_modules`).
+      policy: the global policy (anything `jaxamp.get_policy` accepts), used by the root.
+      rules: per-module rules ``{matcher: policy or override(...)}``: matchers are module
+        classes, path globs (``"blocks/*/mlp"``), compiled regexes or predicates
+        ``(module, path) -> bool``. See `jaxamp.flax` for precedence.
+      defaults: apply `DEFAULT_RULES` (normalisation layers in float32) below user rules.
+      float32_softmax: give `nnx.MultiHeadAttention` modules that use Flax's default
+        `attention_fn` a float32 softmax (matmuls stay in the compute dtype).
+
+    Returns:
+      `model` itself (modified in place).
+
+    Raises:
+      TypeError: `model` is not an `nnx.Module`, or a rule is malformed.
+
+    Examples:
+      >>> model = MyModel(rngs=nnx.Rngs(0))
+      >>> jf.nnx.apply_policy(model, "bf16-mixed", {"head": "fp32"})
+      >>> logits = model(x)                 # bf16 compute, f32 head, f32 output
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"apply_policy(model=...) takes an nnx.Module; got {type(model).__name__}.")
+    policy = _rules.check_policy(policy)
+    modules, resolved = _resolve_tree(model, policy, rules, defaults)
+    for path, module in modules:
+        effective = resolved.policies[path]
+        for param in _direct_params(module):
+            param.set_value(cast_floating(param.get_value(), effective.param_dtype))
+        setattr(module, _POLICY_ATTR, effective)
+        if (
+            float32_softmax
+            and isinstance(module, nnx.MultiHeadAttention)
+            and module.attention_fn is nnx.dot_product_attention
+            and effective.compute_dtype != _F32
+        ):
+            module.attention_fn = float32_softmax_attention
+        module.__class__ = _amp_class(type(module))
+    return model
+
+
+def remove_policy(model: nnx.Module) -> nnx.Module:
+    """Removes the call hooks `apply_policy` installed (params keep their current dtypes)."""
+    for _, module in _ordered_modules(model):
+        base = getattr(type(module), "__jaxamp_base__", None)
+        if base is not None:
+            module.__class__ = base
+        if _POLICY_ATTR in vars(module):
+            delattr(module, _POLICY_ATTR)
+        if getattr(module, "attention_fn", None) is float32_softmax_attention:
+            module.attention_fn = nnx.dot_product_attention
+    return model
+
+
+def module_policies(model: nnx.Module) -> dict[str, Policy]:
+    """The effective policy of every module `apply_policy` configured, keyed by path."""
+    out = {}
+    for path, module in _ordered_modules(model):
+        policy = vars(module).get(_POLICY_ATTR)
+        if policy is not None:
+            out[_rules.path_string(path)] = policy
+    return out
