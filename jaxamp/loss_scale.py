@@ -60,7 +60,13 @@ def all_finite(tree: Any, axis_name: str | tuple[str, ...] | None = None) -> jax
       axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
         is then true only if the leaves are finite on every replica.
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x)]
+    # numpy float scalars and Python floats count too: under jit they arrive as float arrays, so
+    # ignoring them eagerly would make the eager and jitted answers differ.
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if _is_float_array(x) or isinstance(x, (float, np.floating))
+    ]
     if not leaves:
         finite = jnp.array(True)
     else:
@@ -71,14 +77,22 @@ def all_finite(tree: Any, axis_name: str | tuple[str, ...] | None = None) -> jax
     return finite
 
 
+def _wide_dtype(dtype: Any) -> np.dtype:
+    """float32 for float16/bfloat16/float32, float64 for float64.
+
+    Not `jnp.promote_types`: under strict dtype promotion it refuses (bfloat16, float32).
+    """
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize > 4 else np.dtype(jnp.float32)
+
+
 def _scale_tree(tree: Any, scale: jax.Array) -> Any:
     """Multiplies floating leaves by `scale` in float32 (never in float16, where 2**16 is inf)."""
 
     def mul(x):
         if _is_float_array(x):
-            return x.astype(jnp.promote_types(x.dtype, jnp.float32)) * scale.astype(
-                jnp.promote_types(x.dtype, jnp.float32)
-            )
+            wide = _wide_dtype(x.dtype)
+            return x.astype(wide) * scale.astype(wide)
         return x
 
     return jax.tree_util.tree_map(mul, tree)
@@ -89,7 +103,7 @@ def _unscale_tree(tree: Any, inv_scale: jax.Array) -> Any:
 
     def mul(x):
         if _is_float_array(x):
-            wide = jnp.promote_types(x.dtype, jnp.float32)
+            wide = _wide_dtype(x.dtype)
             return (x.astype(wide) * inv_scale.astype(wide)).astype(x.dtype)
         return x
 

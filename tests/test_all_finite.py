@@ -1,0 +1,185 @@
+"""all_finite: empty trees, ignored leaves, detection anywhere, mixed dtypes, sharding (FAULTS 6, 7)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxamp import DynamicLossScale, StaticLossScale, all_finite
+
+BAD_VALUES = {"inf": np.inf, "-inf": -np.inf, "nan": np.nan}
+
+
+def _check(result, expected):
+    assert result.shape == ()
+    assert result.dtype == jnp.bool_
+    assert bool(result) is expected
+
+
+# --- FAULTS 6 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", [{}, [], (), None, {"a": {}, "b": [None]}], ids=repr)
+def test_empty_tree_is_finite(tree, maybe_jit):
+    _check(maybe_jit(all_finite)(tree), True)
+
+
+def test_non_float_leaves_are_ignored(maybe_jit):
+    tree = {
+        "int32": jnp.array([0, np.iinfo(np.int32).max, -1], jnp.int32),
+        "uint8": jnp.arange(3, dtype=jnp.uint8),
+        "bool": jnp.array([True, False]),
+        "key": jax.random.key(0),
+        "legacy_key": jax.random.PRNGKey(0),
+    }
+    _check(maybe_jit(all_finite)(tree), True)
+    tree["x"] = jnp.array([1.0, np.nan], jnp.float32)
+    _check(maybe_jit(all_finite)(tree), False)
+
+
+@pytest.mark.parametrize("bad", list(BAD_VALUES))
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_non_finite_leaf_detected_anywhere(position, bad, float_dtype, maybe_jit):
+    leaves = [jnp.linspace(-2.0, 2.0, 5, dtype=float_dtype) for _ in range(3)]
+    index = {"first": 0, "middle": 1, "last": 2}[position]
+    leaves[index] = leaves[index].at[3].set(BAD_VALUES[bad])
+    # Non-float leaves interleaved, so "first"/"last" are about float leaves in a mixed tree.
+    tree = [jnp.int32(7), leaves[0], {"m": leaves[1], "flag": jnp.array(True)}, leaves[2]]
+    _check(maybe_jit(all_finite)(tree), False)
+
+
+def test_finite_extremes_are_finite(float_dtype, maybe_jit):
+    info = jnp.finfo(float_dtype)
+    x = jnp.array([info.max, -info.max, info.tiny, info.smallest_subnormal, 0.0], float_dtype)
+    _check(maybe_jit(all_finite)({"x": x}), True)
+
+
+def test_numpy_and_python_float_leaves_are_checked(maybe_jit):
+    # Under jit, numpy scalars and Python floats become arrays and are checked: eager must agree.
+    for leaf in (np.float32(np.nan), np.float16(np.inf), float("nan"), np.array([1.0, np.inf])):
+        _check(maybe_jit(all_finite)({"g": leaf}), False)
+    for leaf in (np.float32(1.0), 2.5, np.array([1.0, 2.0])):
+        _check(maybe_jit(all_finite)({"g": leaf}), True)
+
+
+# --- FAULTS 7: mixed trees ------------------------------------------------------------------
+
+
+def _mixed_tree():
+    base = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7.0
+    return {
+        "f32": base,
+        "bf16": base.astype(jnp.bfloat16),
+        "f16": base.astype(jnp.float16),
+        "scalar_f32": jnp.float32(0.5),
+        "scalar_f16": jnp.float16(-3.0),
+        "scalar_bf16": jnp.bfloat16(2.0),
+        "empty_f32": jnp.zeros((0, 3), jnp.float32),
+        "empty_f16": jnp.zeros((0,), jnp.float16),
+        "transposed_f32": base.T,
+        "transposed_bf16": base.astype(jnp.bfloat16).T,
+        "transposed_f16": jnp.swapaxes(base.astype(jnp.float16).reshape(3, 2, 2), 0, 2),
+        "ints": jnp.arange(3),
+    }
+
+
+FLOAT_KEYS = [k for k in _mixed_tree() if k != "ints" and not k.startswith("empty")]
+
+
+def test_mixed_tree_finite(maybe_jit):
+    _check(maybe_jit(all_finite)(_mixed_tree()), True)
+
+
+@pytest.mark.parametrize("bad", list(BAD_VALUES))
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_mixed_tree_detects_each_leaf(key, bad, maybe_jit):
+    tree = _mixed_tree()
+    leaf = tree[key]
+    flat = leaf.reshape(-1).at[-1].set(BAD_VALUES[bad])
+    tree[key] = flat.reshape(leaf.shape)
+    _check(maybe_jit(all_finite)(tree), False)
+
+
+@pytest.mark.parametrize("loss_scale", [2.0**10, 2.0**-3], ids=["2^10", "2^-3"])
+def test_mixed_tree_unscales_exactly_and_keeps_dtypes(loss_scale, maybe_jit):
+    """Scaled finite leaves unscale exactly (power-of-two scale), each keeping its dtype."""
+    tree = _mixed_tree()
+    scale = DynamicLossScale.create(init_scale=loss_scale)
+    scaled = jax.tree.map(
+        lambda x: (
+            x * jnp.asarray(loss_scale, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        ),
+        tree,
+    )
+
+    def unscale_and_check(s, g):
+        return s.unscale(g), all_finite(g)
+
+    unscaled, finite = maybe_jit(unscale_and_check)(scale, scaled)
+    _check(finite, True)
+    for key, x in tree.items():
+        assert unscaled[key].dtype == x.dtype, key
+        assert unscaled[key].shape == x.shape, key
+        np.testing.assert_array_equal(np.asarray(unscaled[key]), np.asarray(x), err_msg=key)
+    # Static scales follow the same contract.
+    static = maybe_jit(lambda g: StaticLossScale(loss_scale).unscale(g))(scaled)
+    assert jax.tree.map(lambda x: x.dtype, static) == jax.tree.map(lambda x: x.dtype, tree)
+
+
+# --- sharded arrays (FAULTS 6, 16) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = jax.devices()
+    assert len(devices) == 8, "conftest forces 8 host devices"
+    return Mesh(np.array(devices), ("d",))
+
+
+@pytest.mark.parametrize("bad_index", [None, 0, 13, 31])
+def test_sharded_array(mesh, bad_index, maybe_jit):
+    sharding = NamedSharding(mesh, P("d"))
+    x = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+    if bad_index is not None:
+        x[bad_index] = np.nan
+    sharded = jax.device_put(x, sharding)
+    assert len(sharded.sharding.device_set) == 8
+    # Only the shard holding the bad element is non-finite.
+    shard_finite = [bool(np.isfinite(np.asarray(s.data)).all()) for s in sharded.addressable_shards]
+    assert shard_finite.count(False) == (0 if bad_index is None else 1)
+    tree = {"sharded": sharded, "replicated": jnp.ones(3, jnp.bfloat16)}
+    _check(maybe_jit(all_finite)(tree), bad_index is None)
+
+
+def test_axis_name_inside_shard_map(mesh):
+    x = np.ones(16, np.float32)
+    x[5] = np.nan  # shard 2 of 8 only
+
+    def per_shard(block, axis_name):
+        return all_finite({"g": block}, axis_name=axis_name).reshape(1)
+
+    def run(axis_name):
+        fn = jax.shard_map(
+            lambda b: per_shard(b, axis_name), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+        )
+        return np.asarray(jax.jit(fn)(x))
+
+    local = run(None)
+    assert local.dtype == np.bool_ and local.shape == (8,)
+    assert local.tolist() == [True, True, False, True, True, True, True, True]
+    agreed = run("d")
+    assert agreed.tolist() == [False] * 8
+    x[5] = 1.0
+    assert run("d").tolist() == [True] * 8
+
+
+def test_axis_name_empty_tree_inside_shard_map(mesh):
+    fn = jax.shard_map(
+        lambda b: all_finite({}, axis_name="d").reshape(1) & (b[:1] > 0),
+        mesh=mesh,
+        in_specs=P("d"),
+        out_specs=P("d"),
+    )
+    assert np.asarray(fn(np.ones(8, np.float32))).tolist() == [True] * 8
