@@ -1,0 +1,103 @@
+"""The public API: `jaxamp.__all__` is pinned; DESIGN.md's contract names are all present."""
+
+import inspect
+
+import pytest
+
+import jaxamp
+
+# The exact public list (sorted). Adding or removing a public name is an API change: update
+# this list in the same commit.
+EXPECTED_ALL = sorted(
+    [
+        "AUTOCAST_CATEGORIES",
+        "AmpInfo",
+        "DtypeRecord",
+        "DynamicLossScale",
+        "LossScale",
+        "LossScaleDivergedError",
+        "LossScaledState",
+        "NoOpLossScale",
+        "Policy",
+        "StaticLossScale",
+        "all_finite",
+        "amp_info",
+        "amp_states",
+        "autocast",
+        "autocast_rules",
+        "autocast_trace",
+        "cast_floating",
+        "full_precision",
+        "get_loss_scale",
+        "get_policy",
+        "loss_scaled",
+        "set_loss_scale",
+        "value_and_grad",
+    ]
+)
+
+# DESIGN.md, "jaxamp: the public contract": names examples and downstream code rely on.
+CONTRACT = [
+    "Policy",
+    "get_policy",
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "all_finite",
+    "loss_scaled",
+    "get_loss_scale",
+    "autocast",
+    "amp_info",
+]
+
+CONTRACT_MEMBERS = {
+    "Policy": ["cast_to_param", "cast_to_compute", "cast_to_output", "with_output_dtype"],
+    "DynamicLossScale": [
+        "create",
+        "from_preset",
+        "loss_scale",
+        "scale",
+        "unscale",
+        "adjust",
+        "state_dict",
+        "from_state_dict",
+    ],
+    "StaticLossScale": ["loss_scale", "scale", "unscale", "adjust"],
+    "NoOpLossScale": ["loss_scale", "scale", "unscale", "adjust"],
+}
+
+
+def test_all_is_pinned():
+    assert sorted(jaxamp.__all__) == EXPECTED_ALL
+    assert len(set(jaxamp.__all__)) == len(jaxamp.__all__), "duplicate names in __all__"
+
+
+@pytest.mark.parametrize("name", EXPECTED_ALL)
+def test_every_public_name_resolves(name):
+    obj = getattr(jaxamp, name)
+    assert obj is not None
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        assert inspect.getdoc(obj), f"jaxamp.{name} has no docstring"
+
+
+@pytest.mark.parametrize("name", CONTRACT)
+def test_contract_names_are_public(name):
+    assert name in jaxamp.__all__
+    assert hasattr(jaxamp, name)
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT_MEMBERS))
+def test_contract_members(name):
+    cls = getattr(jaxamp, name)
+    for member in CONTRACT_MEMBERS[name]:
+        assert hasattr(cls, member), f"jaxamp.{name}.{member} is missing"
+
+
+def test_star_import_matches_all():
+    namespace = {}
+    exec("from jaxamp import *", namespace)
+    assert sorted(k for k in namespace if k != "__builtins__") == EXPECTED_ALL
+
+
+def test_version():
+    assert isinstance(jaxamp.__version__, str) and jaxamp.__version__.count(".") >= 1
