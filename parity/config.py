@@ -1,0 +1,215 @@
+"""One configuration object per parity run, shared by the torch and the JAX trainer.
+
+Both trainers read the same `RunConfig`, so optimizer, schedule, clipping, batch order and loss
+scaling cannot drift apart. The precision is stored as given (``"bf16-mixed"``) and as the jaxamp
+policy string it resolves to (``"p=f32,c=bf16,o=f32"``); both are written into ``results.json`` and
+`RunConfig.from_dict` reads them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jaxamp
+
+__all__ = [
+    "DEVICES",
+    "FRAMEWORKS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "SCHEDULES",
+    "RunConfig",
+    "learning_rate_at",
+]
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+FRAMEWORKS = ("torch", "jax")
+DEVICES = ("cpu", "gpu")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"RunConfig: `{name}` must be one of {allowed}; got {value!r}.")
+    return value
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"RunConfig: `{name}` must be an integer >= {minimum}; got {value!r}.")
+    return value
+
+
+def _number(name: str, value: Any, *, positive: bool = False, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"RunConfig: `{name}` must be a finite number; got {value!r}.")
+    if positive and value <= 0:
+        raise ValueError(f"RunConfig: `{name}` must be > 0; got {value!r}.")
+    if not positive and value < 0:
+        raise ValueError(f"RunConfig: `{name}` must be >= 0; got {value!r}.")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs; identical for the torch and the JAX side.
+
+    Attributes:
+      model: a name from `parity.models.MODEL_NAMES` (or a user model's name via `parity.api`).
+      precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``.
+      steps: training steps.
+      batch_size: examples per step.
+      seed: torch initialisation seed and data seed.
+      device: ``"cpu"`` or ``"gpu"`` (CUDA for torch, the GPU backend for JAX).
+      optimizer: ``"adamw"`` (torch.optim.AdamW / optax.adamw) or ``"sgd"`` (momentum SGD).
+      lr: peak learning rate.
+      weight_decay: decoupled (AdamW) or L2 (SGD, as torch's ``weight_decay``) decay.
+      momentum: SGD momentum.
+      betas, eps: AdamW moments' decay rates and epsilon (added outside the square root on both
+        sides).
+      schedule: ``"constant"`` or ``"cosine"`` (cosine decay to 0 over `steps`), after
+        `lr_warmup_steps` of linear warm-up; indexed by the iteration, as torch's LambdaLR is
+        (skipped fp16 steps advance it too).
+      lr_warmup_steps: linear learning-rate warm-up steps.
+      clip_norm: global gradient-norm clipping after unscaling (torch's ``clip_grad_norm_``), or
+        None for no clipping.
+      init_scale, growth_interval: fp16 loss scaling (torch GradScaler / jaxamp torch preset).
+      timing_warmup: first steps excluded from the step-time median (compilation, caches).
+      torch_compile: the torch side runs its model under ``torch.compile``.
+      eval: evaluate on the stream's held-out batches after training.
+      model_overrides: architecture hyperparameters passed to `get_model_pair`.
+    """
+
+    model: str = "mlp"
+    precision: str = "fp32"
+    steps: int = 30
+    batch_size: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: str = "cosine"
+    lr_warmup_steps: int = 0
+    clip_norm: float | None = 1.0
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    timing_warmup: int = 3
+    torch_compile: bool = False
+    eval: bool = True
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"RunConfig: `model` must be a non-empty string; got {self.model!r}.")
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("device", self.device, DEVICES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _positive_int("steps", self.steps)
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("seed", self.seed, 0)
+        _positive_int("lr_warmup_steps", self.lr_warmup_steps, 0)
+        _positive_int("growth_interval", self.growth_interval)
+        _positive_int("timing_warmup", self.timing_warmup, 0)
+        _number("lr", self.lr, positive=True)
+        _number("weight_decay", self.weight_decay)
+        _number("momentum", self.momentum)
+        _number("eps", self.eps, positive=True)
+        _number("clip_norm", self.clip_norm, positive=True, allow_none=True)
+        _number("init_scale", self.init_scale, positive=True)
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas):
+            raise ValueError(
+                f"RunConfig: `betas` must be two numbers in [0, 1); got {self.betas!r}."
+            )
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if not isinstance(self.torch_compile, bool) or not isinstance(self.eval, bool):
+            raise TypeError("RunConfig: `torch_compile` and `eval` must be bools.")
+        if not isinstance(self.model_overrides, dict):
+            raise TypeError(
+                f"RunConfig: `model_overrides` must be a dict; got {type(self.model_overrides).__name__}."
+            )
+
+    @property
+    def policy(self) -> str:
+        """The jaxamp policy string of `precision`, e.g. ``"p=f32,c=bf16,o=f32"``."""
+        return str(jaxamp.get_policy(self.precision))
+
+    @property
+    def mixed(self) -> bool:
+        """Autocast-style mixed precision (float32 params, low-precision compute)."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling is on (fp16-mixed only, as torch.amp recommends)."""
+        return self.precision == "fp16-mixed"
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict, including the derived ``policy`` string."""
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        out["model_overrides"] = {
+            k: list(v) if isinstance(v, tuple) else v for k, v in self.model_overrides.items()
+        }
+        out["policy"] = self.policy
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Reads `to_dict`'s output back; checks that the logged policy still matches."""
+        data = dict(data)
+        policy = data.pop("policy", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(
+                f"RunConfig.from_dict: unknown keys {unknown}; allowed: {sorted(names)}."
+            )
+        if "betas" in data:
+            data["betas"] = tuple(data["betas"])
+        if "model_overrides" in data:
+            data["model_overrides"] = {
+                k: tuple(v) if isinstance(v, list) else v
+                for k, v in data["model_overrides"].items()
+            }
+        config = cls(**data)
+        if policy is not None and policy != config.policy:
+            raise ValueError(
+                f"RunConfig.from_dict: logged policy {policy!r} does not match precision "
+                f"{config.precision!r} (which is {config.policy!r})."
+            )
+        return config
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of iteration `step` (0-based); see `learning_rate_at`."""
+        return learning_rate_at(self, step)
+
+
+def learning_rate_at(config: RunConfig, step: int) -> float:
+    """Warm-up then constant or cosine learning rate at iteration `step` (a Python float).
+
+    Computed on the host for both sides (the JAX step takes it as an argument), so torch's
+    LambdaLR and the JAX trainer use bit-identical rates.
+    """
+    peak = config.lr
+    warm = config.lr_warmup_steps
+    if warm and step < warm:
+        return peak * (step + 1) / warm
+    if config.schedule == "constant":
+        return peak
+    progress = min(max((step - warm) / max(config.steps - warm, 1), 0.0), 1.0)
+    return 0.5 * peak * (1.0 + math.cos(math.pi * progress))
