@@ -1,0 +1,274 @@
+"""``python -m parity``: run, compare, matrix.
+
+::
+
+    python -m parity run --model cnn --precision bf16-mixed --framework both --steps 100 --out runs/x
+    python -m parity compare runs/x          # verdicts + report.md, exit code 1 if a verdict fails
+    python -m parity matrix --out runs/matrix  # every model x precision; resumable
+
+Exit codes: 0 all verdicts pass (or nothing to compare), 1 a verdict failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from parity.config import DEVICES, OPTIMIZERS, PRECISIONS, SCHEDULES, RunConfig
+
+__all__ = ["MATRIX_PLAN", "main", "matrix_config"]
+
+# Matrix defaults per precision: fp32 needs 30 steps for its two tolerance windows. torch's fp16
+# matmuls/convolutions on this CPU have no fast kernel (~200x slower than fp32): keep them tiny.
+MATRIX_PLAN: dict[str, dict[str, Any]] = {
+    "fp32": {"steps": 30, "batch_size": 16},
+    "bf16-mixed": {"steps": 30, "batch_size": 16},
+    "bf16-true": {"steps": 30, "batch_size": 16},
+    # growth_interval 5 and init 2**20 make the short run exercise overflow, backoff and growth.
+    "fp16-mixed": {"steps": 20, "batch_size": 4, "init_scale": 2.0**20, "growth_interval": 5},
+}
+
+
+def _model_names():
+    from parity.models import MODEL_NAMES
+
+    return MODEL_NAMES
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--model-override takes KEY=VALUE (VALUE in JSON); got {item!r}.")
+        key, value = item.split("=", 1)
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--model-override {key}: VALUE must be JSON (e.g. 64 or [28,28,1]); got {value!r}."
+            ) from e
+        out[key] = tuple(parsed) if isinstance(parsed, list) else parsed
+    return out
+
+
+def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None:
+    where = "per-precision default of the matrix plan" if matrix else "default 30 steps, batch 32"
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps ({where})")
+    parser.add_argument("--batch-size", type=int, default=None, help="examples per step")
+    parser.add_argument("--seed", type=int, default=0, help="torch init and data seed (default 0)")
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu", help="cpu, or gpu (CUDA torch, GPU JAX)"
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine")
+    parser.add_argument(
+        "--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up"
+    )
+    parser.add_argument(
+        "--clip-norm", type=float, default=1.0, help="global-norm clipping; 0 disables"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="steps excluded from the step-time median"
+    )
+    parser.add_argument(
+        "--init-scale", type=float, default=None, help="fp16 initial loss scale (default 2**16)"
+    )
+    parser.add_argument(
+        "--growth-interval",
+        type=int,
+        default=None,
+        help="fp16 loss-scale growth interval (default 2000)",
+    )
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="run the torch model under torch.compile"
+    )
+    parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity", description="PyTorch (torch.amp) vs JAX (jaxamp) parity runs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train one model at one precision; write DIR/results.json")
+    run.add_argument(
+        "--model", required=True, help="model name (mlp, cnn, cnn_bn, lstm, transformer)"
+    )
+    run.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    run.add_argument("--framework", choices=("torch", "jax", "both"), default="both")
+    run.add_argument("--out", required=True, help="output folder (results.json is merged into)")
+    run.add_argument(
+        "--model-override",
+        action="append",
+        metavar="KEY=VALUE",
+        help="architecture override, JSON value; repeatable",
+    )
+    _add_training_args(run, matrix=False)
+
+    compare = sub.add_parser("compare", help="verdicts and report.md for DIR/results.json")
+    compare.add_argument("dir", help="folder holding results.json")
+
+    matrix = sub.add_parser("matrix", help="every model x precision, torch and JAX; resumable")
+    matrix.add_argument("--out", default="runs/matrix", help="output folder (default runs/matrix)")
+    matrix.add_argument("--models", nargs="+", default=None, help="default: all models")
+    matrix.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    matrix.add_argument("--force", action="store_true", help="redo runs already in results.json")
+    _add_training_args(matrix, matrix=True)
+    return parser
+
+
+def _config_from_args(
+    args, model: str, precision: str, plan: dict[str, Any] | None = None
+) -> RunConfig:
+    plan = dict(plan or {})
+    values = {
+        "model": model,
+        "precision": precision,
+        "steps": args.steps if args.steps is not None else plan.get("steps", 30),
+        "batch_size": args.batch_size
+        if args.batch_size is not None
+        else plan.get("batch_size", 32),
+        "seed": args.seed,
+        "device": args.device,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "momentum": args.momentum,
+        "schedule": args.schedule,
+        "lr_warmup_steps": args.lr_warmup_steps,
+        "clip_norm": args.clip_norm if args.clip_norm and args.clip_norm > 0 else None,
+        "timing_warmup": args.warmup,
+        "torch_compile": args.torch_compile,
+        "eval": not args.no_eval,
+        "init_scale": args.init_scale
+        if args.init_scale is not None
+        else plan.get("init_scale", 2.0**16),
+        "growth_interval": args.growth_interval
+        if args.growth_interval is not None
+        else plan.get("growth_interval", 2000),
+        "model_overrides": _overrides(getattr(args, "model_override", None)),
+    }
+    return RunConfig(**values)
+
+
+def matrix_config(model: str, precision: str, **changes: Any) -> RunConfig:
+    """The matrix's default configuration of one cell (for tests and benchmarks)."""
+    return RunConfig(model=model, precision=precision, **{**MATRIX_PLAN[precision], **changes})
+
+
+def run_pair(
+    config: RunConfig, frameworks: tuple[str, ...], *, progress: bool
+) -> list[dict[str, Any]]:
+    """Trains the named model with `config` on each framework; returns the run records."""
+    from parity.models import get_model_pair
+    from parity.train_jax import train_jax
+    from parity.train_torch import train_torch
+
+    pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    runs = []
+    for framework in frameworks:
+        trainer = train_torch if framework == "torch" else train_jax
+        runs.append(trainer(config, pair, progress=progress))
+    return runs
+
+
+def _compare_and_report(out: Path) -> int:
+    from parity.compare import compare_runs, format_verdicts
+    from parity.report import load_results, write_json_atomic, write_report
+
+    runs = load_results(out)["runs"]
+    verdicts = compare_runs(runs)
+    print(format_verdicts(verdicts))
+    write_json_atomic(out / "verdicts.json", {"verdicts": [v.to_dict() for v in verdicts]})
+    path = write_report(out, runs, verdicts)
+    print(f"report: {path.resolve()}")
+    return 1 if any(v.passed is False for v in verdicts) else 0
+
+
+def _cmd_run(args) -> int:
+    from parity.report import merge_runs
+
+    if args.model not in _model_names():
+        raise ValueError(f"--model must be one of {', '.join(_model_names())}; got {args.model!r}.")
+    config = _config_from_args(args, args.model, args.precision)
+    frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
+    out = Path(args.out)
+    runs = run_pair(config, frameworks, progress=not args.no_progress)
+    merge_runs(out, runs)
+    for run in runs:
+        s = run["summary"]
+        print(
+            f"{run['framework']:5s} {run['model']} {run['precision']}: final loss {s['final_loss']}, "
+            f"median step {s['step_time_median_s'] * 1e3:.2f} ms, skipped {s['skipped_steps']}"
+            + (" DIVERGED" if s["diverged"] else "")
+        )
+    print(f"results: {(out / 'results.json').resolve()}")
+    return _compare_and_report(out) if args.framework == "both" else 0
+
+
+def _cmd_matrix(args) -> int:
+    from parity.report import load_results, merge_runs, run_key
+
+    models = args.models or list(_model_names())
+    unknown = [m for m in models if m not in _model_names()]
+    if unknown:
+        raise ValueError(f"--models: unknown {unknown}; valid: {', '.join(_model_names())}.")
+    out = Path(args.out)
+    done = {run_key(r): r for r in load_results(out)["runs"]}
+    cells = [(m, p) for m in models for p in args.precisions]
+    progress = not args.no_progress
+    iterator = cells
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(cells, desc="matrix", unit="cell")
+    for model, precision in iterator:
+        config = _config_from_args(args, model, precision, MATRIX_PLAN[precision])
+        mode = "compile" if config.torch_compile else "eager"
+        keys = {
+            "torch": (model, precision, config.device, "torch", mode),
+            "jax": (model, precision, config.device, "jax", ""),
+        }
+        todo = tuple(
+            fw
+            for fw, key in keys.items()
+            if args.force or key not in done or done[key]["config"] != config.to_dict()
+        )
+        if not todo:
+            continue  # finished in an earlier (possibly interrupted) invocation
+        runs = run_pair(config, todo, progress=progress)
+        data = merge_runs(out, runs)  # after every cell: an interruption loses one cell at most
+        done = {run_key(r): r for r in data["runs"]}
+    return _compare_and_report(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "compare":
+            out = Path(args.dir)
+            if not (out / "results.json").exists():
+                raise ValueError(
+                    f"compare: {out / 'results.json'} does not exist; run `python -m parity run --out {out}` first."
+                )
+            return _compare_and_report(out)
+        return _cmd_matrix(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
