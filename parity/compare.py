@@ -219,7 +219,9 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
             )
         )
     widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell[:48].ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = [
+        "  ".join(cell[:48].ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    ]
     failed = sum(v.passed is False for v in verdicts)
     passed = sum(v.passed is True for v in verdicts)
     lines.append(f"{passed} passed, {failed} failed")

@@ -182,7 +182,9 @@ def plot_losses(runs, path: Path) -> None:
 
     groups = _groups(runs)
     fig, axes = _grid(len(groups))
-    for ax, ((model, precision, device), members) in zip(axes, sorted(groups.items())):
+    for ax, ((model, precision, device), members) in zip(
+        axes, sorted(groups.items()), strict=False
+    ):
         for run in members:
             label = run_label(run)
             xs = [s["step"] for s in run["steps"] if s["loss"] is not None]
@@ -210,7 +212,9 @@ def plot_loss_scales(runs, path: Path) -> bool:
         return False
     groups = _groups(scaled)
     fig, axes = _grid(len(groups))
-    for ax, ((model, precision, device), members) in zip(axes, sorted(groups.items())):
+    for ax, ((model, precision, device), members) in zip(
+        axes, sorted(groups.items()), strict=False
+    ):
         for run in members:
             label = run_label(run)
             xs = [s["step"] for s in run["steps"]]
