@@ -253,6 +253,7 @@ FUNCTION_COUNTERPARTS: Mapping[str, tuple[str, ...]] = {
     "log_softmax.int": ("jax.nn:log_softmax",),
     "logsumexp": ("jax.nn:logsumexp",),
     "softplus": ("jax.nn:softplus",),
+    "gelu": ("jax.nn:gelu",),
     "mean": ("jax.numpy:mean",),
     "var": ("jax.numpy:var",),
     "std": ("jax.numpy:std",),

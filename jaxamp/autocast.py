@@ -314,7 +314,6 @@ class _Interpreter:
 
         regions = [self._eqn_region(e, region) for e in jaxpr.eqns]
         # Regions whose torch op returns its input's dtype: cast values that leave the region.
-        escaping: dict[Any, np.dtype] = {}
         region_input: dict[int, Any] = {}
         inst = self._instances(regions)
         producer: dict[Any, int] = {}
@@ -332,20 +331,14 @@ class _Interpreter:
         for j, eqn in enumerate(jaxpr.eqns):
             reg = regions[j]
             vals = [read(v) for v in eqn.invars]
-            if reg is not None and reg.cast_outputs_like_input and inst[j] not in region_input:
-                for v, x in zip(eqn.invars, vals):
-                    if _is_castable(x) and not (
-                        isinstance(v, jex_core.Var)
-                        and v in producer
-                        and inst[producer[v]] == inst[j]
-                    ):
-                        region_input[inst[j]] = jnp.dtype(x.dtype)
-                        break
+            if reg is not None and reg.cast_outputs_like_input:
+                # The op's input is its first array operand from outside (not a constant).
+                self._note_region_input(eqn, vals, inst, j, producer, region_input)
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
                 outs = self._eval_eqn(eqn, vals, reg)
             in_region_dtype = (
-                region_input.get(inst[j])
+                region_input.get(inst[j], (None,))[0]
                 if reg is not None and reg.cast_outputs_like_input
                 else None
             )
@@ -353,8 +346,20 @@ class _Interpreter:
                 if in_region_dtype is not None and v in leaving and _is_castable(x):
                     x = _cast(x, in_region_dtype)
                 env[v] = x
-        del escaping
         return [read(v) for v in jaxpr.outvars]
+
+    @staticmethod
+    def _note_region_input(eqn, vals, inst, j, producer, region_input) -> None:
+        prev = region_input.get(inst[j])
+        if prev is not None and prev[1]:
+            return
+        for v, x in zip(eqn.invars, vals):
+            internal = isinstance(v, jex_core.Var) and v in producer and inst[producer[v]] == inst[j]
+            if _is_castable(x) and not internal:
+                is_array = np.ndim(x) > 0
+                if prev is None or is_array:
+                    region_input[inst[j]] = (jnp.dtype(x.dtype), is_array)
+                    return
 
     @staticmethod
     def _instances(regions: Sequence[_Region | None]) -> list[int]:
@@ -444,7 +449,14 @@ class _Interpreter:
             dts = [jnp.dtype(vals[i].dtype) for i in idx]
             if all(d == dts[0] for d in dts):
                 continue
-            weak = [bool(getattr(eqn.invars[i].aval, "weak_type", False)) for i in idx]
+            # Scalars do not promote arrays: weakly typed values in JAX, 0-dim tensors in torch
+            # (and strict promotion turns Python scalars into strong literals).
+            has_array = any(np.ndim(vals[i]) > 0 for i in idx)
+            weak = [
+                bool(getattr(eqn.invars[i].aval, "weak_type", False))
+                or (has_array and np.ndim(vals[i]) == 0)
+                for i in idx
+            ]
             target = _promote(dts, weak)
             for i in idx:
                 out[i] = _cast(vals[i], target)
