@@ -85,9 +85,7 @@ def float32_softmax_attention(
             )
         keep_prob = 1.0 - dropout_rate
         shape = (
-            tuple([1] * (key.ndim - 2)) + weights.shape[-2:]
-            if broadcast_dropout
-            else weights.shape
+            tuple([1] * (key.ndim - 2)) + weights.shape[-2:] if broadcast_dropout else weights.shape
         )
         keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
         weights = weights * (keep.astype(jnp.float32) / jnp.float32(keep_prob))

@@ -243,9 +243,7 @@ def match(
     return _best_class_rule(default_rules, cls)
 
 
-def resolve(
-    rule: _Rule | None, inherited: Policy, caller_compute: Any, *, is_root: bool
-) -> Policy:
+def resolve(rule: _Rule | None, inherited: Policy, caller_compute: Any, *, is_root: bool) -> Policy:
     """The effective policy of a module given its rule and what it inherits.
 
     Args:

@@ -209,7 +209,9 @@ class TrainState(flax_train_state.TrainState):
         """
         updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
         finite = amp_info(new_opt_state).last_step_finite
-        new_params = _keep_if_skipped(optax.apply_updates(self.params, updates), self.params, finite)
+        new_params = _keep_if_skipped(
+            optax.apply_updates(self.params, updates), self.params, finite
+        )
         return self.replace(
             step=_advance(jnp.asarray(self.step), finite, self.count_skipped_steps),
             params=new_params,
@@ -360,9 +362,7 @@ def nnx_value_and_grad(
             loss32 = jnp.asarray(loss).astype(jnp.float32)
             return loss32 * scale_value, (loss32, aux)
 
-        grad_fn = nnx.value_and_grad(
-            scaled, argnums=nnx.DiffState(argnums, wrt), has_aux=True
-        )
+        grad_fn = nnx.value_and_grad(scaled, argnums=nnx.DiffState(argnums, wrt), has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 

@@ -1,0 +1,424 @@
+"""orbax checkpoints of a full mixed-precision training state, loss scale included.
+
+`save(directory, target, step)` writes every array leaf of `target` — a linen `TrainState`, any
+pytree, or NNX modules/optimizers (their `nnx.state`) — keyed by its path, plus a JSON record of
+the loss-scaling setup (where `loss_scaled` states sit, the loss scale's type and
+hyperparameters, the policy). `restore(directory, target)` reads it back into `target`'s
+structure, dtypes and shardings; float values come back bit for bit, so a restored run continues
+exactly as the uninterrupted one would, skip decisions included (the loss scale and its growth
+counter are state).
+
+Restoring into a target whose loss scaling differs from the checkpoint's (saved without
+`loss_scaled`, restored into a run with it; the reverse; another loss-scale type or other
+hyperparameters) raises `ValueError` by default. With ``on_loss_scale_mismatch="reset"`` everything
+else is restored and the loss-scaling state (scale, growth/hysteresis counters, skip counters)
+is the target's own, fresh one — the documented reset. A checkpoint never loads partially: any
+other missing or unexpected leaf is a `ValueError`.
+
+orbax-checkpoint is imported lazily (it is in the ``dev`` and ``parity`` extras).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp.optim import LossScaledState
+
+__all__ = ["save", "restore", "latest_step", "all_steps", "amp_metadata"]
+
+_FORMAT = 1
+_AMP_FIELDS = ("loss_scale", "last_step_finite", "skipped_steps", "consecutive_skips")
+OnMismatch = Literal["error", "reset"]
+
+
+def _ocp():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "jaxamp.flax.checkpoint needs orbax-checkpoint: pip install orbax-checkpoint "
+            "(it is in jaxamp's 'dev' and 'parity' extras)."
+        ) from e
+    return ocp
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path(parts: Any) -> tuple[str, ...]:
+    return tuple(_key_name(k) for k in parts)
+
+
+def _is_nnx(target: Any) -> bool:
+    from flax import nnx
+
+    leaves = target if isinstance(target, (tuple, list)) else (target,)
+    return bool(leaves) and all(isinstance(x, (nnx.Module, nnx.Optimizer)) for x in leaves)
+
+
+def _as_tree(target: Any) -> Any:
+    if _is_nnx(target):
+        from flax import nnx
+
+        return nnx.as_pure(nnx.state(target))
+    return target
+
+
+def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out[_path(path)] = leaf
+    return out
+
+
+def _describe_scale(scale: Any) -> dict[str, Any]:
+    kind = type(scale).__name__
+    config = {}
+    if dataclasses.is_dataclass(scale):
+        for field in dataclasses.fields(scale):
+            value = getattr(scale, field.name)
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                config[field.name] = value
+    return {"type": kind, "config": config}
+
+
+def _amp_states(target: Any) -> list[tuple[tuple[str, ...], LossScaledState]]:
+    """Every `loss_scaled` state in `target`, with its path in `_as_tree(target)`."""
+
+    def find(tree, prefix):
+        found = []
+        is_state = lambda x: isinstance(x, LossScaledState)  # noqa: E731
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_state):
+            if is_state(leaf):
+                found.append((prefix + _path(path), leaf))
+        return found
+
+    if not _is_nnx(target):
+        return find(target, ())
+    from flax import nnx
+
+    found = []
+    nodes = target if isinstance(target, (tuple, list)) else None
+    for path, node in nnx.iter_graph(target):
+        if isinstance(node, nnx.Optimizer):
+            prefix = tuple(str(p) for p in path) + ("opt_state",)
+            found.extend(find(nnx.as_pure(node.opt_state), prefix))
+    del nodes
+    return found
+
+
+def _optimizer_paths(target: Any) -> list[tuple[str, ...]]:
+    """Where optimizer states live (for mapping a checkpoint without loss scaling)."""
+    if _is_nnx(target):
+        from flax import nnx
+
+        return [
+            tuple(str(p) for p in path) + ("opt_state",)
+            for path, node in nnx.iter_graph(target)
+            if isinstance(node, nnx.Optimizer)
+        ]
+    if hasattr(target, "opt_state"):
+        return [("opt_state",)]
+    return []
+
+
+def amp_metadata(target: Any, policy: Any = None) -> dict[str, Any]:
+    """The loss-scaling record `save` writes next to the arrays (JSON-serialisable)."""
+    if policy is None:
+        policy = getattr(target, "policy", None)
+    return {
+        "format": _FORMAT,
+        "policy": None if policy is None else str(policy),
+        "loss_scaled": [
+            {"path": list(path), **_describe_scale(state.loss_scale)}
+            for path, state in _amp_states(target)
+        ],
+    }
+
+
+def _manager(directory: str | os.PathLike, max_to_keep: int | None, create: bool):
+    ocp = _ocp()
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
+    return ocp.CheckpointManager(
+        os.fspath(os.path.abspath(directory)), options=options, item_names=("state", "amp")
+    )
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1] if path else "_"] = leaf
+    return root
+
+
+def _unnest(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_unnest(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def save(
+    directory: str | os.PathLike,
+    target: Any,
+    step: int,
+    *,
+    max_to_keep: int | None = None,
+    policy: Any = None,
+) -> None:
+    """Saves `target` (all its array leaves) and its loss-scaling record at `step`.
+
+    Args:
+      directory: the checkpoint directory (created if needed); steps are subfolders.
+      target: a linen `TrainState`, any pytree of arrays, or an NNX module/optimizer or a tuple
+        of them (``(model, optimizer)``).
+      step: the step number (an int >= 0).
+      max_to_keep: keep only the newest this many checkpoints (None: all).
+      policy: recorded in the metadata (default: ``target.policy`` if there is one).
+
+    Raises:
+      ValueError: `step` is not an int >= 0, or a checkpoint for `step` exists already.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"save(step=...) takes an int >= 0; got {step!r}.")
+    ocp = _ocp()
+    flat = _flat(_as_tree(target))
+    meta = amp_metadata(target, policy)
+    meta["leaves"] = {
+        "/".join(path): [list(np.shape(leaf)), str(np.asarray(leaf).dtype)]
+        for path, leaf in flat.items()
+    }
+    manager = _manager(directory, max_to_keep, create=True)
+    if int(step) in manager.all_steps():
+        manager.close()
+        raise ValueError(
+            f"save(step={step}): a checkpoint for step {step} already exists in {directory}."
+        )
+    manager.save(
+        int(step),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_nest(flat)), amp=ocp.args.JsonSave(meta)
+        ),
+    )
+    manager.wait_until_finished()
+    manager.close()
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest saved step in `directory`, or None."""
+    manager = _manager(directory, None, create=False)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
+def all_steps(directory: str | os.PathLike) -> list[int]:
+    """All saved steps in `directory`, ascending."""
+    manager = _manager(directory, None, create=False)
+    try:
+        return sorted(manager.all_steps())
+    finally:
+        manager.close()
+
+
+def _signature(entries: list[dict[str, Any]]) -> dict[tuple[str, ...], tuple[str, dict]]:
+    return {tuple(e["path"]): (e["type"], e["config"]) for e in entries}
+
+
+def _mismatch_message(saved: dict, wanted: dict, directory: Any, step: int) -> str | None:
+    saved_sig, wanted_sig = _signature(saved["loss_scaled"]), _signature(wanted["loss_scaled"])
+    if saved_sig == wanted_sig:
+        return None
+
+    def show(sig):
+        if not sig:
+            return "no loss scaling (no jaxamp.loss_scaled optimizer)"
+        return "; ".join(f"{'/'.join(p) or '<top>'}: {t} {c}" for p, (t, c) in sig.items())
+
+    return (
+        f"restore({directory!s}, step={step}): the checkpoint was saved with {show(saved_sig)}, "
+        f"but the target has {show(wanted_sig)}. Build the target with the same loss scaling "
+        "to continue the run exactly, or pass on_loss_scale_mismatch='reset' to restore "
+        "everything else and start the target's own loss scale and skip counters afresh."
+    )
+
+
+def _starts(path: tuple[str, ...], prefix: tuple[str, ...]) -> bool:
+    return path[: len(prefix)] == prefix
+
+
+def _source_key(
+    path: tuple[str, ...],
+    saved_amp: list[tuple[str, ...]],
+    wanted_amp: list[tuple[str, ...]],
+    optimizer_paths: list[tuple[str, ...]],
+) -> tuple[str, ...] | None:
+    """Where a target leaf comes from under a reset (None: keep the target's value)."""
+    for prefix in wanted_amp:
+        if _starts(path, prefix):
+            rest = path[len(prefix) :]
+            if rest[:1] != ("inner_state",):
+                return None  # loss scale and skip counters: the target's fresh ones
+            if prefix in saved_amp:
+                return path
+            return prefix + rest[1:]  # the checkpoint had a plain optimizer here
+    for prefix in saved_amp:
+        if _starts(path, prefix):
+            return prefix + ("inner_state",) + path[len(prefix) :]
+    del optimizer_paths
+    return path
+
+
+def restore(
+    directory: str | os.PathLike,
+    target: Any,
+    step: int | None = None,
+    *,
+    on_loss_scale_mismatch: OnMismatch = "error",
+) -> Any:
+    """Restores a checkpoint into `target`'s structure.
+
+    Args:
+      directory: the directory given to `save`.
+      target: a state of the same structure (e.g. freshly created with the same config): its
+        leaves give the dtypes and shardings. NNX modules/optimizers are updated in place.
+      step: which step (default: the newest).
+      on_loss_scale_mismatch: "error" (default) raises `ValueError` when the checkpoint's loss
+        scaling differs from the target's; "reset" restores everything else and keeps the
+        target's loss-scaling state (scale, counters) as it is.
+
+    Returns:
+      The restored state (for NNX: `target`, updated in place).
+
+    Raises:
+      ValueError: no checkpoint; loss scaling differs (with "error"); leaves are missing,
+        unexpected, or of another shape.
+    """
+    if on_loss_scale_mismatch not in ("error", "reset"):
+        raise ValueError(
+            f"on_loss_scale_mismatch must be 'error' or 'reset'; got {on_loss_scale_mismatch!r}."
+        )
+    ocp = _ocp()
+    manager = _manager(directory, None, create=False)
+    try:
+        if step is None:
+            step = manager.latest_step()
+            if step is None:
+                raise ValueError(f"restore: no checkpoint found in {directory}.")
+        elif int(step) not in manager.all_steps():
+            raise ValueError(
+                f"restore(step={step}): no such checkpoint in {directory}; saved steps are "
+                f"{sorted(manager.all_steps())}."
+            )
+        saved = manager.restore(step, args=ocp.args.Composite(amp=ocp.args.JsonRestore()))["amp"]
+        wanted = amp_metadata(target)
+        message = _mismatch_message(saved, wanted, directory, step)
+        if message is not None and on_loss_scale_mismatch == "error":
+            raise ValueError(message)
+
+        tree = _as_tree(target)
+        target_flat = _flat(tree)
+        saved_leaves = {tuple(k.split("/")) if k else (): v for k, v in saved["leaves"].items()}
+        if message is None:
+            sources = {path: path for path in target_flat}
+        else:
+            saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
+            wanted_amp = [tuple(e["path"]) for e in wanted["loss_scaled"]]
+            sources = {
+                path: _source_key(path, saved_amp, wanted_amp, _optimizer_paths(target))
+                for path in target_flat
+            }
+        used = {src for src in sources.values() if src is not None}
+        missing = sorted("/".join(s) for s in used if s not in saved_leaves)
+        ignorable = set()
+        if message is not None:
+            saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
+            ignorable = {
+                p
+                for p in saved_leaves
+                if any(
+                    _starts(p, a) and p[len(a) : len(a) + 1] != ("inner_state",) for a in saved_amp
+                )
+            }
+        unexpected = sorted(
+            "/".join(p) for p in saved_leaves if p not in used and p not in ignorable
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"restore({directory!s}, step={step}): the checkpoint does not match the "
+                f"target (no partial loads). Missing in the checkpoint: {missing[:10]}; in the "
+                f"checkpoint but not the target: {unexpected[:10]}."
+            )
+        for path, src in sources.items():
+            if src is None:
+                continue
+            shape, dtype = saved_leaves[src]
+            leaf = target_flat[path]
+            if tuple(shape) != tuple(np.shape(leaf)):
+                raise ValueError(
+                    f"restore: leaf {'/'.join(path)} has shape {tuple(np.shape(leaf))} in the "
+                    f"target but {tuple(shape)} in the checkpoint."
+                )
+
+        abstract = {}
+        default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        by_source = {src: path for path, src in sources.items() if src is not None}
+        for src, (shape, dtype) in saved_leaves.items():
+            if src in by_source:
+                leaf = target_flat[by_source[src]]
+                sharding = getattr(leaf, "sharding", default_sharding)
+                leaf_dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+                abstract[src] = jax.ShapeDtypeStruct(
+                    tuple(shape), np.dtype(leaf_dtype), sharding=sharding
+                )
+            else:
+                abstract[src] = jax.ShapeDtypeStruct(
+                    tuple(shape), _dtype(dtype), sharding=default_sharding
+                )
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(abstract))),
+        )["state"]
+    finally:
+        manager.close()
+    restored_flat = _unnest(restored) if restored else {}
+    if () in abstract:  # a single-leaf target
+        restored_flat = {(): restored["_"]}
+    new_leaves = []
+    for path, leaf in target_flat.items():
+        src = sources[path]
+        new_leaves.append(leaf if src is None else restored_flat[src])
+    new_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), new_leaves)
+    if _is_nnx(target):
+        from flax import nnx
+
+        nnx.update(target, new_tree)
+        return target
+    return new_tree
+
+
+def _dtype(name: str) -> np.dtype:
+    import jax.numpy as jnp
+
+    return np.dtype(getattr(jnp, name)) if hasattr(jnp, name) else np.dtype(name)
+
+
+# Loss-scale classes that a record may name (for readers of the JSON).
+KNOWN_LOSS_SCALES = (DynamicLossScale.__name__, StaticLossScale.__name__, NoOpLossScale.__name__)
