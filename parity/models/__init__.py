@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -160,7 +159,8 @@ class ModelPair:
         return self.data(seed, batch_size)
 
     def num_params(self) -> int:
-        """Trainable parameter count of the torch model (equal to the Flax ``params`` count)."""
+        """Trainable parameter count of the torch model. Equal to the Flax ``params`` count except
+        for an LSTM, where torch has two bias vectors per layer (``4 * hidden`` more)."""
         return sum(p.numel() for p in self.torch_model.parameters() if p.requires_grad)
 
 
@@ -295,7 +295,3 @@ def eval_metric_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Arr
         hits = jnp.argmax(logits, axis=-1).astype(jnp.int32) == targets.astype(jnp.int32)
         return jnp.mean(hits.astype(jnp.float32))
     return loss_jax(task, logits, targets)
-
-
-def _count(tree: Any) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))

@@ -53,3 +53,30 @@ class TorchBatchNorm(nn.Module):
         y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + jnp.float32(self.epsilon)))
         y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype if self.dtype is not None else x.dtype)
+
+
+class TorchLayerNorm(nn.Module):
+    """LayerNorm over the last axis, computed in float32, torch's default ``eps=1e-5``.
+
+    Same parameters as ``flax.linen.LayerNorm`` (``scale``, ``bias``), so
+    ``parity.transfer.layernorm_to_flax`` applies. Unlike ``flax.linen.LayerNorm`` it runs in
+    bfloat16/float16 under ``jax_numpy_dtype_promotion="strict"`` (flax promotes the input dtype
+    implicitly to float32 there, which strict mode rejects). Output dtype: ``dtype`` if given,
+    else the input's.
+    """
+
+    epsilon: float = 1e-5
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        features = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + jnp.float32(self.epsilon)))
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(self.dtype if self.dtype is not None else x.dtype)

@@ -2,7 +2,9 @@
 
 Token + learned position embeddings -> ``num_layers`` pre-LayerNorm blocks
 (``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` with causal multi-head attention and an exact-erf GELU
-MLP) -> final LayerNorm -> linear head (not tied). LayerNorm eps is torch's 1e-5 on both sides.
+MLP) -> final LayerNorm -> linear head (not tied). LayerNorm eps is torch's 1e-5 on both sides;
+the Flax side uses ``TorchLayerNorm`` (same params as ``flax.linen.LayerNorm``, float32 statistics,
+runs in bfloat16 under strict dtype promotion).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from parity import transfer
 from parity.data import synthetic_tokens
+from parity.models.layers import TorchLayerNorm
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,
@@ -78,7 +81,7 @@ class FlaxBlock(nn.Module):
     @nn.compact
     def __call__(self, x, mask):
         kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        norm = functools.partial(nn.LayerNorm, epsilon=LN_EPS, use_fast_variance=False, **kwargs)
+        norm = functools.partial(TorchLayerNorm, epsilon=LN_EPS, **kwargs)
         h = norm(name="ln1")(x)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
@@ -121,7 +124,7 @@ class FlaxTransformerLM(nn.Module):
             x = FlaxBlock(
                 self.d_model, self.num_heads, self.mlp_ratio, name=f"blocks_{index}", **kwargs
             )(x, mask)
-        x = nn.LayerNorm(epsilon=LN_EPS, use_fast_variance=False, name="ln_f", **kwargs)(x)
+        x = TorchLayerNorm(epsilon=LN_EPS, name="ln_f", **kwargs)(x)
         return nn.Dense(self.vocab_size, name="head", **kwargs)(x)
 
 

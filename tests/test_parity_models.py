@@ -1,0 +1,581 @@
+"""Matched model pairs and layer-level weight transfer: torch and Flax forward passes agree."""
+
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity import transfer  # noqa: E402
+from parity.models import (  # noqa: E402
+    MODEL_NAMES,
+    ModelPair,
+    eval_metric_jax,
+    eval_metric_name,
+    eval_metric_torch,
+    get_model_pair,
+    loss_jax,
+    loss_torch,
+)
+from parity.models.layers import TorchBatchNorm, TorchLayerNorm  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+ATOL = 1e-5  # fp32 forward agreement required by the issue
+
+
+def _np(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def _max_diff(a, b):
+    return float(np.max(np.abs(_np(a) - _np(b))))
+
+
+def _randn(*shape, seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def _randomise(module, seed=1):
+    """Non-trivial values everywhere (biases, norm scales), so no transfer bug hides behind 0/1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        for name, buffer in module.named_buffers():
+            if name.endswith("running_mean"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("running_var"):
+                buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5)
+    return module
+
+
+# --- layer level -------------------------------------------------------------------------------
+
+
+def _layer_roundtrip(torch_layer, to_flax, from_flax, fresh_layer):
+    """to_flax then from_flax into a fresh layer reproduces every torch tensor."""
+    from_flax(to_flax(torch_layer), fresh_layer)
+    for (name, a), (_, b) in zip(
+        torch_layer.state_dict().items(), fresh_layer.state_dict().items(), strict=True
+    ):
+        np.testing.assert_array_equal(_np(a), _np(b), err_msg=name)
+
+
+def test_linear():
+    layer = _randomise(torch.nn.Linear(7, 5))
+    x = _randn(3, 7)
+    params = transfer.linear_to_flax(layer)
+    out = nn.Dense(5).apply({"params": params}, jnp.asarray(x))
+    assert _max_diff(layer(torch.from_numpy(x)), out) < ATOL
+    _layer_roundtrip(
+        layer, transfer.linear_to_flax, transfer.linear_from_flax, torch.nn.Linear(7, 5)
+    )
+
+
+def test_linear_without_bias():
+    layer = _randomise(torch.nn.Linear(4, 3, bias=False))
+    params = transfer.linear_to_flax(layer)
+    assert set(params) == {"kernel"}
+    x = _randn(2, 4)
+    out = nn.Dense(3, use_bias=False).apply({"params": params}, jnp.asarray(x))
+    assert _max_diff(layer(torch.from_numpy(x)), out) < ATOL
+
+
+def test_linear_after_flatten_permutes_nchw_to_nhwc():
+    c, h, w = 3, 4, 5
+    layer = _randomise(torch.nn.Linear(c * h * w, 6))
+    nhwc = _randn(2, h, w, c)
+    torch_out = layer(torch.from_numpy(nhwc).permute(0, 3, 1, 2).flatten(1))
+    params = transfer.linear_to_flax(layer, input_chw=(c, h, w))
+    flax_out = nn.Dense(6).apply({"params": params}, jnp.asarray(nhwc.reshape(2, -1)))
+    assert _max_diff(torch_out, flax_out) < ATOL
+    fresh = torch.nn.Linear(c * h * w, 6)
+    transfer.linear_from_flax(params, fresh, input_chw=(c, h, w))
+    np.testing.assert_array_equal(_np(fresh.weight), _np(layer.weight))
+    with pytest.raises(ValueError, match="input_chw"):
+        transfer.linear_to_flax(layer, input_chw=(3, 4, 4))
+
+
+@pytest.mark.parametrize(("stride", "padding", "bias"), [(1, 1, True), (2, 0, True), (1, 1, False)])
+def test_conv(stride, padding, bias):
+    layer = _randomise(torch.nn.Conv2d(3, 4, 3, stride=stride, padding=padding, bias=bias))
+    x = _randn(2, 9, 9, 3)
+    torch_out = layer(torch.from_numpy(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    flax_conv = nn.Conv(4, (3, 3), strides=stride, padding=((padding, padding),) * 2, use_bias=bias)
+    flax_out = flax_conv.apply({"params": transfer.conv_to_flax(layer)}, jnp.asarray(x))
+    assert torch_out.shape == flax_out.shape
+    assert _max_diff(torch_out, flax_out) < ATOL
+    _layer_roundtrip(
+        layer,
+        transfer.conv_to_flax,
+        transfer.conv_from_flax,
+        torch.nn.Conv2d(3, 4, 3, stride=stride, padding=padding, bias=bias),
+    )
+
+
+def test_layernorm():
+    layer = _randomise(torch.nn.LayerNorm(8))
+    x = _randn(4, 3, 8) * 3 + 1
+    flax_ln = nn.LayerNorm(epsilon=layer.eps, use_fast_variance=False)
+    out = flax_ln.apply({"params": transfer.layernorm_to_flax(layer)}, jnp.asarray(x))
+    assert _max_diff(layer(torch.from_numpy(x)), out) < ATOL
+    _layer_roundtrip(
+        layer, transfer.layernorm_to_flax, transfer.layernorm_from_flax, torch.nn.LayerNorm(8)
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_torch_layernorm_module(dtype):
+    """parity's TorchLayerNorm: same params as flax's, float32 statistics, strict-promotion safe."""
+    layer = _randomise(torch.nn.LayerNorm(8))
+    x = _randn(4, 3, 8) * 3 + 1
+    params = jax.tree.map(lambda a: a.astype(dtype), transfer.layernorm_to_flax(layer))
+    out = TorchLayerNorm(epsilon=layer.eps).apply({"params": params}, jnp.asarray(x, dtype=dtype))
+    assert out.dtype == dtype
+    tolerance = ATOL if dtype == jnp.float32 else 0.1
+    assert _max_diff(layer(torch.from_numpy(x)), out) < tolerance
+
+
+def test_layernorm_default_epsilon_differs():
+    """Why the eps must be set: Flax's default 1e-6 vs torch's 1e-5 is visible on small inputs."""
+    layer = torch.nn.LayerNorm(8)
+    x = _randn(4, 8) * 1e-3
+    out = nn.LayerNorm().apply({"params": transfer.layernorm_to_flax(layer)}, jnp.asarray(x))
+    assert _max_diff(layer(torch.from_numpy(x)), out) > 1e-2
+
+
+def _batchnorm_pair():
+    layer = _randomise(torch.nn.BatchNorm2d(4))
+    params, stats = transfer.batchnorm_to_flax(layer)
+    return layer, {"params": params, "batch_stats": stats}
+
+
+@pytest.mark.parametrize("flax_cls", ["flax.linen.BatchNorm", "TorchBatchNorm"])
+def test_batchnorm_eval_and_train_outputs(flax_cls):
+    layer, variables = _batchnorm_pair()
+    x = _randn(8, 5, 5, 4) * 2 + 0.5
+    x_torch = torch.from_numpy(x).permute(0, 3, 1, 2)
+
+    def flax_forward(train):
+        if flax_cls == "TorchBatchNorm":
+            module = TorchBatchNorm(momentum=1 - layer.momentum, epsilon=layer.eps)
+            return module.apply(variables, jnp.asarray(x), train, mutable=["batch_stats"])
+        module = nn.BatchNorm(
+            use_running_average=not train,
+            momentum=1 - layer.momentum,
+            epsilon=layer.eps,
+            use_fast_variance=False,
+        )
+        return module.apply(variables, jnp.asarray(x), mutable=["batch_stats"])
+
+    layer.eval()
+    out, _ = flax_forward(train=False)
+    assert _max_diff(layer(x_torch).permute(0, 2, 3, 1), out) < ATOL
+    layer.train()
+    out, updates = flax_forward(train=True)
+    assert _max_diff(layer(x_torch).permute(0, 2, 3, 1), out) < ATOL
+    stats = updates["batch_stats"]
+    assert _max_diff(layer.running_mean, stats["mean"]) < ATOL
+    var_diff = _max_diff(layer.running_var, stats["var"])
+    if flax_cls == "TorchBatchNorm":
+        assert var_diff < ATOL  # torch's unbiased running variance, reproduced
+    else:
+        assert var_diff > 1e-3  # flax.linen.BatchNorm keeps the biased variance: documented gap
+
+
+def test_batchnorm_roundtrip_includes_running_stats():
+    layer, variables = _batchnorm_pair()
+    fresh = torch.nn.BatchNorm2d(4)
+    transfer.batchnorm_from_flax(variables["params"], variables["batch_stats"], fresh)
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(_np(value), _np(fresh.state_dict()[name]), err_msg=name)
+
+
+def test_embedding():
+    layer = _randomise(torch.nn.Embedding(11, 6))
+    tokens = np.random.default_rng(0).integers(0, 11, size=(3, 7)).astype(np.int32)
+    out = nn.Embed(11, 6).apply({"params": transfer.embedding_to_flax(layer)}, jnp.asarray(tokens))
+    assert _max_diff(layer(torch.from_numpy(tokens).long()), out) == 0.0
+    _layer_roundtrip(
+        layer, transfer.embedding_to_flax, transfer.embedding_from_flax, torch.nn.Embedding(11, 6)
+    )
+
+
+@pytest.mark.parametrize("cell_cls", [nn.OptimizedLSTMCell, nn.LSTMCell])
+def test_lstm(cell_cls):
+    layer = _randomise(torch.nn.LSTM(5, 7, batch_first=True), seed=3)
+    x = _randn(2, 6, 5)
+    torch_out, (h_n, c_n) = layer(torch.from_numpy(x))
+    rnn = nn.RNN(cell_cls(7), return_carry=True)
+    (c_flax, h_flax), flax_out = rnn.apply(
+        {"params": {"cell": transfer.lstm_to_flax(layer)}}, jnp.asarray(x)
+    )
+    assert _max_diff(torch_out, flax_out) < ATOL
+    assert _max_diff(h_n[0], h_flax) < ATOL
+    assert _max_diff(c_n[0], c_flax) < ATOL
+
+
+def test_lstm_from_flax_sums_biases_into_bias_hh():
+    layer = _randomise(torch.nn.LSTM(5, 7, batch_first=True), seed=3)
+    fresh = torch.nn.LSTM(5, 7, batch_first=True)
+    transfer.lstm_from_flax(transfer.lstm_to_flax(layer), fresh)
+    for name in ("weight_ih_l0", "weight_hh_l0"):
+        np.testing.assert_array_equal(_np(getattr(layer, name)), _np(getattr(fresh, name)))
+    np.testing.assert_allclose(
+        _np(fresh.bias_ih_l0 + fresh.bias_hh_l0), _np(layer.bias_ih_l0 + layer.bias_hh_l0)
+    )
+    assert not fresh.bias_ih_l0.any()
+    x = torch.from_numpy(_randn(2, 4, 5))
+    assert _max_diff(layer(x)[0], fresh(x)[0]) < ATOL
+
+
+def test_lstm_second_layer_and_errors():
+    layer = _randomise(torch.nn.LSTM(4, 4, num_layers=2, batch_first=True))
+    second = transfer.lstm_to_flax(layer, layer=1)
+    np.testing.assert_array_equal(np.asarray(second["ii"]["kernel"]), _np(layer.weight_ih_l1[:4]).T)
+    with pytest.raises(ValueError, match="layer"):
+        transfer.lstm_to_flax(layer, layer=2)
+    with pytest.raises(ValueError, match="bidirectional"):
+        transfer.lstm_to_flax(torch.nn.LSTM(4, 4, bidirectional=True))
+    with pytest.raises(TypeError, match="torch.nn.LSTM"):
+        transfer.lstm_to_flax(torch.nn.GRU(4, 4))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention(causal):
+    embed, heads, length = 16, 4, 6
+    layer = _randomise(torch.nn.MultiheadAttention(embed, heads, batch_first=True), seed=5)
+    x = _randn(2, length, embed)
+    x_torch = torch.from_numpy(x)
+    torch_mask = torch.ones(length, length, dtype=torch.bool).triu(1) if causal else None
+    torch_out, _ = layer(x_torch, x_torch, x_torch, attn_mask=torch_mask, need_weights=False)
+    flax_mask = nn.make_causal_mask(jnp.ones((1, length), jnp.int32)) if causal else None
+    attention = nn.MultiHeadDotProductAttention(
+        num_heads=heads, qkv_features=embed, out_features=embed, deterministic=True
+    )
+    flax_out = attention.apply(
+        {"params": transfer.attention_to_flax(layer)}, jnp.asarray(x), mask=flax_mask
+    )
+    assert _max_diff(torch_out, flax_out) < ATOL
+    _layer_roundtrip(
+        layer,
+        transfer.attention_to_flax,
+        transfer.attention_from_flax,
+        torch.nn.MultiheadAttention(embed, heads, batch_first=True),
+    )
+
+
+def test_transfer_errors_name_the_problem():
+    with pytest.raises(TypeError, match="torch.nn.Linear, got Conv2d"):
+        transfer.linear_to_flax(torch.nn.Conv2d(1, 1, 1))
+    with pytest.raises(ValueError, match="shape"):
+        transfer.linear_from_flax(
+            transfer.linear_to_flax(torch.nn.Linear(3, 2)), torch.nn.Linear(4, 2)
+        )
+    with pytest.raises(ValueError, match="'kernel'"):
+        transfer.conv_from_flax({"weight": np.zeros((3, 3, 1, 1))}, torch.nn.Conv2d(1, 1, 3))
+    with pytest.raises(ValueError, match="groups"):
+        transfer.conv_to_flax(torch.nn.Conv2d(2, 2, 3, groups=2))
+
+
+def test_from_flax_accepts_bfloat16_and_keeps_torch_dtype():
+    layer = _randomise(torch.nn.Linear(3, 2))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), transfer.linear_to_flax(layer))
+    fresh = torch.nn.Linear(3, 2)
+    transfer.linear_from_flax(params, fresh)
+    assert fresh.weight.dtype == torch.float32
+    assert _max_diff(fresh.weight, layer.weight) < 1e-2
+
+
+# --- model level -------------------------------------------------------------------------------
+
+
+def _pair_and_batch(name, batch_size=4, **overrides):
+    pair = get_model_pair(name, seed=0, **overrides)
+    _randomise_norms(pair.torch_model)
+    inputs, targets = pair.make_data(seed=1, batch_size=batch_size).batch(0)
+    return pair, inputs, targets
+
+
+def _jit_apply(pair):
+    return jax.jit(pair.flax_apply, static_argnums=2)
+
+
+def _randomise_norms(model):
+    """BatchNorm starts at scale 1, bias 0, mean 0, var 1: move them so the transfer is tested."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            _randomise(module, seed=7)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_variable_tree_matches_flax_init(name):
+    pair, inputs, _ = _pair_and_batch(name)
+    init = functools.partial(pair.flax_model.init, train=False)
+    initialised = jax.eval_shape(init, jax.random.key(0), jnp.asarray(inputs))
+    converted = pair.torch_to_flax()
+    assert jax.tree.map(np.shape, converted) == jax.tree.map(np.shape, dict(initialised))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(converted))
+    flax_count = sum(leaf.size for leaf in jax.tree.leaves(converted["params"]))
+    extra = 4 * pair.config["hidden"] if name == "lstm" else 0  # torch's second LSTM bias
+    assert flax_count + extra == pair.num_params()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_forward_agrees_fp32(name, train):
+    pair, inputs, targets = _pair_and_batch(name)
+    variables = pair.torch_to_flax()
+    torch_logits = pair.torch_forward(pair.torch_model, torch.from_numpy(inputs), train)
+    flax_logits, new_stats = _jit_apply(pair)(variables, jnp.asarray(inputs), train)
+    assert torch_logits.shape == flax_logits.shape
+    assert _max_diff(torch_logits, flax_logits) < ATOL
+    assert (new_stats is not None) == (train and name == "cnn_bn")
+    if new_stats is not None:  # the torch forward just updated its running stats the same way
+        after = pair.torch_to_flax()["batch_stats"]
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(new_stats), strict=True):
+            assert _max_diff(a, b) < ATOL
+    torch_loss = loss_torch(pair.task, torch_logits, torch.from_numpy(targets))
+    jax_loss = loss_jax(pair.task, flax_logits, jnp.asarray(targets))
+    assert torch_loss.dtype == torch.float32 and jax_loss.dtype == jnp.float32
+    assert abs(float(torch_loss.detach()) - float(jax_loss)) < ATOL
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_gradients_agree_fp32(name):
+    pair, inputs, targets = _pair_and_batch(name)
+    variables = pair.torch_to_flax()
+    model = pair.torch_model
+    model.zero_grad()
+    logits = pair.torch_forward(model, torch.from_numpy(inputs), train=True)
+    loss_torch(pair.task, logits, torch.from_numpy(targets)).backward()
+    # Put the torch gradients where the weights were, then convert with the same transfer.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad)
+    torch_grads = pair.torch_to_flax()["params"]
+    if name == "lstm":  # torch has two bias gradients per gate, Flax one: the sum is their sum/2
+        torch_grads = jax.tree_util.tree_map_with_path(
+            lambda path, g: (
+                g / 2
+                if "bias" in jax.tree_util.keystr(path) and "lstm" in jax.tree_util.keystr(path)
+                else g
+            ),
+            torch_grads,
+        )
+
+    def loss_fn(params):
+        logits, _ = pair.flax_apply({**variables, "params": params}, jnp.asarray(inputs), True)
+        return loss_jax(pair.task, logits, jnp.asarray(targets))
+
+    jax_grads = jax.jit(jax.grad(loss_fn))(variables["params"])
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(jax_grads), jax.tree.leaves(torch_grads), strict=True
+    ):
+        scale = max(1.0, float(np.max(np.abs(_np(a)))))
+        assert _max_diff(a, b) < 1e-4 * scale, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_flax_to_torch_roundtrip(name):
+    pair, inputs, _ = _pair_and_batch(name)
+    variables = pair.torch_to_flax()
+    other = get_model_pair(name, seed=123).torch_model
+    pair.flax_to_torch(variables, other)
+    x = torch.from_numpy(inputs)
+    expected = pair.torch_forward(pair.torch_model, x, train=False)
+    assert _max_diff(pair.torch_forward(other, x, train=False), expected) < ATOL
+    back = pair.torch_to_flax(other)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(variables), strict=True):
+        assert _max_diff(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_flax_apply_under_jit(name):
+    pair, inputs, _ = _pair_and_batch(name)
+    variables = pair.torch_to_flax()
+    apply = jax.jit(pair.flax_apply, static_argnums=2)
+    jit_logits, _ = apply(variables, jnp.asarray(inputs), True)
+    eager_logits, _ = pair.flax_apply(variables, jnp.asarray(inputs), True)
+    assert _max_diff(jit_logits, eager_logits) < ATOL
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_bfloat16_build_runs_under_strict_promotion(name):
+    pair, inputs, _ = _pair_and_batch(name)
+    variables = pair.torch_to_flax()
+    low = ModelPair(
+        **{
+            **pair.__dict__,
+            "flax_model": pair.flax_model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+        }
+    )
+    bf16_vars = {
+        "params": jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables["params"]),
+        **({"batch_stats": variables["batch_stats"]} if "batch_stats" in variables else {}),
+    }
+    x = jnp.asarray(inputs)
+    if x.dtype == jnp.float32:
+        x = x.astype(jnp.bfloat16)
+    logits, _ = _jit_apply(low)(bf16_vars, x, True)
+    assert logits.dtype == jnp.bfloat16
+    reference, _ = _jit_apply(pair)(variables, jnp.asarray(inputs), True)
+    scale = float(jnp.max(jnp.abs(reference)))
+    assert _max_diff(logits, reference) < 0.1 * max(scale, 1.0)
+
+
+def test_get_model_pair_dtype_arguments():
+    pair = get_model_pair("mlp", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    assert pair.flax_model.dtype == jnp.bfloat16 and pair.flax_model.param_dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_seeded_init_and_config(name):
+    a, b, c = (get_model_pair(name, seed=s) for s in (0, 0, 1))
+    for (key, pa), pb in zip(
+        a.torch_model.state_dict().items(),
+        b.torch_model.state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(pa, pb), key
+    assert any(
+        not torch.equal(pa, pc)
+        for pa, pc in zip(a.torch_model.parameters(), c.torch_model.parameters(), strict=True)
+    )
+    assert json.loads(json.dumps(a.config))
+    assert a.task in ("classification", "lm")
+
+
+def test_global_torch_rng_untouched():
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    get_model_pair("cnn", seed=7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tasks_and_shapes():
+    shapes = {}
+    for name in MODEL_NAMES:
+        pair, inputs, targets = _pair_and_batch(name, batch_size=3)
+        apply = functools.partial(pair.flax_apply, train=False)
+        logits, _ = jax.eval_shape(apply, pair.torch_to_flax(), jnp.asarray(inputs))
+        shapes[name] = (pair.task, logits.shape, targets.shape)
+    assert shapes["mlp"] == ("classification", (3, 10), (3,))
+    assert shapes["cnn"] == ("classification", (3, 10), (3,))
+    assert shapes["lstm"] == ("classification", (3, 2), (3,))
+    assert shapes["transformer"] == ("lm", (3, 64, 256), (3, 64))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_fashion_mnist_shaped_override(name):
+    pair, inputs, _ = _pair_and_batch(name, image_shape=(28, 28, 1))
+    assert inputs.shape == (4, 28, 28, 1)
+    torch_logits = pair.torch_forward(pair.torch_model, torch.from_numpy(inputs), False)
+    flax_logits, _ = pair.flax_apply(pair.torch_to_flax(), jnp.asarray(inputs), False)
+    assert _max_diff(torch_logits, flax_logits) < ATOL
+
+
+def test_transformer_overrides():
+    pair, inputs, _ = _pair_and_batch(
+        "transformer", d_model=32, num_heads=2, num_layers=1, seq_len=16
+    )
+    assert inputs.shape == (4, 16)
+    logits = pair.torch_forward(pair.torch_model, torch.from_numpy(inputs), False)
+    flax_logits, _ = _jit_apply(pair)(pair.torch_to_flax(), jnp.asarray(inputs), False)
+    assert _max_diff(logits, flax_logits) < ATOL
+
+
+def test_bad_names_and_overrides():
+    with pytest.raises(ValueError, match="valid models are mlp, cnn"):
+        get_model_pair("resnet")
+    with pytest.raises(ValueError, match=r"unknown override\(s\) \['depth'\]"):
+        get_model_pair("mlp", depth=3)
+    with pytest.raises(ValueError, match="`hidden` must be a positive integer"):
+        get_model_pair("mlp", hidden=0)
+    with pytest.raises(ValueError, match="`image_shape` must be a tuple of 3"):
+        get_model_pair("cnn", image_shape=(32, 32))
+    with pytest.raises(ValueError, match="needs H and W >= 4"):
+        get_model_pair("cnn", image_shape=(2, 2, 3))
+    with pytest.raises(ValueError, match="divisible"):
+        get_model_pair("transformer", d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="`seed`"):
+        get_model_pair("mlp", seed=-1)
+    pair = get_model_pair("mlp")
+    with pytest.raises(ValueError, match="'params'"):
+        pair.flax_to_torch({"weights": {}})
+
+
+def test_losses_and_metrics_agree():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 5)).astype(np.float32)
+    labels = rng.integers(0, 5, size=6).astype(np.int32)
+    for task, lg, lb in (
+        ("classification", logits, labels),
+        ("lm", logits.reshape(2, 3, 5), labels.reshape(2, 3)),
+    ):
+        assert (
+            abs(
+                float(loss_torch(task, torch.from_numpy(lg), torch.from_numpy(lb)))
+                - float(loss_jax(task, jnp.asarray(lg), jnp.asarray(lb)))
+            )
+            < 1e-6
+        )
+        m_t = eval_metric_torch(task, torch.from_numpy(lg), torch.from_numpy(lb))
+        m_j = eval_metric_jax(task, jnp.asarray(lg), jnp.asarray(lb))
+        assert m_j.dtype == jnp.float32 and m_t.dtype == torch.float32
+        assert abs(float(m_t) - float(m_j)) < 1e-6
+    accuracy = float(eval_metric_jax("classification", jnp.asarray(logits), jnp.asarray(labels)))
+    assert accuracy == float(np.mean(logits.argmax(-1) == labels))
+    assert eval_metric_name("classification") == "accuracy" and eval_metric_name("lm") == "loss"
+    # low-precision logits: the loss is still computed (and returned) in float32
+    bf16 = jnp.asarray(logits, dtype=jnp.bfloat16)
+    assert loss_jax("classification", bf16, jnp.asarray(labels)).dtype == jnp.float32
+    assert (
+        loss_torch(
+            "classification", torch.from_numpy(logits).bfloat16(), torch.from_numpy(labels)
+        ).dtype
+        == torch.float32
+    )
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        loss_jax("regression", jnp.asarray(logits), jnp.asarray(labels))
+
+
+def test_user_built_pair():
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class FlaxNet(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, name="fc")(x)
+
+    pair = ModelPair(
+        name="mine",
+        task="classification",
+        torch_model=TorchNet(),
+        flax_model=FlaxNet(),
+        config={},
+        to_flax=lambda m: {"params": {"fc": transfer.linear_to_flax(m.fc)}},
+        from_flax=lambda v, m: transfer.linear_from_flax(v["params"]["fc"], m.fc),
+    )
+    x = _randn(2, 4)
+    logits, _ = pair.flax_apply(pair.torch_to_flax(), jnp.asarray(x), True)
+    assert _max_diff(pair.torch_forward(pair.torch_model, torch.from_numpy(x), True), logits) < ATOL
+    with pytest.raises(ValueError, match="no default data"):
+        pair.make_data(0, 2)
+    with pytest.raises(TypeError, match="to_flax"):
+        ModelPair("x", "lm", TorchNet(), FlaxNet(), {})
