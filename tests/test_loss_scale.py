@@ -548,7 +548,6 @@ def test_faults_3_survives_vmap():
         assert int(stepped.hysteresis_tracker[i]) == int(single.hysteresis_tracker)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning:orbax.*")
 def test_faults_3_survives_orbax_checkpoint(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     loss_scale = _overflow_many(_custom_scale())
@@ -860,6 +859,19 @@ def test_fresh_torch_state_dict(torch):
         DynamicLossScale.from_state_dict(state, min_scale=1.0),
         DynamicLossScale.create(init_scale=2.0**10, min_scale=1.0),
     )
+
+
+def test_collapsed_torch_state_dict_is_a_clear_error(torch):
+    """A torch scaler that decayed to 0.0 cannot be loaded silently: a scale of 0 is invalid."""
+    reference = TorchScaler(torch, init_scale=2.0**-140, backoff_factor=0.125)
+    while reference.state[0] > 0.0:
+        reference.step(INF)
+    state = reference.scaler.state_dict()
+    assert state["scale"] == 0.0
+    with pytest.raises(ValueError, match="0.0"):
+        DynamicLossScale.from_state_dict(state)
+    # The documented way out: pass a fresh scale explicitly.
+    assert float(DynamicLossScale.from_state_dict(state, init_scale=1.0).loss_scale) == 1.0
 
 
 def test_from_state_dict_errors():
