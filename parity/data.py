@@ -450,6 +450,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     _ALLOWED = {
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol-2 pickles from Python 3 store bytes
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "scalar"),
         ("numpy.core.multiarray", "_reconstruct"),
@@ -468,8 +469,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 
 def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with path.open("rb") as handle:
-        batch = _NumpyOnlyUnpickler(io.BufferedReader(handle), encoding="bytes").load()
+    batch = _NumpyOnlyUnpickler(io.BytesIO(path.read_bytes()), encoding="bytes").load()
     if not isinstance(batch, dict):
         raise ValueError(f"{path}: expected a pickled dict, got {type(batch).__name__}.")
     data = batch.get(b"data", batch.get("data"))
