@@ -50,6 +50,9 @@ _FP32_CATEGORIES = frozenset({"fp32", "fp32_set_opt_dtype", "fp32_append_dtype",
 # torch ops that torch itself decomposes (no kernel of their own): their JAX counterparts are left
 # to the primitive rules unless the op is on a list.
 _COMPOSITE_IN_TORCH = frozenset({"cross_entropy_loss", "einsum"})
+_FIRST_ORDER_WITH_JAXPR = frozenset(
+    {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add", "sort"}
+)
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 # Warn once per unknown higher-order primitive and process (a warning, not state the math reads).
@@ -380,6 +383,9 @@ class _Interpreter:
         if handler is not None:
             outs = handler(self, eqn, vals, region)
             return list(outs)
+        if name in _FIRST_ORDER_WITH_JAXPR or name.startswith("scatter"):
+            # A combiner jaxpr (scatter-add's add) typed for the traced dtypes: run as written.
+            return self._bind(eqn, self._as_written(eqn, vals), dict(eqn.params))
         if next(iter(jex_core.jaxprs_in_params(eqn.params)), None) is not None:
             if name not in _warned_primitives:
                 _warned_primitives.add(name)
