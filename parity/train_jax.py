@@ -14,11 +14,14 @@ Precisions:
 
 Optimizer: ``optax.adamw`` or momentum SGD (``add_decayed_weights`` then ``optax.sgd``: torch's
 L2-style ``weight_decay``), after torch-exact global-norm clipping, wrapped in
-``optax.inject_hyperparams`` so the host-computed learning rate of each iteration is fed in.
+``optax.inject_hyperparams`` so the host-computed learning rate of each iteration is fed in (the
+other hyperparameters stay static Python floats: as float32 arrays they would promote bf16-true
+optimizer state to float32).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -44,28 +47,33 @@ def autocast_available() -> bool:
     return USE_AUTOCAST and hasattr(jaxamp, "autocast")
 
 
-def mixed_value_and_grad(loss_fn, config: RunConfig):
+def mixed_value_and_grad(loss_fn, config: RunConfig, use_autocast: bool | None = None):
     """`jaxamp.value_and_grad` for the run's precision: the one place that picks autocast or policy.
 
     `loss_fn(params, inputs, targets, *, batch_stats) -> (loss, new_batch_stats)`. The returned
-    function takes the same arguments plus ``loss_scale``.
+    function takes the same arguments plus ``loss_scale``. `use_autocast` defaults to
+    `autocast_available()`.
     """
+    if use_autocast is None:
+        use_autocast = autocast_available()
     if not config.mixed:
         return jaxamp.value_and_grad(loss_fn, has_aux=True)
-    if autocast_available():
+    if use_autocast:
         # loss_fn was built with `autocast_forward`: the forward pass is autocast, the loss is
         # float32 (torch's cross_entropy is on its float32 list).
         return jaxamp.value_and_grad(loss_fn, has_aux=True)
     return jaxamp.value_and_grad(loss_fn, policy=config.policy, has_aux=True)
 
 
-def autocast_forward(forward, config: RunConfig):
+def autocast_forward(forward, config: RunConfig, use_autocast: bool | None = None):
     """`forward` under `jaxamp.autocast` for a mixed run with autocast; else `forward` itself.
 
     Only the model's forward pass is wrapped, not the loss: the loss casts the logits to float32
     and torch computes cross-entropy in float32 under autocast on every device.
     """
-    if config.mixed and autocast_available():
+    if use_autocast is None:
+        use_autocast = autocast_available()
+    if config.mixed and use_autocast:
         return jaxamp.autocast(
             forward,
             dtype=_COMPUTE_DTYPES[config.precision],
@@ -74,11 +82,13 @@ def autocast_forward(forward, config: RunConfig):
     return forward
 
 
-def mixed_method(config: RunConfig) -> str:
+def mixed_method(config: RunConfig, use_autocast: bool | None = None) -> str:
     """How the JAX side realises the precision (logged in the run record)."""
+    if use_autocast is None:
+        use_autocast = autocast_available()
     if not config.mixed:
         return "bf16 params and inputs" if config.precision == "bf16-true" else "float32"
-    if autocast_available():
+    if use_autocast:
         return f"jaxamp.autocast(device={torch_device_type(config.device)!r})"
     return f"jaxamp policy {config.policy}"
 
@@ -119,7 +129,11 @@ def _sgd(learning_rate, momentum, weight_decay):
 def build_jax_optimizer(config: RunConfig) -> optax.GradientTransformation:
     """The optax twin of `train_torch.build_torch_optimizer`, with clipping and loss scaling."""
     if config.optimizer == "adamw":
-        inner = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(
+        inner = optax.inject_hyperparams(
+            optax.adamw,
+            static_args=("b1", "b2", "eps", "weight_decay"),
+            hyperparam_dtype=jnp.float32,
+        )(
             learning_rate=config.lr,
             b1=config.betas[0],
             b2=config.betas[1],
@@ -127,9 +141,9 @@ def build_jax_optimizer(config: RunConfig) -> optax.GradientTransformation:
             weight_decay=config.weight_decay,
         )
     else:
-        inner = optax.inject_hyperparams(_sgd, hyperparam_dtype=jnp.float32)(
-            learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
+        inner = optax.inject_hyperparams(
+            _sgd, static_args=("momentum", "weight_decay"), hyperparam_dtype=jnp.float32
+        )(learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     if config.clip_norm is not None:
         inner = optax.chain(clip_by_global_norm_torch(config.clip_norm), inner)
     if config.loss_scaling:
@@ -205,21 +219,23 @@ def train_jax(
     opt_state = jax.jit(tx.init)(params)
     task = pair.task
 
-    def forward(params, inputs, batch_stats):
-        full = {"params": params}
-        if batch_stats is not None:
-            full["batch_stats"] = batch_stats
-        return pair.flax_apply(full, inputs, train=True)
+    def make_train_step(use_autocast):
+        def forward(params, inputs, batch_stats):
+            full = {"params": params}
+            if batch_stats is not None:
+                full["batch_stats"] = batch_stats
+            return pair.flax_apply(full, inputs, train=True)
 
-    forward = autocast_forward(forward, config)
+        forward = autocast_forward(forward, config, use_autocast)
 
-    def loss_fn(params, inputs, targets, *, batch_stats):
-        logits, new_stats = forward(params, inputs, batch_stats)
-        return loss_jax(task, logits.astype(jnp.float32), targets), new_stats
+        def loss_fn(params, inputs, targets, *, batch_stats):
+            logits, new_stats = forward(params, inputs, batch_stats)
+            return loss_jax(task, logits.astype(jnp.float32), targets), new_stats
 
-    grad_fn = mixed_value_and_grad(loss_fn, config)
+        grad_fn = mixed_value_and_grad(loss_fn, config, use_autocast)
+        return functools.partial(train_step, grad_fn)
 
-    def train_step(params, batch_stats, opt_state, inputs, targets, learning_rate):
+    def train_step(grad_fn, params, batch_stats, opt_state, inputs, targets, learning_rate):
         opt_state = set_learning_rate(opt_state, learning_rate)
         if config.loss_scaling:
             scale_used = jaxamp.get_loss_scale(opt_state).loss_scale
@@ -259,12 +275,28 @@ def train_jax(
 
     inputs, targets = host_batch(0)
     lr0 = jnp.float32(config.lr_at(0))
+    use_autocast = config.mixed and autocast_available()
+    fallback_reason = None
     with jax.default_matmul_precision("highest"):
         start = measure.now()
-        lowered = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
-            params, batch_stats, opt_state, inputs, targets, lr0
-        )
-        compiled = lowered.compile()
+        try:
+            compiled = (
+                jax.jit(make_train_step(use_autocast), donate_argnums=(0, 1, 2))
+                .lower(params, batch_stats, opt_state, inputs, targets, lr0)
+                .compile()
+            )
+        except Exception as e:
+            if not use_autocast:
+                raise
+            # Keep the comparison running with policy casting; the record says why.
+            fallback_reason = f"jaxamp.autocast failed ({type(e).__name__}: {str(e)[:200]})"
+            use_autocast = False
+            start = measure.now()
+            compiled = (
+                jax.jit(make_train_step(False), donate_argnums=(0, 1, 2))
+                .lower(params, batch_stats, opt_state, inputs, targets, lr0)
+                .compile()
+            )
         compile_time = measure.now() - start
 
     steps_log: list[dict[str, Any]] = []
@@ -306,7 +338,9 @@ def train_jax(
 
     eval_metric = None
     if config.eval and stopped_reason is None:
-        eval_metric = _evaluate(config, pair, stream, params, batch_stats, input_dtype, device)
+        eval_metric = _evaluate(
+            config, pair, stream, params, batch_stats, input_dtype, device, use_autocast
+        )
 
     memory_detail = None
     if config.device == "gpu":
@@ -330,12 +364,17 @@ def train_jax(
         memory_method=memory_method,
         eval_metric=eval_metric,
         stopped_reason=stopped_reason,
-        extra={"mixed_precision_method": mixed_method(config)},
+        extra={
+            "mixed_precision_method": mixed_method(config, use_autocast),
+            "autocast_fallback_reason": fallback_reason,
+        },
         memory_detail=memory_detail,
     )
 
 
-def _evaluate(config, pair, stream, params, batch_stats, input_dtype, device) -> float:
+def _evaluate(
+    config, pair, stream, params, batch_stats, input_dtype, device, use_autocast
+) -> float:
     from parity.models import eval_metric_jax
 
     task = pair.task
@@ -347,8 +386,8 @@ def _evaluate(config, pair, stream, params, batch_stats, input_dtype, device) ->
         logits, _ = pair.flax_apply(full, inputs, train=False)
         return logits
 
-    if config.mixed and autocast_available():
-        logits_fn = autocast_forward(logits_fn, config)
+    if config.mixed and use_autocast:
+        logits_fn = autocast_forward(logits_fn, config, use_autocast)
     elif config.mixed:
         policy = jaxamp.get_policy(config.precision)
         inner = logits_fn
