@@ -344,7 +344,9 @@ def test_variable_tree_matches_flax_init(name):
 def test_forward_agrees_fp32(name, train):
     pair, inputs, targets = _pair_and_batch(name)
     variables = pair.torch_to_flax()
-    torch_logits = pair.torch_forward(pair.torch_model, torch.from_numpy(inputs), train)
+    # eval under no_grad, as a trainer evaluates (torch may take its fused inference paths)
+    with torch.set_grad_enabled(train):
+        torch_logits = pair.torch_forward(pair.torch_model, torch.from_numpy(inputs), train)
     flax_logits, new_stats = _jit_apply(pair)(variables, jnp.asarray(inputs), train)
     assert torch_logits.shape == flax_logits.shape
     assert _max_diff(torch_logits, flax_logits) < ATOL
