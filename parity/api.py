@@ -149,6 +149,11 @@ def compare_models(
     else:
         stream = _UserBatches(batches, eval_batches)
         default_steps = stream._count or 30
+    if steps is not None and getattr(stream, "_count", None) and steps > stream._count:
+        raise ValueError(
+            f"compare_models(steps={steps}): only {stream._count} batches were given; pass at "
+            "most that many steps, or a callable / BatchStream for longer runs."
+        )
     run_config = RunConfig(
         model=name,
         precision=precision,

@@ -200,8 +200,9 @@ def train_torch(
         peak_memory = measure.torch_gpu_peak_memory()
         memory_method = "torch_cuda_max_memory_allocated"
     else:
-        # One extra step, after everything recorded, on the next batch: measured, not logged.
-        raw_inputs, raw_targets = stream.batch(len(steps_log))
+        # One extra step after everything recorded (on the last batch again: user streams may
+        # hold exactly `steps` batches): measured, not logged.
+        raw_inputs, raw_targets = stream.batch(max(len(steps_log) - 1, 0))
         inputs = _to_device(raw_inputs, device, input_dtype)
         targets = _to_device(raw_targets, device, None)
         optimizer.zero_grad(set_to_none=True)
@@ -209,7 +210,7 @@ def train_torch(
         for state in optimizer.state.values():
             live.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         peak_memory = measure.torch_cpu_step_memory(
-            lambda: train_step(len(steps_log), inputs, targets), live
+            lambda: train_step(max(len(steps_log) - 1, 0), inputs, targets), live
         )
         memory_method = "torch_profiler_cpu_allocations"
 

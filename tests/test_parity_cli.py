@@ -1,0 +1,186 @@
+"""`python -m parity`: run, compare (exit codes), matrix (resumable), atomic results, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from parity import cli  # noqa: E402
+from parity.report import load_results, merge_runs, write_json_atomic  # noqa: E402
+
+pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
+
+TINY_MLP = ["--model-override", "image_shape=[8,8,3]", "--model-override", "hidden=16"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_run(framework, precision="fp32", losses=(2.0, 1.5, 1.0), scales=None, mode="eager"):
+    steps = [
+        {
+            "step": i,
+            "loss": loss,
+            "loss_finite": loss is not None,
+            "loss_scale": None if scales is None else scales[i],
+            "skipped": bool(scales) and i + 1 < len(scales) and scales[i + 1] < scales[i],
+            "time_s": 0.01,
+        }
+        for i, loss in enumerate(losses)
+    ]
+    run = {
+        "framework": framework,
+        "model": "mlp",
+        "precision": precision,
+        "device": "cpu",
+        "versions": {},
+        "config": {},
+        "steps": steps,
+        "summary": {
+            "step_time_median_s": 0.01,
+            "compile_time_s": None,
+            "peak_memory_bytes": 1000,
+            "peak_memory_method": "xla_memory_analysis",
+            "final_loss": losses[-1],
+            "eval_metric": None,
+            "skipped_steps": sum(s["skipped"] for s in steps),
+            "diverged": any(x is None for x in losses),
+            "first_nonfinite_step": next((i for i, x in enumerate(losses) if x is None), None),
+        },
+    }
+    if framework == "torch":
+        run["torch_mode"] = mode
+    return run
+
+
+def test_run_both_writes_results_and_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", "--model", "mlp", "--precision", "fp32", "--framework", "both"]
+    args += ["--steps", "12", "--batch-size", "8", "--out", str(out), "--no-progress", *TINY_MLP]
+    assert cli.main(args) == 0
+    data = load_results(out)
+    assert sorted(r["framework"] for r in data["runs"]) == ["jax", "torch"]
+    for run in data["runs"]:
+        assert {
+            "framework",
+            "model",
+            "precision",
+            "device",
+            "versions",
+            "config",
+            "steps",
+            "summary",
+        } <= set(run)
+        assert run["config"]["policy"] == "p=f32,c=f32,o=f32"
+        assert run["summary"]["peak_memory_method"]
+    assert (out / "report.md").exists() and (out / "steps.csv").exists()
+    printed = capsys.readouterr().out
+    assert "per-step loss, steps 0-9" in printed and "report:" in printed
+    # Running one framework again replaces its run instead of appending a duplicate.
+    args = ["run", "--model", "mlp", "--framework", "jax", "--steps", "4", "--batch-size", "8"]
+    assert cli.main([*args, "--out", str(out), "--no-progress", "--no-eval", *TINY_MLP]) == 0
+    runs = load_results(out)["runs"]
+    assert len(runs) == 2
+    assert len(next(r for r in runs if r["framework"] == "jax")["steps"]) == 4
+
+
+def test_compare_exit_code_fails_on_a_failed_verdict(tmp_path, capsys):
+    good = [_fake_run("torch"), _fake_run("jax", losses=(2.0, 1.5, 1.00001))]
+    write_json_atomic(tmp_path / "ok" / "results.json", {"runs": good})
+    assert cli.main(["compare", str(tmp_path / "ok")]) == 0
+    bad = [_fake_run("torch"), _fake_run("jax", losses=(2.0, 1.6, 1.0))]
+    write_json_atomic(tmp_path / "bad" / "results.json", {"runs": bad})
+    assert cli.main(["compare", str(tmp_path / "bad")]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    verdicts = json.loads((tmp_path / "bad" / "verdicts.json").read_text())["verdicts"]
+    assert any(v["passed"] is False for v in verdicts)
+
+
+def test_compare_missing_folder_and_bad_model_are_usage_errors(tmp_path, capsys):
+    assert cli.main(["compare", str(tmp_path / "nothing")]) == 2
+    assert "results.json" in capsys.readouterr().err
+    assert cli.main(["run", "--model", "resnet", "--out", str(tmp_path)]) == 2
+    assert "--model must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--model", "mlp", "--precision", "fp8", "--out", str(tmp_path)])
+
+
+def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
+    out = tmp_path / "matrix"
+    calls = []
+    real_run_pair = cli.run_pair
+
+    def interrupted(config, frameworks, *, progress):
+        calls.append((config.precision, frameworks))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the user hits ^C during the second cell
+        return real_run_pair(config, frameworks, progress=progress)
+
+    monkeypatch.setattr(cli, "run_pair", interrupted)
+    args = ["matrix", "--out", str(out), "--models", "mlp", "--precisions", "fp32", "bf16-mixed"]
+    args += ["--steps", "3", "--batch-size", "4", "--no-eval", "--no-progress", "--warmup", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(args)
+    finished = load_results(out)["runs"]
+    assert {(r["precision"], r["framework"]) for r in finished} == {
+        ("fp32", "torch"),
+        ("fp32", "jax"),
+    }
+    assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
+
+    redo = []
+
+    def counting(config, frameworks, *, progress):
+        redo.append(config.precision)
+        return real_run_pair(config, frameworks, progress=progress)
+
+    monkeypatch.setattr(cli, "run_pair", counting)
+    assert cli.main(args) == 0
+    assert redo == ["bf16-mixed"]  # the finished fp32 cell is not redone
+    assert len(load_results(out)["runs"]) == 4
+    redo.clear()
+    assert cli.main(args) == 0
+    assert redo == []
+    assert (out / "report.md").exists()
+
+
+def test_results_are_written_atomically(tmp_path):
+    merge_runs(tmp_path, [_fake_run("torch")])
+    before = (tmp_path / "results.json").read_text()
+
+    class Unserialisable:
+        pass
+
+    broken = _fake_run("jax")
+    broken["summary"]["oops"] = Unserialisable()
+    with pytest.raises(TypeError):
+        merge_runs(tmp_path, [broken])
+    assert (tmp_path / "results.json").read_text() == before
+    assert sorted(os.listdir(tmp_path)) == ["results.json"]
+
+
+def test_non_finite_values_become_null_in_strict_json(tmp_path):
+    run = _fake_run("jax")
+    run["summary"]["final_loss"] = float("nan")
+    write_json_atomic(tmp_path / "r.json", {"runs": [run]})
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text
+    assert json.loads(text)["runs"][0]["summary"]["final_loss"] is None
+
+
+def test_python_dash_m_parity_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "parity", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    for command in ("run", "compare", "matrix"):
+        assert command in result.stdout
