@@ -232,7 +232,9 @@ class DynamicLossScale(_ScaleMixin):
     Warning:
       Unlike torch, the scale never goes below `min_scale` (default: the smallest normal
       float32, 2**-126). torch's scale reaches 0.0 after ~150 consecutive overflows and its
-      unscaling then writes NaN into the parameters. Pass `min_scale=0.0` to reproduce that.
+      unscaling then writes NaN into the parameters. `min_scale=0.0` lets the scale collapse to
+      0.0 as torch's does; XLA on CPU flushes float32 values below 2**-126 to zero, so it gets
+      there in fewer steps than torch, which walks through the subnormals (tested).
     """
 
     loss_scale: jax.Array
@@ -441,6 +443,15 @@ class DynamicLossScale(_ScaleMixin):
             raise ValueError(
                 f"from_state_dict: missing keys {missing}; expected torch GradScaler's format with "
                 f"keys {list(required)} (an empty state_dict comes from a disabled GradScaler)."
+            )
+        scale_value = state_dict["scale"]
+        if "init_scale" not in overrides and not (
+            isinstance(scale_value, (int, float)) and 0 < float(scale_value) < float("inf")
+        ):
+            raise ValueError(
+                f"from_state_dict: state_dict['scale'] must be finite and > 0; got "
+                f"{scale_value!r} (torch's scale collapses to 0.0 after ~150 overflows in a row). "
+                "Pass init_scale=... to restart from a healthy scale."
             )
         extra = dict(state_dict.get("jaxamp") or {})
         hysteresis_tracker = extra.pop("hysteresis_tracker", None)

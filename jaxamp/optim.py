@@ -146,6 +146,8 @@ def loss_scaled(
     each leaf keeping its dtype) and runs `inner`. On a non-finite step it returns zero updates
     and leaves `inner`'s state bit-for-bit unchanged (Adam's count does not advance, as in
     torch). Then it adjusts the loss scale. The decision is in-graph (`lax.cond`): no host sync.
+    With `NoOpLossScale` it is a pass-through, like `GradScaler(enabled=False)`: nothing is
+    skipped (`last_step_finite` still reports whether the gradients were finite).
 
     Composition:
       * `optax.chain(clip, ...)` *inside* `loss_scaled` clips the unscaled gradients, as
@@ -234,6 +236,15 @@ def loss_scaled(
         current = state.loss_scale
         # As torch: check the scaled gradients (an overflow is inf before and after unscaling).
         grads_finite = all_finite(updates, axis_name=axis_name)
+        if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
+            # Disabled scaling is a pass-through, like GradScaler(enabled=False): nothing is
+            # unscaled or skipped, so the run equals one without the wrapper, bit for bit.
+            new_updates, new_inner_state = inner.update(
+                updates, state.inner_state, params, **extra_args
+            )
+            return new_updates, state._replace(
+                inner_state=new_inner_state, last_step_finite=grads_finite
+            )
         inv_scale = _inverse_scale(current)
 
         def apply_step(inner_state):

@@ -1,0 +1,257 @@
+"""Train-step overhead of `jaxamp.loss_scaled(adamw)` over plain `adamw`, same policy.
+
+Three variants of one train step (forward, backward, AdamW update) are compiled and timed
+interleaved, step by step, after warm-up, with `block_until_ready`:
+
+* ``plain``: `optax.adamw` on unscaled gradients (no loss scaling at all);
+* ``loss_scaled``: `jaxamp.loss_scaled(optax.adamw)` with a dynamic loss scale;
+* ``naive``: a hand-written wrapper that unscales in a separate pass, checks finiteness in a
+  separate pass and selects (`jnp.where`) over updates and the whole inner state.
+
+Prints a table (median step time, ratio to plain) and writes JSON.
+
+    python benchmarks/bench_loss_scaled.py --steps 60 --out benchmarks/results/loss_scaled.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxamp
+
+
+class MLP(nn.Module):
+    features: tuple[int, ...] = (1024, 1024, 1024)
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.features:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.classes)(x)
+
+
+class Block(nn.Module):
+    d_model: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(4 * self.d_model)(h)
+        return x + nn.Dense(self.d_model)(nn.gelu(h))
+
+
+class TinyLM(nn.Module):
+    vocab: int = 512
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 64
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d_model)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq_len, self.d_model))
+        for _ in range(self.layers):
+            x = Block(self.d_model, self.heads)(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def _naive_loss_scaled(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """The straightforward wrapper the issue measured at 1.12x: three separate passes."""
+
+    def init(params):
+        return (inner.init(params), jaxamp.DynamicLossScale.create())
+
+    def update(grads, state, params=None):
+        inner_state, loss_scale = state
+        grads = jax.lax.optimization_barrier(loss_scale.unscale(grads))
+        finite = jax.lax.optimization_barrier(jaxamp.all_finite(grads))
+        updates, new_inner = inner.update(grads, inner_state, params)
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        new_inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner, inner_state)
+        return updates, (new_inner, loss_scale.adjust(finite))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _problem(name: str, batch_size: int):
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        model = MLP()
+        x = jnp.asarray(rng.normal(size=(batch_size, 784)), jnp.float32)
+        y = jnp.asarray(rng.integers(0, 10, size=(batch_size,)), jnp.int32)
+    elif name == "transformer":
+        model = TinyLM()
+        x = jnp.asarray(rng.integers(0, model.vocab, size=(batch_size, model.seq_len)), jnp.int32)
+        y = jnp.roll(x, -1, axis=1)
+    else:
+        raise ValueError(f"model must be 'mlp' or 'transformer'; got {name!r}")
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return params, x, y, loss_fn
+
+
+def _make_step(variant: str, loss_fn, policy):
+    base = optax.adamw(1e-4, weight_decay=0.01)
+    if variant == "plain":
+        tx = base
+    elif variant == "loss_scaled":
+        tx = jaxamp.loss_scaled(base)
+    elif variant == "naive":
+        tx = _naive_loss_scaled(base)
+    else:
+        raise ValueError(variant)
+    grad_fn = jaxamp.value_and_grad(loss_fn, policy=policy)
+
+    def step(params, opt_state, x, y):
+        if variant == "plain":
+            loss, grads = grad_fn(params, x, y)
+        else:
+            scale = opt_state[1] if variant == "naive" else opt_state
+            loss, grads = grad_fn(params, x, y, loss_scale=scale)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> dict:
+    params, x, y, loss_fn = _problem(model, batch_size)
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    variants = ("plain", "loss_scaled", "naive")
+    runs = {}
+    for variant in variants:
+        tx, step = _make_step(variant, loss_fn, policy)
+        p = jax.tree.map(jnp.copy, params)
+        s = tx.init(p)
+        t0 = time.perf_counter()
+        compiled = step.lower(p, s, x, y).compile()
+        compile_s = time.perf_counter() - t0
+        runs[variant] = {
+            "step": compiled,
+            "params": p,
+            "state": s,
+            "times": [],
+            "compile_s": compile_s,
+        }
+    for _ in range(warmup):
+        for variant in variants:
+            r = runs[variant]
+            r["params"], r["state"], loss = r["step"](r["params"], r["state"], x, y)
+            jax.block_until_ready(loss)
+    for i in range(steps):
+        # Interleave, rotating the order so no variant always runs first after another.
+        order = variants[i % 3 :] + variants[: i % 3]
+        for variant in order:
+            r = runs[variant]
+            t0 = time.perf_counter()
+            r["params"], r["state"], loss = r["step"](r["params"], r["state"], x, y)
+            jax.block_until_ready((r["params"], loss))
+            r["times"].append(time.perf_counter() - t0)
+    plain = statistics.median(runs["plain"]["times"])
+    result = {
+        "model": model,
+        "policy": policy,
+        "params": int(n_params),
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "variants": {},
+    }
+    for variant in variants:
+        times = runs[variant]["times"]
+        med = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        result["variants"][variant] = {
+            "median_s": med,
+            "iqr_s": [q1, q3],
+            "ratio_to_plain": med / plain,
+            "compile_s": runs[variant]["compile_s"],
+        }
+    return result
+
+
+def _write_json_atomic(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models", nargs="+", default=["mlp", "transformer"], choices=["mlp", "transformer"]
+    )
+    parser.add_argument("--policy", default="bf16-mixed")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1, help="repeat the whole measurement")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
+    args = parser.parse_args(argv)
+    if args.steps < 50:
+        parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
+    results = []
+    for repeat in range(args.repeats):
+        for model in args.models:
+            r = bench(model, args.policy, args.steps, args.warmup, args.batch_size)
+            r["repeat"] = repeat
+            results.append(r)
+    header = (
+        f"{'model':<12}{'params':>10}{'variant':>13}{'median ms':>11}{'IQR ms':>17}"
+        f"{'ratio':>8}{'compile s':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        for variant, v in r["variants"].items():
+            iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
+            print(
+                f"{r['model']:<12}{r['params']:>10}{variant:>13}{v['median_s'] * 1e3:>11.2f}"
+                f"{iqr:>17}{v['ratio_to_plain']:>8.3f}{v['compile_s']:>11.2f}"
+            )
+    payload = {
+        "benchmark": "loss_scaled_overhead",
+        "device": str(jax.devices()[0].device_kind),
+        "platform": jax.default_backend(),
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        },
+        "versions": {
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "jaxamp": jaxamp.__version__,
+        },
+        "policy": args.policy,
+        "results": results,
+    }
+    _write_json_atomic(args.out, payload)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""loss_scaled, get_loss_scale, amp_info, value_and_grad: FAULTS.md 8-16, 20-22."""
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp.optim import LossScaledTransformation
+
+# optax's own arithmetic is not strict-promotion clean (float ** int32 in bias correction).
+pytestmark = pytest.mark.standard_promotion
+
+
+def _params(dtype=jnp.float32):
+    key = jax.random.key(0)
+    k1, k2 = jax.random.split(key)
+    return {
+        "w": jax.random.normal(k1, (4, 3), dtype),
+        "b": jnp.zeros((3,), dtype),
+        "s": jax.random.normal(k2, (), dtype),
+    }
+
+
+def _loss(params, x, y):
+    pred = x @ params["w"] + params["b"] + params["s"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _batches(n, dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return [
+        (
+            jnp.asarray(rng.normal(size=(8, 4)), dtype),
+            jnp.asarray(rng.normal(size=(8, 3)), dtype),
+        )
+        for _ in range(n)
+    ]
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _leaves_ulp_close(a, b, maxulp=4):
+    """Equal up to a few ulps: two different XLA programs may contract a*b+c into an FMA
+    differently (seen here even for SGD momentum), which no wrapper can control."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(x), np.asarray(y), maxulp=maxulp)
+
+
+def _inject(tree, value=jnp.inf, leaf="w"):
+    tree = dict(tree)
+    tree[leaf] = tree[leaf].at[(0,) * tree[leaf].ndim].set(value)
+    return tree
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_schedule": lambda: optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+}
+
+
+# --- FAULTS 8: a skipped step is a true no-op --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad", [-jnp.inf, jnp.nan])
+def test_skipped_step_is_noop(name, bad, float_dtype, maybe_jit):
+    params = _params()
+    tx = jaxamp.loss_scaled(OPTIMIZERS[name]())
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p, float_dtype), params)
+    update = maybe_jit(tx.update)
+    _, state = update(grads, state, params)  # one real step so the state is non-trivial
+    bad_grads = _inject(grads, bad)
+    updates, new_state = update(bad_grads, state, params)
+    for u in jax.tree.leaves(updates):
+        assert not np.any(np.asarray(u)), "a skipped step must return zero updates"
+    _leaves_equal(new_state.inner_state, state.inner_state)
+    assert not bool(new_state.last_step_finite)
+    assert int(new_state.skipped_steps) == 1
+    np.testing.assert_array_equal(new_state.loss_scale.loss_scale, state.loss_scale.loss_scale / 2)
+    new_params = optax.apply_updates(params, updates)
+    _leaves_equal(new_params, params)
+
+
+def test_adam_count_does_not_advance_on_skip():
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state = tx.update(grads, state, params)
+    _, state = tx.update(_inject(grads, jnp.nan), state, params)
+    assert int(state.inner_state[0].count) == 1  # as torch: Adam's step is not taken
+
+
+# --- FAULTS 9: an injected overflow equals leaving the step out ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "clip_adam"])
+def test_overflow_at_step_k_equals_run_without_step_k(name):
+    batches = _batches(6)
+    k = 3
+    tx = jaxamp.loss_scaled(OPTIMIZERS[name](), jaxamp.DynamicLossScale.create(growth_interval=2))
+    reference_tx = OPTIMIZERS[name]()
+
+    grad_fn = jax.jit(jax.grad(_loss))  # one gradient program for both runs: same reductions
+
+    @jax.jit
+    def scaled_step(params, state, grads, poison):
+        scale = jaxamp.get_loss_scale(state).loss_scale
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g * scale), grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    @jax.jit
+    def reference_step(params, state, grads):
+        updates, state = reference_tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = _params(), tx.init(_params())
+    ref_params, ref_state = _params(), reference_tx.init(_params())
+    scales = []
+    for i, (x, y) in enumerate(batches):
+        params, state = scaled_step(params, state, grad_fn(params, x, y), jnp.array(i == k))
+        scales.append(float(state.loss_scale.loss_scale))
+        if i != k:
+            ref_params, ref_state = reference_step(ref_params, ref_state, grad_fn(ref_params, x, y))
+    # Power-of-two scales make the scaling itself exact; the rest is FMA contraction.
+    _leaves_ulp_close(params, ref_params)
+    assert int(state.skipped_steps) == 1
+    assert scales == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
+
+
+# --- FAULTS 10: NoOp is the identity --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_scale", [jaxamp.NoOpLossScale(), jmp.NoOpLossScale()])
+def test_noop_run_equals_unwrapped_run(loss_scale, maybe_jit):
+    batches = _batches(4)
+    tx = jaxamp.loss_scaled(optax.adam(1e-2), loss_scale)
+    plain = optax.adam(1e-2)
+    params, state = _params(), tx.init(_params())
+    ref_params, ref_state = _params(), plain.init(_params())
+    for x, y in batches:
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = maybe_jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ref_grads = jax.grad(_loss)(ref_params, x, y)
+        ref_updates, ref_state = maybe_jit(plain.update)(ref_grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+    _leaves_equal(params, ref_params)
+    _leaves_equal(state.inner_state, ref_state)
+    noop = jaxamp.NoOpLossScale()
+    tree = _params(jnp.bfloat16)
+    assert noop.scale(tree) is tree and noop.unscale(tree) is tree
+    assert noop.adjust(jnp.array(False)) is noop
+
+
+# --- FAULTS 13: clipping after unscaling ---------------------------------------------------------
+
+
+def test_clipping_after_unscaling_equals_fp32_clipping(maybe_jit):
+    params = _params()
+    x, y = _batches(1)[0]
+    grads = jax.grad(_loss)(params, x, y)
+    clip_adam = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+    tx = jaxamp.loss_scaled(clip_adam)
+    state = tx.init(params)
+    scaled = state.loss_scale.scale(grads)
+    updates, _ = maybe_jit(tx.update)(scaled, state, params)
+    ref_updates, _ = clip_adam.update(grads, clip_adam.init(params), params)
+    _leaves_ulp_close(updates, ref_updates)
+    # Non-finite gradients are skipped, not clipped into a finite update.
+    updates, new_state = maybe_jit(tx.update)(_inject(scaled, jnp.inf), state, params)
+    assert not np.any(np.asarray(updates["w"]))
+    assert int(new_state.skipped_steps) == 1
+
+
+# --- FAULTS 14: gradient accumulation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poison_micro_step", [None, 0, 2])
+def test_multisteps_accumulation(poison_micro_step, maybe_jit):
+    k = 3
+    tx = optax.MultiSteps(jaxamp.loss_scaled(optax.adam(1e-2)), every_k_schedule=k)
+    params = _params()
+    state = tx.init(params)
+    batches = _batches(2 * k)
+    update = maybe_jit(tx.update)
+    scales = []
+    for i, (x, y) in enumerate(batches):
+        _, grads = jaxamp.value_and_grad(_loss)(params, x, y, loss_scale=state)
+        if i == poison_micro_step:
+            grads = _inject(grads, jnp.nan)
+        before = jaxamp.get_loss_scale(state).loss_scale
+        updates, state = update(grads, state, params)
+        after = jaxamp.get_loss_scale(state).loss_scale
+        scales.append(float(after))
+        if (i + 1) % k:
+            assert float(after) == float(before), "scale must be constant inside a window"
+            assert not np.any(np.asarray(updates["w"]))
+        params = optax.apply_updates(params, updates)
+    info = jaxamp.amp_info(state)
+    if poison_micro_step is None:
+        assert scales == [2.0**16] * (2 * k)
+        assert int(info.skipped_steps) == 0
+    else:
+        # The whole first window is skipped: one backoff at its end, then a clean window.
+        assert scales[:k] == [2.0**16] * (k - 1) + [2.0**15]
+        assert int(info.skipped_steps) == 1
+        assert int(jaxamp.amp_states(state)[".inner_opt_state"].inner_state[0].count) == 1
+
+
+# --- FAULTS 15: parameter groups ------------------------------------------------------------------
+
+
+def test_multi_transform_global_skip():
+    params = _params()
+    labels = {"w": "a", "b": "b", "s": "b"}
+    tx = jaxamp.loss_scaled(
+        optax.multi_transform({"a": optax.adam(1e-2), "b": optax.sgd(1e-2, momentum=0.9)}, labels)
+    )
+    state = tx.init(params)
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.inf, leaf="w")
+    updates, new_state = tx.update(grads, state, params)
+    # One optimizer, one decision: the overflow in group "a" skips group "b" too (torch).
+    assert not np.any(np.asarray(updates["b"])) and not np.any(np.asarray(updates["w"]))
+    _leaves_equal(new_state.inner_state, state.inner_state)
+
+
+def test_multi_transform_per_group_skip():
+    params = _params()
+    labels = {"w": "a", "b": "b", "s": "b"}
+    tx = optax.multi_transform(
+        {
+            "a": jaxamp.loss_scaled(optax.adam(1e-2)),
+            "b": jaxamp.loss_scaled(optax.sgd(1e-2, momentum=0.9)),
+        },
+        labels,
+    )
+    state = tx.init(params)
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.inf, leaf="w")
+    updates, new_state = tx.update(grads, state, params)
+    assert not np.any(np.asarray(updates["w"]))
+    assert np.all(np.asarray(updates["b"]) != 0)  # group "b" is finite: it steps
+    states = jaxamp.amp_states(new_state)
+    assert len(states) == 2
+    finite = sorted(bool(s.last_step_finite) for s in states.values())
+    assert finite == [False, True]
+    with pytest.raises(ValueError, match="found 2 loss-scaled states"):
+        jaxamp.get_loss_scale(new_state)
+
+
+# --- FAULTS 16: sharded and replicated --------------------------------------------------------------
+
+
+def test_sharded_nan_in_one_shard_makes_every_shard_skip():
+    devices = jax.devices()
+    assert len(devices) == 8
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    params = {"w": jax.device_put(jnp.ones((16, 4)), sharding)}
+    tx = jaxamp.loss_scaled(optax.adam(1e-2))
+    state = tx.init(params)
+    grads = {"w": jnp.ones((16, 4)).at[13, 2].set(jnp.nan)}  # row 13 lives on device 6
+    grads = jax.device_put(grads, sharding)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    assert new_params["w"].sharding.is_equivalent_to(sharding, 2)
+    for shard in new_params["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), 1.0)
+    assert float(new_state.loss_scale.loss_scale) == 2.0**15
+
+
+def test_shard_map_axis_name_makes_every_replica_skip():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    tx = jaxamp.loss_scaled(optax.sgd(0.5), axis_name="d")
+    params = jnp.ones((8, 2))
+    # Per-replica gradients (not yet reduced): only replica 5 sees a NaN.
+    grads = jnp.ones((8, 2)).at[5, 0].set(jnp.nan)
+
+    def step(p, g):
+        state = tx.init(p)
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state.loss_scale.loss_scale[None]
+
+    stepped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+    new_params, scales = stepped(params, grads)
+    np.testing.assert_array_equal(np.asarray(new_params), 1.0)  # every replica skipped
+    np.testing.assert_array_equal(np.asarray(scales), 2.0**15)  # and agrees on the scale
+    # Without axis_name the replicas would disagree: the finite ones step.
+    tx_local = jaxamp.loss_scaled(optax.sgd(0.5))
+
+    def local_step(p, g):
+        updates, _ = tx_local.update(g, tx_local.init(p), p)
+        return optax.apply_updates(p, updates)
+
+    local = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    out = np.asarray(local(params, grads))
+    assert np.all(out[5] == 1.0) and np.all(out[0] != 1.0)
+
+
+# --- FAULTS 20: optimizer state stays float32 under a mixed policy --------------------------------
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_optimizer_state_float32_and_no_nan_on_zero_grads(policy, maybe_jit):
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    state = tx.init(params)
+    x, y = _batches(1)[0]
+    _, grads = jaxamp.value_and_grad(_loss, policy=policy)(params, x, y, loss_scale=state)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    zero_grads = jax.tree.map(jnp.zeros_like, grads)
+    updates, state = maybe_jit(tx.update)(zero_grads, state, params)
+    for leaf in jax.tree.leaves(state.inner_state):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.float32
+    assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
+
+
+# --- FAULTS 21: a model that overflows forever is reported ------------------------------------------
+
+
+def test_max_consecutive_skips_warns(maybe_jit):
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2), max_consecutive_skips=3)
+    state = tx.init(params)
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.nan)
+    update = maybe_jit(tx.update)
+    with pytest.warns(RuntimeWarning, match="3 consecutive steps had non-finite"):
+        for _ in range(4):
+            _, state = update(grads, state, params)
+        jax.effects_barrier()
+    info = jaxamp.amp_info(state)
+    assert int(info.consecutive_skips) == 4 and int(info.skipped_steps) == 4
+
+
+def test_max_consecutive_skips_raise():
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2), max_consecutive_skips=2, on_max_skips="raise")
+    state = tx.init(params)
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.nan)
+    update = jax.jit(tx.update)
+    with pytest.raises(Exception, match="consecutive steps had non-finite"):  # noqa: B017
+        for _ in range(3):
+            _, state = update(grads, state, params)
+        jax.block_until_ready(state)
+        jax.effects_barrier()
+
+
+def test_consecutive_counter_resets_on_finite_step():
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2))
+    state = tx.init(params)
+    ones = jax.tree.map(jnp.ones_like, params)
+    for grads in [_inject(ones, jnp.nan), _inject(ones, jnp.nan), ones]:
+        _, state = tx.update(grads, state, params)
+    info = jaxamp.amp_info(state)
+    assert int(info.consecutive_skips) == 0 and int(info.skipped_steps) == 2
+    assert bool(info.last_step_applied)
+
+
+# --- FAULTS 22 (wrapping) and bad arguments -----------------------------------------------------------
+
+
+def test_wrapping_a_loss_scaled_optimizer_raises():
+    inner = jaxamp.loss_scaled(optax.adam(1e-3))
+    assert isinstance(inner, LossScaledTransformation)
+    with pytest.raises(ValueError, match="already loss-scaled"):
+        jaxamp.loss_scaled(inner)
+    nested = jaxamp.loss_scaled(optax.chain(optax.clip(1.0), inner))
+    with pytest.raises(ValueError, match="already contains a loss-scaled"):
+        nested.init(_params())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"loss_scale": 3.0}, TypeError, "loss_scale"),
+        ({"loss_scale": "bogus"}, ValueError, "unknown preset"),
+        ({"max_consecutive_skips": 0}, ValueError, "max_consecutive_skips"),
+        ({"max_consecutive_skips": 2.5}, ValueError, "max_consecutive_skips"),
+        ({"on_max_skips": "explode"}, ValueError, "on_max_skips"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jaxamp.loss_scaled(optax.sgd(1.0), **kwargs)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        jaxamp.loss_scaled(lambda g: g)
+
+
+# --- FAULTS 12: state saved without loss scaling ---------------------------------------------------
+
+
+def test_state_without_loss_scaling_is_rejected_clearly():
+    params = _params()
+    plain_state = optax.adam(1e-3).init(params)
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    with pytest.raises(TypeError, match="saved without loss scaling"):
+        tx.update(jax.tree.map(jnp.ones_like, params), plain_state, params)
+    with pytest.raises(ValueError, match="no loss-scaled optimizer state"):
+        jaxamp.amp_info(plain_state)
+    # The documented reset: keep the inner state, start a fresh scale.
+    state = tx.init(params)._replace(inner_state=plain_state)
+    state = jaxamp.set_loss_scale(state, jaxamp.DynamicLossScale.create(init_scale=8.0))
+    assert float(jaxamp.get_loss_scale(state).loss_scale) == 8.0
+
+
+# --- composition, telemetry, protocol ---------------------------------------------------------------
+
+
+def test_get_loss_scale_finds_nested_states():
+    params = _params()
+    for tx in [
+        optax.chain(optax.clip(1.0), jaxamp.loss_scaled(optax.adam(1e-3))),
+        optax.MultiSteps(jaxamp.loss_scaled(optax.adam(1e-3)), 2),
+        optax.inject_hyperparams(lambda lr: jaxamp.loss_scaled(optax.sgd(lr)))(lr=0.1),
+    ]:
+        state = tx.init(params)
+        assert float(jaxamp.get_loss_scale(state).loss_scale) == 2.0**16
+    scale = jaxamp.StaticLossScale(4.0)
+    assert jaxamp.get_loss_scale(scale) is scale
+
+
+@pytest.mark.parametrize(
+    "loss_scale, expected_after_overflow",
+    [
+        (jmp.DynamicLossScale(jnp.float32(2.0**15)), 2.0**14),
+        (jmp.StaticLossScale(jnp.float32(128.0)), 128.0),
+        (jaxamp.StaticLossScale(128.0), 128.0),
+        ("megatron", 2.0**32),  # hysteresis 2: the first overflow does not back off
+    ],
+)
+def test_other_loss_scales_are_accepted(loss_scale, expected_after_overflow, maybe_jit):
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2), loss_scale)
+    state = tx.init(params)
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.inf)
+    updates, state = maybe_jit(tx.update)(grads, state, params)
+    assert float(jaxamp.amp_info(state).loss_scale) == expected_after_overflow
+    assert not np.any(np.asarray(updates["w"]))
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_unscaled_grads_reach_inner_exactly(grad_dtype, maybe_jit):
+    params = _params()
+    seen = {}
+
+    def spy_update(updates, state, params=None):
+        seen.update(updates)
+        return updates, state
+
+    tx = jaxamp.loss_scaled(optax.GradientTransformation(lambda p: optax.EmptyState(), spy_update))
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 3.0 * 2.0**10, grad_dtype), params)
+    updates, _ = maybe_jit(tx.update)(grads, state, params)
+    for leaf in jax.tree.leaves(updates):
+        assert leaf.dtype == grad_dtype  # unscale keeps each leaf's dtype
+        np.testing.assert_array_equal(np.asarray(leaf, np.float32), 3.0 * 2.0**-6)
+
+
+def test_amp_info_fields_and_types():
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    info = jax.jit(jaxamp.amp_info)(tx.init(params))
+    assert info.loss_scale.dtype == jnp.float32 and float(info.loss_scale) == 2.0**16
+    assert info.skipped_steps.dtype == jnp.int32 and info.consecutive_skips.dtype == jnp.int32
+    assert bool(info.last_step_finite) and bool(info.last_step_applied)
+
+
+# --- value_and_grad -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", None])
+def test_value_and_grad_dtypes_and_scaling(policy, maybe_jit):
+    params = _params()
+    x, y = _batches(1)[0]
+    scale = jaxamp.StaticLossScale(2.0**10)
+    fn = maybe_jit(
+        lambda p, x, y: jaxamp.value_and_grad(_loss, policy=policy)(p, x, y, loss_scale=scale)
+    )
+    loss, grads = fn(params, x, y)
+    assert loss.dtype == jnp.float32
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x, y)
+    compute = jaxamp.get_policy(policy).compute_dtype if policy else jnp.float32
+    rtol = {jnp.float32: 1e-6, jnp.bfloat16: 3e-2, jnp.float16: 3e-3}[jnp.dtype(compute).type]
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert g.dtype == jnp.float32  # float32 params get float32 grads through the cast
+        np.testing.assert_allclose(np.asarray(g) / 2.0**10, r, rtol=rtol * 4, atol=rtol)
+
+
+def test_value_and_grad_has_aux_and_argnums():
+    params = _params()
+    x, y = _batches(1)[0]
+
+    def loss_with_aux(x, params, y):
+        loss = _loss(params, x, y)
+        return loss, {"pred_dtype": jnp.zeros((), x.dtype), "count": jnp.int32(3)}
+
+    (loss, aux), grads = jaxamp.value_and_grad(
+        loss_with_aux, policy="bf16-mixed", has_aux=True, argnums=1
+    )(x, params, y, loss_scale=jaxamp.StaticLossScale(2.0))
+    assert aux["count"].dtype == jnp.int32  # non-float aux untouched
+    assert aux["pred_dtype"].dtype == jnp.float32  # float aux cast to the output dtype
+    assert set(grads) == {"w", "b", "s"}
+    with pytest.raises(TypeError, match="scalar loss"):
+        jaxamp.value_and_grad(lambda p: p["w"])(params)
+    with pytest.raises(ValueError, match="argnums=3"):
+        jaxamp.value_and_grad(_loss, argnums=3)(params, x, y)
+
+
+def test_fp16_scaled_loss_is_float32():
+    # FAULTS 18 through the helper: a float16 loss times 2**16 is inf in float16, not in float32.
+    params = {"w": jnp.full((2,), 100.0, jnp.float32)}
+
+    def loss_fn(p):
+        return jnp.sum(p["w"] * p["w"])  # 20000 in float16: finite; x 2**16 would overflow
+
+    loss, grads = jaxamp.value_and_grad(loss_fn, policy="fp16-mixed")(
+        params, loss_scale=jaxamp.DynamicLossScale.create()
+    )
+    assert loss.dtype == jnp.float32 and float(loss) == 20000.0
+    assert grads["w"].dtype == jnp.float32
+
+
+# --- no retrace ------------------------------------------------------------------------------------
+
+
+def test_jitted_train_step_does_not_retrace():
+    traces = []
+    tx = jaxamp.loss_scaled(optax.adamw(1e-3))
+
+    @jax.jit
+    def train_step(params, state, x, y):
+        traces.append(1)
+        loss, grads = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(
+            params, x, y, loss_scale=state
+        )
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    params = _params()
+    state = tx.init(params)
+    for x, y in _batches(3):
+        params, state, _ = train_step(params, state, x, y)
+    assert len(traces) == 1
