@@ -1,0 +1,306 @@
+"""TrainState (linen) and Optimizer (NNX): skipping, step counting, telemetry.
+
+FAULTS.md 17 (fp16 warm-up skips as torch), 20 (optimizer state float32), 21 (always-overflowing
+model reported), in the Flax setting, linen and NNX, with and without jit.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+import jaxamp.flax as jf
+
+F32 = np.dtype(jnp.float32)
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.norm(self.l1(x))))
+
+
+X = jnp.linspace(-1.0, 1.0, 8 * 4, dtype=jnp.float32).reshape(8, 4)
+Y = jnp.array([0, 1, 2, 0, 1, 2, 0, 1])
+X_BAD = X.at[0, 0].set(jnp.inf)
+
+
+def _xent(logits, y):
+    logits = logits.astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def make_linen(policy="fp16-mixed", tx=None, **kw):
+    model = LinenMLP()
+    params = jf.linen.with_policy(model.init, policy)(jax.random.key(0), X)["params"]
+    return jf.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx or optax.sgd(0.1, momentum=0.9), policy=policy, **kw
+    )
+
+
+def linen_step(state, x, y):
+    def loss_fn(params, x, y):
+        return _xent(state.apply_fn({"params": params}, x), y)
+
+    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
+
+
+def make_nnx(policy="fp16-mixed", tx=None, **kw):
+    model = NNXMLP(nnx.Rngs(0))
+    jf.nnx.apply_policy(model, policy)
+    optimizer = jf.Optimizer(
+        model, tx or optax.sgd(0.1, momentum=0.9), wrt=nnx.Param, policy=policy, **kw
+    )
+    return model, optimizer
+
+
+def nnx_step(model, optimizer, x, y):
+    def loss_fn(model, x, y):
+        return _xent(model(x), y)
+
+    loss, grads = jf.nnx_value_and_grad(loss_fn)(model, x, y, loss_scale=optimizer)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _nnx_maybe_jit(maybe_jit):
+    return nnx.jit(nnx_step) if maybe_jit is jax.jit else nnx_step
+
+
+def _same(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+@pytest.mark.parametrize("count_skipped_steps", [False, True])
+def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
+    state = make_linen(count_skipped_steps=count_skipped_steps)
+    step = maybe_jit(linen_step)
+    state, _ = step(state, X, Y)
+    before = state
+    state, _ = step(state, X_BAD, Y)
+    info = state.amp_info()
+    assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
+    assert _same(state.params, before.params)
+    inner_before = jaxamp.amp_states(before.opt_state)[""].inner_state
+    assert _same(jaxamp.amp_states(state.opt_state)[""].inner_state, inner_before)
+    assert float(state.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
+    assert int(state.step) == (2 if count_skipped_steps else 1)
+    state, _ = step(state, X, Y)
+    assert bool(state.amp_info().last_step_finite)
+    assert int(state.step) == (3 if count_skipped_steps else 2)
+    assert state.step.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("count_skipped_steps", [False, True])
+def test_nnx_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
+    model, optimizer = make_nnx(count_skipped_steps=count_skipped_steps)
+    step = _nnx_maybe_jit(maybe_jit)
+    step(model, optimizer, X, Y)
+    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))
+    opt_state = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state))
+    scale = float(optimizer.loss_scale.loss_scale)
+    step(model, optimizer, X_BAD, Y)
+    info = optimizer.amp_info()
+    assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
+    assert _same(nnx.as_pure(nnx.state(model, nnx.Param)), params)
+    inner = jaxamp.amp_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    assert _same(inner, jaxamp.amp_states(opt_state)[""].inner_state)
+    assert float(optimizer.loss_scale.loss_scale) == scale / 2
+    assert int(optimizer.step[...]) == (2 if count_skipped_steps else 1)
+
+
+@pytest.mark.standard_promotion  # optax's adam computes float ** int32
+def test_schedule_inside_optimizer_does_not_advance_on_skips():
+    schedule = optax.linear_schedule(1.0, 0.0, 10)
+    state = make_linen(tx=optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
+    step = jax.jit(linen_step)
+    for x in (X, X_BAD, X_BAD, X):
+        state, _ = step(state, x, Y)
+    inner = jaxamp.amp_states(state.opt_state)[""].inner_state
+    assert int(inner.count) == 2 == int(state.step)
+
+
+def test_no_retrace():
+    traces = []
+
+    def counted(state, x, y):
+        traces.append(1)
+        return linen_step(state, x, y)
+
+    step = jax.jit(counted)
+    state = make_linen()
+    for x in (X, X_BAD, X, X):
+        state, _ = step(state, x, Y)
+    assert len(traces) == 1
+
+
+@pytest.mark.standard_promotion  # optax's adam computes float ** int32
+@pytest.mark.parametrize("compute", ["float16", "bfloat16"])
+def test_optimizer_state_float32_under_mixed_policy(compute):
+    """FAULTS 20: adam's moments stay float32; a zero-gradient step gives no NaN."""
+    policy = f"p=f32,c={compute},o=f32"
+    state = make_linen(policy, tx=optax.adam(1e-3))
+    zero = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.zeros_like, s.params)))
+    state = zero(zero(state))
+    inner = jaxamp.amp_states(state.opt_state)[""].inner_state
+    assert {leaf.dtype for leaf in jax.tree.leaves((inner[0].mu, inner[0].nu))} == {F32}
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(state.params))
+    state, loss = jax.jit(linen_step)(state, X, Y)
+    assert bool(jnp.isfinite(loss)) and bool(state.amp_info().last_step_finite)
+
+    model, optimizer = make_nnx(policy, tx=optax.adam(1e-3))
+
+    @nnx.jit
+    def zero_step(model, optimizer):
+        grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+        optimizer.update(model, grads)
+
+    zero_step(model, optimizer)
+    zero_step(model, optimizer)
+    opt = jaxamp.amp_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    assert {leaf.dtype for leaf in jax.tree.leaves((opt[0].mu, opt[0].nu))} == {F32}
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    assert {p.dtype for p in jax.tree.leaves(params)} == {F32}
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
+    assert bool(jnp.isfinite(nnx.jit(nnx_step)(model, optimizer, X, Y)))
+
+
+class LinenBoom(nn.Module):
+    """Overflows in its float16 forward pass at any loss scale."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(3)(x)
+        big = jnp.asarray(300.0, h.dtype)
+        return h * big * big * big
+
+
+class NNXBoom(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.dense(x)
+        big = jnp.asarray(300.0, h.dtype)
+        return h * big * big * big
+
+
+def test_always_overflowing_model_is_reported(maybe_jit):
+    """FAULTS 21: after M consecutive skips the run is reported, and amp_info shows it."""
+    model = LinenBoom()
+    params = jf.linen.with_policy(model.init, "fp16-mixed")(jax.random.key(0), X)["params"]
+    kw = dict(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy="fp16-mixed")
+    state = jf.TrainState.create(**kw, max_consecutive_skips=3, on_max_skips="ignore")
+    step = maybe_jit(linen_step)
+    for _ in range(4):
+        state, _ = step(state, X, Y)
+    info = state.amp_info()
+    assert int(info.consecutive_skips) == 4 and int(info.skipped_steps) == 4
+    assert int(state.step) == 0 and float(info.loss_scale) == 2.0**12
+    state = jf.TrainState.create(**kw, max_consecutive_skips=3, on_max_skips="raise")
+    with pytest.raises((jaxamp.LossScaleDivergedError, jax.errors.JaxRuntimeError), match="3"):
+        for _ in range(3):
+            state, _ = step(state, X, Y)
+        jax.block_until_ready(state)
+
+    nmodel = NNXBoom(nnx.Rngs(0))
+    jf.nnx.apply_policy(nmodel, "fp16-mixed")
+    optimizer = jf.Optimizer(
+        nmodel, optax.sgd(0.1), wrt=nnx.Param, policy="fp16-mixed", max_consecutive_skips=2
+    )
+    nstep = _nnx_maybe_jit(maybe_jit)
+    nstep(nmodel, optimizer, X, Y)
+    with pytest.warns(RuntimeWarning, match="max_consecutive_skips=2"):
+        nstep(nmodel, optimizer, X, Y)
+        jax.block_until_ready(optimizer.amp_info())
+    assert int(optimizer.amp_info().consecutive_skips) == 2 and int(optimizer.step[...]) == 0
+
+
+@pytest.mark.torch
+def test_fp16_warmup_skips_match_torch():
+    """FAULTS 17: fp16 at 2**16 overflows in the first steps; torch skips as many."""
+    torch = pytest.importorskip("torch")
+    x = np.full((4, 2), 8.0, np.float32)  # d(loss)/d(kernel) = 32 * scale: inf while > 65504
+
+    class Linear1(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(x)
+
+    model = Linear1()
+    params = jf.linen.with_policy(model.init, "fp16-mixed")(jax.random.key(0), x)["params"]
+    state = jf.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(1e-6), policy="fp16-mixed"
+    )
+    step = jax.jit(lambda s, x: s.apply_gradients(grads=s.value_and_grad(
+        lambda p, x: s.apply_fn({"params": p}, x).astype(jnp.float32).sum())(s.params, x)[1]))
+    jax_scales, jax_finite = [], []
+    for _ in range(8):
+        state = step(state, x)
+        jax_scales.append(float(state.amp_info().loss_scale))
+        jax_finite.append(bool(state.amp_info().last_step_finite))
+
+    linear = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(np.asarray(params["Dense_0"]["kernel"]).T.copy()))
+        linear.bias.copy_(torch.from_numpy(np.array(params["Dense_0"]["bias"])))
+    opt = torch.optim.SGD(linear.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    torch_scales, torch_finite = [], []
+    for _ in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = linear(torch.from_numpy(x))
+        loss = out.float().sum()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+        torch_finite.append(scaler.get_scale() >= before)
+    assert jax_finite == torch_finite
+    assert jax_scales == torch_scales
+    assert jax_finite[:6] == [False] * 6 and all(jax_finite[6:])
+
+
+def test_create_validation():
+    with pytest.raises(TypeError, match="count_skipped_steps"):
+        make_linen(count_skipped_steps=1)
+    with pytest.raises(ValueError, match="already wrapped"):
+        make_linen(tx=jaxamp.loss_scaled(optax.sgd(0.1)), loss_scale="torch")
+    model = LinenMLP()
+    apply = jf.linen.with_policy(model.apply, "bf16-mixed")
+    with pytest.raises(ValueError, match="policy"):
+        jf.TrainState.create(apply_fn=apply, params={}, tx=optax.sgd(0.1), policy="fp16-mixed")
+    with pytest.raises(TypeError, match="count_skipped_steps"):
+        make_nnx(count_skipped_steps="no")
+
+
+def test_auto_loss_scale_and_amp_info():
+    assert isinstance(make_linen("bf16-mixed").loss_scale, jaxamp.NoOpLossScale)
+    assert isinstance(make_linen("fp16-mixed").loss_scale, jaxamp.DynamicLossScale)
+    assert isinstance(make_nnx("fp32")[1].loss_scale, jaxamp.NoOpLossScale)
+    # An already loss-scaled tx is kept as is.
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), jaxamp.StaticLossScale(8.0))
+    state = make_linen("bf16-mixed", tx=tx)
+    assert float(state.amp_info().loss_scale) == 8.0
