@@ -50,7 +50,11 @@ def make_linen(policy="fp16-mixed", tx=None, **kw):
     model = LinenMLP()
     params = jf.linen.with_policy(model.init, policy)(jax.random.key(0), X)["params"]
     return jf.TrainState.create(
-        apply_fn=model.apply, params=params, tx=tx or optax.sgd(0.1, momentum=0.9), policy=policy, **kw
+        apply_fn=model.apply,
+        params=params,
+        tx=tx or optax.sgd(0.1, momentum=0.9),
+        policy=policy,
+        **kw,
     )
 
 
@@ -252,8 +256,13 @@ def test_fp16_warmup_skips_match_torch():
     state = jf.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(1e-6), policy="fp16-mixed"
     )
-    step = jax.jit(lambda s, x: s.apply_gradients(grads=s.value_and_grad(
-        lambda p, x: s.apply_fn({"params": p}, x).astype(jnp.float32).sum())(s.params, x)[1]))
+    step = jax.jit(
+        lambda s, x: s.apply_gradients(
+            grads=s.value_and_grad(
+                lambda p, x: s.apply_fn({"params": p}, x).astype(jnp.float32).sum()
+            )(s.params, x)[1]
+        )
+    )
     jax_scales, jax_finite = [], []
     for _ in range(8):
         state = step(state, x)

@@ -1,0 +1,277 @@
+"""orbax checkpoints of Flax mixed-precision state (FAULTS.md 11 and 12), linen and NNX.
+
+FAULTS 11: save at step t, restore in a fresh process (a subprocess), continue: the next steps are
+bit-identical to an uninterrupted run, skip decisions included. FAULTS 12: a checkpoint without
+loss scaling restored into a run with it (and the reverse) raises, or resets when asked to.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+
+import jaxamp
+import jaxamp.flax as jf
+from jaxamp.flax import checkpoint as ckpt
+
+pytest.importorskip("orbax.checkpoint")
+
+REPO = Path(__file__).resolve().parents[1]
+TOTAL, SAVE_AT = 8, 3
+
+# Shared by this process and the fresh one: the same model, data and steps.
+WORKER = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import flax.linen as nn
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    import jaxamp, jaxamp.flax as jf
+    from jaxamp.flax import checkpoint as ckpt
+
+    POLICY = "fp16-mixed"
+    OVERFLOW_STEPS = (1, 5)  # one skip before the save point, one after
+
+
+    def scale():
+        return jaxamp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
+
+
+    def batch(i):
+        x = jax.random.normal(jax.random.key(i), (8, 4), jnp.float32)
+        if i in OVERFLOW_STEPS:
+            x = x.at[0, 0].set(jnp.inf)
+        return x, jnp.arange(8) % 3
+
+
+    def xent(logits, y):
+        logits = logits.astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+    class LinenMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.relu(nn.LayerNorm()(nn.Dense(8)(x))))
+
+
+    def make_linen():
+        model = LinenMLP()
+        params = jf.linen.with_policy(model.init, POLICY)(jax.random.key(0), batch(0)[0])
+        return jf.TrainState.create(apply_fn=model.apply, params=params["params"],
+                                    tx=optax.adam(1e-2), policy=POLICY, loss_scale=scale())
+
+
+    @jax.jit
+    def linen_step(state, x, y):
+        loss_fn = lambda p, x, y: xent(state.apply_fn({"params": p}, x), y)
+        loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+        return state.apply_gradients(grads=grads), loss
+
+
+    class NNXMLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 8, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.norm(self.l1(x))))
+
+
+    def make_nnx():
+        model = jf.nnx.apply_policy(NNXMLP(nnx.Rngs(0)), POLICY)
+        return model, jf.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, policy=POLICY,
+                                   loss_scale=scale())
+
+
+    @nnx.jit
+    def nnx_step(model, optimizer, x, y):
+        loss, grads = jf.nnx_value_and_grad(lambda m, x, y: xent(m(x), y))(
+            model, x, y, loss_scale=optimizer)
+        optimizer.update(model, grads)
+        return loss
+
+
+    def record(loss, info):
+        return [np.asarray(loss).tobytes().hex(), float(info.loss_scale),
+                bool(info.last_step_finite)]
+
+
+    def digest(tree):
+        h = hashlib.sha256()
+        for leaf in jax.tree.leaves(tree):
+            h.update(np.asarray(leaf).tobytes())
+        return h.hexdigest()
+
+
+    def run_linen(state, start, stop):
+        records = []
+        for i in range(start, stop):
+            state, loss = linen_step(state, *batch(i))
+            records.append(record(loss, state.amp_info()))
+        return state, records
+
+
+    def run_nnx(model, optimizer, start, stop):
+        records = []
+        for i in range(start, stop):
+            loss = nnx_step(model, optimizer, *batch(i))
+            records.append(record(loss, optimizer.amp_info()))
+        return records
+
+
+    def nnx_digest(model, optimizer):
+        return digest(nnx.as_pure(nnx.state((model, optimizer))))
+
+
+    if __name__ == "__main__":
+        directory, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        state = ckpt.restore(directory + "/linen", make_linen())
+        state, linen_records = run_linen(state, start, stop)
+        model, optimizer = make_nnx()
+        ckpt.restore(directory + "/nnx", (model, optimizer))
+        nnx_records = run_nnx(model, optimizer, start, stop)
+        print(json.dumps({"linen": linen_records, "linen_digest": digest(state),
+                          "nnx": nnx_records, "nnx_digest": nnx_digest(model, optimizer)}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    path = tmp_path_factory.mktemp("worker") / "flax_ckpt_worker.py"
+    path.write_text(WORKER)
+    namespace = {"__name__": "flax_ckpt_worker"}
+    exec(compile(WORKER, str(path), "exec"), namespace)
+    return path, namespace
+
+
+@pytest.mark.standard_promotion  # optax's adam computes float ** int32
+def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):
+    """FAULTS 11, linen and NNX, with a skipped step before and after the save point."""
+    path, w = worker
+    # The uninterrupted run.
+    full_state, full_linen = w["run_linen"](w["make_linen"](), 0, TOTAL)
+    model, optimizer = w["make_nnx"]()
+    full_nnx = w["run_nnx"](model, optimizer, 0, TOTAL)
+    full_nnx_digest = w["nnx_digest"](model, optimizer)
+    assert [r[2] for r in full_linen] == [i not in w["OVERFLOW_STEPS"] for i in range(TOTAL)]
+    # The interrupted run: SAVE_AT steps, then save.
+    state, _ = w["run_linen"](w["make_linen"](), 0, SAVE_AT)
+    ckpt.save(tmp_path / "linen", state, SAVE_AT)
+    model, optimizer = w["make_nnx"]()
+    w["run_nnx"](model, optimizer, 0, SAVE_AT)
+    ckpt.save(tmp_path / "nnx", (model, optimizer), SAVE_AT)
+    assert ckpt.latest_step(tmp_path / "linen") == SAVE_AT
+    # Resume in a fresh process.
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(path), str(tmp_path), str(SAVE_AT), str(TOTAL)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert resumed["linen"] == full_linen[SAVE_AT:]
+    assert resumed["linen_digest"] == w["digest"](full_state)
+    assert resumed["nnx"] == full_nnx[SAVE_AT:]
+    assert resumed["nnx_digest"] == full_nnx_digest
+
+
+@pytest.mark.standard_promotion
+def test_linen_loss_scale_mismatch(worker, tmp_path):
+    """FAULTS 12, linen: plain <-> loss-scaled, and another loss-scale type."""
+    _, w = worker
+    scaled = w["make_linen"]()
+    scaled, _ = w["linen_step"](scaled, *w["batch"](1))  # a skip: scale 512, skipped_steps 1
+    plain = flax_train_state.TrainState.create(
+        apply_fn=scaled.apply_fn, params=scaled.params, tx=optax.adam(1e-2)
+    )
+    ckpt.save(tmp_path / "scaled", scaled, 1)
+    ckpt.save(tmp_path / "plain", plain, 1)
+    # Saved without loss scaling, restored into a run with it: error, or documented reset.
+    with pytest.raises(ValueError, match="saved with no loss scaling.*on_loss_scale_mismatch"):
+        ckpt.restore(tmp_path / "plain", w["make_linen"]())
+    restored = ckpt.restore(tmp_path / "plain", w["make_linen"](), on_loss_scale_mismatch="reset")
+    assert float(restored.amp_info().loss_scale) == 2.0**10  # the target's fresh scale
+    assert int(restored.amp_info().skipped_steps) == 0
+    assert w["digest"](restored.params) == w["digest"](plain.params)
+    inner = jaxamp.amp_states(restored.opt_state)[""].inner_state
+    assert w["digest"](inner) == w["digest"](plain.opt_state)
+    # The reverse.
+    with pytest.raises(ValueError, match="target has no loss scaling"):
+        ckpt.restore(tmp_path / "scaled", plain)
+    back = ckpt.restore(tmp_path / "scaled", plain, on_loss_scale_mismatch="reset")
+    assert w["digest"](back.opt_state) == w["digest"](
+        jaxamp.amp_states(scaled.opt_state)[""].inner_state
+    )
+    # Another loss-scale type (NoOp: bf16) into a dynamic run.
+    model = w["LinenMLP"]()
+    noop = jf.TrainState.create(
+        apply_fn=model.apply, params=scaled.params, tx=optax.adam(1e-2), policy="bf16-mixed"
+    )
+    ckpt.save(tmp_path / "noop", noop, 0)
+    with pytest.raises(ValueError, match="NoOpLossScale"):
+        ckpt.restore(tmp_path / "noop", w["make_linen"]())
+    # Same type, same hyperparameters: the exact state comes back.
+    exact = ckpt.restore(tmp_path / "scaled", w["make_linen"]())
+    assert float(exact.amp_info().loss_scale) == 512.0
+    assert w["digest"](exact) == w["digest"](scaled)
+
+
+@pytest.mark.standard_promotion
+def test_nnx_loss_scale_mismatch(worker, tmp_path):
+    """FAULTS 12, NNX."""
+    _, w = worker
+    model, optimizer = w["make_nnx"]()
+    w["nnx_step"](model, optimizer, *w["batch"](1))  # a skip
+    ckpt.save(tmp_path / "scaled", (model, optimizer), 1)
+    plain_model = w["NNXMLP"](nnx.Rngs(1))
+    plain_opt = nnx.Optimizer(plain_model, optax.adam(1e-2), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="target has no loss scaling"):
+        ckpt.restore(tmp_path / "scaled", (plain_model, plain_opt))
+    ckpt.restore(tmp_path / "scaled", (plain_model, plain_opt), on_loss_scale_mismatch="reset")
+    assert w["digest"](nnx.as_pure(nnx.state(plain_model))) == w["digest"](
+        nnx.as_pure(nnx.state(model))
+    )
+    ckpt.save(tmp_path / "plain", (plain_model, plain_opt), 0)
+    target_model, target_opt = w["make_nnx"]()
+    with pytest.raises(ValueError, match="saved with no loss scaling"):
+        ckpt.restore(tmp_path / "plain", (target_model, target_opt))
+    ckpt.restore(tmp_path / "plain", (target_model, target_opt), on_loss_scale_mismatch="reset")
+    assert float(target_opt.amp_info().loss_scale) == 2.0**10
+    assert w["digest"](nnx.as_pure(nnx.state(target_model))) == w["digest"](
+        nnx.as_pure(nnx.state(model))
+    )
+
+
+def test_no_partial_loads_and_bad_arguments(tmp_path):
+    state = {"w": jnp.ones((2, 3), jnp.float32), "b": jnp.zeros((3,), jnp.bfloat16)}
+    ckpt.save(tmp_path, state, 0)
+    restored = ckpt.restore(tmp_path, {"w": jnp.zeros((2, 3)), "b": jnp.ones((3,), jnp.bfloat16)})
+    assert restored["b"].dtype == jnp.bfloat16 and float(restored["w"].sum()) == 6.0
+    with pytest.raises(ValueError, match="does not match"):
+        ckpt.restore(tmp_path, {"w": jnp.zeros((2, 3))})
+    with pytest.raises(ValueError, match="shape"):
+        ckpt.restore(tmp_path, {"w": jnp.zeros((3, 3)), "b": jnp.zeros((3,), jnp.bfloat16)})
+    with pytest.raises(ValueError, match="already exists"):
+        ckpt.save(tmp_path, state, 0)
+    with pytest.raises(ValueError, match="step"):
+        ckpt.save(tmp_path, state, -1)
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        ckpt.restore(tmp_path, state, step=7)
+    with pytest.raises(ValueError, match="on_loss_scale_mismatch"):
+        ckpt.restore(tmp_path, state, on_loss_scale_mismatch="ignore")
+    assert jax.tree.structure(ckpt.amp_metadata(state)) is not None
