@@ -1,0 +1,1 @@
+"""Example: image_classifier."""
