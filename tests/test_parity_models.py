@@ -581,3 +581,21 @@ def test_user_built_pair():
         pair.make_data(0, 2)
     with pytest.raises(TypeError, match="to_flax"):
         ModelPair("x", "lm", TorchNet(), FlaxNet(), {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_lstm_runs_under_cpu_autocast(dtype):
+    """oneDNN has no float16 LSTM: the model runs it in float16 itself, float32 gradients."""
+    pair, inputs, targets = _pair_and_batch("lstm", **SMALL["lstm"])
+    x = torch.from_numpy(inputs)
+    reference = pair.torch_forward(pair.torch_model, x, train=True).detach()
+    with torch.autocast("cpu", dtype=dtype):
+        logits = pair.torch_forward(pair.torch_model, x, train=True)
+        loss = loss_torch(pair.task, logits, torch.from_numpy(targets))
+    assert logits.dtype == dtype
+    loss.backward()
+    grads = [p.grad for p in pair.torch_model.parameters()]
+    assert all(
+        g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads
+    )
+    assert _max_diff(logits, reference) < 5e-2

@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 import torch
+from torch.func import functional_call
 
 from parity import transfer
 from parity.data import synthetic_tokens
@@ -33,8 +34,25 @@ class TorchLSTMClassifier(torch.nn.Module):
         self.head = torch.nn.Linear(hidden, num_classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        outputs, _ = self.lstm(self.embed(tokens))
+        x = self.embed(tokens)
+        if _cpu_float16_autocast(x):
+            # CPU autocast sends nn.LSTM to oneDNN, which has no float16 LSTM ("could not create a
+            # primitive descriptor"). Do what autocast means: run the LSTM in float16 on float16
+            # copies of the weights. The casts are differentiable, so gradients stay float32.
+            with torch.autocast("cpu", enabled=False):
+                weights = {name: p.half() for name, p in self.lstm.named_parameters()}
+                outputs, _ = functional_call(self.lstm, weights, (x.half(),))
+        else:
+            outputs, _ = self.lstm(x)
         return self.head(outputs[:, -1])
+
+
+def _cpu_float16_autocast(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.float16
+    )
 
 
 class FlaxLSTMClassifier(nn.Module):
