@@ -218,7 +218,7 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
 
 def _promote(dtypes: Sequence[np.dtype], weak: Sequence[bool]) -> np.dtype:
     """JAX's standard promotion restricted to floats, computed here so strict mode allows it."""
-    strong = [d for d, w in zip(dtypes, weak) if not w] or list(dtypes)
+    strong = [d for d, w in zip(dtypes, weak, strict=False) if not w] or list(dtypes)
     if all(d == strong[0] for d in strong):
         return strong[0]
     if any(d == jnp.dtype(jnp.float64) for d in strong):
@@ -310,9 +310,9 @@ class _Interpreter:
         def read(v: Any) -> Any:
             return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-        for v, x in zip(jaxpr.constvars, consts):
+        for v, x in zip(jaxpr.constvars, consts, strict=False):
             env[v] = x
-        for v, x in zip(jaxpr.invars, args):
+        for v, x in zip(jaxpr.invars, args, strict=False):
             env[v] = x
 
         regions = [self._eqn_region(e, region) for e in jaxpr.eqns]
@@ -345,7 +345,7 @@ class _Interpreter:
                 if reg is not None and reg.cast_outputs_like_input
                 else None
             )
-            for v, x in zip(eqn.outvars, outs):
+            for v, x in zip(eqn.outvars, outs, strict=False):
                 if in_region_dtype is not None and v in leaving and _is_castable(x):
                     x = _cast(x, in_region_dtype)
                 env[v] = x
@@ -356,8 +356,10 @@ class _Interpreter:
         prev = region_input.get(inst[j])
         if prev is not None and prev[1]:
             return
-        for v, x in zip(eqn.invars, vals):
-            internal = isinstance(v, jex_core.Var) and v in producer and inst[producer[v]] == inst[j]
+        for v, x in zip(eqn.invars, vals, strict=False):
+            internal = (
+                isinstance(v, jex_core.Var) and v in producer and inst[producer[v]] == inst[j]
+            )
             if _is_castable(x) and not internal:
                 is_array = np.ndim(x) > 0
                 if prev is None or is_array:
@@ -437,7 +439,7 @@ class _Interpreter:
     @staticmethod
     def _as_written(eqn: Any, vals: Sequence[Any]) -> list:
         out = []
-        for v, x in zip(eqn.invars, vals):
+        for v, x in zip(eqn.invars, vals, strict=False):
             d = _aval_dtype(v)
             out.append(_cast(x, d) if d is not None and d in _CASTABLE else x)
         return out
@@ -446,7 +448,7 @@ class _Interpreter:
     def _promote_groups(eqn: Any, vals: Sequence[Any]) -> list:
         # Inputs that had one dtype as traced must share one again: promote each such group.
         groups: dict[np.dtype, list[int]] = {}
-        for i, (v, x) in enumerate(zip(eqn.invars, vals)):
+        for i, (v, x) in enumerate(zip(eqn.invars, vals, strict=False)):
             d = _aval_dtype(v)
             if d is not None and d in _CASTABLE and _is_castable(x):
                 groups.setdefault(d, []).append(i)
@@ -477,7 +479,7 @@ def _orig_dtypes(atoms: Sequence[Any]) -> list[np.dtype | None]:
 
 
 def _cast_to(vals: Sequence[Any], dtypes: Sequence[np.dtype | None]) -> list:
-    return [x if d is None else _cast(x, d) for x, d in zip(vals, dtypes)]
+    return [x if d is None else _cast(x, d) for x, d in zip(vals, dtypes, strict=False)]
 
 
 def _call(interp: _Interpreter, eqn: Any, vals: list, region: _Region | None) -> list:
@@ -579,13 +581,13 @@ def _custom_jvp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
         primals, tangents = xs[nconsts:n], xs[n + nconsts :]
         zeros = [type(t) is _custom_derivatives.SymbolicZero for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*zeros)
-        nz = [t for t, z in zip(tangents, zeros) if not z]
+        nz = [t for t, z in zip(tangents, zeros, strict=False) if not z]
         # The user's rule runs under the same autocast rules as the primal.
         out = interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [*primals, *nz], region)
         out_primals = _cast_to(out[: len(out_zeros)], out_dtypes)
         nz_out = iter(out[len(out_zeros) :])
         out_tangents = []
-        for p_out, z in zip(out_primals, out_zeros):
+        for p_out, z in zip(out_primals, out_zeros, strict=False):
             if z:
                 aval = jax.core.get_aval(p_out).to_tangent_aval()
                 out_tangents.append(_custom_derivatives.SymbolicZero(aval))
@@ -629,12 +631,12 @@ def _custom_vjp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
         # The user's bwd sees cotangents in the dtypes it was written for.
         cts = [
             _cast(c, d) if isinstance(c, jax.Array | jax.core.Tracer) else c
-            for c, d in zip(cts, orig_out_dtypes)
+            for c, d in zip(cts, orig_out_dtypes, strict=False)
         ]
         cts_in = bwd.call_wrapped(*res, *cts)
         return [
             _cast(c, d) if d is not None and isinstance(c, jax.Array | jax.core.Tracer) else c
-            for c, d in zip(cts_in, in_dtypes)
+            for c, d in zip(cts_in, in_dtypes, strict=False)
         ]
 
     bind_params["subfuns"] = (
@@ -689,7 +691,7 @@ def _trace_and_eval(fn: Callable, args: tuple, kwargs: dict, interp: _Interprete
     # Python scalars, strings and flags stay static, as they would be for a Python call.
     def flat_fn(*dyn):
         full = list(leaves)
-        for i, x in zip(dynamic, dyn):
+        for i, x in zip(dynamic, dyn, strict=False):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         return fn(*a, **k)

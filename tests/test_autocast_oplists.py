@@ -38,12 +38,16 @@ def test_versions_recorded():
 
 def test_cuda_list_equals_header():
     header = _header_lists()
-    ours = {k: v for k, v in _oplists.CUDA.ops.items() if not k.startswith("cudnn_") and v != "banned"}
+    ours = {
+        k: v for k, v in _oplists.CUDA.ops.items() if not k.startswith("cudnn_") and v != "banned"
+    }
     assert ours == header
 
 
 def _registrations(key):
-    return {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key(key)}
+    return {
+        n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key(key)
+    }
 
 
 def test_cuda_list_equals_registrations():

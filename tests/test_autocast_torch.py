@@ -15,7 +15,10 @@ F = torch.nn.functional
 
 pytestmark = pytest.mark.torch
 
-DTYPES = {"bfloat16": (jnp.bfloat16, torch.bfloat16, 3e-2), "float16": (jnp.float16, torch.float16, 4e-3)}
+DTYPES = {
+    "bfloat16": (jnp.bfloat16, torch.bfloat16, 3e-2),
+    "float16": (jnp.float16, torch.float16, 4e-3),
+}
 
 rng = np.random.default_rng(0)
 # Tiny shapes: torch fp16 matmul on this CPU has no fast kernel.
@@ -132,11 +135,16 @@ def test_matches_torch_cpu_autocast(case, dtype_name, maybe_jit):
     jax_fn, torch_fn, args = CASES[case]
     with torch.autocast("cpu", dtype=tdt):
         expected = torch_fn(*[_t(a) for a in args])
-    got = maybe_jit(jaxamp.autocast(jax_fn, dtype=jdt, device="cpu"))(*[jnp.asarray(a) for a in args])
+    got = maybe_jit(jaxamp.autocast(jax_fn, dtype=jdt, device="cpu"))(
+        *[jnp.asarray(a) for a in args]
+    )
     assert jnp.dtype(got.dtype).name == str(expected.dtype).removeprefix("torch."), case
     scale = max(1.0, float(np.abs(expected.float().numpy()).max()))
     np.testing.assert_allclose(
-        np.asarray(got, dtype=np.float32), expected.float().numpy(), atol=tol * scale * 4, rtol=tol * 4
+        np.asarray(got, dtype=np.float32),
+        expected.float().numpy(),
+        atol=tol * scale * 4,
+        rtol=tol * 4,
     )
 
 
