@@ -32,6 +32,15 @@ MATRIX_PLAN: dict[str, dict[str, Any]] = {
 }
 
 
+# Cells the matrix skips, with the reason (shown in the report): torch has no kernel for them.
+UNSUPPORTED: dict[tuple[str, str, str], str] = {
+    ("lstm", "fp16-mixed", "cpu"): (
+        "torch CPU: oneDNN has no float16 LSTM primitive ('could not create a primitive "
+        "descriptor for the LSTM forward propagation primitive')"
+    ),
+}
+
+
 def _model_names():
     from parity.models import MODEL_NAMES
 
@@ -170,17 +179,21 @@ def run_pair(
     """Trains the named model with `config` on each framework; returns the run records."""
     from parity.models import get_model_pair
     from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
+    from parity.train_torch import build_error_record, train_torch
 
     pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
     runs = []
     for framework in frameworks:
         trainer = train_torch if framework == "torch" else train_jax
-        runs.append(trainer(config, pair, progress=progress))
+        try:
+            runs.append(trainer(config, pair, progress=progress))
+        except Exception as e:  # recorded and failed by `compare`; the matrix goes on
+            print(f"error: {framework} {config.model} {config.precision}: {e}", file=sys.stderr)
+            runs.append(build_error_record(framework, config, e))
     return runs
 
 
-def _compare_and_report(out: Path) -> int:
+def _compare_and_report(out: Path, skipped_cells: list[dict[str, str]] | None = None) -> int:
     from parity.compare import compare_runs, format_verdicts
     from parity.report import load_results, write_json_atomic, write_report
 
@@ -188,7 +201,7 @@ def _compare_and_report(out: Path) -> int:
     verdicts = compare_runs(runs)
     print(format_verdicts(verdicts))
     write_json_atomic(out / "verdicts.json", {"verdicts": [v.to_dict() for v in verdicts]})
-    path = write_report(out, runs, verdicts)
+    path = write_report(out, runs, verdicts, skipped_cells=skipped_cells)
     print(f"report: {path.resolve()}")
     return 1 if any(v.passed is False for v in verdicts) else 0
 
@@ -205,6 +218,9 @@ def _cmd_run(args) -> int:
     merge_runs(out, runs)
     for run in runs:
         s = run["summary"]
+        if s.get("error"):
+            print(f"{run['framework']:5s} {run['model']} {run['precision']}: ERROR {s['error']}")
+            continue
         print(
             f"{run['framework']:5s} {run['model']} {run['precision']}: final loss {s['final_loss']}, "
             f"median step {s['step_time_median_s'] * 1e3:.2f} ms, skipped {s['skipped_steps']}"
@@ -230,7 +246,14 @@ def _cmd_matrix(args) -> int:
         from tqdm import tqdm
 
         iterator = tqdm(cells, desc="matrix", unit="cell")
+    skipped_cells = []
     for model, precision in iterator:
+        reason = UNSUPPORTED.get((model, precision, args.device))
+        if reason:
+            skipped_cells.append(
+                {"model": model, "precision": precision, "device": args.device, "reason": reason}
+            )
+            continue
         config = _config_from_args(args, model, precision, MATRIX_PLAN[precision])
         mode = "compile" if config.torch_compile else "eager"
         keys = {
@@ -247,7 +270,7 @@ def _cmd_matrix(args) -> int:
         runs = run_pair(config, todo, progress=progress)
         data = merge_runs(out, runs)  # after every cell: an interruption loses one cell at most
         done = {run_key(r): r for r in data["runs"]}
-    return _compare_and_report(out)
+    return _compare_and_report(out, skipped_cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,12 @@ def _pair_verdicts(ref: dict[str, Any], cand: dict[str, Any]) -> list[Verdict]:
             )
         )
 
+    errors = [
+        f"{run_label(r)}: {r['summary']['error']}" for r in (ref, cand) if r["summary"].get("error")
+    ]
+    if errors:
+        add("run completed", "; ".join(errors), "no error", False)
+        return out
     bad = []
     for run in (ref, cand):
         s = run["summary"]

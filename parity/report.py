@@ -313,7 +313,11 @@ def _mib(value: Any) -> str:
 
 
 def write_report(
-    out_dir: str | os.PathLike, runs: list[dict[str, Any]], verdicts: list[Any]
+    out_dir: str | os.PathLike,
+    runs: list[dict[str, Any]],
+    verdicts: list[Any],
+    *,
+    skipped_cells: list[dict[str, str]] | None = None,
 ) -> Path:
     """Writes ``report.md``, ``steps.csv`` and the PNG plots into `out_dir`; returns the report path."""
     import matplotlib
@@ -398,6 +402,24 @@ def write_report(
             f"| {s.get('peak_memory_method') or '—'} | {_fmt(s['final_loss'])} | {eval_text} "
             f"| {s['skipped_steps']} | {_fmt(s.get('diverged'))} | {how} |"
         )
+    errors = [r for r in runs if r["summary"].get("error")]
+    if errors:
+        lines += ["", "## Runs that raised", ""]
+        for run in errors:
+            lines.append(
+                f"- {run['model']} {run['precision']} {run_label(run)}: `{run['summary']['error']}`"
+            )
+    fallbacks = [r for r in runs if r.get("autocast_fallback_reason")]
+    if fallbacks:
+        lines += ["", "## JAX runs that fell back from autocast to policy casting", ""]
+        for run in fallbacks:
+            lines.append(f"- {run['model']} {run['precision']}: {run['autocast_fallback_reason']}")
+    if skipped_cells:
+        lines += ["", "## Cells not run", ""]
+        for cell in skipped_cells:
+            lines.append(
+                f"- {cell['model']} {cell['precision']} ({cell['device']}): {cell['reason']}."
+            )
     diverged = [r for r in runs if r["summary"].get("diverged")]
     if diverged:
         lines += ["", "## Diverged runs", ""]

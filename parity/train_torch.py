@@ -25,7 +25,7 @@ import torch
 from parity import measure
 from parity.config import RunConfig
 
-__all__ = ["build_torch_optimizer", "train_torch"]
+__all__ = ["build_error_record", "build_run_record", "build_torch_optimizer", "train_torch"]
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 # A run whose loss stays non-finite this many steps in a row is stopped and reported diverged.
@@ -305,3 +305,34 @@ def build_run_record(
     }
     run.update(extra or {})
     return run
+
+
+def build_error_record(framework: str, config: RunConfig, error: BaseException) -> dict[str, Any]:
+    """The record of a run that raised: kept in results.json and failed by `compare`, not a crash."""
+    return {
+        "framework": framework,
+        "model": config.model,
+        "precision": config.precision,
+        "policy": config.policy,
+        "device": config.device,
+        "versions": measure.versions(),
+        "config": config.to_dict(),
+        "steps": [],
+        "summary": {
+            "error": f"{type(error).__name__}: {str(error)[:500]}",
+            "step_time_median_s": None,
+            "compile_time_s": None,
+            "peak_memory_bytes": None,
+            "peak_memory_method": None,
+            "final_loss": None,
+            "eval_metric": None,
+            "skipped_steps": 0,
+            "diverged": False,
+            "steps_completed": 0,
+        },
+        **(
+            {"torch_mode": "compile" if config.torch_compile else "eager"}
+            if framework == "torch"
+            else {}
+        ),
+    }

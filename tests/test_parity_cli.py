@@ -184,3 +184,19 @@ def test_python_dash_m_parity_help():
     assert result.returncode == 0
     for command in ("run", "compare", "matrix"):
         assert command in result.stdout
+
+
+def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
+    import parity.train_jax
+
+    def broken(config, pair, progress=False):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(parity.train_jax, "train_jax", broken)
+    out = tmp_path / "err"
+    args = ["run", "--model", "mlp", "--steps", "3", "--batch-size", "4", "--no-eval"]
+    assert cli.main([*args, "--out", str(out), "--no-progress", *TINY_MLP]) == 1
+    runs = load_results(out)["runs"]
+    error = next(r for r in runs if r["framework"] == "jax")
+    assert "no kernel for this" in error["summary"]["error"]
+    assert "Runs that raised" in (out / "report.md").read_text()
