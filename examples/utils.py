@@ -56,15 +56,24 @@ def plot_losses(
     *,
     title: str,
     loss_scales: Sequence[float | None] | None = None,
+    label: str = "train loss",
+    others: dict[str, Sequence[float]] | None = None,
 ) -> None:
-    """Saves a loss curve (and the loss scale, on a log axis, when there is one) as a PNG."""
+    """Saves a loss curve (and the loss scale, on a log axis, when there is one) as a PNG.
+
+    `others` adds more curves over the same steps (e.g. the torch run beside the JAX one).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, label="train loss", color="tab:blue")
+    ax.plot(steps, losses, label=label, color="tab:blue")
+    for name, values in (others or {}).items():
+        ax.plot(steps, values, label=name, linestyle="--", alpha=0.8)
+    if others:
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

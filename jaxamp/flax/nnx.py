@@ -229,8 +229,14 @@ def apply_policy(
             and effective.compute_dtype != _F32
         ):
             module.attention_fn = float32_softmax_attention
-        module.__class__ = _amp_class(type(module))
+        if _is_callable_class(type(module)):
+            module.__class__ = _amp_class(type(module))
     return model
+
+
+def _is_callable_class(cls: type) -> bool:
+    # Containers such as nnx.List have no __call__ of their own: nothing to hook.
+    return any("__call__" in vars(base) for base in cls.__mro__ if base is not object)
 
 
 def remove_policy(model: nnx.Module) -> nnx.Module:
