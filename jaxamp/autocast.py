@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import custom_derivatives as _custom_derivatives  # noqa: I001 (private, see below)
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.extend import source_info_util
@@ -579,7 +579,7 @@ def _custom_jvp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
     def jvp(*xs):
         n = len(xs) // 2
         primals, tangents = xs[nconsts:n], xs[n + nconsts :]
-        zeros = [type(t) is _custom_derivatives.SymbolicZero for t in tangents]
+        zeros = [type(t) is SymbolicZero for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*zeros)
         nz = [t for t, z in zip(tangents, zeros, strict=False) if not z]
         # The user's rule runs under the same autocast rules as the primal.
@@ -589,8 +589,8 @@ def _custom_jvp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
         out_tangents = []
         for p_out, z in zip(out_primals, out_zeros, strict=False):
             if z:
-                aval = jax.core.get_aval(p_out).to_tangent_aval()
-                out_tangents.append(_custom_derivatives.SymbolicZero(aval))
+                aval = jax.typeof(p_out).to_tangent_aval()
+                out_tangents.append(SymbolicZero(aval))
             else:
                 t = next(nz_out)
                 out_tangents.append(_cast(t, jnp.dtype(p_out.dtype)) if _is_castable(p_out) else t)
