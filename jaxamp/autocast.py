@@ -725,6 +725,8 @@ def autocast(
       input dtype (e.g. bfloat16 inputs accumulated in float32) are explicit and left alone. JAX
       records the input dtype there by default, so a float32 matmul is autocast.
     * Loop carries and ``cond`` outputs keep their traced dtypes (a loop state cannot change type).
+    * Inner ``jit`` calls are inlined into the caller (XLA inlines them anyway); their explicit
+      ``in_shardings``/``out_shardings`` are not re-applied.
     * Composites that torch runs as one kernel (flax's LayerNorm, optax's l2/cross-entropy losses,
       ``jnp.mean``, ...) follow that kernel's category; see ``jaxamp._oplists``.
     * Autocast applies to every op in ``fn``'s jaxpr. Put it on the forward pass or loss and
@@ -787,9 +789,11 @@ def autocast_trace(
       program order (higher-order primitives are entered, not listed).
 
     Examples:
-      >>> jaxamp.autocast_trace(lambda x: x @ x, jnp.ones((2, 2)), device="cpu")
-      [DtypeRecord(op='convert_element_type', ...), DtypeRecord(op='dot_general',
-       in_dtypes=('bfloat16', 'bfloat16'), out_dtypes=('bfloat16',))]
+      >>> jaxamp.autocast_trace(lambda x: jnp.exp(x @ x), jnp.ones((2, 2)), device="cuda")
+      [DtypeRecord(op='dot_general', in_dtypes=('float16', 'float16'), out_dtypes=('float16',)),
+       DtypeRecord(op='exp', in_dtypes=('float32',), out_dtypes=('float32',))]
+
+    The casts autocast inserts are not listed; they show in ``in_dtypes``.
     """
     device = _check_device(device)
     dt = _check_dtype(dtype, device)
