@@ -1,5 +1,7 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast."""
 
+from jaxamp.accumulate import MultiStepsState as MultiStepsState
+from jaxamp.accumulate import multi_steps as multi_steps
 from jaxamp.autocast import AUTOCAST_CATEGORIES as AUTOCAST_CATEGORIES
 from jaxamp.autocast import DtypeRecord as DtypeRecord
 from jaxamp.autocast import autocast as autocast
@@ -48,6 +50,8 @@ __all__ = [
     "get_loss_scale",
     "get_policy",
     "loss_scaled",
+    "multi_steps",
+    "MultiStepsState",
     "set_loss_scale",
     "value_and_grad",
 ]

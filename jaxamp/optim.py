@@ -157,10 +157,11 @@ def loss_scaled(
         in any group skips every group (torch with one optimizer). `multi_transform` of several
         `loss_scaled` optimizers gives each group its own scale and skip decision; then
         `get_loss_scale` asks which one you mean.
-      * `optax.MultiSteps(loss_scaled(opt), k)` accumulates scaled gradients over k micro-batches
-        with a constant scale; the scale moves once per real step and a non-finite micro-batch
-        skips the whole window. Do not wrap `MultiSteps` inside `loss_scaled` (the scale would
-        then move every micro-batch).
+      * `jaxamp.multi_steps(loss_scaled(opt), k)` accumulates scaled gradients over k
+        micro-batches with a constant scale; the scale moves once per real step and a non-finite
+        micro-batch skips the whole window. Not `optax.MultiSteps`: it clears its accumulator
+        with `0 * acc`, so one NaN poisons every later window. Do not put the accumulation
+        inside `loss_scaled` (the scale would then move every micro-batch).
 
     Args:
       inner: the optimizer to run on the unscaled gradients.

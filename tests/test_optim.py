@@ -189,15 +189,14 @@ def test_clipping_after_unscaling_equals_fp32_clipping(maybe_jit):
 
 
 @pytest.mark.parametrize("poison_micro_step", [None, 0, 2])
-def test_multisteps_accumulation(poison_micro_step, maybe_jit):
+def test_multi_steps_accumulation(poison_micro_step, maybe_jit):
     k = 3
-    tx = optax.MultiSteps(jaxamp.loss_scaled(optax.adam(1e-2)), every_k_schedule=k)
+    tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.adam(1e-2)), every_k=k)
     params = _params()
     state = tx.init(params)
-    batches = _batches(2 * k)
     update = maybe_jit(tx.update)
     scales = []
-    for i, (x, y) in enumerate(batches):
+    for i, (x, y) in enumerate(_batches(3 * k)):
         _, grads = jaxamp.value_and_grad(_loss)(params, x, y, loss_scale=state)
         if i == poison_micro_step:
             grads = _inject(grads, jnp.nan)
@@ -210,14 +209,46 @@ def test_multisteps_accumulation(poison_micro_step, maybe_jit):
             assert not np.any(np.asarray(updates["w"]))
         params = optax.apply_updates(params, updates)
     info = jaxamp.amp_info(state)
+    adam_count = int(state.inner_state.inner_state[0].count)
     if poison_micro_step is None:
-        assert scales == [2.0**16] * (2 * k)
-        assert int(info.skipped_steps) == 0
+        assert scales == [2.0**16] * (3 * k)
+        assert int(info.skipped_steps) == 0 and adam_count == 3
     else:
-        # The whole first window is skipped: one backoff at its end, then a clean window.
-        assert scales[:k] == [2.0**16] * (k - 1) + [2.0**15]
-        assert int(info.skipped_steps) == 1
-        assert int(jaxamp.amp_states(state)[".inner_opt_state"].inner_state[0].count) == 1
+        # The poisoned window is skipped whole (one backoff at its end); later windows step.
+        assert scales == [2.0**16] * (k - 1) + [2.0**15] * (2 * k + 1)
+        assert int(info.skipped_steps) == 1 and adam_count == 2
+    assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(params))
+
+
+def test_multi_steps_matches_large_batch_step():
+    params = _params()
+    batches = _batches(4)
+    tx = jaxamp.multi_steps(optax.sgd(0.1), every_k=4)
+    state = tx.init(params)
+    for x, y in batches:
+        updates, state = tx.update(jax.grad(_loss)(params, x, y), state, params)
+    mean_grads = jax.tree.map(
+        lambda *g: sum(g) / 4, *[jax.grad(_loss)(params, x, y) for x, y in batches]
+    )
+    ref_updates, _ = optax.sgd(0.1).update(mean_grads, optax.sgd(0.1).init(params), params)
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="every_k"):
+        jaxamp.multi_steps(optax.sgd(0.1), every_k=0)
+
+
+def test_optax_multisteps_never_recovers_from_an_overflow():
+    """Why jaxamp.multi_steps exists: optax.MultiSteps clears its accumulator with `0 * acc`.
+
+    If this starts failing, optax fixed it and `optax.MultiSteps` becomes usable again."""
+    k = 2
+    tx = optax.MultiSteps(jaxamp.loss_scaled(optax.adam(1e-2)), every_k_schedule=k)
+    params = _params()
+    state = tx.init(params)
+    ones = jax.tree.map(jnp.ones_like, params)
+    for i in range(3 * k):
+        _, state = tx.update(_inject(ones, jnp.nan) if i == 0 else ones, state, params)
+    assert int(jaxamp.amp_info(state).skipped_steps) == 3  # every window after the NaN is lost
 
 
 # --- FAULTS 15: parameter groups ------------------------------------------------------------------
@@ -426,6 +457,7 @@ def test_get_loss_scale_finds_nested_states():
     for tx in [
         optax.chain(optax.clip(1.0), jaxamp.loss_scaled(optax.adam(1e-3))),
         optax.MultiSteps(jaxamp.loss_scaled(optax.adam(1e-3)), 2),
+        jaxamp.multi_steps(jaxamp.loss_scaled(optax.adam(1e-3)), 2),
         optax.inject_hyperparams(lambda lr: jaxamp.loss_scaled(optax.sgd(lr)))(lr=0.1),
     ]:
         state = tx.init(params)

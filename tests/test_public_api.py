@@ -17,6 +17,7 @@ EXPECTED_ALL = sorted(
         "LossScale",
         "LossScaleDivergedError",
         "LossScaledState",
+        "MultiStepsState",
         "NoOpLossScale",
         "Policy",
         "StaticLossScale",
@@ -31,6 +32,7 @@ EXPECTED_ALL = sorted(
         "get_loss_scale",
         "get_policy",
         "loss_scaled",
+        "multi_steps",
         "set_loss_scale",
         "value_and_grad",
     ]
