@@ -420,15 +420,16 @@ def test_bfloat16_build_runs_under_strict_promotion(name):
             "flax_model": pair.flax_model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
         }
     )
-    bf16_vars = {
-        "params": jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables["params"]),
-        **({"batch_stats": variables["batch_stats"]} if "batch_stats" in variables else {}),
-    }
+    bf16_vars = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)  # stats too
     x = jnp.asarray(inputs)
     if x.dtype == jnp.float32:
         x = x.astype(jnp.bfloat16)
-    logits, _ = _jit_apply(low)(bf16_vars, x, True)
+    logits, new_stats = _jit_apply(low)(bf16_vars, x, True)
     assert logits.dtype == jnp.bfloat16
+    if new_stats is not None:  # running statistics keep their stored dtype
+        assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(new_stats))
+    eval_logits, _ = _jit_apply(low)(bf16_vars, x, False)
+    assert eval_logits.dtype == jnp.bfloat16
     reference, _ = _jit_apply(pair)(variables, jnp.asarray(inputs), True)
     scale = float(jnp.max(jnp.abs(reference)))
     assert _max_diff(logits, reference) < 0.1 * max(scale, 1.0)

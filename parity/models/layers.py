@@ -46,10 +46,16 @@ class TorchBatchNorm(nn.Module):
                     count *= x.shape[axis]
                 unbiased = var * jnp.float32(count / max(count - 1, 1))
                 momentum = jnp.float32(self.momentum)
-                ra_mean.value = momentum * ra_mean.value + (1 - momentum) * mean
-                ra_var.value = momentum * ra_var.value + (1 - momentum) * unbiased
+                # In float32 whatever the stored dtype (a bf16-true run may store bf16 stats).
+                old_mean = ra_mean.value.astype(jnp.float32)
+                old_var = ra_var.value.astype(jnp.float32)
+                new_mean = momentum * old_mean + (1 - momentum) * mean
+                new_var = momentum * old_var + (1 - momentum) * unbiased
+                ra_mean.value = new_mean.astype(ra_mean.value.dtype)
+                ra_var.value = new_var.astype(ra_var.value.dtype)
         else:
-            mean, var = ra_mean.value, ra_var.value
+            mean = ra_mean.value.astype(jnp.float32)
+            var = ra_var.value.astype(jnp.float32)
         y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + jnp.float32(self.epsilon)))
         y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype if self.dtype is not None else x.dtype)
