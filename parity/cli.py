@@ -33,12 +33,7 @@ MATRIX_PLAN: dict[str, dict[str, Any]] = {
 
 
 # Cells the matrix skips, with the reason (shown in the report): torch has no kernel for them.
-UNSUPPORTED: dict[tuple[str, str, str], str] = {
-    ("lstm", "fp16-mixed", "cpu"): (
-        "torch CPU: oneDNN has no float16 LSTM primitive ('could not create a primitive "
-        "descriptor for the LSTM forward propagation primitive')"
-    ),
-}
+UNSUPPORTED: dict[tuple[str, str, str], str] = {}
 
 
 def _model_names():
