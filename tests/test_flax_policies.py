@@ -265,7 +265,7 @@ def _nnx_in_out(model, x):
 
         return spy
 
-    for base, own in bases.items():
+    for base in bases:
         base.__call__ = make_spy(base.__call__)
     try:
         out = model(x)

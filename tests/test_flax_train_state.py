@@ -91,7 +91,8 @@ def _nnx_maybe_jit(maybe_jit):
 def _same(a, b):
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(leaves_a) == len(leaves_b) and all(
-        np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(leaves_a, leaves_b)
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(leaves_a, leaves_b, strict=True)
     )
 
 

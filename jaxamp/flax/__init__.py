@@ -31,21 +31,28 @@ Examples:
     optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="bf16-mixed")
 """
 
+from jaxamp.flax import checkpoint as checkpoint
 from jaxamp.flax import linen as linen
 from jaxamp.flax import nnx as nnx
 from jaxamp.flax._attention import float32_softmax_attention as float32_softmax_attention
 from jaxamp.flax._rules import PolicyOverride as PolicyOverride
 from jaxamp.flax._rules import float32_compute as float32_compute
 from jaxamp.flax._rules import override as override
+from jaxamp.flax.report import ModuleReport as ModuleReport
+from jaxamp.flax.report import PrecisionReport as PrecisionReport
+from jaxamp.flax.report import precision_report as precision_report
 from jaxamp.flax.train_state import Optimizer as Optimizer
 from jaxamp.flax.train_state import TrainState as TrainState
 from jaxamp.flax.train_state import default_loss_scale as default_loss_scale
 from jaxamp.flax.train_state import nnx_value_and_grad as nnx_value_and_grad
 
 __all__ = [
+    "ModuleReport",
     "Optimizer",
     "PolicyOverride",
+    "PrecisionReport",
     "TrainState",
+    "checkpoint",
     "default_loss_scale",
     "float32_compute",
     "float32_softmax_attention",
@@ -53,4 +60,5 @@ __all__ = [
     "nnx",
     "nnx_value_and_grad",
     "override",
+    "precision_report",
 ]

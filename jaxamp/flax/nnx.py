@@ -44,6 +44,7 @@ __all__ = [
 
 _F32 = np.dtype(jnp.float32)
 _POLICY_ATTR = "_jaxamp_policy"
+_RULE_ATTR = "_jaxamp_rule"
 
 #: Normalisation layers compute in float32 by default (torch on CUDA does the same).
 DEFAULT_RULES = {
@@ -98,16 +99,22 @@ def _restore(ids: list[int]) -> None:
         param.set_value(original)
 
 
-def _amp_call(self, *args, **kwargs):
-    policy: Policy = getattr(self, _POLICY_ATTR)
-    base_call = type(self).__jaxamp_base__.__call__
-    casted = _cast_subtree_params(self)
-    try:
-        args, kwargs = cast_floating((args, kwargs), policy.compute_dtype)
-        out = base_call(self, *args, **kwargs)
-    finally:
-        _restore(casted)
-    return cast_floating(out, policy.output_dtype)
+def _make_amp_call(base: type):
+    base_call = base.__call__
+
+    @functools.wraps(base_call)
+    def __call__(self, *args, **kwargs):
+        policy: Policy = getattr(self, _POLICY_ATTR)
+        casted = _cast_subtree_params(self)
+        try:
+            args, kwargs = cast_floating((args, kwargs), policy.compute_dtype)
+            out = type(self).__jaxamp_base__.__call__(self, *args, **kwargs)
+        finally:
+            _restore(casted)
+        return cast_floating(out, policy.output_dtype)
+
+    del base_call
+    return __call__
 
 
 @functools.cache
@@ -118,7 +125,7 @@ def _amp_class(cls: type) -> type:
         cls.__name__,
         (cls,),
         {
-            "__call__": functools.wraps(cls.__call__)(_amp_call),
+            "__call__": _make_amp_call(cls),
             "__jaxamp_base__": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
@@ -222,6 +229,7 @@ def apply_policy(
         for param in _direct_params(module):
             param.set_value(cast_floating(param.get_value(), effective.param_dtype))
         setattr(module, _POLICY_ATTR, effective)
+        setattr(module, _RULE_ATTR, resolved.sources[path])
         if (
             float32_softmax
             and isinstance(module, nnx.MultiHeadAttention)
@@ -245,8 +253,9 @@ def remove_policy(model: nnx.Module) -> nnx.Module:
         base = getattr(type(module), "__jaxamp_base__", None)
         if base is not None:
             module.__class__ = base
-        if _POLICY_ATTR in vars(module):
-            delattr(module, _POLICY_ATTR)
+        for attr in (_POLICY_ATTR, _RULE_ATTR):
+            if attr in vars(module):
+                delattr(module, attr)
         if getattr(module, "attention_fn", None) is float32_softmax_attention:
             module.attention_fn = nnx.dot_product_attention
     return model
