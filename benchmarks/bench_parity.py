@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -181,7 +180,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
 
-        def ratio(key):
+        def ratio(key, c=c):
             if key not in c:
                 return "—"
             return f"{c[key]:.2f} ({c[key + '_min']:.2f}–{c[key + '_max']:.2f})"
