@@ -157,6 +157,8 @@ def _groups(runs):
 
 def _savefig(fig, path: Path) -> None:
     # Atomic like every other output: render to bytes, then replace.
+    if fig._suptitle is not None:
+        fig.tight_layout(rect=(0, 0, 1, 0.95))  # keep the suptitle clear of the panel titles
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -170,7 +172,7 @@ def _grid(n: int):
 
     cols = min(4, max(n, 1))
     rows = math.ceil(max(n, 1) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + 0.6), squeeze=False)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat)
