@@ -31,7 +31,8 @@ def test_image_classifier(tmp_path, capsys):
     main.main(
         [
             "--workdir", str(tmp_path), "--precision", "fp16-mixed", "--num_steps", "3",
-            "--batch_size", "8", "--eval_every", "3", "--no_progress",
+            "--batch_size", "8", "--eval_every", "3", "--image_size", "8", "--widths", "8",
+            "--no_progress",
         ]
     )  # fmt: skip
     metrics = _check_outputs(tmp_path, ("loss",), "fp16-mixed")

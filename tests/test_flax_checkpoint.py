@@ -160,12 +160,6 @@ def worker(tmp_path_factory):
 def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):
     """FAULTS 11, linen and NNX, with a skipped step before and after the save point."""
     path, w = worker
-    # The uninterrupted run.
-    full_state, full_linen = w["run_linen"](w["make_linen"](), 0, TOTAL)
-    model, optimizer = w["make_nnx"]()
-    full_nnx = w["run_nnx"](model, optimizer, 0, TOTAL)
-    full_nnx_digest = w["nnx_digest"](model, optimizer)
-    assert [r[2] for r in full_linen] == [i not in w["OVERFLOW_STEPS"] for i in range(TOTAL)]
     # The interrupted run: SAVE_AT steps, then save.
     state, _ = w["run_linen"](w["make_linen"](), 0, SAVE_AT)
     ckpt.save(tmp_path / "linen", state, SAVE_AT)
@@ -173,17 +167,27 @@ def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):
     w["run_nnx"](model, optimizer, 0, SAVE_AT)
     ckpt.save(tmp_path / "nnx", (model, optimizer), SAVE_AT)
     assert ckpt.latest_step(tmp_path / "linen") == SAVE_AT
-    # Resume in a fresh process.
+    # Resume in a fresh process, while this one runs the uninterrupted reference.
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(path), str(tmp_path), str(SAVE_AT), str(TOTAL)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        full_state, full_linen = w["run_linen"](w["make_linen"](), 0, TOTAL)
+        model, optimizer = w["make_nnx"]()
+        full_nnx = w["run_nnx"](model, optimizer, 0, TOTAL)
+        full_nnx_digest = w["nnx_digest"](model, optimizer)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [r[2] for r in full_linen] == [i not in w["OVERFLOW_STEPS"] for i in range(TOTAL)]
+    assert proc.returncode == 0, stderr[-3000:]
+    resumed = json.loads(stdout.strip().splitlines()[-1])
     assert resumed["linen"] == full_linen[SAVE_AT:]
     assert resumed["linen_digest"] == w["digest"](full_state)
     assert resumed["nnx"] == full_nnx[SAVE_AT:]

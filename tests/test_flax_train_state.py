@@ -96,7 +96,11 @@ def _same(a, b):
     )
 
 
-@pytest.mark.parametrize("count_skipped_steps", [False, True])
+@pytest.mark.parametrize(
+    "maybe_jit, count_skipped_steps",
+    [(jax.jit, False), (jax.jit, True), (lambda f: f, False)],
+    ids=["jit", "jit-count-skipped", "eager"],
+)
 def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     state = make_linen(count_skipped_steps=count_skipped_steps)
     step = maybe_jit(linen_step)
@@ -116,7 +120,11 @@ def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     assert state.step.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("count_skipped_steps", [False, True])
+@pytest.mark.parametrize(
+    "maybe_jit, count_skipped_steps",
+    [(jax.jit, False), (jax.jit, True), (lambda f: f, False)],
+    ids=["jit", "jit-count-skipped", "eager"],
+)
 def test_nnx_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     model, optimizer = make_nnx(count_skipped_steps=count_skipped_steps)
     step = _nnx_maybe_jit(maybe_jit)

@@ -23,6 +23,12 @@ def main(argv=None):
     parser.add_argument("--dataset", choices=["synthetic", "fashion_mnist", "cifar10"])
     parser.add_argument("--data_dir")
     parser.add_argument("--eval_every", type=int)
+    parser.add_argument("--image_size", type=int, help="side of the synthetic images")
+    parser.add_argument(
+        "--widths",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        help="conv channels per stage, e.g. 32,64",
+    )
     args = parser.parse_args(argv)
     config = utils.apply_flags(config_lib.get_config(), args)
     metrics = train.train_and_evaluate(config, args.workdir)

@@ -13,6 +13,7 @@ What jaxamp does here, in a few lines (see `create_train_state` and `train_step`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,8 @@ def create_train_state(config: Config, stream: data_lib.BatchStream) -> TrainSta
     policy = jaxamp.get_policy(config.precision)
     model = CNN(widths=tuple(config.widths), num_classes=stream.num_classes)
     example = jnp.zeros((1, *stream.input_shape), jnp.float32)
-    init = jf.linen.with_policy(model.init, policy)
-    variables = init(jax.random.key(config.seed), example, train=False)
+    init = jf.linen.with_policy(functools.partial(model.init, train=False), policy)
+    variables = jax.jit(init)(jax.random.key(config.seed), example)  # one compile, not one per op
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.learning_rate,
