@@ -40,7 +40,10 @@ __all__ = [
 
 MEMORY_METHODS = {
     "torch_cuda_max_memory_allocated": "torch.cuda.max_memory_allocated() over the measured steps",
-    "jax_gpu_peak_bytes_in_use": "jax device.memory_stats()['peak_bytes_in_use']",
+    "jax_gpu_peak_bytes_in_use": (
+        "jax device.memory_stats()['peak_bytes_in_use'] with XLA_PYTHON_CLIENT_PREALLOCATE=false; "
+        "process-wide (JAX has no reset), so run GPU cells in separate processes for per-run peaks"
+    ),
     "xla_memory_analysis": "compiled train step memory_analysis(): argument + output + temp - alias bytes",
     "torch_profiler_cpu_allocations": (
         "torch.profiler(profile_memory=True) over one step: max running sum of CPU allocator "
@@ -136,7 +139,10 @@ def torch_gpu_peak_memory() -> int:
 
 
 def jax_cpu_memory(compiled: Any) -> dict[str, int] | None:
-    """The compiled step's planned memory (method ``xla_memory_analysis``), or None if unknown."""
+    """The compiled step's planned memory (method ``xla_memory_analysis``), or None if unknown.
+
+    Works for any backend's executable; on CPU it is the only figure JAX offers.
+    """
     try:
         analysis = compiled.memory_analysis()
     except Exception:  # backends without the analysis raise various errors

@@ -346,6 +346,8 @@ def train_jax(
     if config.device == "gpu":
         peak_memory = measure.jax_gpu_peak_memory(device)
         memory_method = "jax_gpu_peak_bytes_in_use"
+        # The allocator's peak is process-wide (JAX cannot reset it): keep XLA's per-step plan too.
+        memory_detail = measure.jax_cpu_memory(compiled)
     else:
         memory_detail = measure.jax_cpu_memory(compiled)
         peak_memory = memory_detail["peak_bytes"] if memory_detail else None
