@@ -300,6 +300,24 @@ def test_fp16_warmup_skips_match_torch():
     assert jax_scales == torch_scales
     assert jax_finite[:6] == [False] * 6 and all(jax_finite[6:])
 
+    # NNX, same weights.
+    nnx_model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    nnx_model.kernel[...] = params["Dense_0"]["kernel"]
+    nnx_model.bias[...] = params["Dense_0"]["bias"]
+    jf.nnx.apply_policy(nnx_model, "fp16-mixed")
+    optimizer = jf.Optimizer(nnx_model, optax.sgd(1e-6), wrt=nnx.Param, policy="fp16-mixed")
+
+    @nnx.jit
+    def nnx_train(model, optimizer, x):
+        loss_fn = jf.nnx_value_and_grad(lambda m, x: m(x).astype(jnp.float32).sum())
+        _, grads = loss_fn(model, x, loss_scale=optimizer)
+        optimizer.update(model, grads)
+        return optimizer.amp_info()
+
+    infos = [nnx_train(nnx_model, optimizer, jnp.asarray(x)) for _ in range(8)]
+    assert [bool(i.last_step_finite) for i in infos] == torch_finite
+    assert [float(i.loss_scale) for i in infos] == torch_scales
+
 
 def test_create_validation():
     with pytest.raises(TypeError, match="count_skipped_steps"):
