@@ -10,7 +10,7 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 
 Prints a table (median step time, ratio to plain) and writes JSON.
 
-    python benchmarks/bench_loss_scaled.py --steps 60 --out benchmarks/results/loss_scaled.json
+    python benchmarks/bench_loss_scaled.py --steps 100 --repeats 2
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     vocab: int = 512
     d_model: int = 256
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
     seq_len: int = 64
 
@@ -205,21 +205,22 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "transformer"], choices=["mlp", "transformer"]
     )
-    parser.add_argument("--policy", default="bf16-mixed")
+    parser.add_argument("--policies", nargs="+", default=["fp32", "bf16-mixed"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="repeat the whole measurement")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     args = parser.parse_args(argv)
     if args.steps < 50:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
     results = []
     for repeat in range(args.repeats):
-        for model in args.models:
-            r = bench(model, args.policy, args.steps, args.warmup, args.batch_size)
-            r["repeat"] = repeat
-            results.append(r)
+        for policy in args.policies:
+            for model in args.models:
+                r = bench(model, policy, args.steps, args.warmup, args.batch_size)
+                r["repeat"] = repeat
+                results.append(r)
     header = (
         f"{'model':<12}{'params':>10}{'variant':>13}{'median ms':>11}{'IQR ms':>17}"
         f"{'ratio':>8}{'compile s':>11}"
@@ -246,7 +247,6 @@ def main(argv=None) -> None:
             "optax": optax.__version__,
             "jaxamp": jaxamp.__version__,
         },
-        "policy": args.policy,
         "results": results,
     }
     _write_json_atomic(args.out, payload)
