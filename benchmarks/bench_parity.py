@@ -59,6 +59,7 @@ def bench_cell(model, precision, *, steps, repeats, warmup, compile_torch, progr
         steps=steps,
         batch_size=batch,
         timing_warmup=warmup,
+        lr_warmup_steps=10,  # as the CLI's default (see parity/cli.py)
         eval=False,
     )
     pair = get_model_pair(model, seed=0)
