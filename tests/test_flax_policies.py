@@ -53,7 +53,9 @@ def _first_float_dtype(tree):
 
 def _linen_calls(model, policy, x, rules=None, **kw):
     """Per module path: (class, dtype its inputs have after the policy's casts, output dtype)."""
-    variables = jf.linen.with_policy(model.init, policy, rules, **kw)(jax.random.key(0), x)
+    # Abstract evaluation: dtypes only, nothing computed or compiled.
+    init = jf.linen.with_policy(model.init, policy, rules, **kw)
+    variables = jax.eval_shape(init, jax.random.key(0), x)
     seen_in, seen_out = {}, {}
 
     def outer(next_fun, args, kwargs, context):
@@ -71,9 +73,12 @@ def _linen_calls(model, policy, x, rules=None, **kw):
     # Interceptors run in registration order: outer sees the policy's output casts, inner the
     # inputs as the module's own code receives them.
     policy_interceptor = jf.linen.policy_interceptor(policy, rules, **kw)
-    with nn.intercept_methods(outer), nn.intercept_methods(policy_interceptor):
-        with nn.intercept_methods(inner):
-            out = model.apply(variables, x)
+    def apply(variables, x):
+        with nn.intercept_methods(outer), nn.intercept_methods(policy_interceptor):
+            with nn.intercept_methods(inner):
+                return model.apply(variables, x)
+
+    out = jax.eval_shape(apply, variables, x)
     calls = {path: (cls, seen_in[path], dtype) for path, (cls, dtype) in seen_out.items()}
     return variables, out, calls
 
@@ -90,6 +95,7 @@ def test_linen_bf16_mixed_dtypes(maybe_jit):
     # LayerNorm computes in float32 (default rule) and hands bf16 back to its caller.
     assert calls["block/LayerNorm_0"] == ("LayerNorm", F32, BF16)
     assert calls[""] == ("LinenModel", BF16, F32)
+    variables = jf.linen.with_policy(model.init, "bf16-mixed")(jax.random.key(0), x)
     apply = maybe_jit(jf.linen.with_policy(model.apply, "bf16-mixed"))
     assert apply(variables, x).dtype == F32
 
