@@ -24,6 +24,7 @@ def _check_outputs(workdir: Path, loss_keys: tuple[str, ...], precision: str) ->
     return metrics
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion  # optax's adamw computes float ** int32
 def test_image_classifier(tmp_path, capsys):
     from examples.image_classifier import main
@@ -51,6 +52,7 @@ def test_image_classifier_needs_data_dir(tmp_path):
         train.make_data(config_lib.get_config(dataset="mnist"))
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 def test_transformer_lm(tmp_path):
     from examples.transformer_lm import main
@@ -66,6 +68,7 @@ def test_transformer_lm(tmp_path):
     assert metrics["module_policies"]["blocks/0/norm1"] == "p=f32,c=f32,o=bf16"
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.standard_promotion
 def test_torch_port(tmp_path):
