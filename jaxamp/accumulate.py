@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp.optim import _identity_updates
+
 __all__ = ["MultiStepsState", "multi_steps"]
 
 
@@ -74,8 +76,7 @@ def multi_steps(
         out_shapes = jax.eval_shape(step, state.inner_state)
 
         def wait(inner_state):
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
-            return zeros, inner_state
+            return _identity_updates(out_shapes[0]), inner_state
 
         new_updates, inner_state = jax.lax.cond(emit, step, wait, state.inner_state)
         # A select, not a multiply by 0: a NaN accumulator must not leak into the next window.

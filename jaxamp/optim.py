@@ -107,6 +107,15 @@ def _inverse_scale(loss_scale: Any) -> jax.Array:
     return jnp.float32(1.0) / jnp.asarray(loss_scale.loss_scale, jnp.float32)
 
 
+def _identity_updates(shapes: Any) -> Any:
+    """Updates that leave every parameter bit-for-bit unchanged under `optax.apply_updates`.
+
+    -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
+    for every p (NaN payloads included).
+    """
+    return jax.tree_util.tree_map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
+
+
 def _is_state(x: Any) -> bool:
     return isinstance(x, LossScaledState)
 
@@ -255,8 +264,7 @@ def loss_scaled(
         out_shapes = jax.eval_shape(apply_step, state.inner_state)
 
         def skip_step(inner_state):
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
-            return zeros, inner_state
+            return _identity_updates(out_shapes[0]), inner_state
 
         new_updates, new_inner_state = jax.lax.cond(
             grads_finite, apply_step, skip_step, state.inner_state
@@ -287,6 +295,15 @@ def loss_scaled(
     return LossScaledTransformation(init, update)
 
 
+def _is_variable(x: Any) -> bool:
+    # flax.nnx keeps optimizer state in Variables; read their values rather than import nnx.
+    return hasattr(x, "get_value") and not isinstance(x, jax.Array)
+
+
+def _unwrap_variable(x: Any) -> Any:
+    return x.get_value() if _is_variable(x) else x
+
+
 def get_loss_scale(opt_state: Any) -> Any:
     """Returns the current loss scale held anywhere inside an optax state.
 
@@ -299,7 +316,8 @@ def get_loss_scale(opt_state: Any) -> Any:
     """
     if isinstance(opt_state, LossScale) and not isinstance(opt_state, LossScaledState):
         return opt_state
-    return _one_state(opt_state, "get_loss_scale").loss_scale
+    loss_scale = _one_state(opt_state, "get_loss_scale").loss_scale
+    return jax.tree_util.tree_map(_unwrap_variable, loss_scale, is_leaf=_is_variable)
 
 
 def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
@@ -343,6 +361,7 @@ def amp_info(opt_state: Any) -> AmpInfo:
       applied, and total and consecutive skipped steps. Cheap under `jit`; log it.
     """
     state = _one_state(opt_state, "amp_info")
+    state = jax.tree_util.tree_map(_unwrap_variable, state, is_leaf=_is_variable)
     return AmpInfo(
         loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
         last_step_finite=state.last_step_finite,

@@ -84,12 +84,23 @@ def test_skipped_step_is_noop(name, bad, float_dtype, maybe_jit):
     updates, new_state = update(bad_grads, state, params)
     for u in jax.tree.leaves(updates):
         assert not np.any(np.asarray(u)), "a skipped step must return zero updates"
+        assert np.all(np.signbit(np.asarray(u, np.float32))), "-0.0: the exact identity for p + u"
     _leaves_equal(new_state.inner_state, state.inner_state)
     assert not bool(new_state.last_step_finite)
     assert int(new_state.skipped_steps) == 1
     np.testing.assert_array_equal(new_state.loss_scale.loss_scale, state.loss_scale.loss_scale / 2)
     new_params = optax.apply_updates(params, updates)
     _leaves_equal(new_params, params)
+
+
+def test_skip_keeps_negative_zero_params_bitwise(maybe_jit):
+    params = {"w": jnp.array([-0.0, 0.0, 1.0, -2.5], jnp.float32)}
+    for tx in [jaxamp.loss_scaled(optax.adam(1e-2)), jaxamp.multi_steps(optax.adam(1e-2), 2)]:
+        state = tx.init(params)
+        grads = {"w": jnp.array([jnp.inf, 1.0, 1.0, 1.0], jnp.float32)}
+        updates, _ = maybe_jit(tx.update)(grads, state, params)
+        new = optax.apply_updates(params, updates)
+        assert np.asarray(new["w"]).tobytes() == np.asarray(params["w"]).tobytes()
 
 
 def test_adam_count_does_not_advance_on_skip():
