@@ -25,6 +25,7 @@ def _dtype_promotion(request):
     with jax.numpy_dtype_promotion(mode):
         yield
 
+
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 

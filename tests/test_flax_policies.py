@@ -73,6 +73,7 @@ def _linen_calls(model, policy, x, rules=None, **kw):
     # Interceptors run in registration order: outer sees the policy's output casts, inner the
     # inputs as the module's own code receives them.
     policy_interceptor = jf.linen.policy_interceptor(policy, rules, **kw)
+
     def apply(variables, x):
         with nn.intercept_methods(outer), nn.intercept_methods(policy_interceptor):
             with nn.intercept_methods(inner):
