@@ -139,8 +139,6 @@ def main(argv=None) -> int:
     cells, raw = [], []
     for model in args.models:
         for precision in args.precisions:
-            if model == "lstm" and precision == "fp16-mixed":
-                continue  # torch CPU has no fp16 LSTM kernel
             steps = min(args.steps, 15) if precision == "fp16-mixed" else args.steps
             print(f"{model} {precision}", flush=True)
             summary, repeats = bench_cell(
