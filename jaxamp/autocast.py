@@ -14,7 +14,10 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import re
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.extend import source_info_util
+from jax.interpreters import ad, batching, mlir
 
 from jaxamp import _oplists
 
@@ -54,6 +58,8 @@ _FIRST_ORDER_WITH_JAXPR = frozenset(
     {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add", "sort"}
 )
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# torch ops that also update buffers (running statistics) that keep their dtype under autocast.
+_OPS_WITH_BUFFERS = frozenset({"batch_norm"})
 
 # Warn once per unknown higher-order primitive and process (a warning, not state the math reads).
 _warned_primitives: set[str] = set()
@@ -201,17 +207,40 @@ class _Region:
     category: str  # a category, or "as_written" for full-precision regions
     key: Any = None
     cast_outputs_like_input: bool = False
+    # Only outputs shaped like the input take its dtype (batch_norm's running statistics are
+    # buffers that keep their own dtype in torch).
+    only_input_shaped: bool = False
 
 
 _AS_WRITTEN = _Region("as_written", key="full_precision")
 
 
+def _plain_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as a NumPy dtype, or None for an extended dtype (typed PRNG keys, ...).
+
+    Extended dtypes are not NumPy dtypes (``np.dtype``/``jnp.dtype`` raise on them): every dtype
+    helper goes through here, and autocast never casts such values.
+    """
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    return jnp.dtype(dtype)
+
+
+def _dtype_of(x: Any) -> np.dtype | None:
+    """The plain dtype of a value or aval; None without one or for extended dtypes."""
+    return _plain_dtype(getattr(x, "dtype", None))
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype)
+
+
 def _is_castable(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.dtype(x.dtype) in _CASTABLE
+    return _dtype_of(x) in _CASTABLE
 
 
 def _cast(x: Any, dtype: np.dtype) -> Any:
-    if not _is_castable(x) or jnp.dtype(x.dtype) == dtype:
+    if not _is_castable(x) or _dtype_of(x) == dtype:
         return x
     return lax.convert_element_type(x, dtype)
 
@@ -228,8 +257,7 @@ def _promote(dtypes: Sequence[np.dtype], weak: Sequence[bool]) -> np.dtype:
 
 
 def _aval_dtype(atom: Any) -> np.dtype | None:
-    aval = getattr(atom, "aval", None)
-    return jnp.dtype(aval.dtype) if aval is not None and hasattr(aval, "dtype") else None
+    return _dtype_of(getattr(atom, "aval", None))
 
 
 def _explicit_out_dtype(eqn: Any) -> bool:
@@ -244,7 +272,7 @@ def _explicit_out_dtype(eqn: Any) -> bool:
     in_dtypes = [d for d in in_dtypes if d is not None]
     # JAX fills preferred_element_type with the input dtype by default: only a different one
     # (e.g. bfloat16 inputs accumulated in float32) is the user's request.
-    return bool(in_dtypes) and all(jnp.dtype(pet) != d for d in in_dtypes)
+    return bool(in_dtypes) and all(_plain_dtype(pet) != d for d in in_dtypes)
 
 
 class _Interpreter:
@@ -278,7 +306,10 @@ class _Interpreter:
                 torch_op, cat = hit
                 call_site = tuple((f.file_name, f.line_num) for f in frames[i + 1 :])
                 return _Region(
-                    cat, key=(torch_op, call_site), cast_outputs_like_input=cat == "keep"
+                    cat,
+                    key=(torch_op, call_site),
+                    cast_outputs_like_input=cat == "keep",
+                    only_input_shaped=torch_op in _OPS_WITH_BUFFERS,
                 )
         return None
 
@@ -340,13 +371,18 @@ class _Interpreter:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
                 outs = self._eval_eqn(eqn, vals, reg)
-            in_region_dtype = (
-                region_input.get(inst[j], (None,))[0]
+            in_region_dtype, _, in_region_shape = (
+                region_input.get(inst[j], (None, None, None))
                 if reg is not None and reg.cast_outputs_like_input
-                else None
+                else (None, None, None)
             )
             for v, x in zip(eqn.outvars, outs, strict=False):
-                if in_region_dtype is not None and v in leaving and _is_castable(x):
+                if (
+                    in_region_dtype is not None
+                    and v in leaving
+                    and _is_castable(x)
+                    and not (reg.only_input_shaped and np.shape(x) != in_region_shape)
+                ):
                     x = _cast(x, in_region_dtype)
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
@@ -363,7 +399,7 @@ class _Interpreter:
             if _is_castable(x) and not internal:
                 is_array = np.ndim(x) > 0
                 if prev is None or is_array:
-                    region_input[inst[j]] = (jnp.dtype(x.dtype), is_array)
+                    region_input[inst[j]] = (_dtype_of(x), is_array, np.shape(x))
                     return
 
     @staticmethod
@@ -385,6 +421,8 @@ class _Interpreter:
         if handler is not None:
             outs = handler(self, eqn, vals, region)
             return list(outs)
+        if prim is _explicit_cast_p:
+            return [self._explicit_cast(vals[0], eqn.params["dtype"], region)]
         if name in _FIRST_ORDER_WITH_JAXPR or name.startswith("scatter"):
             # A combiner jaxpr (scatter-add's add) typed for the traced dtypes: run as written.
             return self._bind(eqn, self._as_written(eqn, vals), dict(eqn.params))
@@ -412,7 +450,7 @@ class _Interpreter:
             new_vals = self._promote_groups(eqn, vals)
             pet = params.get("preferred_element_type")
             if pet is not None:
-                fl = [jnp.dtype(x.dtype) for x in new_vals if _is_castable(x)]
+                fl = [_dtype_of(x) for x in new_vals if _is_castable(x)]
                 if fl:
                     params["preferred_element_type"] = fl[0]
         try:
@@ -425,11 +463,24 @@ class _Interpreter:
             self.record.append(
                 DtypeRecord(
                     name,
-                    tuple(jnp.dtype(x.dtype).name for x in new_vals if hasattr(x, "dtype")),
-                    tuple(jnp.dtype(x.dtype).name for x in outs if hasattr(x, "dtype")),
+                    tuple(_dtype_name(x) for x in new_vals if hasattr(x, "dtype")),
+                    tuple(_dtype_name(x) for x in outs if hasattr(x, "dtype")),
                 )
             )
         return outs
+
+    def _explicit_cast(self, x: Any, dtype: np.dtype, region: _Region | None) -> Any:
+        """A cast the user wrote that JAX elided as a no-op when ``fn`` was traced."""
+        if region is not None and region.category == "lower_precision_fp":
+            # Inside a torch kernel that runs in lower precision (flax Dense's promote_dtype of
+            # its inputs): the kernel casts its operands anyway; no round trip through float32.
+            return x
+        out = _cast(x, dtype)
+        if self.record is not None and out is not x:
+            self.record.append(
+                DtypeRecord("convert_element_type", (_dtype_name(x),), (dtype.name,))
+            )
+        return out
 
     @staticmethod
     def _bind(eqn: Any, vals: Sequence[Any], params: dict) -> list:
@@ -454,7 +505,7 @@ class _Interpreter:
                 groups.setdefault(d, []).append(i)
         out = list(vals)
         for idx in groups.values():
-            dts = [jnp.dtype(vals[i].dtype) for i in idx]
+            dts = [_dtype_of(vals[i]) for i in idx]
             if all(d == dts[0] for d in dts):
                 continue
             # Scalars do not promote arrays: weakly typed values in JAX, 0-dim tensors in torch
@@ -490,7 +541,7 @@ def _call(interp: _Interpreter, eqn: Any, vals: list, region: _Region | None) ->
     else:
         outs = interp.eval_jaxpr(closed, (), vals, sub)
     if sub is not None and sub.cast_outputs_like_input and sub is not region:
-        first = next((jnp.dtype(x.dtype) for x in vals if _is_castable(x)), None)
+        first = next((_dtype_of(x) for x in vals if _is_castable(x)), None)
         if first is not None:
             outs = [_cast(x, first) for x in outs]
     return outs
@@ -561,7 +612,7 @@ def _cond(interp: _Interpreter, eqn: Any, vals: list, region: _Region | None) ->
 
 def _out_dtypes_of(fn: Callable, args: Sequence[Any]) -> list:
     shapes = jax.eval_shape(fn, *args)
-    return [jnp.dtype(s.dtype) for s in shapes]
+    return [_dtype_of(s) for s in shapes]
 
 
 def _custom_jvp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | None) -> list:
@@ -593,7 +644,7 @@ def _custom_jvp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
                 out_tangents.append(SymbolicZero(aval))
             else:
                 t = next(nz_out)
-                out_tangents.append(_cast(t, jnp.dtype(p_out.dtype)) if _is_castable(p_out) else t)
+                out_tangents.append(_cast(t, _dtype_of(p_out)) if _is_castable(p_out) else t)
         return [*out_primals, *out_tangents]
 
     params["subfuns"] = (
@@ -609,8 +660,8 @@ def _custom_vjp(interp: _Interpreter, eqn: Any, vals: list, region: _Region | No
     call = eqn.params["call_jaxpr"]
     nconsts = eqn.params["num_consts"]
     fwd_thunk = eqn.params["fwd_jaxpr_thunk"]
-    in_dtypes = [jnp.dtype(x.dtype) if hasattr(x, "dtype") else None for x in vals]
-    orig_out_dtypes = [jnp.dtype(a.dtype) for a in call.out_avals]
+    in_dtypes = [_dtype_of(x) for x in vals]
+    orig_out_dtypes = [_dtype_of(a) for a in call.out_avals]
 
     def primal(*args):
         return interp.eval_closed(call, args, region)
@@ -677,6 +728,123 @@ _HIGHER_ORDER: dict[str, Callable[..., list]] = {
 }
 
 
+# -- explicit casts ----------------------------------------------------------------------------
+#
+# JAX elides a cast to the dtype a value already has: in ``fn`` traced at float32,
+# ``(x @ w).astype(jnp.float32)`` leaves no trace in the jaxpr. Under autocast that matmul runs in
+# bfloat16, and torch's ``.float()`` on it yields float32, so the user's cast matters. While
+# autocast traces ``fn``, the user-facing casting functions record such casts as no-op
+# ``jaxamp_explicit_cast`` equations (JAX forwards a same-dtype ``convert_element_type`` away, so
+# it cannot carry the mark); the interpreter turns them into real casts to their dtype. Elsewhere
+# the primitive is the identity (no HLO), so a jaxpr traced here and cached by JAX (an inner
+# ``jit``) stays correct outside autocast. Outside autocast's own tracing the patched functions
+# behave exactly as JAX's.
+
+_explicit_cast_p = jex_core.Primitive("jaxamp_explicit_cast")
+_explicit_cast_p.def_impl(lambda x, *, dtype: x)
+_explicit_cast_p.def_abstract_eval(lambda aval, *, dtype: aval)
+mlir.register_lowering(_explicit_cast_p, lambda ctx, x, *, dtype: [x])
+ad.deflinear2(_explicit_cast_p, lambda ct, x, *, dtype: [ct])
+batching.defvectorized(_explicit_cast_p)
+
+_JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(jnp.__file__))) + os.sep
+_cast_marking = threading.local()  # .depth > 0 while this thread traces under autocast
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patch_saved: list[tuple[Any, str, Any]] = []
+
+
+def _marking() -> bool:
+    return getattr(_cast_marking, "depth", 0) > 0
+
+
+def _user_frame(depth: int) -> bool:
+    """Whether the caller ``depth`` frames up is user code (not JAX's own library code)."""
+    try:
+        filename = sys._getframe(depth + 1).f_code.co_filename
+    except ValueError:
+        return False
+    return not os.path.abspath(filename).startswith(_JAX_DIR)
+
+
+def _mark_cast(x: Any, out: Any, dtype: Any) -> Any:
+    """``out`` with a no-op cast recorded if JAX elided the user's same-dtype cast of ``x``."""
+    if not isinstance(x, jax.core.Tracer) or not isinstance(out, jax.core.Tracer):
+        return out
+    want = _plain_dtype(dtype) if dtype is not None else None
+    have = _dtype_of(x)
+    if want is None or have != want or want not in _CASTABLE or _dtype_of(out) != want:
+        return out
+    if getattr(out.aval, "weak_type", False) or getattr(x.aval, "weak_type", False):
+        return out  # a weak -> strong cast is never elided: it is in the jaxpr already
+    return _explicit_cast_p.bind(out, dtype=want)
+
+
+def _marking_method(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def astype(self, dtype, *args, **kwargs):
+        out = orig(self, dtype, *args, **kwargs)
+        return _mark_cast(self, out, dtype) if _marking() and _user_frame(1) else out
+
+    return astype
+
+
+def _marking_function(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def cast(x, *args, **kwargs):
+        out = orig(x, *args, **kwargs)
+        if not (_marking() and _user_frame(1)):
+            return out
+        dtype = kwargs.get("dtype", args[0] if args else None)
+        return _mark_cast(x, out, dtype)
+
+    return cast
+
+
+def _marking_convert(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def convert_element_type(operand, new_dtype):
+        out = orig(operand, new_dtype)
+        return _mark_cast(operand, out, new_dtype) if _marking() and _user_frame(1) else out
+
+    return convert_element_type
+
+
+def _patch_targets() -> list[tuple[Any, str, Callable]]:
+    return [
+        (jax.core.Tracer, "astype", _marking_method),
+        (jnp, "astype", _marking_function),
+        (jnp, "asarray", _marking_function),
+        (jnp, "array", _marking_function),
+        (lax, "convert_element_type", _marking_convert),
+    ]
+
+
+class _marking_explicit_casts:
+    """Context: this thread's user-written same-dtype casts show in the jaxprs it traces."""
+
+    def __enter__(self) -> None:
+        global _patch_users
+        with _patch_lock:
+            if _patch_users == 0:
+                for owner, name, wrap in _patch_targets():
+                    orig = getattr(owner, name)
+                    _patch_saved.append((owner, name, orig))
+                    setattr(owner, name, wrap(orig))
+            _patch_users += 1
+        _cast_marking.depth = getattr(_cast_marking, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        global _patch_users
+        _cast_marking.depth -= 1
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                while _patch_saved:
+                    owner, name, orig = _patch_saved.pop()
+                    setattr(owner, name, orig)
+
+
 # -- public API --------------------------------------------------------------------------------
 
 
@@ -697,7 +865,8 @@ def _trace_and_eval(fn: Callable, args: tuple, kwargs: dict, interp: _Interprete
         return fn(*a, **k)
 
     dyn_vals = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
+    with _marking_explicit_casts():
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
     outs = interp.eval_closed(closed, dyn_vals, None)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
@@ -725,6 +894,13 @@ def autocast(
       input dtype (e.g. bfloat16 inputs accumulated in float32) are explicit and left alone. JAX
       records the input dtype there by default, so a float32 matmul is autocast.
     * Loop carries and ``cond`` outputs keep their traced dtypes (a loop state cannot change type).
+    * A cast the user wrote (``x.astype(f32)``, ``jnp.astype``/``asarray``/``array`` with a dtype,
+      ``lax.convert_element_type``) is honoured even where ``x`` was already that dtype when
+      traced (JAX elides such casts; autocast records them while tracing ``fn``), as torch's
+      ``.float()`` is. Not seen: casts made inside JAX's own library code or through
+      ``jnp.float32(x)``, and those in an inner ``jit``/``scan`` body whose trace JAX had cached
+      from a call outside autocast. Inside a lower-precision kernel region (flax ``Dense``) they
+      are absorbed by the kernel's cast. ``batch_norm``'s running statistics keep their dtype.
     * Inner ``jit`` calls are inlined into the caller (XLA inlines them anyway); their explicit
       ``in_shardings``/``out_shardings`` are not re-applied.
     * Composites that torch runs as one kernel (flax's LayerNorm, optax's l2/cross-entropy losses,
