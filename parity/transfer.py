@@ -20,13 +20,20 @@ Embedding             weight (num, features)           embedding (num, features)
 LSTM                  weight_ih (4H, in), weight_hh,   ``OptimizedLSTMCell``/``LSTMCell``:
                       b_ih + b_hh; gate rows i,f,g,o   ii/if/ig/io kernels (no bias),
                                                        hi/hf/hg/ho kernels + bias
+LSTM (two biases)     weight_ih, weight_hh, b_ih,      ``parity.models.layers.TorchLSTM``:
+                      b_hh                             kernel_ih (in, 4H), bias_ih,
+                                                       kernel_hh (H, 4H), bias_hh
 MultiheadAttention    in_proj_weight (3E, E) q;k;v,    ``MultiHeadDotProductAttention``:
                       out_proj (E, E)                  query/key/value kernel (E, H, D),
                                                        bias (H, D); out kernel (H, D, E)
 ====================  ===============================  ======================================
 
-torch's LSTM has two biases per gate, Flax one: ``lstm_to_flax`` sums them; ``lstm_from_flax``
-puts the Flax bias in ``bias_hh`` and zeros ``bias_ih`` (same function, different split).
+torch's LSTM has two biases per gate, Flax's cells one: ``lstm_to_flax`` sums them;
+``lstm_from_flax`` puts the Flax bias in ``bias_hh`` and zeros ``bias_ih`` (same function, different
+split). That is enough for a forward pass but not for training: the optimizer updates each torch
+bias separately (AdamW moves both by ~lr per step, so their sum moves twice as far as one Flax
+bias). For training parity use ``TorchLSTM`` with ``torch_lstm_to_flax``/``torch_lstm_from_flax``,
+which keep both biases.
 
 A linear layer that follows a flatten sees features in ``C, H, W`` order in torch (NCHW) and
 ``H, W, C`` order in Flax (NHWC): pass ``input_chw=(C, H, W)`` to ``linear_to_flax`` /
@@ -61,6 +68,8 @@ __all__ = [
     "lstm_to_flax",
     "to_jax",
     "to_numpy",
+    "torch_lstm_from_flax",
+    "torch_lstm_to_flax",
 ]
 
 LSTM_GATES = ("i", "f", "g", "o")  # torch's row order in weight_ih / weight_hh
@@ -361,6 +370,44 @@ def lstm_from_flax(params: Mapping[str, Any], torch_layer: nn.LSTM, *, layer: in
     elif np.any(np.concatenate(bias) != 0):
         raise ValueError(
             "lstm_from_flax: the torch LSTM has bias=False but the Flax biases are non-zero."
+        )
+
+
+def torch_lstm_to_flax(torch_layer: nn.LSTM, *, layer: int = 0) -> dict[str, jax.Array]:
+    """One layer of ``nn.LSTM`` -> ``parity.models.layers.TorchLSTM`` params, both biases kept.
+
+    ``kernel_ih = weight_ih_l{layer}.T`` (in, 4H), ``kernel_hh = weight_hh_l{layer}.T`` (H, 4H),
+    ``bias_ih``/``bias_hh`` as they are (omitted when torch's ``bias=False``; build the Flax layer
+    with ``use_bias=False`` then). Gate order ``i, f, g, o`` in both.
+    """
+    _check_lstm(torch_layer, layer, "torch_lstm_to_flax")
+    params = {
+        "kernel_ih": jnp.asarray(to_numpy(getattr(torch_layer, f"weight_ih_l{layer}")).T),
+        "kernel_hh": jnp.asarray(to_numpy(getattr(torch_layer, f"weight_hh_l{layer}")).T),
+    }
+    if torch_layer.bias:
+        params["bias_ih"] = to_jax(getattr(torch_layer, f"bias_ih_l{layer}"))
+        params["bias_hh"] = to_jax(getattr(torch_layer, f"bias_hh_l{layer}"))
+    return params
+
+
+def torch_lstm_from_flax(
+    params: Mapping[str, Any], torch_layer: nn.LSTM, *, layer: int = 0
+) -> None:
+    """``parity.models.layers.TorchLSTM`` params -> one layer of ``nn.LSTM`` in place."""
+    function = "torch_lstm_from_flax"
+    _check_lstm(torch_layer, layer, function)
+    for name in ("ih", "hh"):
+        kernel = _as_float32(_get(params, f"kernel_{name}", function)).T
+        _copy_into(getattr(torch_layer, f"weight_{name}_l{layer}"), kernel, f"weight_{name}")
+    has_bias = "bias_ih" in params or "bias_hh" in params
+    if torch_layer.bias:
+        for name in ("ih", "hh"):
+            bias = _get(params, f"bias_{name}", function)
+            _copy_into(getattr(torch_layer, f"bias_{name}_l{layer}"), bias, f"bias_{name}")
+    elif has_bias:
+        raise ValueError(
+            f"{function}: the torch LSTM has bias=False but the Flax params have biases."
         )
 
 

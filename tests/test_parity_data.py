@@ -105,6 +105,25 @@ def test_classification_tokens_carry_the_label():
     assert 0.3 < labels.mean() < 0.7  # both classes present
 
 
+def test_classification_task_statistics_as_documented():
+    """The ``lstm`` defaults: ~15% cue words, 87.5% of them for the label, a cue majority vote
+    right ~96% of the time (learnable, not trivial); the text itself says nothing of the label."""
+    vocab, classes, length = 256, 2, 32
+    tokens, labels = synthetic_tokens(3, 4096, length, vocab, task="classification").batch(0)
+    cue_size = vocab // (4 * classes)
+    text_size = vocab - classes * cue_size
+    is_cue = tokens >= text_size
+    assert abs(is_cue.mean() - 0.15) < 0.01
+    cue_class = np.where(is_cue, (tokens - text_size) // cue_size, -1)
+    own = (cue_class == labels[:, None]).sum() / is_cue.sum()
+    assert abs(own - 0.875) < 0.01
+    votes = np.stack([(cue_class == c).sum(axis=1) for c in range(classes)], axis=1)
+    majority = np.where(votes[:, 0] == votes[:, 1], 0.5, votes.argmax(axis=1) == labels)
+    assert 0.94 < majority.mean() < 0.98
+    text_mean = [np.mean(np.where(is_cue, 0, tokens)[labels == c]) for c in range(classes)]
+    assert abs(text_mean[0] - text_mean[1]) < 2.0
+
+
 def test_structure_is_shared_across_seeds():
     """Different seeds sample the same task: the class means agree."""
     a_images, a_labels = synthetic_images(0, 512, (8, 8, 1), 2).batch(0)

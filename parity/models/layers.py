@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 Dtype = Any
@@ -86,3 +87,79 @@ class TorchLayerNorm(nn.Module):
         y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + jnp.float32(self.epsilon)))
         y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype if self.dtype is not None else x.dtype)
+
+
+class TorchLSTM(nn.Module):
+    """One ``torch.nn.LSTM`` layer (unidirectional, ``batch_first``) with torch's parameterisation.
+
+    torch keeps two bias vectors per gate, ``b_ih`` and ``b_hh``; ``flax.linen``'s LSTM cells keep
+    one. The forward pass only sees their sum, but an optimizer does not: AdamW moves each torch
+    bias by about ``lr`` per step, so their sum moves twice as far as a single Flax bias and fp32
+    training diverges from the first step. This layer keeps both, so the parameters, their
+    gradients and AdamW's updates match torch's one for one (``parity.transfer.torch_lstm_to_flax``
+    / ``torch_lstm_from_flax``).
+
+    Parameters (gate order ``i, f, g, o`` along the last axis, as torch's rows)::
+
+        kernel_ih (in, 4H)   = weight_ih_l0.T      bias_ih (4H,) = bias_ih_l0
+        kernel_hh (H, 4H)    = weight_hh_l0.T      bias_hh (4H,) = bias_hh_l0
+
+    The cell is torch's: ``gates = x W_ih + b_ih + h W_hh + b_hh``,
+    ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``, ``h' = sigmoid(o) tanh(c')``, from a zero carry. The
+    input projection is computed for all time steps at once; the recurrence is a plain
+    ``jax.lax.scan`` over the time axis (no PRNG keys, no lifted transforms), so
+    ``jaxamp.autocast`` sees ordinary matmuls inside a scan body. Initialisation is torch's:
+    every parameter uniform in ``[-1/sqrt(H), 1/sqrt(H)]``.
+
+    Takes ``(B, T, in)``; returns the outputs ``(B, T, H)`` (every step's ``h``), or
+    ``((c_T, h_T), outputs)`` with ``return_carry=True`` (``flax.linen.RNN``'s convention).
+    Computes in ``dtype`` if given, else in the promoted dtype of input and parameters.
+    """
+
+    features: int
+    use_bias: bool = True
+    return_carry: bool = False
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = self.features
+        bound = 1.0 / float(hidden) ** 0.5
+
+        def init(key, shape, dtype):
+            return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+        kernel_ih = self.param("kernel_ih", init, (x.shape[-1], 4 * hidden), self.param_dtype)
+        kernel_hh = self.param("kernel_hh", init, (hidden, 4 * hidden), self.param_dtype)
+        if self.use_bias:
+            bias_ih = self.param("bias_ih", init, (4 * hidden,), self.param_dtype)
+            bias_hh = self.param("bias_hh", init, (4 * hidden,), self.param_dtype)
+            x, kernel_ih, kernel_hh, bias_ih, bias_hh = nn.dtypes.promote_dtype(
+                x, kernel_ih, kernel_hh, bias_ih, bias_hh, dtype=self.dtype
+            )
+        else:
+            x, kernel_ih, kernel_hh = nn.dtypes.promote_dtype(
+                x, kernel_ih, kernel_hh, dtype=self.dtype
+            )
+            bias_ih = bias_hh = None
+
+        # (B, T, in) -> time-major input projections (T, B, 4H), one matmul for all steps.
+        projected = jnp.einsum("bti,ig->tbg", x, kernel_ih)
+        if bias_ih is not None:
+            projected = projected + bias_ih
+
+        def step(carry, projected_t):
+            c, h = carry
+            gates = projected_t + h @ kernel_hh
+            if bias_hh is not None:
+                gates = gates + bias_hh
+            i, f, g, o = jnp.split(gates, 4, axis=-1)
+            c = nn.sigmoid(f) * c + nn.sigmoid(i) * jnp.tanh(g)
+            h = nn.sigmoid(o) * jnp.tanh(c)
+            return (c, h), h
+
+        zeros = jnp.zeros((x.shape[0], hidden), projected.dtype)
+        carry, outputs = jax.lax.scan(step, (zeros, zeros), projected)
+        outputs = jnp.swapaxes(outputs, 0, 1)
+        return (carry, outputs) if self.return_carry else outputs

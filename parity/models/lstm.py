@@ -1,6 +1,18 @@
 """`lstm`: a sentiment-style classifier over token ids.
 
-Embedding -> one-layer LSTM (zero initial state) -> last time step's hidden state -> Linear.
+Embedding -> one-layer LSTM (zero initial state) -> mean of the hidden states over time -> Linear.
+
+The task (``parity.data.synthetic_tokens(task="classification")``): 32-token sequences of Markov
+"text" in which about 15% of the positions are cue words, 75% of them from the labelled class and
+25% from a random class; the model has to learn which of the 256 ids are cues, for which class,
+and weigh the conflicting ones. Mean pooling lets every position's state reach the classifier
+directly; classifying from the last state only learns the same task but sits at chance for the
+first ~100 steps (the gradient has to find the cues through the whole recurrence).
+
+Measured with ``python -m parity run --model lstm --precision fp32 --framework both --steps 300``
+(CLI defaults: AdamW, lr 1e-3 with 10 warm-up steps, batch 32), both frameworks alike: loss
+0.70 at the start, 0.65 around step 50, 0.48 around 100, 0.38 around 150, ~0.34 from 200 on,
+eval accuracy 0.84. A 30-step matrix run is still near chance: it checks parity, not learning.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from torch.func import functional_call
 
 from parity import transfer
 from parity.data import synthetic_tokens
+from parity.models.layers import TorchLSTM
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,
@@ -44,7 +57,7 @@ class TorchLSTMClassifier(torch.nn.Module):
                 outputs, _ = functional_call(self.lstm, weights, (x.half(),))
         else:
             outputs, _ = self.lstm(x)
-        return self.head(outputs[:, -1])
+        return self.head(outputs.mean(dim=1))
 
 
 def _cpu_float16_autocast(x: torch.Tensor) -> bool:
@@ -56,7 +69,8 @@ def _cpu_float16_autocast(x: torch.Tensor) -> bool:
 
 
 class FlaxLSTMClassifier(nn.Module):
-    """The Flax twin of ``TorchLSTMClassifier`` (``nn.RNN`` over an ``OptimizedLSTMCell``)."""
+    """The Flax twin of ``TorchLSTMClassifier``: ``TorchLSTM`` keeps torch's two biases per gate
+    (``b_ih`` and ``b_hh``), so both sides have the same parameters and AdamW updates them alike."""
 
     vocab_size: int
     embed_dim: int
@@ -69,10 +83,8 @@ class FlaxLSTMClassifier(nn.Module):
     def __call__(self, tokens, train: bool = False):
         kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         x = nn.Embed(self.vocab_size, self.embed_dim, name="embed", **kwargs)(tokens)
-        # parent=None: the cell belongs to the RNN (params under "lstm/cell"), not to this module.
-        cell = nn.OptimizedLSTMCell(self.hidden, parent=None, **kwargs)
-        outputs = nn.RNN(cell, name="lstm")(x)
-        return nn.Dense(self.num_classes, name="head", **kwargs)(outputs[:, -1])
+        outputs = TorchLSTM(self.hidden, name="lstm", **kwargs)(x)
+        return nn.Dense(self.num_classes, name="head", **kwargs)(jnp.mean(outputs, axis=1))
 
 
 def build(config, dtype, param_dtype):
@@ -86,7 +98,7 @@ def to_flax(model: TorchLSTMClassifier, config) -> dict:
     return {
         "params": {
             "embed": transfer.embedding_to_flax(model.embed),
-            "lstm": {"cell": transfer.lstm_to_flax(model.lstm)},
+            "lstm": transfer.torch_lstm_to_flax(model.lstm),
             "head": transfer.linear_to_flax(model.head),
         }
     }
@@ -95,7 +107,7 @@ def to_flax(model: TorchLSTMClassifier, config) -> dict:
 def from_flax(variables, model: TorchLSTMClassifier, config) -> None:
     params = variables["params"]
     transfer.embedding_from_flax(params["embed"], model.embed)
-    transfer.lstm_from_flax(params["lstm"]["cell"], model.lstm)
+    transfer.torch_lstm_from_flax(params["lstm"], model.lstm)
     transfer.linear_from_flax(params["head"], model.head)
 
 
