@@ -13,9 +13,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 __all__ = [
     "add_common_flags",
     "apply_flags",
+    "fetch_step_records",
     "plot_losses",
     "progress",
     "write_json_atomic",
@@ -119,3 +122,21 @@ def apply_flags(config: Any, args: argparse.Namespace) -> Any:
     if args.no_progress:
         updates["progress"] = False
     return dataclasses.replace(config, **updates)
+
+
+def fetch_step_records(pending: list) -> list[dict]:
+    """Host records for `(step, loss, amp_info)` triples kept on device since the last fetch.
+
+    Training loops append device values and fetch every few steps, so logging costs one
+    device-to-host transfer per batch of steps instead of a sync per step.
+    """
+    host = jax.device_get([(loss, info) for _, loss, info in pending])
+    return [
+        {
+            "step": step,
+            "loss": float(loss),
+            "loss_scale": float(info.loss_scale),
+            "skipped": not bool(info.last_step_applied),
+        }
+        for (step, _, _), (loss, info) in zip(pending, host, strict=True)
+    ]

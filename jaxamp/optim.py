@@ -113,7 +113,15 @@ def _identity_updates(shapes: Any) -> Any:
     -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
     for every p (NaN payloads included).
     """
-    return jax.tree_util.tree_map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
+    return jax.tree_util.tree_map(_negative_zeros, shapes)
+
+
+def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    zeros = jnp.full(shape.shape, -0.0, shape.dtype)
+    # Inside shard_map, `lax.cond` needs both branches to vary over the same mesh axes.
+    manual = getattr(shape, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(manual, "varying", ()) or ()))
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def _is_state(x: Any) -> bool:

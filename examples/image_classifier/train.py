@@ -159,7 +159,7 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
         pending.append((step, loss, info))  # fetched in bulk: no host sync per step
         last = step == config.num_steps - 1
         if (step + 1) % config.eval_every == 0 or last:
-            steps.extend(_fetch(pending))
+            steps.extend(utils.fetch_step_records(pending))
             pending = []
             evals.append({"step": step + 1, **evaluate(state, stream)})
     elapsed = time.perf_counter() - start
@@ -191,16 +191,3 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
         loss_scales=[s["loss_scale"] for s in steps],
     )
     return metrics
-
-
-def _fetch(pending):
-    host = jax.device_get([(loss, info) for _, loss, info in pending])
-    return [
-        {
-            "step": step,
-            "loss": float(loss),
-            "loss_scale": float(info.loss_scale),
-            "skipped": not bool(info.last_step_applied),
-        }
-        for (step, _, _), (loss, info) in zip(pending, host, strict=True)
-    ]
