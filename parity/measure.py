@@ -22,6 +22,7 @@ Memory methods (every figure in ``results.json`` names one of these):
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -58,6 +59,45 @@ def torch_sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+# A run whose loss stays non-finite this many steps in a row has diverged: stop and report it.
+MAX_NONFINITE_STEPS = 10
+
+
+class StepLog:
+    """Per-step records and step times of one training run, with the divergence guard.
+
+    Both trainers log through it, so a torch run and a JAX run produce the same record shape
+    (results.json's ``steps``) and stop on the same rule.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.times: list[float] = []
+        self.stopped_reason: str | None = None
+        self._consecutive_nonfinite = 0
+
+    def record(
+        self, step: int, loss: float, loss_scale: float | None, skipped: bool, time_s: float
+    ) -> bool:
+        """Appends one step; returns True when the run must stop (its loss diverged)."""
+        finite = math.isfinite(loss)
+        self.times.append(time_s)
+        self.steps.append(
+            {
+                "step": step,
+                "loss": loss if finite else None,  # JSON has no NaN/inf
+                "loss_finite": finite,
+                "loss_scale": loss_scale,
+                "skipped": skipped,
+                "time_s": time_s,
+            }
+        )
+        self._consecutive_nonfinite = 0 if finite else self._consecutive_nonfinite + 1
+        if self._consecutive_nonfinite >= MAX_NONFINITE_STEPS:
+            self.stopped_reason = f"loss non-finite for {MAX_NONFINITE_STEPS} consecutive steps"
+        return self.stopped_reason is not None
 
 
 def step_time_summary(times: list[float], warmup: int) -> dict[str, Any]:

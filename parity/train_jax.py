@@ -22,7 +22,6 @@ optimizer state to float32).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +32,7 @@ import optax
 import jaxamp
 from parity import measure
 from parity.config import RunConfig
-from parity.train_torch import MAX_NONFINITE_STEPS, build_run_record, torch_device_type
+from parity.train_torch import build_run_record, torch_device_type
 
 __all__ = ["build_jax_optimizer", "clip_by_global_norm_torch", "mixed_value_and_grad", "train_jax"]
 
@@ -299,10 +298,7 @@ def train_jax(
             )
         compile_time = measure.now() - start
 
-    steps_log: list[dict[str, Any]] = []
-    times: list[float] = []
-    consecutive_nonfinite = 0
-    stopped_reason = None
+    log = measure.StepLog()
     iterator = range(config.steps)
     if progress:
         from tqdm import tqdm
@@ -318,26 +314,12 @@ def train_jax(
         )
         jax.block_until_ready((params, opt_state, metrics))
         elapsed = measure.now() - start
-        times.append(elapsed)
-        loss_value = float(metrics["loss"])
-        finite = math.isfinite(loss_value)
-        steps_log.append(
-            {
-                "step": step,
-                "loss": loss_value if finite else None,
-                "loss_finite": finite,
-                "loss_scale": float(metrics["loss_scale"]) if config.loss_scaling else None,
-                "skipped": bool(metrics["skipped"]),
-                "time_s": elapsed,
-            }
-        )
-        consecutive_nonfinite = 0 if finite else consecutive_nonfinite + 1
-        if consecutive_nonfinite >= MAX_NONFINITE_STEPS:
-            stopped_reason = f"loss non-finite for {MAX_NONFINITE_STEPS} consecutive steps"
+        loss_scale = float(metrics["loss_scale"]) if config.loss_scaling else None
+        if log.record(step, float(metrics["loss"]), loss_scale, bool(metrics["skipped"]), elapsed):
             break
 
     eval_metric = None
-    if config.eval and stopped_reason is None:
+    if config.eval and log.stopped_reason is None:
         eval_metric = _evaluate(
             config, pair, stream, params, batch_stats, input_dtype, device, use_autocast
         )
@@ -352,20 +334,20 @@ def train_jax(
         memory_detail = measure.jax_cpu_memory(compiled)
         peak_memory = memory_detail["peak_bytes"] if memory_detail else None
         memory_method = "xla_memory_analysis"
-    timing = measure.step_time_summary(times, config.timing_warmup)
+    timing = measure.step_time_summary(log.times, config.timing_warmup)
     return build_run_record(
         framework="jax",
         config=config,
         pair=pair,
         stream=stream,
-        steps_log=steps_log,
+        steps_log=log.steps,
         timing=timing,
         compile_time_s=compile_time,
         compile_method="jax.jit(...).lower(...).compile() wall time",
         peak_memory=peak_memory,
         memory_method=memory_method,
         eval_metric=eval_metric,
-        stopped_reason=stopped_reason,
+        stopped_reason=log.stopped_reason,
         extra={
             "mixed_precision_method": mixed_method(config, use_autocast),
             "autocast_fallback_reason": fallback_reason,

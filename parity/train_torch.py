@@ -16,7 +16,6 @@ before the step (what ``LambdaLR`` does, without its warning when GradScaler ski
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,6 @@ __all__ = ["build_error_record", "build_run_record", "build_torch_optimizer", "t
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 # A run whose loss stays non-finite this many steps in a row is stopped and reported diverged.
-MAX_NONFINITE_STEPS = 10
 
 
 def torch_device_type(device: str) -> str:
@@ -58,10 +56,6 @@ def _to_device(array: np.ndarray, device: torch.device, float_dtype: torch.dtype
     if float_dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(float_dtype)
     return tensor
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def train_torch(
@@ -139,11 +133,8 @@ def train_torch(
 
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    steps_log: list[dict[str, Any]] = []
-    times: list[float] = []
+    log = measure.StepLog()
     scale = float(scaler.get_scale()) if scaler is not None else None
-    consecutive_nonfinite = 0
-    stopped_reason = None
     iterator = range(config.steps)
     if progress:
         from tqdm import tqdm
@@ -162,31 +153,17 @@ def train_torch(
         loss_value = float(loss.item())  # a device sync: the step is done
         measure.torch_sync(config.device)
         elapsed = measure.now() - start
-        times.append(elapsed)
         skipped = False
         scale_used = scale
         if scaler is not None:
             # GradScaler backs off exactly when it skipped the optimizer step.
             scale = float(scaler.get_scale())
             skipped = scale < scale_used
-        finite = math.isfinite(loss_value)
-        steps_log.append(
-            {
-                "step": step,
-                "loss": _finite_or_none(loss_value),
-                "loss_finite": finite,
-                "loss_scale": scale_used,
-                "skipped": skipped,
-                "time_s": elapsed,
-            }
-        )
-        consecutive_nonfinite = 0 if finite else consecutive_nonfinite + 1
-        if consecutive_nonfinite >= MAX_NONFINITE_STEPS:
-            stopped_reason = f"loss non-finite for {MAX_NONFINITE_STEPS} consecutive steps"
+        if log.record(step, loss_value, scale_used, skipped, elapsed):
             break
 
     eval_metric = None
-    if config.eval and stopped_reason is None:
+    if config.eval and log.stopped_reason is None:
         values = []
         with torch.no_grad():
             for raw_inputs, raw_targets in stream.eval_batches():
@@ -202,7 +179,7 @@ def train_torch(
     else:
         # One extra step after everything recorded (on the last batch again: user streams may
         # hold exactly `steps` batches): measured, not logged.
-        raw_inputs, raw_targets = stream.batch(max(len(steps_log) - 1, 0))
+        raw_inputs, raw_targets = stream.batch(max(len(log.steps) - 1, 0))
         inputs = _to_device(raw_inputs, device, input_dtype)
         targets = _to_device(raw_targets, device, None)
         optimizer.zero_grad(set_to_none=True)
@@ -210,17 +187,17 @@ def train_torch(
         for state in optimizer.state.values():
             live.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         peak_memory = measure.torch_cpu_step_memory(
-            lambda: train_step(max(len(steps_log) - 1, 0), inputs, targets), live
+            lambda: train_step(max(len(log.steps) - 1, 0), inputs, targets), live
         )
         memory_method = "torch_profiler_cpu_allocations"
 
-    timing = measure.step_time_summary(times, config.timing_warmup)
+    timing = measure.step_time_summary(log.times, config.timing_warmup)
     return build_run_record(
         framework="torch",
         config=config,
         pair=pair,
         stream=stream,
-        steps_log=steps_log,
+        steps_log=log.steps,
         timing=timing,
         compile_time_s=timing["warmup_excess_s"] if config.torch_compile else None,
         compile_method="warm-up steps' excess over the median step"
@@ -229,7 +206,7 @@ def train_torch(
         peak_memory=peak_memory,
         memory_method=memory_method,
         eval_metric=eval_metric,
-        stopped_reason=stopped_reason,
+        stopped_reason=log.stopped_reason,
         extra={"torch_mode": "compile" if config.torch_compile else "eager"},
     )
 
