@@ -14,7 +14,6 @@ from jaxamp.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
-    StaticLossScale,
     _unscale_tree,
     all_finite,
 )
@@ -86,12 +85,7 @@ def _as_loss_scale(loss_scale: Any) -> Any:
         return DynamicLossScale.create()
     if isinstance(loss_scale, str):
         return DynamicLossScale.from_preset(loss_scale)
-    if isinstance(
-        loss_scale,
-        (DynamicLossScale, StaticLossScale, NoOpLossScale, jmp.DynamicLossScale),
-    ) or isinstance(loss_scale, (jmp.StaticLossScale, jmp.NoOpLossScale)):
-        return loss_scale
-    if isinstance(loss_scale, LossScale):
+    if isinstance(loss_scale, LossScale):  # jaxamp's and jmp's loss scales alike
         return loss_scale
     raise TypeError(
         "loss_scaled(loss_scale=...) takes None (torch's defaults), a preset name "
@@ -99,12 +93,6 @@ def _as_loss_scale(loss_scale: Any) -> Any:
         "(DynamicLossScale, StaticLossScale, NoOpLossScale) or a jmp loss scale; got "
         f"{type(loss_scale).__name__} {loss_scale!r}."
     )
-
-
-def _inverse_scale(loss_scale: Any) -> jax.Array:
-    if hasattr(loss_scale, "inverse_scale"):
-        return loss_scale.inverse_scale()
-    return jnp.float32(1.0) / jnp.asarray(loss_scale.loss_scale, jnp.float32)
 
 
 def _identity_updates(shapes: Any) -> Any:
@@ -263,7 +251,8 @@ def loss_scaled(
             return new_updates, state._replace(
                 inner_state=new_inner_state, last_step_finite=grads_finite
             )
-        inv_scale = _inverse_scale(current)
+        # Works for jmp's loss scales too, which have no `inverse_scale`.
+        inv_scale = jnp.float32(1.0) / jnp.asarray(current.loss_scale, jnp.float32)
 
         def apply_step(inner_state):
             grads = _unscale_tree(updates, inv_scale)
