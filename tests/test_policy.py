@@ -437,3 +437,124 @@ def test_public_names():
     assert jaxamp.Policy is Policy
     assert jaxamp.get_policy is get_policy
     assert jaxamp.cast_floating is cast_floating
+
+
+# --- reduce_dtype (FSDP2's MixedPrecisionPolicy.reduce_dtype) -------------------------------
+
+# Presets reduce in their param dtype: mixed presets in float32 (what DDP and FSDP2 do with
+# float32 params), *-true presets in their own dtype.
+EXPECTED_REDUCE = {
+    name: (BF16 if name == "bf16-true" else F16 if name in ("fp16-true", "16-true") else F32)
+    for name in EXPECTED_PRESETS
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
+def test_preset_reduce_dtype(name):
+    policy = get_policy(name)
+    assert policy.reduce_dtype == EXPECTED_REDUCE[name]
+    assert isinstance(policy.reduce_dtype, np.dtype)
+    # The default reduce dtype is not shown, so preset strings stay in jmp's grammar.
+    assert ",r=" not in str(policy)
+    assert jmp.get_policy(str(policy)).compute_dtype == policy.compute_dtype
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("p=f32,c=bf16,o=f32,r=bf16", (F32, BF16, F32, BF16)),
+        ("p=f32,c=bf16,o=f32,reduce=float32", (F32, BF16, F32, F32)),
+        ("r=f16", (F32, F32, F32, F16)),
+        ("c=bf16,r=bf16", (F32, BF16, BF16, BF16)),
+        ("reduce=bf16,p=f32,c=f16", (F32, F16, F16, BF16)),
+        ("p=bf16", (BF16, BF16, BF16, BF16)),  # unspecified reduce follows params
+        ("p=f16,c=f16,r=f32", (F16, F16, F16, F32)),
+        (" R = BF16 , P = F32 ", (F32, F32, F32, BF16)),
+        ("bfloat16", (BF16, BF16, BF16, BF16)),  # a single dtype name sets all four
+    ],
+)
+def test_reduce_grammar(spec, expected):
+    policy = get_policy(spec)
+    assert (*dtypes(policy), policy.reduce_dtype) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 4))
+def test_str_round_trips_with_reduce(quad):
+    policy = Policy(*quad)
+    text = str(policy)
+    assert (",r=" in text) == (quad[3] != quad[0])
+    again = get_policy(text)
+    assert again == policy and hash(again) == hash(policy)
+    assert (*dtypes(again), again.reduce_dtype) == quad
+    assert repr(policy) == f"Policy({text!r})"
+
+
+def test_reduce_dtype_in_equality_and_hash():
+    base = get_policy("bf16-mixed")
+    narrow = get_policy("p=f32,c=bf16,o=f32,r=bf16")
+    assert base != narrow
+    assert len({base, narrow, get_policy("bf16-mixed")}) == 2
+    # None and the param dtype are the same policy.
+    assert Policy(F32, BF16, F32) == Policy(F32, BF16, F32, None) == Policy(F32, BF16, F32, F32)
+    assert Policy(F32, BF16, F32, reduce_dtype="float32") == base
+    assert base.with_reduce_dtype(jnp.bfloat16) == narrow
+    assert narrow.with_reduce_dtype(None) == base
+    # Other copies keep the reduce dtype.
+    assert narrow.with_output_dtype(jnp.bfloat16).reduce_dtype == BF16
+    assert isinstance(narrow, jmp.Policy)
+
+
+def test_jmp_policy_converts_with_param_reduce():
+    theirs = jmp.get_policy("p=bf16,c=bf16,o=f32")
+    assert get_policy(theirs).reduce_dtype == BF16
+    assert get_policy(jmp.get_policy("p=f32,c=f16")).reduce_dtype == F32
+
+
+def test_cast_to_reduce(float_dtype, maybe_jit):
+    policy = get_policy("p=f32,c=bf16,o=f32").with_reduce_dtype(float_dtype)
+    tree = {"g": jnp.ones(3, jnp.bfloat16), "n": jnp.arange(2)}
+    out = maybe_jit(policy.cast_to_reduce)(tree)
+    assert out["g"].dtype == float_dtype and out["n"].dtype == jnp.int32
+
+
+def test_reduce_dtype_validated():
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        Policy(F32, BF16, F32, reduce_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="reduce_dtype"):
+        Policy(F32, BF16, F32, reduce_dtype="nope")
+    with pytest.raises(ValueError, match="reduce dtype given twice"):
+        get_policy("r=f32,reduce=bf16")
+
+
+# --- short errors with the closest name (issue 13 item 7) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, suggestion",
+    [
+        ("bf16-mixd", "bf16-mixed"),
+        ("fp16_mixed", "fp16-mixed"),
+        ("bf16-ture", "bf16-true"),
+        ("flaot32", "float32"),
+        ("p=f32,c=bf61", "bf16"),
+        ("p=f32,c=bfloat61", "bfloat16"),
+        ("p=f32,comptue=bf16", "compute"),
+        ("p=f32,reduc=bf16", "reduce"),
+    ],
+)
+def test_error_names_closest_valid_spelling(spec, suggestion):
+    with pytest.raises(ValueError) as info:
+        get_policy(spec)
+    message = str(info.value)
+    assert f"did you mean {suggestion!r}?" in message
+    assert len(message) < 400  # short: the full list lives in get_policy's docstring
+    _assert_lists_valid_forms(message)
+
+
+def test_full_list_of_names_is_documented():
+    from jaxamp.policy import _ALIASES, _NAME_TO_DTYPE
+
+    doc = get_policy.__doc__
+    for name in (*PRESETS, *_ALIASES, *_NAME_TO_DTYPE, "half", "auto", "r``/``reduce"):
+        assert name in doc, name

@@ -34,49 +34,15 @@ from typing import Any
 import jmp
 import numpy as np
 
-from jaxamp.policy import Policy, get_policy
+from jaxamp.policy import Policy, dtype_name, get_policy, parse_dtype
 
 __all__ = ["override", "PolicyOverride", "Rules", "float32_compute", "resolve", "normalize_rules"]
-
-_SHORT = {
-    "f32": "float32",
-    "fp32": "float32",
-    "float32": "float32",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "f16": "float16",
-    "fp16": "float16",
-    "float16": "float16",
-    "f64": "float64",
-    "float64": "float64",
-}
-_ALLOWED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _dtype(value: Any, name: str) -> np.dtype | None:
     if value is None:
         return None
-    if isinstance(value, str):
-        key = value.strip().lower()
-        if key not in _SHORT:
-            raise ValueError(
-                f"override({name}={value!r}): unknown dtype; use one of "
-                f"{', '.join(sorted(_SHORT))} or a numpy/jax dtype."
-            )
-        value = _SHORT[key]
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        raise TypeError(
-            f"override({name}=...) takes a floating dtype ({', '.join(_ALLOWED_DTYPES)}); "
-            f"got {value!r}."
-        ) from None
-    if dtype.name not in _ALLOWED_DTYPES:
-        raise ValueError(
-            f"override({name}=...) takes a floating dtype ({', '.join(_ALLOWED_DTYPES)}); "
-            f"got {dtype}."
-        )
-    return dtype
+    return parse_dtype(value, where=f"override({name}={value!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +63,12 @@ class PolicyOverride:
             param_dtype=self.param if self.param is not None else inherited.param_dtype,
             compute_dtype=self.compute if self.compute is not None else inherited.compute_dtype,
             output_dtype=self.output if self.output is not None else caller_compute,
+            reduce_dtype=inherited.reduce_dtype,
         )
 
     def __str__(self) -> str:
         parts = [
-            f"{k}={getattr(self, v).name}"
+            f"{k}={dtype_name(getattr(self, v))}"
             for k, v in (("p", "param"), ("c", "compute"), ("o", "output"))
             if getattr(self, v) is not None
         ]
@@ -254,7 +221,7 @@ def resolve(rule: _Rule | None, inherited: Policy, caller_compute: Any, *, is_ro
     """
     if rule is None:
         output = inherited.output_dtype if is_root else caller_compute
-        return Policy(inherited.param_dtype, inherited.compute_dtype, output)
+        return dataclasses.replace(inherited, output_dtype=output)
     if isinstance(rule.value, PolicyOverride):
         return rule.value.apply(inherited, caller_compute)
     return rule.value
