@@ -7,7 +7,8 @@
 >>> logits, _ = pair.flax_apply(variables, jnp.asarray(inputs), train=True)
 
 Models: ``mlp``, ``cnn``, ``cnn_bn`` (``cnn`` with BatchNorm after each conv), ``lstm``,
-``transformer``. Images are NHWC in the data and for Flax; ``torch_forward`` permutes to NCHW for
+``transformer``, ``resnet`` (BasicBlocks with BatchNorm; ``wrong_port="padding"`` or
+``"bn_variance"`` builds a deliberately wrong Flax twin). Images are NHWC in the data and for Flax; ``torch_forward`` permutes to NCHW for
 convolutional torch models. Bring your own model by building a :class:`ModelPair` directly (see its
 docstring) with transfer functions from :mod:`parity.transfer`.
 """
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from parity.data import BatchStream
-from parity.models import cnn, lstm, mlp, transformer
+from parity.models import cnn, lstm, mlp, resnet, transformer
 
 __all__ = [
     "MODEL_NAMES",
@@ -58,6 +59,7 @@ _SPECS: dict[str, _Spec] = {
     "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True),
     "lstm": _Spec(lstm, "classification", lstm.DEFAULTS, False),
     "transformer": _Spec(transformer, "lm", transformer.DEFAULTS, False),
+    "resnet": _Spec(resnet, "classification", resnet.DEFAULTS, True),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_SPECS)
 

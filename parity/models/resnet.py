@@ -1,0 +1,298 @@
+"""`resnet`: a small ResNet (BasicBlocks, BatchNorm, strided downsampling), torch and Flax.
+
+stem: conv3x3(c0) -> BN -> ReLU; then one stage per entry of ``channels``, each of
+``blocks_per_stage`` BasicBlocks (conv3x3 -> BN -> ReLU -> conv3x3 -> BN, plus the shortcut, then
+ReLU); the first block of every stage after the first has stride 2 and a 1x1 stride-2 conv + BN
+shortcut (torchvision's ``downsample``); global average pool; Linear(num_classes). Convolutions
+have no bias (BatchNorm follows each), as in torchvision.
+
+This is the harness's chaotic test case: BatchNorm with a realistic AdamW learning rate amplifies
+rounding differences from step to step (ANCHORS.md), so a correct port can drift far apart within
+a few steps, while its step-0 outputs and gradients agree to rounding.
+
+``wrong_port`` builds a deliberately wrong Flax twin (the must-fail cases of the step-0 checks):
+
+- ``"padding"``: every stride-2 3x3 conv uses Flax's ``padding="SAME"``, which pads ``(0, 1)``
+  (all of the odd total at the end) where torch's ``padding=1`` pads ``(1, 1)``: same output
+  shape, shifted sampling grid.
+- ``"bn_variance"``: ``flax.linen.BatchNorm`` instead of
+  :class:`parity.models.layers.TorchBatchNorm`: the running variance is updated with the biased
+  batch variance, where torch uses the unbiased one (``n / (n - 1)`` times larger).
+
+Module names line up: torch ``blocks.1.conv1`` is Flax ``blocks_1/conv1``; ``stem_conv``,
+``stem_bn`` and ``fc`` are the same on both sides.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import torch
+
+from parity import transfer
+from parity.data import synthetic_images
+from parity.models.layers import TorchBatchNorm
+
+WRONG_PORTS = ("", "padding", "bn_variance")
+
+DEFAULTS: dict[str, Any] = {
+    "image_shape": (16, 16, 3),
+    "channels": (8, 16, 32),
+    "blocks_per_stage": 1,
+    "num_classes": 10,
+    "wrong_port": "",
+}
+
+
+def _check_wrong_port(value: Any) -> str:
+    if value not in WRONG_PORTS:
+        close = difflib.get_close_matches(str(value), [w for w in WRONG_PORTS if w], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"get_model_pair('resnet'): `wrong_port` must be one of {WRONG_PORTS} ('' is the "
+            f"correct port); got {value!r}.{hint}"
+        )
+    return value
+
+
+def _strides(config) -> list[int]:
+    """Stride of every block, in order."""
+    out = []
+    for stage in range(len(config["channels"])):
+        for block in range(config["blocks_per_stage"]):
+            out.append(2 if stage > 0 and block == 0 else 1)
+    return out
+
+
+def _block_channels(config) -> list[tuple[int, int]]:
+    """(in, out) channels of every block, in order."""
+    out = []
+    previous = config["channels"][0]
+    for channels in config["channels"]:
+        for _ in range(config["blocks_per_stage"]):
+            out.append((previous, channels))
+            previous = channels
+    return out
+
+
+# --- torch --------------------------------------------------------------------------------------
+
+
+class TorchBasicBlock(torch.nn.Module):
+    """conv3x3(stride) -> BN -> ReLU -> conv3x3 -> BN, + shortcut (1x1 conv + BN when the shape
+    changes), ReLU."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        conv = torch.nn.Conv2d
+        self.conv1 = conv(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(out_channels)
+        self.conv2 = conv(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(out_channels)
+        self.has_shortcut = stride != 1 or in_channels != out_channels
+        if self.has_shortcut:
+            self.short_conv = conv(in_channels, out_channels, 1, stride=stride, bias=False)
+            self.short_bn = torch.nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        shortcut = self.short_bn(self.short_conv(x)) if self.has_shortcut else x
+        return torch.relu(y + shortcut)
+
+
+class TorchResNet(torch.nn.Module):
+    """Takes NCHW images (``ModelPair.torch_forward`` permutes the NHWC data)."""
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__()
+        in_channels = config["image_shape"][2]
+        stem = config["channels"][0]
+        self.stem_conv = torch.nn.Conv2d(in_channels, stem, 3, padding=1, bias=False)
+        self.stem_bn = torch.nn.BatchNorm2d(stem)
+        self.blocks = torch.nn.ModuleList(
+            TorchBasicBlock(c_in, c_out, stride)
+            for (c_in, c_out), stride in zip(_block_channels(config), _strides(config), strict=True)
+        )
+        self.fc = torch.nn.Linear(config["channels"][-1], config["num_classes"])
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem_bn(self.stem_conv(images)))
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+# --- Flax ---------------------------------------------------------------------------------------
+
+
+def _batch_norm(wrong_port: str, dtype: Any, param_dtype: Any, name: str):
+    """``(x, train) -> y``: torch's BatchNorm, or flax.linen's for the ``bn_variance`` wrong port."""
+    if wrong_port == "bn_variance":
+        return lambda x, train: nn.BatchNorm(
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            use_fast_variance=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            name=name,
+        )(x)
+    return TorchBatchNorm(
+        momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, name=name
+    )
+
+
+class FlaxBasicBlock(nn.Module):
+    """The Flax twin of ``TorchBasicBlock`` (NHWC)."""
+
+    out_channels: int
+    stride: int
+    has_shortcut: bool
+    wrong_port: str = ""
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def _norm(self, name: str):
+        return _batch_norm(self.wrong_port, self.dtype, self.param_dtype, name)
+
+    def _conv(self, name: str, kernel: int, stride: int):
+        if kernel == 3 and stride == 2 and self.wrong_port == "padding":
+            padding: Any = "SAME"  # (0, 1) for an even input: the wrong port
+        else:
+            pad = (kernel - 1) // 2
+            padding = ((pad, pad), (pad, pad))
+        return nn.Conv(
+            self.out_channels,
+            (kernel, kernel),
+            strides=(stride, stride),
+            padding=padding,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        y = nn.relu(self._norm("bn1")(self._conv("conv1", 3, self.stride)(x), train))
+        y = self._norm("bn2")(self._conv("conv2", 3, 1)(y), train)
+        if self.has_shortcut:
+            shortcut = self._norm("short_bn")(self._conv("short_conv", 1, self.stride)(x), train)
+        else:
+            shortcut = x
+        return nn.relu(y + shortcut)
+
+
+class FlaxResNet(nn.Module):
+    """The Flax twin of ``TorchResNet`` (NHWC)."""
+
+    channels: tuple[int, ...]
+    blocks_per_stage: int
+    num_classes: int
+    wrong_port: str = ""
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images, train: bool = False):
+        config = {"channels": self.channels, "blocks_per_stage": self.blocks_per_stage}
+        x = nn.Conv(
+            self.channels[0],
+            (3, 3),
+            padding=((1, 1), (1, 1)),
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="stem_conv",
+        )(images)
+        x = nn.relu(_batch_norm(self.wrong_port, self.dtype, self.param_dtype, "stem_bn")(x, train))
+        for index, ((c_in, c_out), stride) in enumerate(
+            zip(_block_channels(config), _strides(config), strict=True)
+        ):
+            x = FlaxBasicBlock(
+                c_out,
+                stride,
+                stride != 1 or c_in != c_out,
+                self.wrong_port,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=f"blocks_{index}",
+            )(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(
+            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="fc"
+        )(x)
+
+
+# --- the pair's hooks (see parity.models._Spec) -------------------------------------------------
+
+
+def build(config, dtype, param_dtype):
+    wrong_port = _check_wrong_port(config["wrong_port"])
+    torch_model = TorchResNet(config)
+    flax_model = FlaxResNet(
+        tuple(config["channels"]),
+        config["blocks_per_stage"],
+        config["num_classes"],
+        wrong_port,
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+    return torch_model, flax_model
+
+
+def _norm_names(config) -> list[tuple[str, str]]:
+    """(torch module path, Flax module name) of every conv and BN, in order."""
+    names = [("stem_conv", "stem_conv"), ("stem_bn", "stem_bn")]
+    for index, ((c_in, c_out), stride) in enumerate(
+        zip(_block_channels(config), _strides(config), strict=True)
+    ):
+        layers = ["conv1", "bn1", "conv2", "bn2"]
+        if stride != 1 or c_in != c_out:
+            layers += ["short_conv", "short_bn"]
+        names += [(f"blocks.{index}.{layer}", f"blocks_{index}/{layer}") for layer in layers]
+    return names
+
+
+def _subtree(tree: dict, path: str, create: bool) -> tuple[dict, str]:
+    *parents, leaf = path.split("/")
+    for parent in parents:
+        tree = tree.setdefault(parent, {}) if create else tree[parent]
+    return tree, leaf
+
+
+def to_flax(model: TorchResNet, config) -> dict:
+    params: dict = {}
+    stats: dict = {}
+    for torch_name, flax_name in _norm_names(config):
+        layer = model.get_submodule(torch_name)
+        target, leaf = _subtree(params, flax_name, create=True)
+        if isinstance(layer, torch.nn.Conv2d):
+            target[leaf] = transfer.conv_to_flax(layer)
+        else:
+            stats_target, _ = _subtree(stats, flax_name, create=True)
+            target[leaf], stats_target[leaf] = transfer.batchnorm_to_flax(layer)
+    params["fc"] = transfer.linear_to_flax(model.fc)
+    return {"params": params, "batch_stats": stats}
+
+
+def from_flax(variables, model: TorchResNet, config) -> None:
+    if "batch_stats" not in variables:
+        raise ValueError("resnet: `variables` has no 'batch_stats' collection.")
+    for torch_name, flax_name in _norm_names(config):
+        layer = model.get_submodule(torch_name)
+        source, leaf = _subtree(variables["params"], flax_name, create=False)
+        if isinstance(layer, torch.nn.Conv2d):
+            transfer.conv_from_flax(source[leaf], layer)
+        else:
+            stats, _ = _subtree(variables["batch_stats"], flax_name, create=False)
+            transfer.batchnorm_from_flax(source[leaf], stats[leaf], layer)
+    transfer.linear_from_flax(variables["params"]["fc"], model.fc)
+
+
+def make_data(config, seed: int, batch_size: int):
+    return synthetic_images(seed, batch_size, tuple(config["image_shape"]), config["num_classes"])
