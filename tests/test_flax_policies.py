@@ -401,3 +401,52 @@ def test_bad_override_and_policy():
         jf.linen.with_policy(nn.Dense(2).apply, None)
     with pytest.raises(TypeError, match="nnx.Module"):
         jf.nnx.apply_policy(nn.Dense(2), "fp32")
+
+
+# ------------------------------------------- rules matching no module warn (issue 13 item 7)
+
+
+def test_linen_rule_matching_no_module_warns():
+    model, x = LinenModel(), jnp.ones((2, 4))
+    init = jf.linen.with_policy(model.init, "bf16-mixed", {"embd": "fp32", nn.Conv: "fp32"})
+    with pytest.warns(jf.UnmatchedRuleWarning) as record:
+        jax.eval_shape(init, jax.random.key(0), x)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2
+    assert "rules['embd'] matched no module" in messages[0]
+    assert "Did you mean 'embed'?" in messages[0]
+    assert "Conv" in messages[1] and "matched no module" in messages[1]
+    # Warned once per wrapper, not on every trace.
+    jax.eval_shape(init, jax.random.key(0), x)
+
+
+def test_linen_rules_that_match_do_not_warn():
+    model, x = LinenModel(), jnp.ones((2, 4))
+    rules = {
+        "block/Dense_*": jf.override(compute="bf16"),
+        nn.LayerNorm: jf.override(compute="full"),
+        re.compile("^head$"): jf.override(compute="f32"),
+        # shadowed by the rules above inside the block and for the head; it matches embed
+        nn.Dense: jf.override(compute="float16"),
+    }
+    init = jf.linen.with_policy(model.init, "bf16-mixed", rules)
+    jax.eval_shape(init, jax.random.key(0), x)  # filterwarnings=error: any warning fails
+
+
+def test_nnx_rule_matching_no_module_warns():
+    with pytest.warns(jf.UnmatchedRuleWarning, match=r"rules\['blok/dense'\].*'block/dense'"):
+        jf.nnx.apply_policy(NNXModel(nnx.Rngs(0)), "bf16-mixed", {"blok/dense": "fp32"})
+    jf.nnx.apply_policy(NNXModel(nnx.Rngs(0)), "bf16-mixed", {"block/dense": "fp32"})
+
+
+def test_override_uses_get_policy_dtype_grammar():
+    # One dtype-name grammar: whatever get_policy reads, override reads too.
+    from jaxamp.policy import _NAME_TO_DTYPE, get_policy
+
+    for name, dtype in _NAME_TO_DTYPE.items():
+        assert jf.override(compute=name).compute == dtype
+        assert jf.override(compute=name.upper()).compute == get_policy(f"c={name}").compute_dtype
+    assert jf.override(compute="full").compute == F32
+    assert str(jf.override(compute="bfloat16", output="float32")) == "override(c=bf16,o=f32)"
+    with pytest.raises(ValueError, match="did you mean 'bf16'"):
+        jf.override(compute="bf61")

@@ -71,3 +71,18 @@ def test_nnx_report():
         jf.precision_report(object(), X)
     with pytest.raises(KeyError, match="no module"):
         report["nope"]
+
+
+def test_report_names_use_the_policy_grammar():
+    # One dtype grammar (issue 13 item 7): every dtype and policy the report prints parses back.
+    from jaxamp.policy import get_policy, parse_dtype
+
+    rules = {"Dense_2": jf.override(compute="full"), "LayerNorm_0": "p=f32,c=f32,o=bf16"}
+    report = jf.precision_report(Linen(), X, policy="bf16-mixed", rules=rules)
+    assert report["Dense_2"].rule.endswith("override(c=f32)")
+    for module in report.modules:
+        for name in (*module.params, module.inputs, module.compute, module.output):
+            if name is not None:
+                parse_dtype(name)
+        if module.policy is not None:
+            assert str(get_policy(module.policy)) == module.policy

@@ -36,6 +36,7 @@ from jaxamp.flax import linen as linen
 from jaxamp.flax import nnx as nnx
 from jaxamp.flax._attention import float32_softmax_attention as float32_softmax_attention
 from jaxamp.flax._rules import PolicyOverride as PolicyOverride
+from jaxamp.flax._rules import UnmatchedRuleWarning as UnmatchedRuleWarning
 from jaxamp.flax._rules import float32_compute as float32_compute
 from jaxamp.flax._rules import override as override
 from jaxamp.flax.report import ModuleReport as ModuleReport
@@ -52,6 +53,7 @@ __all__ = [
     "PolicyOverride",
     "PrecisionReport",
     "TrainState",
+    "UnmatchedRuleWarning",
     "checkpoint",
     "default_loss_scale",
     "float32_compute",

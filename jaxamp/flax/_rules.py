@@ -26,8 +26,10 @@ to the global policy's output dtype.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -175,6 +177,45 @@ def _instance_match(rule: _Rule, module: Any, path: str) -> bool:
     if rule.kind == "regex":
         return rule.key.search(path) is not None
     return bool(rule.key(module, path))
+
+
+def rule_matches(rule: _Rule, module: Any, path: str, cls: type | None = None) -> bool:
+    """Whether `rule` matches `module` at `path`, whatever its precedence."""
+    if rule.kind == "class":
+        return issubclass(type(module) if cls is None else cls, rule.key)
+    return _instance_match(rule, module, path)
+
+
+class UnmatchedRuleWarning(UserWarning):
+    """A per-module rule matched no module of the model (likely a misspelled path or class)."""
+
+
+def warn_unmatched(
+    user_rules: tuple[_Rule, ...], matched: set[int], paths: Iterable[str], classes: Iterable[type]
+) -> None:
+    """Warns once per user rule whose ``order`` is not in `matched`, naming the closest path."""
+    paths = sorted(set(paths))
+    class_names = sorted({c.__name__ for c in classes})
+    for rule in user_rules:
+        if rule.order in matched:
+            continue
+        if rule.kind == "class":
+            close = difflib.get_close_matches(rule.key.__name__, class_names, n=1, cutoff=0.6)
+            hint = f" Did you mean class {close[0]}?" if close else ""
+            seen = f"classes seen: {', '.join(class_names)}"
+        elif rule.kind == "glob" or rule.kind == "regex":
+            text = rule.key if rule.kind == "glob" else rule.key.pattern
+            close = difflib.get_close_matches(text, [p for p in paths if p], n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            seen = f"module paths: {', '.join(repr(p) for p in paths[:12])}"
+            seen += ", ..." if len(paths) > 12 else ""
+        else:
+            hint, seen = "", f"{len(paths)} modules"
+        warnings.warn(
+            f"rules[{rule.key!r}] matched no module, so it has no effect.{hint} ({seen})",
+            UnmatchedRuleWarning,
+            stacklevel=3,
+        )
 
 
 def _best_class_rule(rules: Iterable[_Rule], cls: type) -> _Rule | None:

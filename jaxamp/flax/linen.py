@@ -106,9 +106,21 @@ class _Config:
         self.user_rules = _rules.normalize_rules(rules)
         self.default_rules = _rules.normalize_rules(DEFAULT_RULES) if defaults else ()
         self.float32_softmax = bool(float32_softmax)
+        # Rules seen to match a module, and what was seen, for the unmatched-rule warning.
+        self.matched: set[int] = set()
+        self.paths: set[str] = set()
+        self.classes: set[type] = set()
+        self.checked = False
 
     def effective(self, module: nn.Module, caller: Policy | None) -> Policy:
-        rule = _rules.match(self.user_rules, self.default_rules, module, _module_path(module))
+        path = _module_path(module)
+        if not self.checked:
+            self.paths.add(path)
+            self.classes.add(type(module))
+            for rule in self.user_rules:
+                if rule.order not in self.matched and _rules.rule_matches(rule, module, path):
+                    self.matched.add(rule.order)
+        rule = _rules.match(self.user_rules, self.default_rules, module, path)
         if caller is None:
             return _rules.root_rule_policy(rule, self.policy)
         return _rules.resolve(rule, caller, caller.compute_dtype, is_root=False)
@@ -173,6 +185,10 @@ def policy_interceptor(
                 out = next_fun(*args, **kwargs)
             finally:
                 stack.pop()
+        if caller is None and not config.checked:
+            # The first complete root call has shown every module: warn about dead rules once.
+            config.checked = True
+            _rules.warn_unmatched(config.user_rules, config.matched, config.paths, config.classes)
         return cast_floating(out, effective.output_dtype)
 
     interceptor.config = config  # for the precision report

@@ -176,6 +176,17 @@ def _resolve_tree(
             effective = _rules.resolve(rule, parent, parent.compute_dtype, is_root=False)
         resolved.policies[path] = effective
         resolved.sources[path] = _rules.describe_rule(rule, rule in default_rules)
+    _rules.warn_unmatched(
+        user_rules,
+        {
+            r.order
+            for r in user_rules
+            for path, module in modules
+            if _rules.rule_matches(r, module, _rules.path_string(path), _base_class(module))
+        },
+        (_rules.path_string(path) for path, _ in modules),
+        (_base_class(module) for _, module in modules),
+    )
     return modules, resolved
 
 
