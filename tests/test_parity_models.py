@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity import transfer  # noqa: E402
+from parity.hardware import skip_if_unsupported  # noqa: E402
 from parity.models import (  # noqa: E402
     MODEL_NAMES,
     ModelPair,
@@ -316,7 +317,16 @@ def test_torch_lstm_layer_init_and_no_bias():
 def test_lstm_pair_trains_alike_fp32():
     """A few AdamW steps from the same weights on the same batches: the per-step losses and all
     parameters (both biases included) stay together in fp32. With one summed Flax bias the summed
-    torch bias moves ~2*lr per step against Flax's ~lr and the losses part at the 1e-4 level."""
+    torch bias moves ~2*lr per step against Flax's ~lr and the losses part at the 1e-4 level.
+
+    The parameter bound comes from AdamW, not from one machine: its update lr*m/(sqrt(v)+eps)
+    changes by up to lr*dg/eps for a gradient error dg near a zero gradient (eps = 1e-8), and two
+    float32 backward passes that sum in different orders disagree by about one ulp of the
+    tensor's largest gradient, eps32*max|g|. So each step may part a tensor by
+    lr*eps32*max|g|/eps (~3e-4 for the recurrent kernel here, measured 1e-5 on an AVX2 CPU), plus
+    the rounding of the parameters themselves; the summed-bias bug parts them by ~lr per step."""
+    import copy
+
     import optax
 
     pair = get_model_pair("lstm", seed=0, **SMALL["lstm"])
@@ -339,12 +349,20 @@ def test_lstm_pair_trains_alike_fp32():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    eps32 = float(np.finfo(np.float32).eps)
+    adam_eps = 1e-8  # torch.optim.AdamW's and optax.adamw's default
+    grad_model = copy.deepcopy(model)  # holds the torch gradients, read in Flax's layout
+    bounds = jax.tree.map(lambda _: 0.0, params)
     for step in range(steps):
         inputs, targets = data.batch(step)
         optimizer.zero_grad()
         logits = pair.torch_forward(model, torch.from_numpy(inputs), train=True)
         torch_loss = loss_torch(pair.task, logits, torch.from_numpy(targets))
         torch_loss.backward()
+        with torch.no_grad():
+            for g, p in zip(grad_model.parameters(), model.parameters(), strict=True):
+                g.copy_(p.grad)
+        grads = pair.torch_to_flax(grad_model)["params"]
         optimizer.step()
         params, opt_state, jax_loss = jax_step(
             params, opt_state, jnp.asarray(inputs), jnp.asarray(targets)
@@ -352,10 +370,25 @@ def test_lstm_pair_trains_alike_fp32():
         loss = float(torch_loss.detach())
         assert abs(float(jax_loss) - loss) <= 1e-5 * max(1.0, abs(loss)), step
         after = pair.torch_to_flax()["params"]
-        for (path, a), b in zip(
-            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(after), strict=True
+        bounds = jax.tree.map(
+            lambda bound, g, p: (
+                bound
+                + lr * eps32 * float(jnp.max(jnp.abs(g))) / adam_eps
+                + 2 * eps32 * float(jnp.max(jnp.abs(p)))
+            ),
+            bounds,
+            grads,
+            params,
+        )
+        for (path, a), b, bound in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(after),
+            jax.tree.leaves(bounds),
+            strict=True,
         ):
-            assert _max_diff(a, b) < 1e-5, (step, jax.tree_util.keystr(path))
+            assert _max_diff(a, b) <= bound, (step, jax.tree_util.keystr(path), bound)
+    # the bound stays far below what the summed-bias bug does to the biases (~lr per step)
+    assert max(bounds["lstm"]["bias_ih"], bounds["lstm"]["bias_hh"]) < lr
     # the update is large enough to matter: the biases really moved, by ~lr per step each
     moved = np.abs(_np(model.lstm.bias_ih_l0) - np.asarray(variables["params"]["lstm"]["bias_ih"]))
     assert float(np.median(moved)) > lr
@@ -697,7 +730,11 @@ def test_user_built_pair():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_lstm_runs_under_cpu_autocast(dtype):
-    """oneDNN has no float16 LSTM: the model runs it in float16 itself, float32 gradients."""
+    """oneDNN has no float16 LSTM: the model runs it in float16 itself, float32 gradients.
+    bfloat16 goes to oneDNN, which has a kernel on AVX-512 CPUs only: skipped with the reason
+    elsewhere (the harness records that cell as unsupported here)."""
+    if dtype == torch.bfloat16:
+        skip_if_unsupported("torch", "bf16-mixed", "lstm", "cpu")
     pair, inputs, targets = _pair_and_batch("lstm", **SMALL["lstm"])
     x = torch.from_numpy(inputs)
     reference = pair.torch_forward(pair.torch_model, x, train=True).detach()

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.config import PRECISIONS, RunConfig, learning_rate_at  # noqa: E402
+from parity.hardware import skip_if_unsupported  # noqa: E402
 from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
 from parity.train_jax import (  # noqa: E402
     build_jax_optimizer,
@@ -171,6 +172,7 @@ def test_fp16_loss_scale_trajectory_identical():
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_every_model_and_precision_runs(model, precision):
+    skip_if_unsupported("torch", precision, model, "cpu")  # bf16 LSTM needs AVX-512 (oneDNN)
     config = RunConfig(
         model=model,
         precision=precision,
