@@ -230,7 +230,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_matrix(args) -> int:
-    from parity.report import load_results, merge_runs, run_key
+    from parity.records import config_run_key, load_results, merge_runs, run_key
 
     models = args.models or list(_model_names())
     unknown = [m for m in models if m not in _model_names()]
@@ -254,11 +254,7 @@ def _cmd_matrix(args) -> int:
             )
             continue
         config = _config_from_args(args, model, precision, MATRIX_PLAN[precision])
-        mode = "compile" if config.torch_compile else "eager"
-        keys = {
-            "torch": (model, precision, config.device, "torch", mode),
-            "jax": (model, precision, config.device, "jax", ""),
-        }
+        keys = {fw: config_run_key(fw, config) for fw in ("torch", "jax")}
         todo = tuple(
             fw
             for fw, key in keys.items()

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any
 
-from parity.report import run_label
+from parity.records import run_label
 
 __all__ = ["TOLERANCES", "Verdict", "compare_runs", "format_verdicts"]
 

@@ -1,14 +1,17 @@
 """One configuration object per parity run, shared by the torch and the JAX trainer.
 
 Both trainers read the same `RunConfig`, so optimizer, schedule, clipping, batch order and loss
-scaling cannot drift apart. The precision is stored as given (``"bf16-mixed"``) and as the jaxamp
-policy string it resolves to (``"p=f32,c=bf16,o=f32"``); both are written into ``results.json`` and
-`RunConfig.from_dict` reads them back.
+scaling cannot drift apart. The precision is named as users write it (``"bf16-mixed"``) and
+travels as the `jaxamp.Policy` it resolves to (`RunConfig.policy`): the trainers, the verdicts and
+the report ask the policy (compute dtype, param dtype, loss scaling) instead of decoding the name.
+Both the name and ``str(policy)`` (``"p=f32,c=bf16,o=f32"``) are written into ``results.json``;
+`RunConfig.from_dict` reads them back and checks that they still agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Any
 
@@ -16,15 +19,27 @@ import jaxamp
 
 __all__ = [
     "DEVICES",
+    "FP16_STRESS",
     "FRAMEWORKS",
     "OPTIMIZERS",
     "PRECISIONS",
+    "PRECISION_POLICIES",
     "SCHEDULES",
     "RunConfig",
     "learning_rate_at",
+    "precision_policy",
+    "torch_device_type",
 ]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+# The jaxamp policy of each precision name (a preset name or jmp's grammar). A precision that
+# is not a jaxamp preset registers its policy here.
+PRECISION_POLICIES: dict[str, str] = {name: name for name in PRECISIONS}
+# fp16 verdicts must see the scaler act: at torch's defaults (2**16, growth every 2000 steps) a
+# short run often has no overflow and no growth, and "identical scale trajectory" compares
+# nothing. 2**24 overflows in the first steps (half-precision gradients of order 1e-3 already
+# exceed 65504 at that scale) and growth every 5 finite steps brings it back up.
+FP16_STRESS: dict[str, float | int] = {"init_scale": 2.0**24, "growth_interval": 5}
 FRAMEWORKS = ("torch", "jax")
 DEVICES = ("cpu", "gpu")
 OPTIMIZERS = ("adamw", "sgd")
@@ -33,8 +48,38 @@ SCHEDULES = ("constant", "cosine")
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
-        raise ValueError(f"RunConfig: `{name}` must be one of {allowed}; got {value!r}.")
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"RunConfig: `{name}` must be one of {allowed}; got {value!r}.{hint}")
     return value
+
+
+def precision_policy(precision: str) -> jaxamp.Policy:
+    """The `jaxamp.Policy` a precision name stands for.
+
+    Args:
+      precision: a name from `PRECISIONS` (or registered in `PRECISION_POLICIES`).
+
+    Returns:
+      The policy, e.g. ``p=f32,c=bf16,o=f32`` for ``"bf16-mixed"``.
+
+    Example:
+      >>> str(precision_policy("fp16-mixed"))
+      'p=f32,c=f16,o=f32'
+    """
+    _choice("precision", precision, tuple(PRECISION_POLICIES))
+    return jaxamp.get_policy(PRECISION_POLICIES[precision])
+
+
+def torch_device_type(device: str) -> str:
+    """torch's device type for a harness device name (``"gpu"`` is CUDA); needs no torch.
+
+    Example:
+      >>> torch_device_type("gpu")
+      'cuda'
+    """
+    _choice("device", device, DEVICES)
+    return "cuda" if device == "gpu" else "cpu"
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -64,7 +109,9 @@ class RunConfig:
       precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``.
       steps: training steps.
       batch_size: examples per step.
-      seed: torch initialisation seed and data seed.
+      seed: torch initialisation seed (and data seed unless `data_seed` is given).
+      data_seed: the batch stream's seed (default: `seed`). Seed statistics vary it with the
+        initial weights fixed.
       device: ``"cpu"`` or ``"gpu"`` (CUDA for torch, the GPU backend for JAX).
       optimizer: ``"adamw"`` (torch.optim.AdamW / optax.adamw) or ``"sgd"`` (momentum SGD).
       lr: peak learning rate.
@@ -90,6 +137,7 @@ class RunConfig:
     steps: int = 30
     batch_size: int = 32
     seed: int = 0
+    data_seed: int | None = None
     device: str = "cpu"
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -110,13 +158,15 @@ class RunConfig:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"RunConfig: `model` must be a non-empty string; got {self.model!r}.")
-        _choice("precision", self.precision, PRECISIONS)
+        _choice("precision", self.precision, tuple(PRECISION_POLICIES))
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, SCHEDULES)
         _positive_int("steps", self.steps)
         _positive_int("batch_size", self.batch_size)
         _positive_int("seed", self.seed, 0)
+        if self.data_seed is not None:
+            _positive_int("data_seed", self.data_seed, 0)
         _positive_int("lr_warmup_steps", self.lr_warmup_steps, 0)
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("timing_warmup", self.timing_warmup, 0)
@@ -140,19 +190,41 @@ class RunConfig:
             )
 
     @property
-    def policy(self) -> str:
-        """The jaxamp policy string of `precision`, e.g. ``"p=f32,c=bf16,o=f32"``."""
-        return str(jaxamp.get_policy(self.precision))
+    def policy(self) -> jaxamp.Policy:
+        """The `jaxamp.Policy` of `precision` (``str()`` gives e.g. ``"p=f32,c=bf16,o=f32"``)."""
+        return precision_policy(self.precision)
+
+    @property
+    def stream_seed(self) -> int:
+        """The batch stream's seed: `data_seed`, else `seed`."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    @property
+    def compute_dtype(self) -> str:
+        """The policy's compute dtype name: ``"float32"``, ``"bfloat16"`` or ``"float16"``."""
+        return self.policy.compute_dtype.name
+
+    @property
+    def param_dtype(self) -> str:
+        """The policy's param dtype name (``"bfloat16"`` for ``bf16-true``)."""
+        return self.policy.param_dtype.name
+
+    @property
+    def full_precision(self) -> bool:
+        """Everything in float32 (the fp32 baseline)."""
+        policy = self.policy
+        return policy.compute_dtype.name == "float32" and policy.param_dtype.name == "float32"
 
     @property
     def mixed(self) -> bool:
         """Autocast-style mixed precision (float32 params, low-precision compute)."""
-        return self.precision in ("bf16-mixed", "fp16-mixed")
+        policy = self.policy
+        return policy.param_dtype.name == "float32" and policy.compute_dtype.name != "float32"
 
     @property
     def loss_scaling(self) -> bool:
-        """Dynamic loss scaling is on (fp16-mixed only, as torch.amp recommends)."""
-        return self.precision == "fp16-mixed"
+        """Dynamic loss scaling is on (float16 compute, as torch.amp recommends)."""
+        return self.policy.compute_dtype.name == "float16"
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with `changes` applied (validated again)."""
@@ -165,7 +237,7 @@ class RunConfig:
         out["model_overrides"] = {
             k: list(v) if isinstance(v, tuple) else v for k, v in self.model_overrides.items()
         }
-        out["policy"] = self.policy
+        out["policy"] = str(self.policy)
         return out
 
     @classmethod
@@ -187,10 +259,10 @@ class RunConfig:
                 for k, v in data["model_overrides"].items()
             }
         config = cls(**data)
-        if policy is not None and policy != config.policy:
+        if policy is not None and jaxamp.get_policy(policy) != config.policy:
             raise ValueError(
                 f"RunConfig.from_dict: logged policy {policy!r} does not match precision "
-                f"{config.precision!r} (which is {config.policy!r})."
+                f"{config.precision!r} (which is {str(config.policy)!r})."
             )
         return config
 

@@ -1,24 +1,31 @@
-"""results.json (written atomically), the per-step CSV, PNG plots and the markdown report.
+"""The per-step CSV, PNG plots and the markdown report (every file written atomically).
 
-``results.json`` is ``{"runs": [run, ...]}`` (DESIGN.md). Runs are identified by `run_key`
-(framework, torch mode, model, precision, device); writing a run replaces the one with the same key,
-so re-running or resuming a matrix never duplicates. Every write goes to a temporary file in the
-same folder and is moved into place with ``os.replace``: an interrupted run leaves the previous
-complete file, never half of one.
+The run-record schema, ``results.json`` loading/merging and the atomic writers live in
+`parity.records`; the names below are re-exported from there for older imports.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from parity.records import (
+    RESULTS_FILE,
+    load_results,
+    merge_runs,
+    run_key,
+    run_label,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+
 __all__ = [
+    "RESULTS_FILE",
     "load_results",
     "merge_runs",
     "run_key",
@@ -28,81 +35,6 @@ __all__ = [
     "write_steps_csv",
     "write_text_atomic",
 ]
-
-RESULTS_FILE = "results.json"
-
-
-def _clean(value: Any) -> Any:
-    # Strict JSON has no NaN/inf: a non-finite float becomes null (its `loss_finite` says why).
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `path` through a temporary file and ``os.replace`` (atomic on POSIX)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Strict JSON (non-finite floats as null), written atomically."""
-    write_text_atomic(path, json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
-
-
-def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
-    """``DIR/results.json`` as a dict (``{"runs": []}`` if absent).
-
-    Raises:
-      ValueError: the file exists but is not a results file.
-    """
-    path = Path(out_dir) / RESULTS_FILE
-    if not path.exists():
-        return {"runs": []}
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise ValueError(f"{path}: not a parity results file (expected {{'runs': [...]}}).")
-    return data
-
-
-def run_key(run: dict[str, Any]) -> tuple:
-    """Identity of a run inside a results file."""
-    mode = run.get("torch_mode", "") if run["framework"] == "torch" else ""
-    return (run["model"], run["precision"], run["device"], run["framework"], mode)
-
-
-def run_label(run: dict[str, Any]) -> str:
-    """``"torch"``, ``"torch-compile"`` or ``"jax"``."""
-    if run["framework"] == "torch" and run.get("torch_mode") == "compile":
-        return "torch-compile"
-    return run["framework"]
-
-
-def merge_runs(out_dir: str | os.PathLike, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Adds `runs` to ``DIR/results.json`` (replacing runs with the same key), atomically."""
-    data = load_results(out_dir)
-    new_keys = {run_key(r) for r in runs}
-    kept = [r for r in data["runs"] if run_key(r) not in new_keys]
-    data["runs"] = kept + list(runs)
-    write_json_atomic(Path(out_dir) / RESULTS_FILE, data)
-    return data
-
 
 STEP_COLUMNS = (
     "model",
@@ -161,10 +93,7 @@ def _savefig(fig, path: Path) -> None:
         fig.tight_layout(rect=(0, 0, 1, 0.95))  # keep the suptitle clear of the panel titles
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(buffer.getvalue())
-    os.replace(tmp, path)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _grid(n: int):

@@ -31,12 +31,11 @@ import optax
 
 import jaxamp
 from parity import measure
-from parity.config import RunConfig
-from parity.train_torch import build_run_record, torch_device_type
+from parity.config import RunConfig, torch_device_type
+from parity.records import build_run_record
 
 __all__ = ["build_jax_optimizer", "clip_by_global_norm_torch", "mixed_value_and_grad", "train_jax"]
 
-_COMPUTE_DTYPES = {"bf16-mixed": jnp.bfloat16, "fp16-mixed": jnp.float16}
 # Switch: op-level autocast (torch's per-device op lists) when jaxamp provides it.
 USE_AUTOCAST = True
 
@@ -75,7 +74,7 @@ def autocast_forward(forward, config: RunConfig, use_autocast: bool | None = Non
     if config.mixed and use_autocast:
         return jaxamp.autocast(
             forward,
-            dtype=_COMPUTE_DTYPES[config.precision],
+            dtype=config.policy.compute_dtype,
             device=torch_device_type(config.device),
         )
     return forward
@@ -86,7 +85,9 @@ def mixed_method(config: RunConfig, use_autocast: bool | None = None) -> str:
     if use_autocast is None:
         use_autocast = autocast_available()
     if not config.mixed:
-        return "bf16 params and inputs" if config.precision == "bf16-true" else "float32"
+        if config.param_dtype != "float32":
+            return f"{config.param_dtype} params and inputs"
+        return "float32"
     if use_autocast:
         return f"jaxamp.autocast(device={torch_device_type(config.device)!r})"
     return f"jaxamp policy {config.policy}"
@@ -193,7 +194,7 @@ def train_jax(
     Args:
       config: the run's configuration (the same object the torch side gets).
       pair: a `parity.models.ModelPair`.
-      stream: a `BatchStream` (default: ``pair.make_data(config.seed, config.batch_size)``).
+      stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
       variables: initial Flax variables (default: ``pair.torch_to_flax()``, converted from the
         torch model's initial weights).
       progress: show a tqdm progress bar.
@@ -201,7 +202,7 @@ def train_jax(
     from parity.models import loss_jax
 
     if stream is None:
-        stream = pair.make_data(config.seed, config.batch_size)
+        stream = pair.make_data(config.stream_seed, config.batch_size)
     device = _jax_device(config.device)
     if variables is None:
         variables = pair.torch_to_flax()
@@ -209,10 +210,10 @@ def train_jax(
     params = variables["params"]
     batch_stats = variables.get("batch_stats")
     input_dtype = None
-    if config.precision == "bf16-true":
-        params = jaxamp.cast_floating(params, jnp.bfloat16)
-        batch_stats = jaxamp.cast_floating(batch_stats, jnp.bfloat16)
-        input_dtype = jnp.bfloat16
+    if config.param_dtype != "float32":  # bf16-true: params, statistics and inputs cast once
+        input_dtype = config.policy.param_dtype
+        params = jaxamp.cast_floating(params, input_dtype)
+        batch_stats = jaxamp.cast_floating(batch_stats, input_dtype)
     params, batch_stats = jax.device_put((params, batch_stats), device)
     tx = build_jax_optimizer(config)
     opt_state = jax.jit(tx.init)(params)
@@ -373,7 +374,7 @@ def _evaluate(
     if config.mixed and use_autocast:
         logits_fn = autocast_forward(logits_fn, config, use_autocast)
     elif config.mixed:
-        policy = jaxamp.get_policy(config.precision)
+        policy = config.policy
         inner = logits_fn
 
         def logits_fn(params, inputs, *, batch_stats):

@@ -22,17 +22,19 @@ import numpy as np
 import torch
 
 from parity import measure
-from parity.config import RunConfig
+from parity.config import RunConfig, torch_device_type
+from parity.records import build_error_record as build_error_record  # the schema lives there
+from parity.records import build_run_record
 
-__all__ = ["build_error_record", "build_run_record", "build_torch_optimizer", "train_torch"]
+__all__ = [
+    "build_error_record",
+    "build_run_record",
+    "build_torch_optimizer",
+    "torch_device_type",
+    "train_torch",
+]
 
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 # A run whose loss stays non-finite this many steps in a row is stopped and reported diverged.
-
-
-def torch_device_type(device: str) -> str:
-    """torch's device type for a harness device name (``"gpu"`` is CUDA)."""
-    return "cuda" if device == "gpu" else "cpu"
 
 
 def build_torch_optimizer(config: RunConfig, params) -> torch.optim.Optimizer:
@@ -70,7 +72,7 @@ def train_torch(
     Args:
       config: the run's configuration.
       pair: a `parity.models.ModelPair` (torch model, forward, loss task).
-      stream: a `BatchStream` (default: ``pair.make_data(config.seed, config.batch_size)``).
+      stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
       progress: show a tqdm progress bar.
 
     Returns:
@@ -79,7 +81,7 @@ def train_torch(
     from parity.models import eval_metric_torch, loss_torch
 
     if stream is None:
-        stream = pair.make_data(config.seed, config.batch_size)
+        stream = pair.make_data(config.stream_seed, config.batch_size)
     device_type = torch_device_type(config.device)
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("train_torch: config.device='gpu' but torch sees no CUDA device.")
@@ -92,9 +94,9 @@ def train_torch(
 
     model = copy.deepcopy(pair.torch_model).to(device)
     input_dtype = None
-    if config.precision == "bf16-true":
-        model = model.to(torch.bfloat16)
-        input_dtype = torch.bfloat16
+    if config.param_dtype != "float32":  # bf16-true: the whole model in low precision
+        input_dtype = getattr(torch, config.param_dtype)
+        model = model.to(input_dtype)
     optimizer = build_torch_optimizer(config, model.parameters())
     scaler = None
     if config.loss_scaling:
@@ -102,7 +104,7 @@ def train_torch(
             device_type, init_scale=config.init_scale, growth_interval=config.growth_interval
         )
     forward_model = torch.compile(model) if config.torch_compile else model
-    autocast_dtype = _AUTOCAST_DTYPES.get(config.precision)
+    autocast_dtype = getattr(torch, config.compute_dtype) if config.mixed else None
     params = [p for p in model.parameters() if p.requires_grad]
 
     def forward_loss(inputs, targets, train):
@@ -209,107 +211,3 @@ def train_torch(
         stopped_reason=log.stopped_reason,
         extra={"torch_mode": "compile" if config.torch_compile else "eager"},
     )
-
-
-def build_run_record(
-    *,
-    framework: str,
-    config: RunConfig,
-    pair: Any,
-    stream: Any,
-    steps_log: list[dict[str, Any]],
-    timing: dict[str, Any],
-    compile_time_s: float | None,
-    compile_method: str | None,
-    peak_memory: int | None,
-    memory_method: str | None,
-    eval_metric: float | None,
-    stopped_reason: str | None,
-    extra: dict[str, Any] | None = None,
-    memory_detail: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The run record of DESIGN.md, shared by both trainers so their fields cannot drift."""
-    from parity.models import eval_metric_name
-
-    losses = [s["loss"] for s in steps_log]
-    nonfinite = [s["step"] for s in steps_log if not s["loss_finite"]]
-    median = timing["step_time_median_s"]
-    samples_per_s = config.batch_size / median if median else None
-    tokens_per_s = None
-    if pair.task == "lm" and median:
-        tokens_per_s = config.batch_size * int(np.prod(stream.input_shape)) / median
-    tail = [x for x in losses[-5:] if x is not None]
-    summary = {
-        "step_time_median_s": median,
-        "step_time_p10_s": timing["step_time_p10_s"],
-        "step_time_p90_s": timing["step_time_p90_s"],
-        "first_step_time_s": timing["first_step_time_s"],
-        "measured_steps": timing["measured_steps"],
-        "compile_time_s": compile_time_s,
-        "compile_time_method": compile_method,
-        "throughput_samples_per_s": samples_per_s,
-        "throughput_tokens_per_s": tokens_per_s,
-        "peak_memory_bytes": peak_memory,
-        "peak_memory_method": memory_method,
-        "peak_memory_method_description": measure.MEMORY_METHODS.get(memory_method),
-        "final_loss": losses[-1] if losses else None,
-        "final_loss_mean_last5": float(np.mean(tail))
-        if len(tail) == len(losses[-5:]) and tail
-        else None,
-        "eval_metric": eval_metric,
-        "eval_metric_name": eval_metric_name(pair.task),
-        "skipped_steps": sum(1 for s in steps_log if s["skipped"]),
-        "steps_completed": len(steps_log),
-        "diverged": bool(nonfinite) or stopped_reason is not None,
-        "first_nonfinite_step": nonfinite[0] if nonfinite else None,
-        "stopped_reason": stopped_reason,
-    }
-    if memory_detail:
-        summary["peak_memory_detail"] = memory_detail
-    run = {
-        "framework": framework,
-        "model": config.model,
-        "precision": config.precision,
-        "policy": config.policy,
-        "device": config.device,
-        "versions": measure.versions(),
-        "config": config.to_dict(),
-        "model_config": {
-            k: list(v) if isinstance(v, tuple) else v for k, v in dict(pair.config).items()
-        },
-        "steps": steps_log,
-        "summary": summary,
-    }
-    run.update(extra or {})
-    return run
-
-
-def build_error_record(framework: str, config: RunConfig, error: BaseException) -> dict[str, Any]:
-    """The record of a run that raised: kept in results.json and failed by `compare`, not a crash."""
-    return {
-        "framework": framework,
-        "model": config.model,
-        "precision": config.precision,
-        "policy": config.policy,
-        "device": config.device,
-        "versions": measure.versions(),
-        "config": config.to_dict(),
-        "steps": [],
-        "summary": {
-            "error": f"{type(error).__name__}: {str(error)[:500]}",
-            "step_time_median_s": None,
-            "compile_time_s": None,
-            "peak_memory_bytes": None,
-            "peak_memory_method": None,
-            "final_loss": None,
-            "eval_metric": None,
-            "skipped_steps": 0,
-            "diverged": False,
-            "steps_completed": 0,
-        },
-        **(
-            {"torch_mode": "compile" if config.torch_compile else "eager"}
-            if framework == "torch"
-            else {}
-        ),
-    }

@@ -185,7 +185,7 @@ def test_every_model_and_precision_runs(model, precision):
     torch_run, jax_run = _both(config)
     for run in (torch_run, jax_run):
         assert run["precision"] == precision and run["model"] == model
-        assert run["config"]["policy"] == config.policy
+        assert run["config"]["policy"] == str(config.policy)
         assert RunConfig.from_dict(run["config"]) == config
         assert len(run["steps"]) == 3
         for step in run["steps"]:
