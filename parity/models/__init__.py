@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from parity.data import BatchStream
+from parity.mapping import WeightMapping
 from parity.models import cnn, lstm, mlp, resnet, transformer
 
 __all__ = [
@@ -92,6 +93,8 @@ class ModelPair:
       from_flax: ``(flax variables, torch_module) -> None``, in place.
       data: ``(seed, batch_size) -> BatchStream``, or None if the pair has no default data.
       torch_channels_first: ``torch_forward`` permutes 4-D NHWC inputs to NCHW.
+      mapping: the `parity.mapping.WeightMapping` between ``torch_model.state_dict()`` and the Flax
+        variables (built-in pairs always have one; the diagnosis uses it layer by layer).
     """
 
     name: str
@@ -103,6 +106,7 @@ class ModelPair:
     from_flax: Callable[[dict, torch.nn.Module], None] = dataclasses.field(repr=False, default=None)
     data: Callable[[int, int], BatchStream] | None = dataclasses.field(repr=False, default=None)
     torch_channels_first: bool = False
+    mapping: WeightMapping | None = dataclasses.field(repr=False, default=None)
 
     def __post_init__(self):
         _check_task(self.task)
@@ -253,7 +257,14 @@ def get_model_pair(
         from_flax=functools.partial(spec.module.from_flax, config=config),
         data=functools.partial(spec.module.make_data, config),
         torch_channels_first=spec.torch_channels_first,
+        mapping=_builtin_mapping(spec, torch_model, flax_model, config),
     )
+
+
+def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapping | None:
+    if hasattr(spec.module, "mapping"):
+        return spec.module.mapping(torch_model, config)
+    return None
 
 
 # --- losses and metrics -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from parity import transfer
 from parity.data import synthetic_images
+from parity.mapping import WeightMapping
 from parity.models.layers import TorchBatchNorm
 
 DEFAULTS: dict[str, Any] = {
@@ -129,6 +130,17 @@ def from_flax(variables, model: TorchCNN, config) -> None:
             transfer.batchnorm_from_flax(
                 params[name], variables["batch_stats"][name], getattr(model, name)
             )
+
+
+def mapping(model: TorchCNN, config) -> WeightMapping:
+    entries = []
+    for index, name in enumerate(_CONVS):
+        entries += transfer.conv_entries(name, name, getattr(model, name))
+        if config["batch_norm"]:
+            norm = _NORMS[index]
+            entries += transfer.norm_entries(norm, norm, getattr(model, norm))
+    entries += transfer.linear_entries("fc", "fc", model.fc, input_chw=_feature_chw(config))
+    return WeightMapping(tuple(entries))
 
 
 def make_data(config, seed: int, batch_size: int):

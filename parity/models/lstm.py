@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 from parity import transfer
 from parity.data import synthetic_tokens
+from parity.mapping import WeightMapping
 from parity.models.layers import TorchLSTM
 
 DEFAULTS: dict[str, Any] = {
@@ -109,6 +110,13 @@ def from_flax(variables, model: TorchLSTMClassifier, config) -> None:
     transfer.embedding_from_flax(params["embed"], model.embed)
     transfer.torch_lstm_from_flax(params["lstm"], model.lstm)
     transfer.linear_from_flax(params["head"], model.head)
+
+
+def mapping(model: TorchLSTMClassifier, config) -> WeightMapping:
+    entries = transfer.embedding_entries("embed", "embed", model.embed)
+    entries += transfer.torch_lstm_entries("lstm", "lstm", model.lstm)
+    entries += transfer.linear_entries("head", "head", model.head)
+    return WeightMapping(tuple(entries))
 
 
 def make_data(config, seed: int, batch_size: int):

@@ -12,6 +12,7 @@ import torch
 
 from parity import transfer
 from parity.data import synthetic_images
+from parity.mapping import WeightMapping
 
 DEFAULTS: dict[str, Any] = {"image_shape": (32, 32, 3), "hidden": 128, "num_classes": 10}
 
@@ -68,6 +69,13 @@ def to_flax(model: TorchMLP, config) -> dict:
 def from_flax(variables, model: TorchMLP, config) -> None:
     for name in ("fc1", "fc2", "fc3"):
         transfer.linear_from_flax(variables["params"][name], getattr(model, name))
+
+
+def mapping(model: TorchMLP, config) -> WeightMapping:
+    entries = []
+    for name in ("fc1", "fc2", "fc3"):
+        entries += transfer.linear_entries(name, name, getattr(model, name))
+    return WeightMapping(tuple(entries))
 
 
 def make_data(config, seed: int, batch_size: int):

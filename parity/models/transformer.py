@@ -18,6 +18,7 @@ import torch
 
 from parity import transfer
 from parity.data import synthetic_tokens
+from parity.mapping import WeightMapping
 from parity.models.layers import TorchLayerNorm
 
 DEFAULTS: dict[str, Any] = {
@@ -169,6 +170,21 @@ def from_flax(variables, model: TorchTransformerLM, config) -> None:
         transfer.layernorm_from_flax(sub["ln2"], block.ln2)
         transfer.linear_from_flax(sub["fc1"], block.fc1)
         transfer.linear_from_flax(sub["fc2"], block.fc2)
+
+
+def mapping(model: TorchTransformerLM, config) -> WeightMapping:
+    entries = transfer.embedding_entries("tok_embed", "tok_embed", model.tok_embed)
+    entries += transfer.embedding_entries("pos_embed", "pos_embed", model.pos_embed)
+    for index, block in enumerate(model.blocks):
+        prefix, flax = f"blocks.{index}", f"blocks_{index}"
+        entries += transfer.norm_entries(f"{prefix}.ln1", f"{flax}/ln1", block.ln1)
+        entries += transfer.attention_entries(f"{prefix}.attn", f"{flax}/attn", block.attn)
+        entries += transfer.norm_entries(f"{prefix}.ln2", f"{flax}/ln2", block.ln2)
+        entries += transfer.linear_entries(f"{prefix}.fc1", f"{flax}/fc1", block.fc1)
+        entries += transfer.linear_entries(f"{prefix}.fc2", f"{flax}/fc2", block.fc2)
+    entries += transfer.norm_entries("ln_f", "ln_f", model.ln_f)
+    entries += transfer.linear_entries("head", "head", model.head)
+    return WeightMapping(tuple(entries))
 
 
 def make_data(config, seed: int, batch_size: int):
