@@ -105,15 +105,25 @@ def _check_dtype(dtype: Any, device: str) -> np.dtype:
     return dt
 
 
+def _op_category(device: str, torch_op: str, op_overrides: Mapping[str, str]) -> str | None:
+    """The category of ``torch_op`` on ``device``, after the caller's torch-op overrides."""
+    for name in (torch_op, torch_op.split(".")[0]):
+        if name in op_overrides:
+            return op_overrides[name]
+    return _oplists.OP_LISTS[device].category(torch_op)
+
+
 @functools.cache
-def _primitive_categories(device: str) -> Mapping[str, str]:
+def _primitive_categories(
+    device: str, op_overrides: tuple[tuple[str, str], ...] = ()
+) -> Mapping[str, str]:
     """Primitive name -> category, derived from the torch op list and the counterpart table."""
-    oplist = _oplists.OP_LISTS[device]
+    changed = dict(op_overrides)
     votes: dict[str, list[str]] = {}
     for torch_op, prims in _oplists.PRIMITIVE_COUNTERPARTS.items():
-        if torch_op in _oplists.DIVERGENCES:
+        if torch_op in _oplists.DIVERGENCES and torch_op not in changed:
             continue
-        cat = oplist.category(torch_op)
+        cat = _op_category(device, torch_op, changed)
         for prim in prims:
             votes.setdefault(prim, [])
             if cat is not None:
@@ -133,7 +143,8 @@ def autocast_rules(
 
     Args:
       device: torch device type, ``"cpu"`` or ``"cuda"``; default from JAX's backend.
-      overrides: primitive (or its name) -> category, as accepted by :func:`autocast`.
+      overrides: primitive (or its name) or torch op name -> category, as accepted by
+        :func:`autocast`.
 
     Returns:
       A new dict from primitive name to one of :data:`AUTOCAST_CATEGORIES`.
@@ -141,36 +152,119 @@ def autocast_rules(
     Examples:
       >>> jaxamp.autocast_rules("cuda")["exp"]
       'fp32'
+      >>> jaxamp.autocast_rules("cpu", overrides={"dot_general": "fp32"})["dot_general"]
+      'fp32'
     """
     device = _check_device(device)
-    rules = dict(_primitive_categories(device))
-    rules.update(_check_overrides(overrides))
-    return rules
+    rules = _Rules.build(device, overrides)
+    return dict(rules.primitives)
 
 
-def _check_overrides(overrides: Mapping[Any, str | None] | None) -> dict[str, str]:
+@functools.cache
+def _primitive_names() -> frozenset[str]:
+    """Names of JAX's own primitives (the keys `overrides` accepts besides torch op names)."""
+    from jax.extend.core import primitives
+
+    return (
+        frozenset(v.name for v in vars(primitives).values() if isinstance(v, jex_core.Primitive))
+        | frozenset(_primitive_categories("cpu"))
+        | frozenset(_primitive_categories("cuda"))
+    )
+
+
+@functools.cache
+def _torch_op_names() -> frozenset[str]:
+    """torch op names (with and without overload) that `overrides` accepts."""
+    names = set(_oplists.FUNCTION_COUNTERPARTS) | set(_oplists.PRIMITIVE_COUNTERPARTS)
+    for oplist in _oplists.OP_LISTS.values():
+        names.update(oplist.ops)
+    return frozenset(names | {n.split(".")[0] for n in names})
+
+
+def _unknown_key_error(name: str) -> ValueError:
+    import difflib
+
+    close = difflib.get_close_matches(
+        name, sorted(_primitive_names() | _torch_op_names()), n=1, cutoff=0.6
+    )
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return ValueError(
+        f"autocast: unknown `overrides` key {name!r}{hint} Keys are JAX primitives or their "
+        "names (dot_general, conv_general_dilated, exp, reduce_sum, ...: jaxamp.autocast_rules()"
+        " lists those with rules) or torch op names from the op lists (linear, conv2d, "
+        "softmax, layer_norm, ...: jaxamp.autocast_op_list(device).ops)."
+    )
+
+
+def _check_overrides(
+    overrides: Mapping[Any, str | None] | None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Validated overrides split into (primitive name -> category, torch op -> category)."""
     if overrides is None:
-        return {}
+        return {}, {}
     if not isinstance(overrides, Mapping):
         raise TypeError(
-            "autocast: `overrides` must be a mapping from primitive (or primitive name) to a "
-            f"category, got {type(overrides).__name__}."
+            "autocast: `overrides` must be a mapping from primitive (or primitive name, or torch "
+            f"op name) to a category, got {type(overrides).__name__}."
         )
-    out = {}
-    for prim, cat in overrides.items():
-        name = prim.name if isinstance(prim, jex_core.Primitive) else prim
+    prims, ops = {}, {}
+    for key, cat in overrides.items():
+        is_prim = isinstance(key, jex_core.Primitive)
+        name = key.name if is_prim else key
         if not isinstance(name, str):
             raise TypeError(
-                f"autocast: `overrides` keys must be primitives or primitive names, got {prim!r}."
+                "autocast: `overrides` keys must be primitives, primitive names or torch op "
+                f"names, got {key!r}."
             )
         cat = "keep" if cat is None else cat
         if cat not in AUTOCAST_CATEGORIES:
+            import difflib
+
+            close = difflib.get_close_matches(str(cat), AUTOCAST_CATEGORIES, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
                 f"autocast: `overrides[{name!r}]` must be one of {AUTOCAST_CATEGORIES} or None, "
-                f"got {cat!r}."
+                f"got {cat!r}{hint}."
             )
-        out[name] = cat
-    return out
+        if is_prim or name in _primitive_names():
+            prims[name] = cat
+        elif name in _torch_op_names():
+            ops[name] = cat
+        else:
+            raise _unknown_key_error(name)
+    return prims, ops
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    """Everything autocast decides by, for one device and one set of overrides.
+
+    ``primitives``: primitive name -> category (torch op lists through the counterpart table,
+    then the primitive overrides). ``forced``: primitives the user overrode; their category holds
+    wherever they run, inside composite regions too. ``functions``: library function (file,
+    first line) -> (torch op, category), the composite regions.
+    """
+
+    primitives: Mapping[str, str]
+    forced: Mapping[str, str]
+    functions: Mapping[tuple[str, int], tuple[str, str]]
+
+    @staticmethod
+    def build(device: str, overrides: Mapping[Any, str | None] | None) -> _Rules:
+        prims, ops = _check_overrides(overrides)
+        op_key = tuple(sorted(ops.items()))
+        primitives = {**_primitive_categories(device, op_key), **prims}
+        return _Rules(primitives, prims, _function_table(device, op_key))
+
+    def region_category(self, torch_op: str, category: str) -> str:
+        """A composite's category: a primitive override of its kernel (linear's dot_general)
+        moves the whole composite, as moving the torch op would."""
+        kernel = [
+            self.forced[p]
+            for p in _oplists.PRIMITIVE_COUNTERPARTS.get(torch_op.split(".")[0], ())
+            if p in self.forced
+        ]
+        return kernel[0] if kernel else category
 
 
 def _resolve(spec: str) -> Any:
@@ -182,12 +276,14 @@ def _resolve(spec: str) -> Any:
 
 
 @functools.cache
-def _function_table(device: str) -> Mapping[tuple[str, int], tuple[str, str]]:
+def _function_table(
+    device: str, op_overrides: tuple[tuple[str, str], ...] = ()
+) -> Mapping[tuple[str, int], tuple[str, str]]:
     """(file, first line) of JAX library functions -> (torch op, category)."""
-    oplist = _oplists.OP_LISTS[device]
+    changed = dict(op_overrides)
     table = {}
     for torch_op, specs in _oplists.FUNCTION_COUNTERPARTS.items():
-        cat = oplist.category(torch_op)
+        cat = _op_category(device, torch_op, changed)
         if cat is None and torch_op in _COMPOSITE_IN_TORCH:
             continue  # torch decomposes it; the primitive rules already match its pieces
         for spec in specs:
@@ -276,11 +372,13 @@ def _explicit_out_dtype(eqn: Any) -> bool:
 
 
 class _Interpreter:
-    def __init__(self, device: str, dtype: np.dtype, rules: Mapping[str, str], record: list | None):
+    def __init__(self, device: str, dtype: np.dtype, rules: _Rules, record: list | None):
         self.device = device
         self.dtype = dtype
-        self.rules = rules
-        self.functions = _function_table(device)
+        self.rules = rules.primitives
+        self.forced = rules.forced
+        self.functions = rules.functions
+        self.region_category = rules.region_category
         self.record = record
 
     # -- regions -----------------------------------------------------------------------------
@@ -304,6 +402,7 @@ class _Interpreter:
             hit = self.functions.get((fr.file_name, fr.function_start_line))
             if hit is not None:
                 torch_op, cat = hit
+                cat = self.region_category(torch_op, cat)
                 call_site = tuple((f.file_name, f.line_num) for f in frames[i + 1 :])
                 return _Region(
                     cat,
@@ -325,6 +424,7 @@ class _Interpreter:
             hit = self.functions.get((m.group(2), int(m.group(3))))
             if hit is not None:
                 torch_op, cat = hit
+                cat = self.region_category(torch_op, cat)
                 return _Region(cat, key=(torch_op, id(eqn)), cast_outputs_like_input=cat == "keep")
         return None
 
@@ -435,7 +535,12 @@ class _Interpreter:
                     stacklevel=2,
                 )
             return self._bind(eqn, self._as_written(eqn, vals), dict(eqn.params))
-        category = region.category if region is not None else self.rules.get(name, "keep")
+        if name in self.forced and not (region is not None and region.category == "as_written"):
+            category = self.forced[name]  # the user's override holds wherever the op runs
+        elif region is not None:
+            category = region.category
+        else:
+            category = self.rules.get(name, "keep")
         if _explicit_out_dtype(eqn):
             category = "as_written"
         params = dict(eqn.params)
@@ -915,8 +1020,14 @@ def autocast(
         default for ``device`` (cpu: bfloat16, cuda: float16).
       device: torch device type whose lists to use, ``"cpu"`` or ``"cuda"``; default ``"cuda"`` on
         a GPU backend, else ``"cpu"``.
-      overrides: move primitives between lists for this call: primitive (or name) -> one of
-        :data:`AUTOCAST_CATEGORIES` (``None`` means ``"keep"``).
+      overrides: move ops between lists for this call: key -> one of
+        :data:`AUTOCAST_CATEGORIES` (``None`` means ``"keep"``). A key is either a JAX
+        primitive (or its name, e.g. ``"dot_general"``), whose category then holds wherever it
+        runs, inside library composites too (a flax ``Dense`` is a ``linear`` whose kernel is
+        ``dot_general``, so overriding ``dot_general`` moves the whole layer); or a torch op
+        name from the op lists (e.g. ``"linear"``, ``"softmax"``), which moves that op as if
+        torch's list said so (``"linear"`` moves flax ``Dense`` but not a bare ``a @ b``, which
+        is torch's ``matmul``). Unknown keys raise ``ValueError`` with the closest valid name.
 
     Returns:
       A function with ``fn``'s signature. Output dtypes are what the ops produce under autocast
@@ -930,7 +1041,7 @@ def autocast(
         raise TypeError(f"autocast: `fn` must be callable, got {type(fn).__name__}.")
     device = _check_device(device)
     dt = _check_dtype(dtype, device)
-    rules = autocast_rules(device, overrides)
+    rules = _Rules.build(device, overrides)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -973,7 +1084,7 @@ def autocast_trace(
     """
     device = _check_device(device)
     dt = _check_dtype(dtype, device)
-    rules = autocast_rules(device, overrides)
+    rules = _Rules.build(device, overrides)
     record: list[DtypeRecord] = []
     interp = _Interpreter(device, dt, rules, record)
 
