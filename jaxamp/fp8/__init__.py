@@ -1,5 +1,12 @@
 """FP8 training for JAX: torchao's recipes and Flax-compatible delayed scaling, as data."""
 
+from jaxamp.fp8._convert import MatmulInfo as MatmulInfo
+from jaxamp.fp8._convert import MatmulRecord as MatmulRecord
+from jaxamp.fp8._convert import combine_states as combine_states
+from jaxamp.fp8._convert import convert as convert
+from jaxamp.fp8._convert import init_state as init_state
+from jaxamp.fp8._convert import report as report
+from jaxamp.fp8._convert import select_state as select_state
 from jaxamp.fp8._dot import DelayedScalingState as DelayedScalingState
 from jaxamp.fp8._dot import amax_to_scale as amax_to_scale
 from jaxamp.fp8._dot import check_hardware as check_hardware
@@ -18,14 +25,21 @@ __all__ = [
     "RECIPE_NAMES",
     "Cast",
     "DelayedScalingState",
+    "MatmulInfo",
+    "MatmulRecord",
     "Recipe",
     "amax_to_scale",
     "check_hardware",
+    "combine_states",
+    "convert",
     "dequantize",
     "dot_general",
     "fp8_matmul_hardware",
     "fp8_max",
+    "init_state",
     "quantize",
     "quantize_with_scale",
     "recipe",
+    "report",
+    "select_state",
 ]

@@ -1,0 +1,469 @@
+"""Which matmuls run in fp8: a jaxpr rewrite that swaps selected ``dot_general``s for the fp8 one.
+
+`convert(fn, recipe)` is the JAX counterpart of torchao's ``convert_to_float8_training``: it
+traces `fn`, and every ``dot_general`` the filter selects runs through `jaxamp.fp8.dot_general`;
+the rest runs as written. A selected matmul that cannot run in fp8 raises: nothing falls back to
+high precision silently. `report` lists every matmul and whether it ran in fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from jaxamp.fp8._dot import DelayedScalingState, check_hardware, dot_general, linear_like
+from jaxamp.fp8._recipes import Recipe
+from jaxamp.fp8._recipes import recipe as _make_recipe
+
+__all__ = [
+    "MatmulInfo",
+    "MatmulRecord",
+    "combine_states",
+    "convert",
+    "init_state",
+    "report",
+    "select_state",
+]
+
+# Primitives whose sub-jaxpr runs once, in line: evaluated through the rewrite.
+_INLINE = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+# Loops and branches: their bodies are re-traced through the rewrite (dynamic recipes).
+_RETRACE = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulInfo:
+    """What a filter sees of one ``dot_general``: its module path and shapes.
+
+    Attributes:
+      name: unique name, the module path plus ``dot_general`` (``"#1"``, ``"#2"`` for repeats);
+        the key of its delayed-scaling state.
+      path: the module path from JAX's name stack (linen module names, ``jax.named_scope``), ``""``
+        where there is none.
+      lhs_shape, rhs_shape: operand shapes; lhs is the input, rhs the weight.
+      dimension_numbers: as `jax.lax.dot_general`'s.
+      dtype: the lhs dtype.
+      linear: None if it is a linear layer's matmul (fp8-capable), else why not.
+    """
+
+    name: str
+    path: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    dimension_numbers: Any
+    dtype: np.dtype
+    linear: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRecord:
+    """One row of `report`: a matmul, whether it ran in fp8, how, and why not."""
+
+    name: str
+    path: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    fp8: bool
+    how: str
+
+    def __str__(self) -> str:
+        mark = "fp8" if self.fp8 else "hp "
+        return f"{mark} {self.name:<40} {self.lhs_shape} x {self.rhs_shape}  {self.how}"
+
+
+def _default_filter(info: MatmulInfo) -> bool:
+    return info.linear is None and jnp.issubdtype(info.dtype, jnp.floating)
+
+
+def _selector(fp8_filter: Any) -> Callable[[MatmulInfo], bool]:
+    if fp8_filter is None:
+        return _default_filter
+    if isinstance(fp8_filter, str):
+        fp8_filter = (fp8_filter,)
+    if isinstance(fp8_filter, Sequence) and all(isinstance(p, str) for p in fp8_filter):
+        globs = tuple(fp8_filter)
+        return lambda info: any(
+            fnmatch.fnmatchcase(info.path, g) or fnmatch.fnmatchcase(info.name, g) for g in globs
+        )
+    if callable(fp8_filter):
+        return fp8_filter
+    raise TypeError(
+        "fp8_filter must be None (every linear-layer matmul), a path glob or a list of globs "
+        f"(e.g. 'decoder/*'), or a callable (MatmulInfo) -> bool; got {fp8_filter!r}."
+    )
+
+
+def _closed(sub: Any) -> tuple[Any, list]:
+    if isinstance(sub, jex_core.ClosedJaxpr):
+        return sub.jaxpr, list(sub.consts)
+    return sub, []
+
+
+def _stack_str(eqn: Any) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def _join(prefix: str, rest: str) -> str:
+    return "/".join(p for p in (prefix, rest) if p)
+
+
+class _Rewrite:
+    def __init__(self, rec: Recipe, select: Callable, state: dict | None, records: list | None):
+        self.recipe = rec
+        self.select = select
+        self.state = state
+        self.records = records
+        self.counts: dict[str, int] = {}
+        self.used: list[str] = []
+
+    # -- naming and selection -----------------------------------------------------------------
+
+    def _info(self, eqn: Any, prefix: str, count: bool) -> MatmulInfo:
+        path = _join(prefix, _stack_str(eqn))
+        base = _join(path, "dot_general")
+        n = self.counts.get(base, 0)
+        if count:
+            self.counts[base] = n + 1
+        name = base if n == 0 else f"{base}#{n}"
+        lhs, rhs = (v.aval for v in eqn.invars)
+        dn = eqn.params["dimension_numbers"]
+        return MatmulInfo(
+            name=name,
+            path=path,
+            lhs_shape=tuple(lhs.shape),
+            rhs_shape=tuple(rhs.shape),
+            dimension_numbers=dn,
+            dtype=np.dtype(lhs.dtype),
+            linear=linear_like(dn, len(lhs.shape), len(rhs.shape)),
+        )
+
+    def _selects(self, info: MatmulInfo) -> bool:
+        return bool(self.select(info))
+
+    def _selected_inside(self, jaxpr: Any, prefix: str) -> list[str]:
+        """Paths of selected matmuls anywhere inside `jaxpr` (without counting names)."""
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                info = self._info(eqn, prefix, count=False)
+                if self._selects(info):
+                    found.append(info.path or "dot_general")
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                found += self._selected_inside(sub, _join(prefix, _stack_str(eqn)))
+        return found
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: str, loop: str):
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            vals = [read(v) for v in eqn.invars]
+            outs = self._eqn(eqn, vals, prefix, loop)
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jex_core.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn: Any, vals: list, prefix: str, loop: str) -> list:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            return [self._dot(eqn, vals, prefix, loop)]
+        inner_prefix = _join(prefix, _stack_str(eqn))
+        if name in _INLINE and "jaxpr" in eqn.params:
+            jaxpr, consts = _closed(eqn.params["jaxpr"])
+            if self._selected_inside(jaxpr, inner_prefix):
+                return self.eval(jaxpr, consts, vals, inner_prefix, loop)
+        elif name in _RETRACE:
+            subs = []
+            for key in _RETRACE[name]:
+                p = eqn.params[key]
+                subs += list(p) if isinstance(p, tuple) else [p]
+            if any(self._selected_inside(s.jaxpr, inner_prefix) for s in subs):
+                return self._retrace(eqn, vals, inner_prefix)
+        else:
+            inside = []
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                inside += self._selected_inside(sub, inner_prefix)
+            if inside:
+                raise ValueError(
+                    f"jaxamp.fp8: the matmul(s) at {sorted(set(inside))} are selected for fp8 but sit "
+                    f"inside `{name}`, which the fp8 rewrite cannot enter (a custom derivative "
+                    "rule would no longer match the fp8 forward). Exclude them with fp8_filter."
+                )
+        return _bind(eqn, vals, eqn.params)
+
+    def _retrace(self, eqn: Any, vals: list, prefix: str) -> list:
+        if self.recipe.scaling == "delayed":
+            raise ValueError(
+                f"jaxamp.fp8: a delayed-scaling matmul inside `{eqn.primitive.name}` (at "
+                f"{prefix!r}) would share one amax history across iterations; use a dynamic "
+                "recipe there, or exclude it with fp8_filter."
+            )
+        params = dict(eqn.params)
+
+        def retrace(closed):
+            def body(*args):
+                return self.eval(closed.jaxpr, closed.consts, args, prefix, eqn.primitive.name)
+
+            avals = [
+                jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+                for v in closed.jaxpr.invars
+            ]
+            return jax.make_jaxpr(body)(*avals)
+
+        for key in _RETRACE[eqn.primitive.name]:
+            p = params[key]
+            params[key] = tuple(retrace(b) for b in p) if isinstance(p, tuple) else retrace(p)
+        return _bind(eqn, vals, params)
+
+    def _dot(self, eqn: Any, vals: list, prefix: str, loop: str) -> Any:
+        info = self._info(eqn, prefix, count=not loop)
+        if not self._selects(info):
+            self._record(info, False, "not selected by fp8_filter")
+            return _bind(eqn, vals, eqn.params)[0]
+        if info.linear is not None:
+            raise ValueError(
+                f"jaxamp.fp8: matmul {info.name!r} ({info.lhs_shape} x {info.rhs_shape}) is "
+                f"selected for fp8 but {info.linear}. Exclude it with fp8_filter."
+            )
+        if not jnp.issubdtype(info.dtype, jnp.floating):
+            raise ValueError(f"jaxamp.fp8: matmul {info.name!r} has {info.dtype} operands.")
+        rec = self.recipe
+        state = None
+        if rec.scaling == "delayed":
+            if self.state is None:
+                raise ValueError(
+                    "jaxamp.fp8: a delayed recipe needs fp8_state= (jaxamp.fp8.init_state)."
+                )
+            if info.name not in self.state:
+                close = difflib.get_close_matches(info.name, list(self.state), n=1)
+                hint = f" Closest: {close[0]!r}." if close else ""
+                raise ValueError(
+                    f"jaxamp.fp8: fp8_state has no entry {info.name!r}; it has "
+                    f"{sorted(self.state)}.{hint} Build it with jaxamp.fp8.init_state."
+                )
+            state = self.state[info.name]
+            self.used.append(info.name)
+        lhs, rhs = vals
+        out = dot_general(
+            lhs,
+            rhs,
+            eqn.params["dimension_numbers"],
+            preferred_element_type=eqn.outvars[0].aval.dtype,
+            recipe=rec,
+            state=state,
+        )
+        how = f"{rec.name}, {'emulated (float32 matmul of fp8 values)' if rec.emulate else 'fp8 matmul'}"
+        self._record(info, True, how + (f", inside {loop}" if loop else ""))
+        return out
+
+    def _record(self, info: MatmulInfo, fp8: bool, how: str) -> None:
+        if self.records is not None:
+            self.records.append(
+                MatmulRecord(info.name, info.path, info.lhs_shape, info.rhs_shape, fp8, how)
+            )
+
+
+def _bind(eqn: Any, vals: Sequence[Any], params: dict) -> list:
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or hasattr(x, "aval")
+
+
+def _run(fn, rec, fp8_filter, args, kwargs, state, records):
+    rewrite = _Rewrite(rec, _selector(fp8_filter), state, records)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat_fn(*dyn):
+        full = list(leaves)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*a, **k)
+
+    dyn_vals = [leaves[i] for i in dynamic]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
+    outs = rewrite.eval(closed.jaxpr, closed.consts, dyn_vals, "", "")
+    if state is not None:
+        unused = sorted(set(state) - set(rewrite.used))
+        if unused:
+            raise ValueError(
+                f"jaxamp.fp8: fp8_state entries {unused} match no fp8 matmul of this function "
+                f"(it ran {sorted(rewrite.used)})."
+            )
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _abstract(f: Callable, args: tuple, kwargs: dict) -> None:
+    """Trace ``f(args, kwargs)`` without computing: arrays abstract, other leaves static."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat(*dyn):
+        full = list(leaves)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        f(a, k)
+
+    jax.eval_shape(flat, *[leaves[i] for i in dynamic])
+
+
+def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: Any = None):
+    """`fn` with its linear-layer matmuls in fp8 per `recipe` (torchao's ``convert_to_float8_training``).
+
+    Args:
+      fn: any JAX function (a loss, a model's apply).
+      recipe: a `Recipe` or recipe name (see `jaxamp.fp8.recipe`).
+      fp8_filter: which matmuls: None (every ``dot_general`` without batch dimensions, i.e.
+        every linear layer; attention's batched matmuls stay as written, as torchao leaves them),
+        a glob or list of globs on the module path / matmul name (``"*/mlp/*"``), or a callable
+        ``(MatmulInfo) -> bool`` (by shape: ``lambda m: min(m.rhs_shape) >= 16``), like torchao's
+        ``module_filter_fn``.
+
+    Returns:
+      A function with `fn`'s signature. With a delayed recipe it takes ``fp8_state=`` (a dict
+      from `init_state`); differentiate with respect to that state to get the updated state.
+
+    Raises:
+      ValueError: at trace time, if a selected matmul cannot run in fp8 (batch dimensions,
+        inside a custom-derivative function) or the hardware has no fp8 matmuls and the recipe
+        does not say ``emulate=True``. Nothing falls back to high precision silently.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.recipe("rowwise", emulate=True))
+      >>> f(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
+      (4, 2)
+    """
+    rec = _make_recipe(recipe)
+    _selector(fp8_filter)  # validate early
+
+    def wrapped(*args, fp8_state: dict | None = None, **kwargs):
+        check_hardware(rec)
+        if rec.scaling != "delayed" and fp8_state is not None:
+            raise ValueError("jaxamp.fp8: fp8_state is for delayed recipes only.")
+        return _run(fn, rec, fp8_filter, args, kwargs, fp8_state, None)
+
+    wrapped.__wrapped__ = fn
+    wrapped.fp8_recipe = rec
+    return wrapped
+
+
+def report(
+    fn: Callable,
+    *args: Any,
+    recipe: Recipe | str = "tensorwise",
+    fp8_filter: Any = None,
+    fp8_state: dict | None = None,
+    **kwargs: Any,
+) -> list[MatmulRecord]:
+    """Every matmul of ``fn(*args, **kwargs)`` and whether it runs in fp8 under `recipe`.
+
+    Traces only (no computation). A delayed recipe without `fp8_state` uses a fresh one.
+
+    Returns:
+      A list of `MatmulRecord` in program order (``str(record)`` is one line).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> rows = jaxamp.fp8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
+      ...                          recipe=jaxamp.fp8.recipe("tensorwise", emulate=True))
+      >>> [(r.name, r.fp8) for r in rows]
+      [('dot_general', True)]
+    """
+    rec = _make_recipe(recipe)
+    if rec.scaling == "delayed" and fp8_state is None:
+        fp8_state = init_state(fn, rec, *args, fp8_filter=fp8_filter, **kwargs)
+    records: list[MatmulRecord] = []
+    _abstract(lambda a, k: _run(fn, rec, fp8_filter, a, k, fp8_state, records), args, kwargs)
+    return records
+
+
+def init_state(
+    fn: Callable, recipe: Recipe | str, *args: Any, fp8_filter: Any = None, **kwargs: Any
+) -> dict[str, DelayedScalingState]:
+    """A fresh delayed-scaling state for every fp8 matmul of ``fn(*args, **kwargs)``.
+
+    Returns:
+      ``{matmul name: DelayedScalingState}`` (scales 1, histories 0, as Flax initialises them):
+      an ordinary pytree to carry in the train state, checkpoint, and pass as ``fp8_state=``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> r = jaxamp.fp8.recipe("delayed", emulate=True, amax_history_length=4)
+      >>> list(jaxamp.fp8.init_state(lambda x, w: x @ w, r, jnp.ones((2, 3)), jnp.ones((3, 5))))
+      ['dot_general']
+    """
+    rec = _make_recipe(recipe)
+    if rec.scaling != "delayed":
+        raise ValueError(f"jaxamp.fp8.init_state: recipe {rec.name!r} is not delayed.")
+    names: list[str] = []
+
+    def trace(a, k):
+        records: list[MatmulRecord] = []
+        dyn = _make_recipe(rec, scaling="dynamic", emulate=True)
+        _run(fn, dyn, fp8_filter, a, k, None, records)
+        names.extend(r.name for r in records if r.fp8)
+
+    _abstract(trace, args, kwargs)
+    return {n: DelayedScalingState.create(rec.amax_history_length) for n in names}
+
+
+def select_state(applied: Any, new: Any, old: Any) -> Any:
+    """`new` where the step was `applied`, else `old`: keeps fp8 state on a skipped step.
+
+    Args:
+      applied: a scalar bool (e.g. ``jaxamp.amp_info(opt_state).last_step_applied``).
+      new, old: fp8 state pytrees of the same structure.
+
+    Returns:
+      The selected state (no host sync).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> jaxamp.fp8.select_state(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})["a"]
+      Array([0., 0.], dtype=float32)
+    """
+    applied = jnp.asarray(applied, jnp.bool_)
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def combine_states(*states: Any) -> Any:
+    """Elementwise max of delayed-scaling states from micro-batches of one accumulation window.
+
+    Every micro-batch starts from the same state, so their new scales agree and their
+    histories differ only in the newest amax: the max is the state of the whole window.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> jaxamp.fp8.combine_states({"a": jnp.array([1., 5.])}, {"a": jnp.array([3., 2.])})["a"]
+      Array([3., 5.], dtype=float32)
+    """
+    if not states:
+        raise ValueError("jaxamp.fp8.combine_states: give at least one state.")
+    return jax.tree_util.tree_map(lambda *xs: jnp.max(jnp.stack(xs), axis=0), *states)
