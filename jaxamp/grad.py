@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxamp._reduce import needs_reduce_transform, reduce_in
 from jaxamp.loss_scale import NoOpLossScale, _scale_tree
 from jaxamp.optim import get_loss_scale
-from jaxamp.policy import Policy, get_policy
+from jaxamp.policy import Policy, get_policy, parse_dtype
 
 __all__ = ["value_and_grad"]
 
@@ -22,6 +23,7 @@ def value_and_grad(
     policy: Policy | str | None = None,
     has_aux: bool = False,
     argnums: int = 0,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Like `jax.value_and_grad`, for a mixed-precision step: casts, scales, differentiates.
 
@@ -32,7 +34,13 @@ def value_and_grad(
     1. casts the floating leaves of every positional argument (params and inputs) to the
        policy's compute dtype (ints, bools and PRNG keys untouched);
     2. runs `fun` and casts its loss (and aux) to the policy's output dtype;
-    3. scales the loss in float32 and differentiates that with respect to `args[argnums]`.
+    3. scales the loss in float32 and differentiates that with respect to `args[argnums]`;
+    4. where the policy's `reduce_dtype` is wider than its compute dtype (the mixed presets:
+       float32), computes the weight gradients with `reduce_dtype` accumulation, so that with a
+       sharded batch the cross-device gradient sums (all-reduce / reduce-scatter) that XLA's
+       SPMD partitioner inserts run in `reduce_dtype`, as torch DDP/FSDP2 sum float32 gradients.
+       Forward values are unchanged. Under `shard_map`/`pmap`, the gradients returned are in the
+       param dtype; `psum` them (or `policy.cast_to_reduce(grads)`) to reduce in that dtype.
 
     Returns `(loss, grads)` — or `((loss, aux), grads)` with `has_aux` — where `loss` is the
     unscaled float32 loss and `grads` are gradients of the *scaled* loss, in the dtype of the
@@ -44,6 +52,10 @@ def value_and_grad(
       policy: a `Policy` or anything `get_policy` accepts; None casts nothing.
       has_aux: whether `fun` returns `(loss, aux)`.
       argnums: which positional argument to differentiate (an int).
+      reduce_dtype: the dtype gradients are accumulated and reduced across devices in; default
+        the policy's `reduce_dtype` (applied where wider than its compute dtype). Give it when
+        `fun` casts by itself (e.g. a `jaxamp.autocast` forward pass) to reduce in that dtype
+        the gradients of every input `fun` narrows.
 
     Examples:
       >>> grad_fn = jaxamp.value_and_grad(loss_fn, policy="bf16-mixed")
@@ -56,6 +68,10 @@ def value_and_grad(
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise TypeError(f"value_and_grad(argnums=...) takes an int; got {argnums!r}.")
     policy = None if policy is None else get_policy(policy)
+    if reduce_dtype is not None:
+        reduce_dtype = parse_dtype(reduce_dtype, where="value_and_grad(reduce_dtype=...)")
+    elif policy is not None and needs_reduce_transform(policy.compute_dtype, policy.reduce_dtype):
+        reduce_dtype = policy.reduce_dtype
 
     @functools.wraps(fun)
     def wrapped(*args, loss_scale: Any = None, **kwargs):
@@ -71,12 +87,12 @@ def value_and_grad(
             # part of the gradient (float32 params get float32 gradients).
             args = tuple(a if i == index else policy.cast_to_compute(a) for i, a in enumerate(args))
 
-        def scaled_loss(diff_arg, *rest):
+        def loss_and_aux(diff_arg, *rest, **kw):
             if policy is not None:
                 diff_arg = policy.cast_to_compute(diff_arg)
             full_args = list(rest)
             full_args.insert(index, diff_arg)
-            out = fun(*full_args, **kwargs)
+            out = fun(*full_args, **kw)
             loss, aux = out if has_aux else (out, None)
             if policy is not None:
                 loss, aux = policy.cast_to_output((loss, aux))
@@ -85,7 +101,14 @@ def value_and_grad(
                 raise TypeError(
                     f"value_and_grad: fun must return a scalar loss; got shape {loss.shape}."
                 )
-            loss32 = loss.astype(jnp.float32)
+            return loss.astype(jnp.float32), aux
+
+        if reduce_dtype is not None:
+            # Weight gradients accumulate, and are summed across devices, in reduce_dtype.
+            loss_and_aux = reduce_in(loss_and_aux, reduce_dtype)
+
+        def scaled_loss(diff_arg, *rest):
+            loss32, aux = loss_and_aux(diff_arg, *rest, **kwargs)
             return _scale_tree(loss32, jnp.asarray(scale.loss_scale, jnp.float32)), (loss32, aux)
 
         rest = args[:index] + args[index + 1 :]

@@ -224,11 +224,22 @@ class TrainState(flax_train_state.TrainState):
     ) -> Callable[..., Any]:
         """`jaxamp.value_and_grad(loss_fn)` scaled by this state's current loss scale.
 
-        No global cast is applied: `apply_fn` casts per module. Returns a function giving
-        ``(loss, grads)`` (``((loss, aux), grads)`` with `has_aux`): the float32 unscaled loss
-        and the gradients of the scaled loss, for `apply_gradients`.
+        No global cast is applied: `apply_fn` casts per module; gradients are reduced across
+        devices in the policy's `reduce_dtype` (see `jaxamp.value_and_grad`). Returns a
+        function giving ``(loss, grads)`` (``((loss, aux), grads)`` with `has_aux`): the float32
+        unscaled loss and the gradients of the scaled loss, for `apply_gradients`.
         """
-        grad_fn = _value_and_grad(loss_fn, has_aux=has_aux, argnums=argnums)
+        policy = self.policy
+        # Per-module casts narrow the params inside apply_fn: reduce their gradients in the
+        # policy's reduce_dtype (FSDP2's meaning) where it is wider than the compute dtype.
+        reduce_dtype = (
+            policy.reduce_dtype
+            if policy is not None and policy.reduce_dtype.itemsize > policy.compute_dtype.itemsize
+            else None
+        )
+        grad_fn = _value_and_grad(
+            loss_fn, has_aux=has_aux, argnums=argnums, reduce_dtype=reduce_dtype
+        )
 
         def wrapped(*args, **kwargs):
             return grad_fn(*args, loss_scale=self.opt_state, **kwargs)

@@ -1,0 +1,269 @@
+"""Policy.reduce_dtype is honoured on the partitioned program (the post-SPMD HLO).
+
+XLA:CPU upcasts bfloat16 all-reduces late in compilation, so the final CPU HLO always shows
+float32: the dtype of a collective is read from the module right after SPMD partitioning, dumped
+by XLA (`--xla_dump_hlo_pass_re=spmd-partitioning`) in a fresh process with 4 host devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp._reduce import reduce_in
+
+_PROBE = textwrap.dedent(
+    r"""
+    import glob, json, os, re, sys
+    dump = sys.argv[1]
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=4 "
+        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import flax.linen as nn
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxamp
+    import jaxamp.flax as jf
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rng = np.random.default_rng(0)
+    put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+    params = {
+        "emb": rng.normal(size=(10, 16)).astype(np.float32),
+        "w": rng.normal(size=(16, 8)).astype(np.float32),
+        "b": np.zeros((8,), np.float32),
+    }
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    ids = (np.arange(32) % 10).astype(np.int32)
+
+    def loss(p, x, ids):
+        h = x + p["emb"][ids]
+        return jnp.mean(((h @ p["w"]) + p["b"]) ** 2)
+
+    def sharded(spec_w):
+        p = {"emb": put(params["emb"], P()), "w": put(params["w"], spec_w), "b": put(params["b"], P())}
+        return p, put(x, P("data")), put(ids, P("data"))
+
+    def marked(name, build):
+        # A module-name marker: each case compiles a function whose name is the case's name.
+        def f(*a):
+            return build(*a)
+        f.__name__ = f.__qualname__ = name
+        return f
+
+    cases = {}
+    def case(name, fn, args):
+        cases[name] = None
+        jax.jit(marked(name, fn)).lower(*args).compile()
+
+    case("dp_bf16_mixed", jaxamp.value_and_grad(loss, policy="bf16-mixed"), sharded(P()))
+    case("dp_fp16_mixed", jaxamp.value_and_grad(loss, policy="fp16-mixed"), sharded(P()))
+    case("dp_reduce_bf16", jaxamp.value_and_grad(loss, policy="p=f32,c=bf16,o=f32,r=bf16"), sharded(P()))
+    case("fsdp_bf16_mixed", jaxamp.value_and_grad(loss, policy="bf16-mixed"), sharded(P("data")))
+    case("fsdp_reduce_bf16", jaxamp.value_and_grad(loss, policy="p=f32,c=bf16,o=f32,r=bf16"), sharded(P("data")))
+    fwd = jaxamp.autocast(lambda p, x, ids: (x + p["emb"][ids]) @ p["w"] + p["b"], dtype=jnp.bfloat16, device="cpu")
+    auto_loss = lambda p, x, ids: jnp.mean(fwd(p, x, ids).astype(jnp.float32) ** 2)
+    case("autocast_reduce_f32", jaxamp.value_and_grad(auto_loss, reduce_dtype="float32"), sharded(P()))
+    case("autocast_default", jaxamp.value_and_grad(auto_loss), sharded(P()))
+
+    def sm(policy):
+        def step(p, x, ids):
+            l, g = jaxamp.value_and_grad(loss, policy=policy)(p, x, ids)
+            return l[None], g
+        return jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P("data"), P()))
+    p_rep = {k: put(v, P()) for k, v in params.items()}
+    case("shard_map_bf16_mixed", sm("bf16-mixed"), (p_rep, put(x, P("data")), put(ids, P("data"))))
+    case("shard_map_reduce_bf16", sm("p=f32,c=bf16,o=f32,r=bf16"), (p_rep, put(x, P("data")), put(ids, P("data"))))
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(16)(x)))
+
+    model = MLP()
+    variables = model.init(jax.random.key(0), x[:2])
+    state = jf.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy="bf16-mixed")
+    def ts_step(state, x):
+        def lf(p, x):
+            return jnp.mean(state.apply_fn({"params": p}, x).astype(jnp.float32) ** 2)
+        _, g = state.value_and_grad(lf)(state.params, x)
+        return g
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    case("flax_train_state_bf16_mixed", ts_step, (state, put(x, P("data"))))
+
+    out = {}
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter)\(")
+    for name in cases:
+        files = glob.glob(os.path.join(dump, f"*jit_{name}*after_spmd-partitioning*"))
+        colls = []
+        for f in files:
+            for line in open(f):
+                m = pattern.search(line)
+                if m:
+                    colls.append([m.group(2), sorted(set(re.findall(r"\b([a-z]+\d+)\[", m.group(1))))])
+        out[name] = colls
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("spmd_dump")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(dump)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def _dtypes(colls):
+    return sorted({d for _, ds in colls for d in ds})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dp_bf16_mixed",
+        "dp_fp16_mixed",
+        "fsdp_bf16_mixed",
+        "autocast_reduce_f32",
+        "shard_map_bf16_mixed",
+        "flax_train_state_bf16_mixed",
+    ],
+)
+def test_gradient_collectives_run_in_reduce_dtype(collectives, case):
+    colls = collectives[case]
+    assert colls, f"{case}: no cross-device reduction found in the partitioned program"
+    assert _dtypes(colls) == ["f32"], f"{case}: {colls}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case", ["dp_reduce_bf16", "fsdp_reduce_bf16", "shard_map_reduce_bf16", "autocast_default"]
+)
+def test_low_precision_reduction_is_visible_when_asked_for(collectives, case):
+    # The same programs with reduce_dtype = compute dtype (or no reduce dtype for autocast)
+    # reduce weight gradients in bfloat16: what the check above would catch.
+    assert "bf16" in _dtypes(collectives[case]), collectives[case]
+
+
+def _loss(p, x, ids):
+    h = x + p["emb"][ids]
+    h = jnp.tanh(h @ p["w"] + p["b"])
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def _params(dtype=jnp.float32):
+    rng = np.random.default_rng(1)
+    return {
+        "emb": jnp.asarray(rng.normal(size=(10, 16)), dtype),
+        "w": jnp.asarray(rng.normal(size=(16, 8)) / 4, dtype),
+        "b": jnp.asarray(rng.normal(size=(8,)), dtype),
+    }
+
+
+@pytest.mark.parametrize(
+    "policy, maybe_jit",
+    [
+        pytest.param("bf16-mixed", lambda f: f, id="bf16-mixed-eager", marks=pytest.mark.slow),
+        pytest.param("bf16-mixed", jax.jit, id="bf16-mixed-jit"),
+        pytest.param("fp16-mixed", jax.jit, id="fp16-mixed-jit"),
+    ],
+)
+def test_values_unchanged_and_grads_agree(policy, maybe_jit):
+    p = _params()
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    ids = jnp.asarray(np.arange(32) % 10, jnp.int32)
+    low = jaxamp.get_policy(policy).with_reduce_dtype(jaxamp.get_policy(policy).compute_dtype)
+    loss_r, grads_r = maybe_jit(jaxamp.value_and_grad(_loss, policy=policy))(p, x, ids)
+    loss_l, grads_l = maybe_jit(jaxamp.value_and_grad(_loss, policy=low))(p, x, ids)
+    assert loss_r == loss_l  # the forward pass is the same program
+    eps = float(jnp.finfo(jaxamp.get_policy(policy).compute_dtype).eps)
+    for k in p:
+        assert grads_r[k].dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(grads_l[k]))) + 1e-12
+        # Low-precision accumulation of 32 rows and a final rounding: a few eps of the max.
+        np.testing.assert_allclose(grads_r[k], grads_l[k], atol=8 * eps * scale, rtol=0)
+
+
+def test_grads_equal_float32_accumulation():
+    # reduce_in's weight gradient is a bf16 x bf16 dot accumulated and returned in float32:
+    # exactly the float32 dot of the bf16-rounded operands.
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(64, 16)), jnp.bfloat16)
+
+    def f(w, x):
+        return jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32))
+
+    g = jax.jit(jax.grad(reduce_in(f, jnp.float32)))(w, x)
+    ones = jnp.ones((64, 8), jnp.bfloat16)
+    expected = jnp.dot(
+        x.T, ones, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )
+    np.testing.assert_allclose(g, expected, rtol=1e-6)
+
+
+def test_static_leaves_and_aux_pass_through():
+    def f(p, x, *, scale, train):
+        assert isinstance(train, bool)  # static, not traced
+        return jnp.sum(x.astype(jnp.bfloat16) @ p.astype(jnp.bfloat16)).astype(jnp.float32) * scale
+
+    p = jnp.ones((4, 2), jnp.float32)
+    x = jnp.ones((3, 4), jnp.float32)
+    g = jax.grad(reduce_in(f, "float32"), argnums=0)(p, x, scale=2.0, train=True)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, 6.0 * np.ones((4, 2)))
+
+
+def test_bad_reduce_dtype():
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        jaxamp.value_and_grad(_loss, reduce_dtype="float8")
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        reduce_in(_loss, jnp.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_pmap_grads_in_param_dtype_psum_in_float32():
+    n = 2
+    p = _params()
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(n, 8, 16)), jnp.float32)
+    ids = jnp.asarray((np.arange(n * 8) % 10).reshape(n, 8), jnp.int32)
+
+    def step(p, x, ids):
+        _, g = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(p, x, ids)
+        return jax.lax.pmean(g, "data")
+
+    g = jax.pmap(step, axis_name="data", in_axes=(None, 0, 0), devices=jax.devices()[:n])(p, x, ids)
+    _, full = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(
+        p, x.reshape(-1, 16), ids.reshape(-1)
+    )
+    for k in p:
+        assert g[k].dtype == jnp.float32
+        np.testing.assert_allclose(g[k][0], g[k][1])
+        eps = float(jnp.finfo(jnp.bfloat16).eps)
+        np.testing.assert_allclose(
+            g[k][0], full[k], atol=8 * eps * float(jnp.max(jnp.abs(full[k]))), rtol=0
+        )
