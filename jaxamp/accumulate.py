@@ -6,9 +6,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxamp.optim import _identity_updates
+from jaxamp._numerics import identity_updates, select_tree
 
 __all__ = ["MultiStepsState", "multi_steps"]
 
@@ -54,8 +55,18 @@ def multi_steps(
     Returns:
       A `GradientTransformationExtraArgs`; updates are zero except on a window's last micro-batch.
     """
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"multi_steps(inner=...) takes an optax GradientTransformation (e.g. "
+            f"jaxamp.loss_scaled(optax.adamw(...))); got {type(inner).__name__} {inner!r}."
+        )
+    if (
+        isinstance(every_k, (bool, np.bool_))
+        or not isinstance(every_k, (int, np.integer))
+        or every_k < 1
+    ):
         raise ValueError(f"multi_steps(every_k=...) must be an int >= 1; got {every_k!r}.")
+    every_k = int(every_k)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -76,11 +87,11 @@ def multi_steps(
         out_shapes = jax.eval_shape(step, state.inner_state)
 
         def wait(inner_state):
-            return _identity_updates(out_shapes[0]), inner_state
+            return identity_updates(out_shapes[0]), inner_state
 
         new_updates, inner_state = jax.lax.cond(emit, step, wait, state.inner_state)
         # A select, not a multiply by 0: a NaN accumulator must not leak into the next window.
-        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
+        acc = select_tree(emit, jax.tree.map(jnp.zeros_like, acc), acc)
         mini_step = jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32)
         return new_updates, MultiStepsState(mini_step, acc, inner_state)
 

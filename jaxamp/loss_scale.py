@@ -16,6 +16,17 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from jaxamp._numerics import (
+    F32_MAX,
+    F32_TINY,
+    INT32_MAX,
+    all_finite,
+    mul_like_torch,
+    scale_tree,
+    unscale_tree,
+)
 
 __all__ = [
     "LossScale",
@@ -26,9 +37,10 @@ __all__ = [
     "PRESET_NAMES",
 ]
 
-_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
-_F32_MAX = float(np.finfo(np.float32).max)
-_INT32_MAX = int(np.iinfo(np.int32).max)
+_F32_TINY = F32_TINY
+_F32_MAX = F32_MAX
+_INT32_MAX = INT32_MAX
+_scale_tree = scale_tree  # kept importable here for jaxamp.grad
 
 
 @runtime_checkable
@@ -45,81 +57,35 @@ class LossScale(Protocol):
     def adjust(self, grads_finite: jax.Array) -> LossScale: ...
 
 
-def _is_float_array(x) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def all_finite(tree: Any, axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
-    """Returns a scalar bool array: whether every floating leaf of `tree` is finite.
-
-    Non-floating leaves (ints, bools, PRNG keys) are ignored; an empty tree is finite. Works on
-    sharded arrays (XLA inserts the cross-device reduction).
-
-    Args:
-      tree: a pytree of arrays.
-      axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
-        is then true only if the leaves are finite on every replica.
-    """
-    # numpy float scalars and Python floats count too: under jit they arrive as float arrays, so
-    # ignoring them eagerly would make the eager and jitted answers differ.
-    leaves = [
-        x
-        for x in jax.tree_util.tree_leaves(tree)
-        if _is_float_array(x) or isinstance(x, (float, np.floating))
-    ]
-    if not leaves:
-        finite = jnp.array(True)
-    else:
-        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-    if axis_name is not None:
-        # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite
-
-
-def _wide_dtype(dtype: Any) -> np.dtype:
-    """float32 for float16/bfloat16/float32, float64 for float64.
-
-    Not `jnp.promote_types`: under strict dtype promotion it refuses (bfloat16, float32).
-    """
-    dtype = np.dtype(dtype)
-    return dtype if dtype.itemsize > 4 else np.dtype(jnp.float32)
-
-
-def _scale_tree(tree: Any, scale: jax.Array) -> Any:
-    """Multiplies floating leaves by `scale` in float32 (never in float16, where 2**16 is inf)."""
-
-    def mul(x):
-        if _is_float_array(x):
-            wide = _wide_dtype(x.dtype)
-            return x.astype(wide) * scale.astype(wide)
-        return x
-
-    return jax.tree_util.tree_map(mul, tree)
-
-
-def _unscale_tree(tree: Any, inv_scale: jax.Array) -> Any:
-    """Multiplies floating leaves by `inv_scale` in float32; each leaf keeps its dtype."""
-
-    def mul(x):
-        if _is_float_array(x):
-            wide = _wide_dtype(x.dtype)
-            return (x.astype(wide) * inv_scale.astype(wide)).astype(x.dtype)
-        return x
-
-    return jax.tree_util.tree_map(mul, tree)
+def _is_number(value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return True
+    return isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iuf"
 
 
 def _check_scale_value(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a positive finite number; got {value!r}.") from None
-    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        allowed = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {allowed}; got {value!r}.")
-    return value
+    """`value` as a float that is finite and > 0 (>= 0) *after* rounding to float32.
+
+    1e-50 is 0.0 in float32 and 1e50 is inf: both would be stored as such, so both are refused.
+    """
+    allowed = ">= 0" if allow_zero else "> 0"
+    if not _is_number(value):
+        raise TypeError(
+            f"{name} must be a real number (int or float), finite and {allowed} in float32; "
+            f"got {type(value).__name__} {value!r}."
+        )
+    as_float = float(value)
+    with np.errstate(over="ignore", under="ignore"):
+        as_f32 = float(np.float32(as_float)) if math.isfinite(as_float) else as_float
+    ok = math.isfinite(as_f32) and (as_f32 >= 0 if allow_zero else as_f32 > 0)
+    if not ok or (as_float > 0 and as_f32 == 0 and not allow_zero):
+        raise ValueError(
+            f"{name} must be finite and {allowed} in float32 (between {_F32_TINY:.3g} and "
+            f"{_F32_MAX:.4g} for a scale); got {value!r}, which is {as_f32!r} in float32."
+        )
+    return as_float
 
 
 class _ScaleMixin:
@@ -136,16 +102,22 @@ class _ScaleMixin:
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: Any) -> Any:
-        """Multiplies floating leaves by 1/scale, computed in float32; each leaf keeps its dtype.
+        """Multiplies floating leaves by torch's float32(1/scale); each leaf keeps its dtype.
 
         float32 leaves come back float32; float16 and bfloat16 leaves come back in their own dtype
-        (computed in float32, then rounded once). The reciprocal is exact for power-of-two scales.
+        (computed in float32, then rounded once). Bit-identical to torch's `unscale_` wherever
+        torch's result is a normal float32, at every scale up to float32 max, also on backends
+        that flush subnormals (where 1/scale above 2**126 is one: see `inverse_scale`).
         """
-        return _unscale_tree(tree, self.inverse_scale())
+        return unscale_tree(tree, self.loss_scale)
 
     def inverse_scale(self) -> jax.Array:
-        """1/scale as float32 (torch computes it in float64 and rounds to float32: equal for
-        power-of-two scales)."""
+        """torch's float32(1/scale) as one float32 array.
+
+        Warning:
+          Above 2**126 this is a float32 subnormal, which XLA flushes to zero on CPU and TPU.
+          `unscale` does not use it; it multiplies by `reciprocal_factors(scale)`, exact there.
+        """
         return jnp.float32(1.0) / jnp.asarray(self.loss_scale, jnp.float32)
 
 
@@ -177,14 +149,38 @@ class StaticLossScale(_ScaleMixin):
     loss_scale: jax.Array
 
     def __init__(self, loss_scale: Any = 2.0**15):
-        # JAX may rebuild pytrees with placeholder leaves: convert only numbers and arrays.
-        if isinstance(loss_scale, (int, float, np.floating, np.integer)) and not isinstance(
-            loss_scale, bool
-        ):
-            loss_scale = _check_scale_value("StaticLossScale(loss_scale=...)", loss_scale)
-            loss_scale = jnp.asarray(loss_scale, jnp.float32)
-        elif isinstance(loss_scale, (np.ndarray, jax.Array)) and loss_scale.dtype != jnp.float32:
-            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        """Args:
+          loss_scale: a number (or a scalar numpy array), finite and > 0 in float32.
+
+        Raises:
+          TypeError / ValueError: anything else (a string, a bool, a list, None, 0, inf,
+            a negative or non-scalar array).
+        """
+        name = "StaticLossScale(loss_scale=...)"
+        if _is_number(loss_scale):
+            loss_scale = jnp.asarray(_check_scale_value(name, loss_scale), jnp.float32)
+        elif isinstance(loss_scale, jax.Array) and not isinstance(loss_scale, jax.core.Tracer):
+            # Concrete JAX arrays also arrive from tree_map/jit rebuilding this pytree: check
+            # the value, convert the dtype.
+            if loss_scale.shape != () or not jnp.issubdtype(loss_scale.dtype, jnp.number):
+                raise TypeError(
+                    f"{name} takes a scalar number; got an array of shape {loss_scale.shape} "
+                    f"dtype {loss_scale.dtype}."
+                )
+            loss_scale = loss_scale.astype(jnp.float32)
+            if loss_scale.is_fully_addressable and not bool(
+                jnp.isfinite(loss_scale) & (loss_scale > 0)
+            ):
+                raise ValueError(f"{name} must be finite and > 0 in float32; got {loss_scale!r}.")
+        elif isinstance(loss_scale, (str, bytes, bool, np.bool_, list, tuple, dict, np.ndarray)):
+            raise TypeError(
+                f"{name} takes a positive finite number; got {type(loss_scale).__name__} "
+                f"{loss_scale!r}."
+            )
+        elif loss_scale is None:
+            raise TypeError(f"{name} takes a positive finite number; got None.")
+        # Anything else is a placeholder JAX puts in while transforming the pytree (a tracer,
+        # an abstract value, a sentinel): store it as is.
         object.__setattr__(self, "loss_scale", loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
@@ -296,6 +292,16 @@ class DynamicLossScale(_ScaleMixin):
             raise ValueError(f"growth_rule must be 'torch' or 'flax'; got {growth_rule!r}.")
         if init_scale > _F32_MAX:
             raise ValueError(f"init_scale must fit in float32 (<= {_F32_MAX}); got {init_scale!r}.")
+        if min_scale > init_scale:
+            raise ValueError(
+                f"min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r}): the scale "
+                "would start below its own floor. Lower min_scale or raise init_scale."
+            )
+        if max_scale is not None and max_scale < init_scale:
+            raise ValueError(
+                f"max_scale ({max_scale!r}) must be >= init_scale ({init_scale!r}): the scale "
+                "would start above its own ceiling. Raise max_scale or lower init_scale."
+            )
         return cls(
             loss_scale=jnp.asarray(init_scale, jnp.float32),
             growth_tracker=jnp.zeros((), jnp.int32),
@@ -352,7 +358,7 @@ class DynamicLossScale(_ScaleMixin):
         Args:
           grads_finite: a scalar bool (traced or not).
         """
-        grads_finite = jnp.asarray(grads_finite)
+        grads_finite = _check_grads_finite(grads_finite)
         if grads_finite.shape != () or grads_finite.dtype != jnp.bool_:
             raise TypeError(
                 f"adjust(grads_finite=...) takes a scalar bool; got shape {grads_finite.shape} "
@@ -363,12 +369,12 @@ class DynamicLossScale(_ScaleMixin):
         hysteresis_left = jnp.asarray(self.hysteresis_tracker, jnp.int32)
 
         if self.growth_rule == "torch":
-            counted = tracker + 1
+            counted = optax.safe_increment(tracker)
             grow = counted >= self.growth_interval
         else:  # flax: compare the count of earlier finite steps, then count this one
-            counted = tracker + 1
+            counted = optax.safe_increment(tracker)
             grow = tracker >= self.growth_interval
-        grown = _mul_f32(scale, self.growth_factor)
+        grown = mul_like_torch(scale, self.growth_factor)
         if self.max_scale is not None:
             grown = jnp.minimum(grown, jnp.float32(self.max_scale))
         grown = jnp.where(jnp.isfinite(grown), grown, scale)
@@ -378,7 +384,9 @@ class DynamicLossScale(_ScaleMixin):
 
         # Saturate instead of wrapping: the tracker only counts to 0 after enough overflows.
         overflow_hysteresis = jnp.maximum(hysteresis_left - 1, -_INT32_MAX)
-        backed_off = jnp.maximum(_mul_f32(scale, self.backoff_factor), jnp.float32(self.min_scale))
+        backed_off = jnp.maximum(
+            mul_like_torch(scale, self.backoff_factor), jnp.float32(self.min_scale)
+        )
         overflow_scale = jnp.where(overflow_hysteresis <= 0, backed_off, scale)
 
         return dataclasses.replace(
@@ -444,34 +452,54 @@ class DynamicLossScale(_ScaleMixin):
                 f"from_state_dict: missing keys {missing}; expected torch GradScaler's format with "
                 f"keys {list(required)} (an empty state_dict comes from a disabled GradScaler)."
             )
-        scale_value = state_dict["scale"]
-        if "init_scale" not in overrides and not (
-            isinstance(scale_value, (int, float)) and 0 < float(scale_value) < float("inf")
-        ):
-            raise ValueError(
-                f"from_state_dict: state_dict['scale'] must be finite and > 0; got "
-                f"{scale_value!r} (torch's scale collapses to 0.0 after ~150 overflows in a row). "
-                "Pass init_scale=... to restart from a healthy scale."
-            )
+        kwargs: dict[str, Any] = {
+            "init_scale": state_dict["scale"],
+            "growth_factor": state_dict["growth_factor"],
+            "backoff_factor": state_dict["backoff_factor"],
+            "growth_interval": state_dict["growth_interval"],
+        }
+        if "init_scale" not in overrides:
+            try:
+                _check_scale_value("from_state_dict: state_dict['scale']", kwargs["init_scale"])
+            except ValueError as e:
+                raise ValueError(
+                    f"{e} torch's scale collapses to 0.0 after ~150 overflows in a row; pass "
+                    "init_scale=... to restart from a healthy scale."
+                ) from None
+        for key in ("growth_factor", "backoff_factor"):
+            _check_scale_value(f"from_state_dict: state_dict[{key!r}]", kwargs[key])
+        _check_int("from_state_dict: state_dict['growth_interval']", kwargs["growth_interval"])
         extra = dict(state_dict.get("jaxamp") or {})
         hysteresis_tracker = extra.pop("hysteresis_tracker", None)
-        kwargs = {
-            "init_scale": float(state_dict["scale"]),
-            "growth_factor": float(state_dict["growth_factor"]),
-            "backoff_factor": float(state_dict["backoff_factor"]),
-            "growth_interval": int(state_dict["growth_interval"]),
-            **extra,
-            **overrides,
-        }
+        kwargs = {**kwargs, **extra, **overrides}
+        kwargs["init_scale"] = _as_float(kwargs["init_scale"])
         scale = cls.create(**kwargs)
-        tracker = int(state_dict["_growth_tracker"])
-        if not 0 <= tracker <= scale.growth_interval:
+        tracker = _check_int(
+            "from_state_dict: state_dict['_growth_tracker']", state_dict["_growth_tracker"], low=0
+        )
+        # torch grows when its tracker *equals* the interval, so a tracker at or above it would
+        # never grow there; flax's rule counts one further.
+        highest = (
+            scale.growth_interval - 1 if scale.growth_rule == "torch" else scale.growth_interval
+        )
+        if tracker > highest:
             raise ValueError(
-                f"from_state_dict: _growth_tracker must be in [0, growth_interval="
-                f"{scale.growth_interval}]; got {tracker}."
+                f"from_state_dict: state_dict['_growth_tracker'] must be in [0, {highest}] "
+                f"(growth_interval={scale.growth_interval}, growth_rule={scale.growth_rule!r}); "
+                f"got {tracker}."
             )
         if hysteresis_tracker is None:
             hysteresis_tracker = scale.hysteresis
+        hysteresis_tracker = _check_int(
+            "from_state_dict: state_dict['jaxamp']['hysteresis_tracker']",
+            hysteresis_tracker,
+            low=-_INT32_MAX,
+        )
+        if hysteresis_tracker > scale.hysteresis:
+            raise ValueError(
+                f"from_state_dict: state_dict['jaxamp']['hysteresis_tracker'] must be <= "
+                f"hysteresis ({scale.hysteresis}); got {hysteresis_tracker}."
+            )
         return dataclasses.replace(
             scale,
             growth_tracker=jnp.asarray(tracker, jnp.int32),
@@ -479,24 +507,24 @@ class DynamicLossScale(_ScaleMixin):
         )
 
 
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= 1; got {type(value).__name__} {value!r}.")
-    if not 1 <= int(value) <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [1, {_INT32_MAX}]; got {value!r}.")
+def _check_grads_finite(grads_finite: Any) -> jax.Array:
+    if isinstance(grads_finite, (bool, np.bool_)):
+        return jnp.asarray(grads_finite)
+    if isinstance(grads_finite, (jax.Array, np.ndarray)):
+        return jnp.asarray(grads_finite)
+    raise TypeError(
+        f"adjust(grads_finite=...) takes a scalar bool (a Python bool or a bool array); got "
+        f"{type(grads_finite).__name__} {grads_finite!r}."
+    )
+
+
+def _as_float(value: Any) -> Any:
+    return float(value) if _is_number(value) else value
+
+
+def _check_int(name: str, value: Any, *, low: int = 1) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= {low}; got {type(value).__name__} {value!r}.")
+    if not low <= int(value) <= _INT32_MAX:
+        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}]; got {value!r}.")
     return int(value)
-
-
-def _mul_f32(scale: jax.Array, factor: float) -> jax.Array:
-    """float32(scale * factor) with `factor` a Python (float64) number, as torch computes it.
-
-    torch multiplies the float32 scale by a double and rounds once to float32. In float32 we
-    split the factor into hi + lo parts: exact for power-of-two factors, and within one ulp of
-    torch otherwise.
-    """
-    hi = np.float32(factor)
-    lo = np.float32(factor - float(hi))
-    product = scale * hi
-    if lo != 0:
-        product = product + scale * lo
-    return product

@@ -3,32 +3,36 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
 import optax
 
-from jaxamp.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    _unscale_tree,
+from jaxamp._numerics import (
     all_finite,
+    check_axis_name,
+    check_replicas_agree,
+    count_if,
+    select_tree,
+    skip_updates,
+    unscale_tree,
 )
+from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 
 __all__ = [
     "AmpInfo",
     "LossScaleDivergedError",
     "LossScaledState",
     "amp_info",
+    "apply_updates",
     "get_loss_scale",
     "loss_scaled",
     "set_loss_scale",
 ]
-
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 class LossScaledState(NamedTuple):
@@ -41,6 +45,9 @@ class LossScaledState(NamedTuple):
       last_step_finite: whether the last step's gradients were finite (and so applied).
       skipped_steps: total skipped steps (int32, saturating).
       consecutive_skips: skipped steps in a row up to now (int32, saturating).
+      group_applied: with ``param_labels`` (one shared scale, a skip decision per group), a
+        tree shaped like the parameters of scalar bools: whether each leaf's group applied
+        the last step; None otherwise (one decision for every leaf: `last_step_finite`).
     """
 
     inner_state: optax.OptState
@@ -48,6 +55,7 @@ class LossScaledState(NamedTuple):
     last_step_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    group_applied: Any = None
 
 
 class AmpInfo(NamedTuple):
@@ -57,7 +65,7 @@ class AmpInfo(NamedTuple):
       loss_scale: the current loss scale (float32).
       last_step_finite: whether the last step's gradients were finite.
       last_step_applied: whether the last step updated the parameters (same as finite: a
-        non-finite step is always skipped).
+        non-finite step is always skipped; with ``param_labels``, whether every group did).
       skipped_steps: total skipped steps.
       consecutive_skips: skipped steps in a row, ending with the last step.
     """
@@ -95,23 +103,6 @@ def _as_loss_scale(loss_scale: Any) -> Any:
     )
 
 
-def _identity_updates(shapes: Any) -> Any:
-    """Updates that leave every parameter bit-for-bit unchanged under `optax.apply_updates`.
-
-    -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
-    for every p (NaN payloads included).
-    """
-    return jax.tree_util.tree_map(_negative_zeros, shapes)
-
-
-def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-    zeros = jnp.full(shape.shape, -0.0, shape.dtype)
-    # Inside shard_map, `lax.cond` needs both branches to vary over the same mesh axes.
-    manual = getattr(shape, "manual_axis_type", None)
-    varying = tuple(sorted(getattr(manual, "varying", ()) or ()))
-    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
-
-
 def _is_state(x: Any) -> bool:
     return isinstance(x, LossScaledState)
 
@@ -137,54 +128,75 @@ def _report_diverged(consecutive_skips, limit: int, on_max_skips: OnMaxSkips) ->
 
 
 def loss_scaled(
-    inner: optax.GradientTransformation,
+    inner: Any,
     loss_scale: Any = None,
     *,
     axis_name: str | tuple[str, ...] | None = None,
     max_consecutive_skips: int | None = None,
     on_max_skips: OnMaxSkips = "warn",
+    param_labels: Any = None,
 ) -> LossScaledTransformation:
     """Wraps an optax optimizer for loss-scaled gradients, as `torch.amp.GradScaler` does.
 
-    `update` takes the gradients of the *scaled* loss (float16, bfloat16 or float32). It checks
-    them for inf/NaN (as torch does, before unscaling), unscales them (computed in float32,
-    each leaf keeping its dtype) and runs `inner`. On a non-finite step it returns zero updates
-    and leaves `inner`'s state bit-for-bit unchanged (Adam's count does not advance, as in
-    torch). Then it adjusts the loss scale. The decision is in-graph (`lax.cond`): no host sync.
-    With `NoOpLossScale` it is a pass-through, like `GradScaler(enabled=False)`: nothing is
-    skipped (`last_step_finite` still reports whether the gradients were finite).
+    `update` takes the gradients of the *scaled* loss (float16, bfloat16, float32, or complex).
+    It unscales them (torch's float32 reciprocal, exact at every scale; each leaf keeps its
+    dtype), checks the unscaled gradients for inf/NaN and runs `inner` on them. A step is
+    either applied completely or skipped completely: on a non-finite step the updates are
+    -0.0 (the identity under `optax.apply_updates`) and `inner`'s state is kept bit for bit
+    (Adam's count does not advance, as in torch). Then the scale is adjusted and the skip
+    counters move. The decision is in-graph (a select fused into the update): no host sync.
+
+    Checking the *unscaled* gradients is torch's check (an overflow is inf before and after
+    unscaling) plus one torch does not need: with a scale below 1 a finite float16 gradient
+    can overflow when unscaled (torch refuses float16 gradients instead). So no step ever
+    hands a non-finite gradient to `inner`, and none writes a non-finite value into the
+    parameters through a finite optimizer.
+
+    Per loss-scale type, on a non-finite step:
+      * `DynamicLossScale` (and jmp's): skip; the scale backs off.
+      * `StaticLossScale` (and jmp's): skip; the scale stays.
+      * `NoOpLossScale` (and jmp's): skip (nothing is unscaled). Finite steps are
+        bit-identical to a run without the wrapper; a NaN step does not write NaN.
 
     Composition:
       * `optax.chain(clip, ...)` *inside* `loss_scaled` clips the unscaled gradients, as
-        `GradScaler.unscale_` then `clip_grad_norm_` does; non-finite steps are skipped before
-        clipping.
+        `GradScaler.unscale_` then `clip_grad_norm_` does; non-finite steps are skipped, not
+        clipped.
       * `loss_scaled(optax.multi_transform(...))` makes one global decision: a non-finite value
-        in any group skips every group (torch with one optimizer). `multi_transform` of several
-        `loss_scaled` optimizers gives each group its own scale and skip decision; then
-        `get_loss_scale` asks which one you mean.
+        in any group skips every group (torch with one optimizer).
+      * `loss_scaled({"a": tx_a, "b": tx_b}, param_labels=labels)` is torch with several
+        optimizers and one `GradScaler`: one shared scale (backed off if any group
+        overflowed), and each group skips only when its own gradients are non-finite.
+      * `multi_transform` of several `loss_scaled` optimizers gives each group its own scale
+        and skip decision; then `get_loss_scale` asks which one you mean.
       * `jaxamp.multi_steps(loss_scaled(opt), k)` accumulates scaled gradients over k
         micro-batches with a constant scale; the scale moves once per real step and a non-finite
         micro-batch skips the whole window. Not `optax.MultiSteps`: it clears its accumulator
-        with `0 * acc`, so one NaN poisons every later window. Do not put the accumulation
-        inside `loss_scaled` (the scale would then move every micro-batch).
+        with `0 * acc`, so one NaN poisons every later window.
 
     Args:
-      inner: the optimizer to run on the unscaled gradients.
+      inner: the optimizer to run on the unscaled gradients; with `param_labels`, a mapping
+        from group label to optimizer (as `optax.multi_transform` takes).
       loss_scale: None (torch's `GradScaler` defaults: `DynamicLossScale.create()`), a preset
         name for `DynamicLossScale.from_preset`, or a loss scale object (jaxamp's or jmp's).
       axis_name: inside `shard_map`/`pmap`, the axis name(s) over which replicas must agree:
-        every replica then skips if any replica saw a non-finite value.
+        every replica then skips if any replica saw a non-finite value. Leaving it out inside
+        a mapped axis raises; ``axis_name=()`` lets each replica decide alone on purpose.
       max_consecutive_skips: report a run that skips this many steps in a row, or None.
         torch halves forever; a model that overflows in its forward pass never recovers.
       on_max_skips: "warn" (a `RuntimeWarning`), "raise" (`LossScaleDivergedError`, surfaced by
         the runtime at the next sync), or "ignore" (see `amp_info`). The report fires from a
         callback inside the graph only when the limit is reached.
+      param_labels: a pytree of group labels shaped like the parameters, or a function of the
+        parameters returning one (as `optax.multi_transform`): switches on a skip decision
+        per group under one shared loss scale.
 
     Returns:
       A `GradientTransformationExtraArgs` whose state is a `LossScaledState`.
 
     Raises:
-      ValueError: `inner` is already loss-scaled (here or, at `init`, anywhere inside it).
+      ValueError: `inner` is already loss-scaled (here or, at `init`, anywhere inside it); at
+        `update`, a mapped axis is in scope and `axis_name` was not given.
 
     Examples:
       >>> tx = jaxamp.loss_scaled(optax.adamw(1e-3))
@@ -192,27 +204,33 @@ def loss_scaled(
       >>> loss, grads = jaxamp.value_and_grad(loss_fn, policy=policy)(
       ...     params, batch, loss_scale=opt_state)
       >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
     """
     if isinstance(inner, LossScaledTransformation):
         raise ValueError(
             "loss_scaled(inner=...): inner is already loss-scaled; wrapping it again would "
             "unscale twice. Use one loss_scaled around the whole optimizer."
         )
-    if not isinstance(inner, optax.GradientTransformation):
+    if param_labels is not None:
+        inner = _group_transform(inner, param_labels)
+    elif not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             f"loss_scaled(inner=...) takes an optax GradientTransformation; got "
-            f"{type(inner).__name__}."
+            f"{type(inner).__name__} {inner!r}."
         )
     if max_consecutive_skips is not None and (
-        isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)
+        isinstance(max_consecutive_skips, (bool, np.bool_))
+        or not isinstance(max_consecutive_skips, (int, np.integer))
         or max_consecutive_skips < 1
     ):
         raise ValueError(
             f"max_consecutive_skips must be None or an int >= 1; got {max_consecutive_skips!r}."
         )
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = int(max_consecutive_skips)
     if on_max_skips not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_max_skips must be 'warn', 'raise' or 'ignore'; got {on_max_skips!r}.")
+    axis_name = check_axis_name(axis_name, "loss_scaled")
     initial_loss_scale = _as_loss_scale(loss_scale)
     inner = optax.with_extra_args_support(inner)
 
@@ -225,12 +243,18 @@ def loss_scaled(
                 f"{nested[0][0] or 'its top'}; wrapping it again would unscale twice. Use one "
                 "loss_scaled around the whole optimizer."
             )
+        group_applied = None
+        if param_labels is not None:
+            group_applied = jax.tree_util.tree_map(
+                lambda _: jnp.array(True), _labels_for(param_labels, params)
+            )
         return LossScaledState(
             inner_state=inner_state,
             loss_scale=initial_loss_scale,
             last_step_finite=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
+            group_applied=group_applied,
         )
 
     def update(updates, state, params=None, **extra_args):
@@ -239,37 +263,28 @@ def loss_scaled(
                 f"loss_scaled.update(state=...) takes the LossScaledState made by init; got "
                 f"{type(state).__name__}. Was this state saved without loss scaling?"
             )
+        check_replicas_agree(updates, axis_name, "loss_scaled.update")
         current = state.loss_scale
-        # As torch: check the scaled gradients (an overflow is inf before and after unscaling).
-        grads_finite = all_finite(updates, axis_name=axis_name)
         if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
-            # Disabled scaling is a pass-through, like GradScaler(enabled=False): nothing is
-            # unscaled or skipped, so the run equals one without the wrapper, bit for bit.
-            new_updates, new_inner_state = inner.update(
-                updates, state.inner_state, params, **extra_args
-            )
-            return new_updates, state._replace(
-                inner_state=new_inner_state, last_step_finite=grads_finite
-            )
-        # Works for jmp's loss scales too, which have no `inverse_scale`.
-        inv_scale = jnp.float32(1.0) / jnp.asarray(current.loss_scale, jnp.float32)
-
-        def apply_step(inner_state):
-            grads = _unscale_tree(updates, inv_scale)
-            return inner.update(grads, inner_state, params, **extra_args)
-
-        out_shapes = jax.eval_shape(apply_step, state.inner_state)
-
-        def skip_step(inner_state):
-            return _identity_updates(out_shapes[0]), inner_state
-
-        new_updates, new_inner_state = jax.lax.cond(
-            grads_finite, apply_step, skip_step, state.inner_state
-        )
-        one = jnp.ones((), jnp.int32)
-        skipped = jnp.where(grads_finite, 0, one)
+            grads = updates  # nothing to unscale: finite steps equal a run without the wrapper
+        else:
+            grads = unscale_tree(updates, current.loss_scale)
+        new_updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        if param_labels is None:
+            # What reaches `inner` is checked: an overflow while unscaling is caught too.
+            grads_finite = all_finite(grads, axis_name=axis_name)
+            group_applied = None
+            new_updates = skip_updates(grads_finite, new_updates)
+            new_inner_state = select_tree(grads_finite, new_inner_state, state.inner_state)
+        else:
+            labels = _labels_for(param_labels, grads)
+            group_finite = _finite_per_group(grads, labels, axis_name)
+            grads_finite = jnp.stack(list(group_finite.values())).all()
+            group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
+            new_updates = skip_updates(group_applied, new_updates)
+            new_inner_state = _select_groups(group_finite, new_inner_state, state.inner_state)
         consecutive = jnp.where(
-            grads_finite, 0, jnp.minimum(state.consecutive_skips, _INT32_MAX - 1) + 1
+            grads_finite, jnp.zeros((), jnp.int32), optax.safe_increment(state.consecutive_skips)
         )
         if max_consecutive_skips is not None and on_max_skips != "ignore":
             jax.lax.cond(
@@ -284,12 +299,90 @@ def loss_scaled(
             inner_state=new_inner_state,
             loss_scale=current.adjust(grads_finite),
             last_step_finite=grads_finite,
-            skipped_steps=jnp.minimum(state.skipped_steps, _INT32_MAX - 1) + skipped,
+            skipped_steps=count_if(~grads_finite, state.skipped_steps),
             consecutive_skips=consecutive,
+            group_applied=group_applied,
         )
         return new_updates, new_state
 
     return LossScaledTransformation(init, update)
+
+
+def _group_transform(transforms: Any, param_labels: Any) -> optax.GradientTransformation:
+    if not isinstance(transforms, Mapping) or not all(
+        isinstance(t, optax.GradientTransformation) for t in transforms.values()
+    ):
+        raise TypeError(
+            "loss_scaled(inner=..., param_labels=...): with param_labels, inner must be a "
+            "mapping from group label to optax GradientTransformation (as optax.multi_transform "
+            f"takes); got {type(transforms).__name__}."
+        )
+    for label, tx in transforms.items():
+        if isinstance(tx, LossScaledTransformation):
+            raise ValueError(
+                f"loss_scaled(inner=...): group {label!r} is already loss-scaled; with "
+                "param_labels the one shared loss scale lives in this loss_scaled."
+            )
+    return optax.multi_transform(dict(transforms), param_labels)
+
+
+def _labels_for(param_labels: Any, tree: Any) -> Any:
+    return param_labels(tree) if callable(param_labels) else param_labels
+
+
+def _finite_per_group(grads: Any, labels: Any, axis_name: Any) -> dict[Any, jax.Array]:
+    grad_leaves = jax.tree_util.tree_leaves(grads)
+    label_leaves = jax.tree_util.tree_leaves(labels)
+    if len(grad_leaves) != len(label_leaves):
+        raise ValueError(
+            f"loss_scaled(param_labels=...): {len(label_leaves)} labels for "
+            f"{len(grad_leaves)} gradient leaves; give one label per parameter."
+        )
+    groups: dict[Any, list] = {}
+    for label, leaf in zip(label_leaves, grad_leaves, strict=True):
+        groups.setdefault(label, []).append(leaf)
+    return {label: all_finite(leaves, axis_name=axis_name) for label, leaves in groups.items()}
+
+
+def _select_groups(group_finite: dict, new_state: Any, old_state: Any) -> Any:
+    """Keeps each group's part of the multi_transform state where that group skipped."""
+    inner_states = {
+        label: select_tree(group_finite.get(label, True), new, old_state.inner_states[label])
+        for label, new in new_state.inner_states.items()
+    }
+    return new_state._replace(inner_states=inner_states)
+
+
+def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
+    """`optax.apply_updates`, keeping the parameters of a skipped step (or group) bit for bit.
+
+    `optax.apply_updates(params, updates)` with `loss_scaled`'s -0.0 updates keeps every normal
+    parameter, but on CPU and TPU any arithmetic flushes subnormal parameters to zero; this
+    selects the old value instead (the Flax glue uses it). The decision is the one
+    `loss_scaled` made (`amp_info(opt_state).last_step_applied`, or per group).
+
+    Args:
+      params: the parameters the updates were computed for.
+      updates: the updates `loss_scaled(...).update` returned.
+      opt_state: the optimizer state that `update` returned with them.
+
+    Returns:
+      The new parameters, each leaf in its own dtype.
+
+    Examples:
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
+    """
+    state = _unwrap(_one_state(opt_state, "apply_updates"))
+    new_params = optax.apply_updates(params, updates)
+    if state.group_applied is None:
+        return select_tree(state.last_step_finite, new_params, params)
+    return jax.tree_util.tree_map(
+        lambda applied, new, old: jnp.where(applied, new, old),
+        state.group_applied,
+        new_params,
+        params,
+    )
 
 
 def _is_variable(x: Any) -> bool:
@@ -350,6 +443,10 @@ def set_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
     return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_state)
 
 
+def _unwrap(state: LossScaledState) -> LossScaledState:
+    return jax.tree_util.tree_map(_unwrap_variable, state, is_leaf=_is_variable)
+
+
 def amp_info(opt_state: Any) -> AmpInfo:
     """In-graph telemetry of the loss-scaled optimizer inside `opt_state`.
 
@@ -357,8 +454,7 @@ def amp_info(opt_state: Any) -> AmpInfo:
       An `AmpInfo` of scalar arrays: the current scale, whether the last step was finite and
       applied, and total and consecutive skipped steps. Cheap under `jit`; log it.
     """
-    state = _one_state(opt_state, "amp_info")
-    state = jax.tree_util.tree_map(_unwrap_variable, state, is_leaf=_is_variable)
+    state = _unwrap(_one_state(opt_state, "amp_info"))
     return AmpInfo(
         loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
         last_step_finite=state.last_step_finite,

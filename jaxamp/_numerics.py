@@ -1,0 +1,292 @@
+"""Pytree arithmetic shared by the loss scales, `loss_scaled`, `multi_steps` and the Flax glue.
+
+One home for: finite checks, scaling and exact unscaling, torch's float32 rounding of scale
+updates, identity updates, selects that keep skipped values bit for bit, saturating counters
+(`optax.safe_increment`) and the check that a mapped axis is not forgotten. Private: the public
+names are re-exported from `jaxamp.loss_scale` and `jaxamp.optim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
+F32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+AxisName = str | tuple[str, ...] | None
+
+
+def is_inexact_array(x: Any) -> bool:
+    """Whether `x` is a float or complex array (numpy or JAX)."""
+    return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _is_inexact_leaf(x: Any) -> bool:
+    # numpy/Python float scalars count too: under jit they arrive as float arrays, so ignoring
+    # them eagerly would make the eager and jitted answers differ.
+    return is_inexact_array(x) or (
+        isinstance(x, (float, complex, np.inexact)) and not isinstance(x, bool)
+    )
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+    """The dtype scaling arithmetic runs in: float32 for 16-bit floats, else the dtype itself.
+
+    Not `jnp.promote_types`: under strict dtype promotion it refuses (bfloat16, float32).
+    """
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return dtype
+    return dtype if dtype.itemsize > 4 else np.dtype(jnp.float32)
+
+
+# --- finite checks and mapped axes ---------------------------------------------------------------
+
+
+def check_axis_name(axis_name: Any, caller: str) -> AxisName:
+    """Validates an `axis_name` argument: None, a str, or a tuple of str (``()``: no axes)."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if isinstance(axis_name, tuple) and all(isinstance(a, str) for a in axis_name):
+        return axis_name
+    raise TypeError(
+        f"{caller}(axis_name=...) takes None, an axis name (str) or a tuple of names; got "
+        f"{type(axis_name).__name__} {axis_name!r}."
+    )
+
+
+def _mapped_axes_in_scope() -> tuple[str, ...]:
+    # No public API tells whether we trace inside pmap / a named vmap; guard the private one.
+    try:
+        from jax._src import core
+
+        names = core.unsafe_get_axis_names()
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return ()
+    return tuple(str(n) for n in names)
+
+
+def _varying_axes(tree: Any) -> set[str]:
+    axes: set[str] = set()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            axes.update(str(a) for a in (getattr(jax.typeof(leaf), "vma", None) or ()))
+    return axes
+
+
+def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
+    """Raises if `tree` may differ across replicas of a mapped axis and no `axis_name` is given.
+
+    Inside `shard_map` a leaf that varies over a manual axis is caught by its type; inside
+    `pmap` (or a named `vmap`) any mapped axis in scope is. Without the axis name each replica
+    would decide alone: one with inf skips, the others step, and the scales part ways.
+    ``axis_name=()`` says that independent decisions are meant.
+    """
+    if axis_name is not None:
+        return
+    varying = _varying_axes(tree)
+    in_scope = set(_mapped_axes_in_scope())
+    suspicious = varying or {a for a in in_scope if a not in _manual_mesh_axes()}
+    if suspicious:
+        shown = ", ".join(
+            sorted(n.replace("_internal_pmap_axis_name", "<pmap axis>") for n in suspicious)
+        )
+        raise ValueError(
+            f"{caller}: called inside a mapped axis ({shown}) without axis_name: each replica "
+            "would make its own skip decision and the loss scales would part ways. Pass "
+            "axis_name=<the pmap/shard_map axis name> (pmap(..., axis_name='batch')), or "
+            "axis_name=() if every replica is meant to decide on its own."
+        )
+
+
+def _manual_mesh_axes() -> set[str]:
+    # Inside shard_map the mesh axes are in scope too, but there the value types say whether
+    # the gradients differ across replicas (already psum-ed gradients do not).
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        return {str(a) for a in getattr(mesh, "manual_axes", ()) or ()}
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return set()
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+    """A scalar bool array: whether every float or complex leaf of `tree` is finite.
+
+    Non-inexact leaves (ints, bools, PRNG keys) are ignored; an empty tree is finite. Complex
+    leaves are finite when both parts are. Works on sharded arrays (XLA inserts the
+    cross-device reduction).
+
+    Args:
+      tree: a pytree of arrays.
+      axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
+        is then true only if the leaves are finite on every replica (``()``: no axes).
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
+    if not leaves:
+        finite = jnp.array(True)
+    else:
+        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    if axis_name is not None and axis_name != ():
+        # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+# --- scaling and exact unscaling -----------------------------------------------------------------
+
+
+def scale_tree(tree: Any, scale: jax.Array) -> Any:
+    """Multiplies inexact leaves by `scale` in float32 (never in float16, where 2**16 is inf).
+
+    16-bit float leaves come back float32; float32/float64/complex leaves keep their dtype.
+    """
+
+    def mul(x):
+        if is_inexact_array(x):
+            wide = wide_dtype(x.dtype)
+            return x.astype(wide) * jnp.asarray(scale, jnp.float32).astype(wide)
+        return x
+
+    return jax.tree_util.tree_map(mul, tree)
+
+
+def _sign_tie_breaks_up(n: jax.Array, scale: jax.Array) -> jax.Array:
+    """Whether 2**149 / scale > n + 1/2, exactly (int32 arithmetic; 2**126 < scale < 2**128).
+
+    With scale = m * 2**(e - 23) (m the 24-bit significand) this is the sign of
+    2**(173 - e) - (2n + 1) * m, a 48-bit product, summed in 12-bit limbs to stay in int32.
+    """
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    m = (bits & 0x7FFFFF) | 0x800000
+    exponent = ((bits >> 23) & 0xFF) - 127
+    c = 2 * n + 1
+    c1, c0 = c >> 12, c & 0xFFF
+    m1, m0 = m >> 12, m & 0xFFF
+    high = c1 * m1 - jnp.where(exponent == 126, 1 << 23, 1 << 22)
+    middle = c1 * m0 + c0 * m1
+    low = ((middle & 0xFFF) << 12) + c0 * m0
+    top = high + (middle >> 12) + (low >> 24)
+    low = low & 0xFFFFFF
+    product_above = (top > 0) | ((top == 0) & (low > 0))
+    return ~product_above
+
+
+def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
+    """`(inv, post)` with torch's unscaling `x * float32(1/scale)` equal to `(x * inv) * post`.
+
+    torch computes 1/scale in float64 and rounds it to float32 (for a float32 division that is
+    the same number: float64 has more than 2*24+2 bits). Above 2**126 that reciprocal is a
+    float32 subnormal, which XLA flushes to zero on CPU and TPU, so unscaling would return
+    zeros. There `inv` is the subnormal's significand times 2**64 (a normal number, rounded
+    exactly as torch rounds into the subnormal range) and `post` is 2**-64, so every result
+    torch gets as a normal float32 comes out bit-identical. Elsewhere `post` is 1.
+    """
+    scale = jnp.asarray(loss_scale, jnp.float32)
+    big = scale > jnp.float32(2.0**126)
+    normal_inv = jnp.float32(1.0) / jnp.where(big, jnp.float32(1.0), scale)
+    # RN24(2**149 / scale), in [2**21, 2**23]: its fraction is a multiple of 1/4, so only a
+    # fraction of exactly 1/2 may hide which side of the midpoint the exact quotient lies.
+    quotient = (jnp.float32(2.0**126) / jnp.where(big, scale, jnp.float32(2.0**127))) * (
+        jnp.float32(2.0**23)
+    )
+    whole = jnp.floor(quotient)
+    fraction = quotient - whole
+    whole_int = whole.astype(jnp.int32)
+    tie_up = _sign_tie_breaks_up(whole_int, jnp.where(big, scale, jnp.float32(2.0**127)))
+    round_up = (fraction > 0.5) | ((fraction == 0.5) & tie_up)
+    significand = whole + round_up.astype(jnp.float32)  # torch's subnormal / 2**-149
+    inv = jnp.where(big, significand * jnp.float32(2.0**-85), normal_inv)
+    post = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+    return inv, post
+
+
+def unscale_tree(tree: Any, loss_scale: Any) -> Any:
+    """Multiplies inexact leaves by torch's float32(1/scale); each leaf keeps its dtype.
+
+    The product is computed in float32 (float64/complex in their own dtype) and rounded once to
+    the leaf's dtype. Exact for every float32 scale, 2**127 and float32 max included, on
+    backends that flush subnormals (see `reciprocal_factors`).
+    """
+    inv, post = reciprocal_factors(loss_scale)
+
+    def mul(x):
+        if not is_inexact_array(x):
+            return x
+        wide = wide_dtype(x.dtype)
+        if jnp.issubdtype(wide, jnp.complexfloating):
+            real_dtype = jnp.real(jnp.zeros((), wide)).dtype
+            i, p = inv.astype(real_dtype), post.astype(real_dtype)
+            return jax.lax.complex((x.real * i) * p, (x.imag * i) * p).astype(x.dtype)
+        return ((x.astype(wide) * inv.astype(wide)) * post.astype(wide)).astype(x.dtype)
+
+    return jax.tree_util.tree_map(mul, tree)
+
+
+def mul_like_torch(scale: jax.Array, factor: float) -> jax.Array:
+    """float32(scale * factor) for a Python (float64) `factor`, as torch's scale update.
+
+    Exact for power-of-two factors (every preset). For others the factor is split into float32
+    hi + lo parts: within one float32 ulp of torch's float64 product, see the README.
+    """
+    hi = np.float32(factor)
+    lo = np.float32(factor - float(hi))
+    product = scale * hi
+    if lo != 0:
+        product = product + scale * lo
+    return product
+
+
+# --- skipping ------------------------------------------------------------------------------------
+
+
+def negative_zeros_like(tree: Any) -> Any:
+    """Updates that leave every parameter unchanged under `optax.apply_updates`.
+
+    -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
+    for every normal p (subnormals are flushed by any arithmetic on CPU/TPU: `select_tree`
+    keeps them).
+    """
+    return jax.tree_util.tree_map(lambda x: jnp.full(jnp.shape(x), -0.0, jnp.result_type(x)), tree)
+
+
+def identity_updates(shapes: Any) -> Any:
+    """-0.0 updates (see `negative_zeros_like`) for a tree of `jax.ShapeDtypeStruct`, usable
+    as a `lax.cond` branch inside `shard_map` (both branches must vary over the same axes)."""
+
+    def zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+        out = jnp.full(shape.shape, -0.0, shape.dtype)
+        manual = getattr(shape, "manual_axis_type", None)
+        varying = tuple(sorted(getattr(manual, "varying", ()) or ()))
+        return jax.lax.pcast(out, varying, to="varying") if varying else out
+
+    return jax.tree_util.tree_map(zeros, shapes)
+
+
+def skip_updates(applied: Any, updates: Any) -> Any:
+    """`updates` where `applied`, else -0.0 (the identity update); `applied` a bool or a tree
+    of scalar bools shaped like `updates`."""
+    if isinstance(applied, jax.Array) or isinstance(applied, (bool, np.bool_)):
+        return jax.tree_util.tree_map(
+            lambda u: jnp.where(applied, u, jnp.asarray(-0.0, jnp.result_type(u))), updates
+        )
+    return jax.tree_util.tree_map(
+        lambda a, u: jnp.where(a, u, jnp.asarray(-0.0, jnp.result_type(u))), applied, updates
+    )
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """`optax.tree_utils.tree_where`: a select, so the kept values stay bit for bit (no
+    arithmetic on them: subnormals, -0.0 and NaN payloads survive)."""
+    return optax.tree_utils.tree_where(pred, on_true, on_false)
+
+
+def count_if(pred: jax.Array, count: jax.Array) -> jax.Array:
+    """`count + 1` where `pred` (saturating at the dtype's max: `optax.safe_increment`), else
+    `count` unchanged."""
+    return jnp.where(pred, optax.safe_increment(count), count)
