@@ -23,7 +23,10 @@ Memory methods (every figure in ``results.json`` names one of these):
 from __future__ import annotations
 
 import math
+import os
+import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,6 +35,11 @@ __all__ = [
     "MEMORY_METHODS",
     "jax_cpu_memory",
     "jax_gpu_peak_memory",
+    "load_average",
+    "set_threads",
+    "thread_settings",
+    "thread_warnings",
+    "time_interleaved",
     "step_time_summary",
     "tensor_bytes",
     "torch_cpu_step_memory",
@@ -241,14 +249,174 @@ def versions() -> dict[str, str]:
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
     }
-    try:
-        import torch
-
+    torch = sys.modules.get("torch")  # never imported here: the JAX trainer runs without torch
+    if torch is not None:
         out["torch"] = torch.__version__
         out["torch_threads"] = str(torch.get_num_threads())
-    except ImportError:  # the JAX side alone can run without torch
-        pass
-    import os
-
     out["cpu_count"] = str(os.cpu_count())
     return out
+
+
+# --- thread settings and machine load ----------------------------------------------------------
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _jax_backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def set_threads(threads: int | None = None, *, torch_too: bool = True) -> dict[str, Any]:
+    """Gives torch and XLA:CPU the same number of intra-op threads, explicitly; returns them.
+
+    torch's thread count changes its speed (GPT-2-tiny fp32: 46 ms on 1 thread, 56-625 ms on 2
+    under load) and a timing that compares frameworks must give both the same cores. torch:
+    ``torch.set_num_threads``. XLA:CPU sizes its intra-op pool once, when the backend starts,
+    from the schedulable cores: one thread is ``--xla_cpu_multi_thread_eigen=false``; fewer
+    cores than the machine has is a CPU affinity mask for the whole process (both frameworks).
+    Call it before JAX runs anything (the CLI and the benchmarks do); afterwards XLA's count can no
+    longer change and a mismatch is reported by the return value and `thread_warnings`.
+
+    Args:
+      threads: intra-op threads for each framework (default: every schedulable core).
+      torch_too: also import torch and set its count (False for JAX-only processes).
+
+    Returns:
+      `thread_settings()`: what each framework now uses.
+
+    Raises:
+      ValueError: `threads` is not an integer in [1, schedulable cores].
+
+    Example:
+      >>> settings = set_threads()           # every core, both frameworks
+      >>> settings["torch_intra_op_threads"] == settings["xla_cpu_intra_op_threads"]
+      True
+    """
+    available = _available_cpus()
+    if threads is None:
+        threads = available
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= available:
+        raise ValueError(
+            f"set_threads: `threads` must be an integer from 1 to {available} (the schedulable "
+            f"cores); got {threads!r}."
+        )
+    if not _jax_backend_started():
+        if threads == 1:
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "--xla_cpu_multi_thread_eigen" not in flags:
+                os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
+        elif threads < available and hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))[:threads]
+            os.sched_setaffinity(0, cores)
+    if torch_too:
+        import torch
+
+        torch.set_num_threads(threads)
+    global _REQUESTED_THREADS
+    _REQUESTED_THREADS = threads
+    return thread_settings()
+
+
+_REQUESTED_THREADS: int | None = None
+
+
+def thread_settings() -> dict[str, Any]:
+    """Intra-op threads each framework uses now (None: framework not imported), for the records.
+
+    Example:
+      >>> sorted(thread_settings())[:2]
+      ['available_cpus', 'requested']
+    """
+    torch = sys.modules.get("torch")
+    multi = re.search(r"--xla_cpu_multi_thread_eigen=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return {
+        "available_cpus": _available_cpus(),
+        "requested": _REQUESTED_THREADS,
+        "torch_intra_op_threads": torch.get_num_threads() if torch is not None else None,
+        # what XLA:CPU's pool has (or will have when JAX starts its backend)
+        "xla_cpu_intra_op_threads": 1 if multi and multi.group(1) == "false" else _available_cpus(),
+    }
+
+
+def thread_warnings(settings: dict[str, Any] | None = None) -> list[str]:
+    """A warning when torch and XLA:CPU run with different intra-op thread counts.
+
+    Example:
+      >>> thread_warnings({"torch_intra_op_threads": 1, "xla_cpu_intra_op_threads": 2})
+      ['thread counts differ: torch 1, XLA:CPU 2 (use set_threads / --threads)']
+    """
+    settings = settings or thread_settings()
+    torch_threads = settings.get("torch_intra_op_threads")
+    xla_threads = settings.get("xla_cpu_intra_op_threads")
+    if torch_threads is not None and xla_threads is not None and torch_threads != xla_threads:
+        return [
+            f"thread counts differ: torch {torch_threads}, XLA:CPU {xla_threads} "
+            "(use set_threads / --threads)"
+        ]
+    return []
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none).
+
+    Example:
+      >>> load_average() is None or load_average() >= 0
+      True
+    """
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Times several step functions interleaved step by step, so machine load hits all alike.
+
+    Each round runs every function once, in an order rotated by one every round (no function is
+    always first after a pause). Every function must finish its work before it returns (call
+    ``block_until_ready`` / `torch_sync` inside). The first `warmup` rounds are run, not kept.
+
+    Args:
+      steps: name -> a function running one step.
+      repeats: kept rounds.
+      warmup: rounds run first and discarded (compilation, caches).
+
+    Returns:
+      name -> `repeats` wall times in seconds.
+
+    Raises:
+      ValueError: `repeats` < 1, `warmup` < 0 or no functions.
+
+    Example:
+      >>> times = time_interleaved({"a": lambda: sum(range(100)), "b": lambda: None}, repeats=3)
+      >>> sorted(times), len(times["a"])
+      (['a', 'b'], 3)
+    """
+    if not steps:
+        raise ValueError("time_interleaved: `steps` must name at least one function.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"time_interleaved: `repeats` must be an integer >= 1; got {repeats!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"time_interleaved: `warmup` must be an integer >= 0; got {warmup!r}.")
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = now()
+            steps[name]()
+            elapsed = now() - start
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    return times
