@@ -9,6 +9,7 @@ casts included). :func:`diff_dtype_traces` lines the two up through the op count
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,10 +17,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from jaxamp import _oplists
-from jaxamp.autocast import DtypeRecord
+from jaxamp import DtypeRecord
 
-__all__ = ["DtypeRecord", "diff_dtype_traces", "torch_dtype_trace"]
+try:  # the op tables moved into the private autocast package
+    from jaxamp._autocast import oplists as _oplists
+except ImportError:  # pragma: no cover - older layout
+    from jaxamp import _oplists
+
+__all__ = [
+    "DtypeRecord",
+    "diff_dtype_traces",
+    "jax_matmul_flops",
+    "requested_fraction",
+    "torch_dtype_trace",
+    "torch_matmul_flops",
+]
 
 # Ops that only move or view data: they never change precision and have no place in the diff.
 _IGNORED = frozenset({"detach", "t", "view", "_unsafe_view", "expand", "transpose", "clone"})
@@ -77,14 +89,104 @@ def _primitive_of(torch_op: str) -> str | None:
     return prims[0] if prims else None
 
 
+# Per-op precision categories: ops that round where they run, lined up across frameworks by
+# category (torch fuses what JAX spells out: addmm is a matmul plus a bias add, _softmax is
+# max/sub/exp/sum/div, native_layer_norm has its reductions and rsqrt inside).
+_TORCH_CATEGORIES: dict[str, str] = {
+    **{op: "add" for op in ("add", "add_", "sub", "sub_", "rsub")},
+    **{op: "softmax" for op in ("_softmax", "_log_softmax", "softmax", "log_softmax")},
+    **{
+        op: "normalisation"
+        for op in (
+            "native_layer_norm",
+            "native_batch_norm",
+            "_native_batch_norm_legit",
+            "_native_batch_norm_legit_functional",
+            "_native_batch_norm_legit_no_training",
+            "native_group_norm",
+            "rsqrt",
+            "sqrt",
+        )
+    },
+    **{
+        op: "reduction"
+        for op in (
+            "sum",
+            "mean",
+            "var",
+            "var_mean",
+            "std",
+            "amax",
+            "amin",
+            "max",
+            "min",
+            "prod",
+            "logsumexp",
+            "norm",
+            "linalg_vector_norm",
+        )
+    },
+}
+_JAX_CATEGORIES: dict[str, str] = {
+    "add": "add",
+    "sub": "add",
+    "exp": "softmax",
+    "rsqrt": "normalisation",
+    "sqrt": "normalisation",
+    "reduce_sum": "reduction",
+    "reduce_max": "reduction",
+    "reduce_min": "reduction",
+    "reduce_prod": "reduction",
+}
+# torch ops with a fused bias add: (number of non-bias inputs, the position of the bias).
+_FUSED_BIAS = {"addmm": 0, "baddbmm": 0, "addbmm": 0, "_addmm_activation": 0, "convolution": 2}
+CATEGORIES = ("add", "softmax", "normalisation", "reduction")
+
+
+def _categorised(trace: Sequence[DtypeRecord], side: str) -> dict[str, list[tuple[str, str]]]:
+    """``{category: [(dtype it ran in, op), ...]}`` in program order for one trace."""
+    out: dict[str, list[tuple[str, str]]] = {c: [] for c in CATEGORIES}
+    for rec in trace:
+        op = rec.op.split(".")[0]
+        dtype = rec.out_dtypes[0] if rec.out_dtypes else (rec.in_dtypes[:1] or ("?",))[0]
+        if side == "torch":
+            category = _TORCH_CATEGORIES.get(op)
+            if op in _FUSED_BIAS and len(rec.in_dtypes) > _FUSED_BIAS[op]:
+                # convolution(input, weight, bias): a bias is there when a third tensor came in.
+                if op != "convolution" or len(rec.in_dtypes) >= 3:
+                    out["add"].append((dtype, f"aten {op} bias"))
+        else:
+            category = _JAX_CATEGORIES.get(op)
+        if category is not None:
+            out[category].append((dtype, f"{'aten ' if side == 'torch' else ''}{op}"))
+    return out
+
+
+def _histogram(entries: list[tuple[str, str]]) -> str:
+    counts: dict[str, int] = {}
+    for dtype, _ in entries:
+        counts[dtype] = counts.get(dtype, 0) + 1
+    return ", ".join(f"{d} x{n}" for d, n in sorted(counts.items())) or "none"
+
+
 def diff_dtype_traces(
     jax_trace: Sequence[DtypeRecord], torch_trace: Sequence[DtypeRecord]
 ) -> list[str]:
     """Names the ops that run in different precision in two dtype traces.
 
-    The k-th torch op with a JAX counterpart primitive ``P`` is matched with the k-th ``P`` in the
-    JAX trace (``mm``/``addmm``/``bmm`` with ``dot_general``, ``exp`` with ``exp``, ...); their
-    output dtypes are compared. Ops without a counterpart are ignored.
+    Two passes:
+
+    1. Counterpart ops: the k-th torch op with a JAX counterpart primitive ``P`` is matched with
+       the k-th ``P`` in the JAX trace (``mm``/``addmm``/``bmm`` with ``dot_general``, ``exp``
+       with ``exp``, ...); their output dtypes are compared.
+    2. Per-op precision by category, in order: ``add`` (bias and residual adds; the bias add
+       torch fuses into ``addmm``/``baddbmm``/``convolution`` counts as one), ``softmax``
+       (torch ``_softmax``/``_log_softmax`` against JAX's ``exp``), ``normalisation`` (torch's
+       fused norms and ``rsqrt`` against JAX's ``sqrt``/``rsqrt``) and ``reduction``
+       (``sum``/``mean``/``amax``/... against ``reduce_*``). When both sides have the same
+       number of ops of a category, the k-th are compared; otherwise (JAX spells out what
+       torch fuses) the sets of dtypes are compared, so an op that runs in float32 on one side
+       and only in bfloat16 on the other is still named.
 
     Args:
       jax_trace: from ``jaxamp.autocast_trace``.
@@ -92,8 +194,16 @@ def diff_dtype_traces(
 
     Returns:
       One line per mismatch (empty when the traces agree), e.g.
-      ``"dot_general #0: jax float32, torch bfloat16 (aten addmm)"``; also a line when a
-      primitive occurs a different number of times.
+      ``"dot_general #0: jax float32, torch bfloat16 (aten addmm)"`` or
+      ``"add #0: jax float32 (add), torch bfloat16 (aten addmm bias)"``; also a line when a
+      counterpart primitive occurs a different number of times.
+
+    Examples:
+      >>> diff_dtype_traces(
+      ...     [DtypeRecord("dot_general", ("bfloat16",) * 2, ("bfloat16",)),
+      ...      DtypeRecord("add", ("float32", "float32"), ("float32",))],
+      ...     [DtypeRecord("addmm", ("bfloat16",) * 3, ("bfloat16",))])
+      ['add #0: jax float32 (add), torch bfloat16 (aten addmm bias)']
     """
     by_prim_torch: dict[str, list[DtypeRecord]] = {}
     for rec in torch_trace:
@@ -117,4 +227,153 @@ def diff_dtype_traces(
                     f"{prim} #{k}: jax {', '.join(j.out_dtypes)}, torch {', '.join(t.out_dtypes)} "
                     f"(aten {t.op})"
                 )
+    jax_cats = _categorised(jax_trace, "jax")
+    torch_cats = _categorised(torch_trace, "torch")
+    for category in CATEGORIES:
+        j_ops, t_ops = jax_cats[category], torch_cats[category]
+        if not j_ops or not t_ops:
+            continue
+        if len(j_ops) == len(t_ops):
+            for k, ((j_dtype, j_op), (t_dtype, t_op)) in enumerate(zip(j_ops, t_ops, strict=True)):
+                if j_dtype != t_dtype:
+                    problems.append(
+                        f"{category} #{k}: jax {j_dtype} ({j_op}), torch {t_dtype} ({t_op})"
+                    )
+        elif {d for d, _ in j_ops} != {d for d, _ in t_ops}:
+            problems.append(
+                f"{category}: dtypes differ: jax {_histogram(j_ops)}; torch {_histogram(t_ops)}"
+            )
     return problems
+
+
+# --- compute dtype: which dtype the matmul/conv FLOPs ran in ----------------------------------
+
+_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def _sub_jaxprs(value: Any):
+    """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _sub_jaxprs(item)
+
+
+def _jax_op_flops(eqn: Any) -> int:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        # 2 * (every output element) * (contraction length).
+        (contract_lhs, _), _ = eqn.params["dimension_numbers"]
+        contraction = 1
+        for axis in contract_lhs:
+            contraction *= int(lhs.shape[axis])
+        return 2 * int(math.prod(out.shape)) * contraction
+    # conv: 2 * (every output element) * (kernel window x input features per group).
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+    per_output = int(math.prod(rhs.shape)) // int(rhs.shape[rhs_spec[0]])
+    return 2 * int(math.prod(out.shape)) * per_output
+
+
+def jax_matmul_flops(closed_jaxpr: Any) -> dict[str, int]:
+    """FLOPs of every ``dot_general`` / ``conv_general_dilated`` in a jaxpr, by operand dtype.
+
+    Sub-jaxprs (``jit``, ``custom_jvp``/``custom_vjp`` calls, ``remat``, ``cond`` branches,
+    ``while`` bodies) are entered; a ``scan`` body counts ``length`` times (a ``while`` body once:
+    its trip count is not static). An op whose two operands differ in dtype is filed under
+    ``"lhs/rhs"``.
+
+    Args:
+      closed_jaxpr: from ``jax.make_jaxpr(fn)(*args)``.
+
+    Returns:
+      ``{dtype name: FLOPs}`` (multiply-add = 2 FLOPs).
+
+    Examples:
+      >>> jax_matmul_flops(jax.make_jaxpr(jnp.matmul)(jnp.ones((2, 3)), jnp.ones((3, 4))))
+      {'float32': 48}
+    """
+    totals: dict[str, int] = {}
+
+    def visit(jaxpr: Any, times: int) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _MATMUL_PRIMITIVES:
+                dtypes = [str(v.aval.dtype) for v in eqn.invars[:2]]
+                key = dtypes[0] if dtypes[0] == dtypes[1] else "/".join(dtypes)
+                totals[key] = totals.get(key, 0) + times * _jax_op_flops(eqn)
+                continue
+            inner = (
+                times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
+            )
+            for value in eqn.params.values():
+                for sub in _sub_jaxprs(value):
+                    visit(sub, inner)
+
+    visit(closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr, 1)
+    return totals
+
+
+class _FlopRecorder(TorchDispatchMode):
+    """Matmul/conv FLOPs by operand dtype, with torch's own FLOP formulas (torch.utils.flop_counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.totals: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.registry.get(func._overloadpacket)
+        if formula is not None:
+            tensors = [
+                x
+                for x in tree_leaves((args, kwargs))
+                if isinstance(x, torch.Tensor) and x.dim() > 1
+            ]
+            dtypes = sorted({_dtype_name(x) for x in tensors if x.is_floating_point()})
+            key = "/".join(dtypes) if dtypes else "unknown"
+            self.totals[key] = self.totals.get(key, 0) + int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def torch_matmul_flops(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]:
+    """Runs ``fn`` and counts the FLOPs of its matmuls and convolutions by operand dtype.
+
+    Every aten op torch's FLOP counter knows (``mm``, ``addmm``, ``bmm``, ``baddbmm``,
+    ``convolution``, ``convolution_backward``, attention kernels) is counted at dispatch, so ops
+    run by autograd in the backward pass (when ``fn`` calls ``backward()``) count too, and the
+    dtype is the one the kernel received (after autocast's casts). Run ``fn`` inside
+    ``torch.autocast`` yourself if wanted.
+
+    Args:
+      fn: a torch function.
+      *args: its positional arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      ``{dtype name: FLOPs}``; an op whose matrix operands differ in dtype is filed under
+      ``"a/b"``.
+
+    Examples:
+      >>> torch_matmul_flops(lambda a, b: a @ b, torch.ones(2, 3), torch.ones(3, 4))
+      {'float32': 48}
+    """
+    recorder = _FlopRecorder()
+    with recorder:
+        fn(*args, **kwargs)
+    return recorder.totals
+
+
+def requested_fraction(flops: dict[str, int], dtype: str) -> float | None:
+    """The fraction of ``flops`` (from :func:`jax_matmul_flops` / :func:`torch_matmul_flops`)
+    whose operands were all ``dtype``; None when there were no matmul FLOPs."""
+    total = sum(flops.values())
+    if total == 0:
+        return None
+    return flops.get(dtype, 0) / total

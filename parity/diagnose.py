@@ -1,0 +1,418 @@
+"""Per-layer diagnosis: where do the torch model and its Flax twin part ways?
+
+On one batch and from the same weights, every layer's output is captured on both sides (torch
+forward hooks; Flax linen ``capture_intermediates``), in eval and in train mode, together with
+each layer's parameter gradients and the running statistics a train-mode pass leaves behind.
+Layers are matched through the pair's weight mapping (``pair.mapping.module_pairs()``: torch
+module name <-> Flax module path); without a mapping, a torch module ``blocks.1.conv1`` is matched
+with the Flax module ``blocks_1/conv1`` (Flax's naming of list members) where that exists.
+
+Each layer's error (``parity.step0.relative_error``: normwise relative difference, floored by the
+scale) is judged against the step-0 band (``parity.step0.tolerance``) with the layer's depth (its
+position among the matched layers in torch's execution order), in float32 at the highest matmul
+precision and, for a low-precision run, at the run's precision.
+
+The first diverging layer is the first layer, in execution order, whose forward output (eval or
+train) exceeds its band; if every output agrees, the first whose running statistics do; else the
+last one, in execution order, whose gradients do (the backward pass runs in reverse, so that is
+where gradients start to differ).
+
+It runs automatically when a step-0 verdict fails (`parity.step0.check_step0`); call
+`diagnose_pair` yourself (e.g. when a trajectory verdict fails, with the failing step's batch and
+weights), or `diagnose_config` for a built-in model.
+
+Example::
+
+    from parity.diagnose import diagnose_pair
+    from parity.models import get_model_pair
+
+    diagnosis = diagnose_pair(get_model_pair("resnet", wrong_port="padding"), "fp32")
+    print(diagnosis.first_failing)   # blocks.1.conv1
+    print(diagnosis.to_markdown())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from parity.config import RunConfig
+from parity.step0 import (
+    FLOOR_FRACTION,
+    _as_config,
+    _jax_side,
+    _program_shapes,
+    _torch_side,
+    flatten,
+    relative_error,
+    tolerance,
+    torch_setup,
+)
+
+__all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "module_pairs"]
+
+KINDS = ("eval output", "train output", "running stats", "gradients")
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """The per-layer table of `diagnose_pair`.
+
+    Attributes:
+      rows: one dict per (stage, layer): ``stage`` (``"fp32"`` or the precision), ``layer``
+        (torch module), ``flax`` (Flax module path), ``depth``, and for each kind in ``KINDS``
+        its relative error (None when the layer has nothing of that kind), plus ``band``
+        (forward), ``grad_band`` and ``passed``.
+      first_failing: the torch name of the first diverging layer (None if all agree).
+      first_failing_stage: the stage in which it diverges.
+      first_failing_kind: which kind exceeded its band there.
+      unmatched: torch modules with parameters that have no Flax counterpart.
+    """
+
+    rows: list[dict[str, Any]]
+    first_failing: str | None
+    first_failing_stage: str | None = None
+    first_failing_kind: str | None = None
+    unmatched: list[str] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line naming the first diverging layer, or saying all layers agree."""
+        if self.first_failing is None:
+            return "per-layer diagnosis: every layer within its band"
+        return (
+            f"first diverging layer: {self.first_failing} ({self.first_failing_kind}, "
+            f"{self.first_failing_stage})"
+        )
+
+    def to_markdown(self) -> str:
+        """The table as markdown (errors in 3 significant digits, failures marked)."""
+        lines = [
+            "| stage | layer (torch) | flax | depth | "
+            + " | ".join(KINDS)
+            + " | band (fwd / grad) | |",
+            "|---|---|---|---|" + "---|" * len(KINDS) + "---|---|",
+        ]
+        for row in self.rows:
+            cells = []
+            for kind in KINDS:
+                value = row[kind]
+                cells.append("" if value is None else f"{value:.3g}")
+            mark = "" if row["passed"] else "**FAIL**"
+            if row["layer"] == self.first_failing and row["stage"] == self.first_failing_stage:
+                mark = "**FIRST**"
+            lines.append(
+                f"| {row['stage']} | `{row['layer']}` | `{row['flax']}` | {row['depth']} | "
+                + " | ".join(cells)
+                + f" | {row['band']:.2g} / {row['grad_band']:.2g} | {mark} |"
+            )
+        text = "\n".join(lines) + "\n\n" + self.summary() + "\n"
+        if self.unmatched:
+            text += f"\nNo Flax counterpart found for: {', '.join(self.unmatched)}\n"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able."""
+        return {
+            "rows": [
+                {
+                    k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in r.items()
+                }
+                | {
+                    "nonfinite_error": any(
+                        isinstance(r[k], float) and math.isinf(r[k])
+                        for k in KINDS
+                        if r[k] is not None
+                    )
+                }
+                for r in self.rows
+            ],
+            "first_failing": self.first_failing,
+            "first_failing_stage": self.first_failing_stage,
+            "first_failing_kind": self.first_failing_kind,
+            "unmatched": self.unmatched,
+            "markdown": self.to_markdown(),
+        }
+
+
+# --- matching layers ----------------------------------------------------------------------------
+
+
+def _guess_flax_path(torch_name: str) -> tuple[str, ...]:
+    """``blocks.1.conv1`` -> ``("blocks_1", "conv1")`` (Flax names list members ``name_i``)."""
+    parts: list[str] = []
+    for part in torch_name.split("."):
+        if re.fullmatch(r"\d+", part) and parts:
+            parts[-1] = f"{parts[-1]}_{part}"
+        else:
+            parts.append(part)
+    return tuple(parts)
+
+
+def module_pairs(pair: Any, variables: dict) -> tuple[list[tuple[str, tuple[str, ...]]], list[str]]:
+    """``([(torch module, Flax module path), ...], unmatched torch modules)``.
+
+    From ``pair.mapping.module_pairs()`` when the pair has a `WeightMapping`; otherwise every
+    torch module that owns parameters or buffers directly is matched with the Flax module of the
+    guessed path (`_guess_flax_path`) if the Flax variables have it.
+    """
+    mapping = getattr(pair, "mapping", None)
+    if mapping is not None and hasattr(mapping, "module_pairs"):
+        return [(t, tuple(f)) for t, f in mapping.module_pairs()], []
+    flax_modules = set()
+    for key in list(flatten(variables.get("params", {}))) + list(
+        flatten(variables.get("batch_stats", {}))
+    ):
+        parts = tuple(key.split("/"))[:-1]
+        for i in range(1, len(parts) + 1):
+            flax_modules.add(parts[:i])
+    pairs, unmatched = [], []
+    for name, module in pair.torch_model.named_modules():
+        owns = any(True for _ in module.parameters(recurse=False)) or any(
+            b is not None for b in module.buffers(recurse=False)
+        )
+        if not name or not owns:
+            continue
+        path = _guess_flax_path(name)
+        if path in flax_modules:
+            pairs.append((name, path))
+        else:
+            unmatched.append(name)
+    return pairs, unmatched
+
+
+# --- capturing layer outputs --------------------------------------------------------------------
+
+
+def _first_tensor(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return _first_tensor(value[0]) if value else None
+    return value
+
+
+def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[str, np.ndarray]:
+    model, x, dtype = torch_setup(pair, inputs, config)
+    captured: dict[str, np.ndarray] = {}
+    order: list[str] = []
+
+    def hook(name):
+        def record(module, args, output):
+            out = _first_tensor(output)
+            if isinstance(out, torch.Tensor) and name not in captured:
+                array = out.detach().float().numpy().copy()
+                if pair.torch_channels_first and array.ndim == 4:
+                    array = array.transpose(0, 2, 3, 1)
+                captured[name] = array
+                order.append(name)
+
+        return record
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    try:
+        with (
+            torch.no_grad(),
+            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=bool(dtype)),
+        ):
+            pair.torch_forward(model, x, train=train)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {n: captured[n] for n in order}
+
+
+def _flax_outputs(pair, variables, inputs, config: RunConfig, train: bool) -> dict[str, np.ndarray]:
+    import jaxamp
+    from parity.train_jax import autocast_available, autocast_forward
+
+    params = variables["params"]
+    stats = variables.get("batch_stats")
+    x = jnp.asarray(inputs)
+    if config.param_dtype != "float32":  # bf16-true
+        low = jnp.dtype(config.param_dtype)
+        params = jaxamp.cast_floating(params, low)
+        stats = jaxamp.cast_floating(stats, low)
+        x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def forward(params, stats, x):
+        full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
+        mutable = ["intermediates"] + (["batch_stats"] if train and stats is not None else [])
+        _, state = pair.flax_model.apply(
+            full, x, train=train, capture_intermediates=True, mutable=mutable
+        )
+        return state["intermediates"]
+
+    if config.mixed and autocast_available():
+        forward = autocast_forward(forward, config)
+    elif config.mixed:
+        policy = config.policy
+        inner = forward
+
+        def forward(params, stats, x):
+            return inner(policy.cast_to_compute(params), stats, policy.cast_to_compute(x))
+
+    with jax.default_matmul_precision("highest"):
+        intermediates = jax.jit(forward)(params, stats, x)
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+        keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+        if "__call__" not in keys:
+            continue
+        module = "/".join(keys[: keys.index("__call__")])
+        if module not in out:  # the first output of the first call
+            out[module] = np.asarray(jnp.asarray(leaf, jnp.float32))
+    return out
+
+
+# --- the diagnosis ------------------------------------------------------------------------------
+
+
+def _subtree_error(jax_flat, torch_flat, prefix: str, floor: float) -> float | None:
+    keys = [k for k in torch_flat if k.startswith(prefix + "/")]
+    if not keys:
+        return None
+    return max(
+        relative_error(jax_flat[k], torch_flat[k], floor) if k in jax_flat else math.inf
+        for k in keys
+    )
+
+
+def _stage_rows(pair, config: RunConfig, stage: str, inputs, targets, variables, pairs, shapes):
+    flax_of = {t: "/".join(f) for t, f in pairs}
+    names = [t for t, _ in pairs]
+    torch_eval = _torch_outputs(pair, names, inputs, config, train=False)
+    torch_train = _torch_outputs(pair, names, inputs, config, train=True)
+    flax_eval = _flax_outputs(pair, variables, inputs, config, train=False)
+    flax_train = _flax_outputs(pair, variables, inputs, config, train=True)
+    t = _torch_side(pair, inputs, targets, config, 1.0, trace_flops=False)
+    j = _jax_side(pair, variables, inputs, targets, config, 1.0, trace_flops=False)
+    grad_floor = FLOOR_FRACTION * max(
+        (float(np.max(np.abs(g))) for g in t.grads.values()), default=0
+    )
+    stat_floor = FLOOR_FRACTION * max(
+        (float(np.max(np.abs(s))) for s in t.stats.values()), default=0
+    )
+    # Execution order from the train-mode hooks; modules never called go last.
+    ordered = [n for n in torch_train if n in flax_of] + [n for n in names if n not in torch_train]
+    fwd_fan, _ = shapes["forward"]
+    grad_fan, grad_depth = shapes["grad"]
+    dtype = config.compute_dtype
+    rows = []
+    for depth, name in enumerate(ordered, start=1):
+        flax = flax_of[name]
+        row: dict[str, Any] = {"stage": stage, "layer": name, "flax": flax, "depth": depth}
+        for kind, tside, fside in (
+            ("eval output", torch_eval, flax_eval),
+            ("train output", torch_train, flax_train),
+        ):
+            if name in tside and flax in fside:
+                row[kind] = relative_error(fside[flax], tside[name])
+            elif name in tside or flax in fside:
+                row[kind] = math.inf  # captured on one side only
+            else:
+                row[kind] = None
+        row["running stats"] = _subtree_error(j.stats, t.stats, flax, stat_floor)
+        row["gradients"] = _subtree_error(j.grads, t.grads, flax, grad_floor)
+        row["band"] = tolerance(dtype, fwd_fan, depth)
+        row["grad_band"] = tolerance(dtype, grad_fan, grad_depth)
+        row["failed_kinds"] = [
+            kind
+            for kind in KINDS
+            if row[kind] is not None
+            and row[kind] > (row["grad_band"] if kind == "gradients" else row["band"])
+        ]
+        row["passed"] = not row["failed_kinds"]
+        rows.append(row)
+    return rows
+
+
+def _first_failing(rows) -> tuple[str, str, str] | None:
+    for kinds, reverse in (
+        (("eval output", "train output"), False),
+        (("running stats",), False),
+        (("gradients",), True),
+    ):
+        for row in reversed(rows) if reverse else rows:
+            hit = [k for k in kinds if k in row["failed_kinds"]]
+            if hit:
+                return row["layer"], row["stage"], hit[0]
+    return None
+
+
+def diagnose_pair(
+    pair: Any,
+    config: RunConfig | str = "fp32",
+    batch: tuple[Any, Any] | None = None,
+    *,
+    variables: dict | None = None,
+) -> Diagnosis:
+    """Compares every matched layer of a pair on one batch, in fp32 and at the run's precision.
+
+    Args:
+      pair: a `parity.models.ModelPair` whose ``flax_model`` is a linen module.
+      config: a `RunConfig` or a precision string.
+      batch: ``(inputs, targets)`` (default: batch 0 of the pair's data).
+      variables: Flax variables holding the torch model's weights (default: converted from it);
+        pass the weights of a later step to diagnose a trajectory failure (and load the same
+        weights into ``pair.torch_model``).
+
+    Returns:
+      A `Diagnosis` (rows in execution order, fp32 first; the first diverging layer).
+
+    Example:
+      >>> diagnose_pair(get_model_pair("resnet", wrong_port="padding")).first_failing
+      'blocks.1.conv1'
+    """
+    config = _as_config(pair, config)
+    if batch is None:
+        batch = pair.make_data(config.seed, config.batch_size).batch(0)
+    inputs, targets = (np.asarray(b) for b in batch)
+    if variables is None:
+        variables = pair.torch_to_flax()
+    pairs, unmatched = module_pairs(pair, variables)
+    shapes = _program_shapes(pair, variables, inputs, targets)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        rows = _stage_rows(
+            pair,
+            dataclasses.replace(config, precision="fp32"),
+            "fp32",
+            inputs,
+            targets,
+            variables,
+            pairs,
+            shapes,
+        )
+        if config.precision != "fp32":
+            rows += _stage_rows(
+                pair, config, config.precision, inputs, targets, variables, pairs, shapes
+            )
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    first = _first_failing([r for r in rows if r["stage"] == "fp32"]) or _first_failing(rows)
+    if first is None:
+        return Diagnosis(rows, None, unmatched=unmatched)
+    return Diagnosis(rows, first[0], first[1], first[2], unmatched)
+
+
+def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagnosis:
+    """`diagnose_pair` for a run's configuration: the built-in pair of ``config.model`` (unless
+    `pair` is given), on the batch of `step` of the run's data, from the initial weights.
+
+    Example:
+      >>> diagnose_config(RunConfig(model="resnet", precision="bf16-mixed")).summary()
+      'per-layer diagnosis: every layer within its band'
+    """
+    if pair is None:
+        from parity.models import get_model_pair
+
+        pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    batch = pair.make_data(config.seed, config.batch_size).batch(step)
+    return diagnose_pair(pair, config, batch)
