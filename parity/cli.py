@@ -5,8 +5,10 @@
     python -m parity run --model cnn --precision bf16-mixed --framework both --steps 100 --out runs/x
     python -m parity compare runs/x          # verdicts + report.md, exit code 1 if a verdict fails
     python -m parity matrix --out runs/matrix  # every model x precision; resumable
+    python -m parity run --model resnet --noise torch --seeds 3 --out runs/r  # calibrated verdicts
 
-Exit codes: 0 all verdicts pass (or nothing to compare), 1 a verdict failed, 2 bad arguments.
+Exit codes: 0 all verdicts pass, 1 a verdict failed, 2 bad arguments or an invalid results.json,
+3 nothing was compared (no torch/JAX pair: one framework only, or only unsupported cells).
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parity.config import DEVICES, OPTIMIZERS, PRECISIONS, SCHEDULES, RunConfig
+from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, PRECISIONS, SCHEDULES, RunConfig
 
-__all__ = ["MATRIX_PLAN", "main", "matrix_config"]
+__all__ = ["MATRIX_PLAN", "calibration_runs", "main", "matrix_config"]
 
 # Matrix defaults per precision: fp32 needs 30 steps for its two tolerance windows. torch's fp16
 # matmuls/convolutions on this CPU have no fast kernel (~200x slower than fp32): keep them tiny.
@@ -28,8 +30,8 @@ MATRIX_PLAN: dict[str, dict[str, Any]] = {
     "fp32": {"steps": 30, "batch_size": 16},
     "bf16-mixed": {"steps": 30, "batch_size": 16},
     "bf16-true": {"steps": 30, "batch_size": 16},
-    # growth_interval 5 and init 2**20 make the short run exercise overflow, backoff and growth.
-    "fp16-mixed": {"steps": 20, "batch_size": 4, "init_scale": 2.0**20, "growth_interval": 5},
+    # The fp16 stress setting: the short run exercises overflow, backoff and growth.
+    "fp16-mixed": {"steps": 20, "batch_size": 4, **FP16_STRESS},
 }
 
 
@@ -97,6 +99,30 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         "--torch-compile", action="store_true", help="run the torch model under torch.compile"
     )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
+    parser.add_argument(
+        "--fp16-stress",
+        action="store_true",
+        help="fp16: init scale 2**20 and growth interval 5, so the run has skips and growths "
+        "(the matrix always uses it)",
+    )
+    parser.add_argument(
+        "--noise",
+        choices=("none", "torch", "jax", "both"),
+        default="none",
+        help="calibration runs from 1-ulp-nudged weights (noise-calibrated verdicts; default none)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="data seeds per framework, same initial weights; >= 2 judges final loss and eval "
+        "by Welch's t-test (default 1)",
+    )
+    parser.add_argument(
+        "--no-step0",
+        action="store_true",
+        help="skip the step-0 output/gradient checks that run before training (parity.step0)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -162,6 +188,11 @@ def _config_from_args(
         "growth_interval": args.growth_interval
         if args.growth_interval is not None
         else plan.get("growth_interval", 2000),
+        **(
+            {k: v for k, v in FP16_STRESS.items() if getattr(args, k) is None}
+            if getattr(args, "fp16_stress", False)
+            else {}
+        ),
         "model_overrides": _overrides(getattr(args, "model_override", None)),
     }
     return RunConfig(**values)
@@ -173,14 +204,22 @@ def matrix_config(model: str, precision: str, **changes: Any) -> RunConfig:
 
 
 def run_pair(
-    config: RunConfig, frameworks: tuple[str, ...], *, progress: bool
+    config: RunConfig, frameworks: tuple[str, ...], *, progress: bool, step0_checks: bool = True
 ) -> list[dict[str, Any]]:
-    """Trains the named model with `config` on each framework; returns the run records."""
+    """Trains the named model with `config` on each framework; returns the run records.
+
+    With both frameworks, the step-0 checks (`parity.step0`) run first; when they fail, nothing
+    is trained and both records are errors naming the worst output, parameter and layer."""
     from parity.models import get_model_pair
+    from parity.step0 import attach_step0, blocked_records, run_step0
     from parity.train_jax import train_jax
     from parity.train_torch import build_error_record, train_torch
 
     pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    # Step 0 first (outputs and gradients before any training); a broken port is not trained.
+    step0 = run_step0(config, pair, frameworks=frameworks) if step0_checks else None
+    if step0 is not None and not step0.passed:
+        return blocked_records(config, step0, frameworks)
     runs = []
     for framework in frameworks:
         trainer = train_torch if framework == "torch" else train_jax
@@ -189,20 +228,72 @@ def run_pair(
         except Exception as e:  # recorded and failed by `compare`; the matrix goes on
             print(f"error: {framework} {config.model} {config.precision}: {e}", file=sys.stderr)
             runs.append(build_error_record(framework, config, e))
+    return attach_step0(runs, step0)
+
+
+def calibration_runs(
+    config: RunConfig,
+    *,
+    noise: str = "none",
+    seeds: int = 1,
+    progress: bool = False,
+    skip_keys: set | frozenset = frozenset(),
+) -> list[dict[str, Any]]:
+    """The calibration runs of a cell: 1-ulp-nudged runs (`--noise`) and extra data seeds.
+
+    Args:
+      config: the cell's configuration (the main runs').
+      noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: which frameworks get a noise run.
+      seeds: data seeds per framework in all (the main run is the first).
+      progress: tqdm bars.
+      skip_keys: `parity.records.run_key`s already done (a resumed matrix).
+
+    Returns:
+      Run records (``variant="noise"`` or another ``data_seed``), for `parity.compare`.
+    """
+    from parity.calibrate import noise_runs, seed_runs
+    from parity.models import get_model_pair
+    from parity.records import config_run_key
+
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be an integer >= 1; got {seeds!r}.")
+    noise_frameworks = {"none": (), "torch": ("torch",), "jax": ("jax",), "both": ("torch", "jax")}
+    if noise not in noise_frameworks:
+        raise ValueError(f"--noise must be one of {tuple(noise_frameworks)}; got {noise!r}.")
+    wanted_noise = tuple(
+        fw for fw in noise_frameworks[noise] if config_run_key(fw, config, "noise") not in skip_keys
+    )
+    seed_configs = [config.replace(data_seed=config.stream_seed + k) for k in range(1, seeds)]
+    missing_seeds = [
+        c
+        for c in seed_configs
+        if any(config_run_key(fw, c) not in skip_keys for fw in ("torch", "jax"))
+    ]
+    if not wanted_noise and not missing_seeds:
+        return []
+    pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    runs = noise_runs(config, pair, wanted_noise, progress=progress) if wanted_noise else []
+    if missing_seeds:
+        runs += seed_runs(config, pair, seeds, progress=progress)
     return runs
 
 
 def _compare_and_report(out: Path, skipped_cells: list[dict[str, str]] | None = None) -> int:
-    from parity.compare import compare_runs, format_verdicts
-    from parity.report import load_results, write_json_atomic, write_report
+    from parity.compare import compare_runs, format_verdicts, overall_status
+    from parity.records import load_results, write_json_atomic
+    from parity.report import write_report
 
     runs = load_results(out)["runs"]
     verdicts = compare_runs(runs)
     print(format_verdicts(verdicts))
-    write_json_atomic(out / "verdicts.json", {"verdicts": [v.to_dict() for v in verdicts]})
+    status = overall_status(verdicts)
+    write_json_atomic(
+        out / "verdicts.json",
+        {"status": status, "verdicts": [v.to_dict() for v in verdicts]},
+    )
     path = write_report(out, runs, verdicts, skipped_cells=skipped_cells)
     print(f"report: {path.resolve()}")
-    return 1 if any(v.passed is False for v in verdicts) else 0
+    return {"PASS": 0, "FAIL": 1}.get(status, 3)
 
 
 def _cmd_run(args) -> int:
@@ -213,7 +304,13 @@ def _cmd_run(args) -> int:
     config = _config_from_args(args, args.model, args.precision)
     frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
     out = Path(args.out)
-    runs = run_pair(config, frameworks, progress=not args.no_progress)
+    runs = run_pair(
+        config, frameworks, progress=not args.no_progress, step0_checks=not args.no_step0
+    )
+    if args.framework == "both":
+        runs += calibration_runs(
+            config, noise=args.noise, seeds=args.seeds, progress=not args.no_progress
+        )
     merge_runs(out, runs)
     for run in runs:
         s = run["summary"]
@@ -260,11 +357,20 @@ def _cmd_matrix(args) -> int:
             for fw, key in keys.items()
             if args.force or key not in done or done[key]["config"] != config.to_dict()
         )
-        if not todo:
-            continue  # finished in an earlier (possibly interrupted) invocation
-        runs = run_pair(config, todo, progress=progress)
-        data = merge_runs(out, runs)  # after every cell: an interruption loses one cell at most
-        done = {run_key(r): r for r in data["runs"]}
+        if todo:  # else finished in an earlier (possibly interrupted) invocation
+            runs = run_pair(config, todo, progress=progress, step0_checks=not args.no_step0)
+            data = merge_runs(out, runs)  # after every cell: an interruption loses one cell at most
+            done = {run_key(r): r for r in data["runs"]}
+        extra = calibration_runs(
+            config,
+            noise=args.noise,
+            seeds=args.seeds,
+            progress=progress,
+            skip_keys=set() if args.force else set(done),
+        )
+        if extra:
+            data = merge_runs(out, extra)
+            done = {run_key(r): r for r in data["runs"]}
     return _compare_and_report(out, skipped_cells)
 
 
