@@ -99,6 +99,7 @@ def compare_models(
     name: str = "user_model",
     torch_channels_first: bool = False,
     progress: bool = False,
+    step0: bool = True,
     **config: Any,
 ) -> ParityResult:
     """Trains `torch_module` under torch.amp and `flax_module` under jaxamp, and compares them.
@@ -124,6 +125,7 @@ def compare_models(
       name: the model name in records and the report.
       torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module.
       progress: tqdm progress bars.
+      step0: run the step-0 checks (`parity.step0`) first and skip training when they fail.
       **config: any other `RunConfig` field (``optimizer``, ``lr``, ``clip_norm``, ``device``,
         ``init_scale``, ``growth_interval``, ...).
 
@@ -173,10 +175,21 @@ def compare_models(
         data=None,
         torch_channels_first=torch_channels_first,
     )
-    runs = [
-        train_torch(run_config, pair, stream, progress=progress),
-        train_jax(run_config, pair, stream, progress=progress),
-    ]
+    from parity.step0 import attach_step0, blocked_records, run_step0
+
+    # Step 0 (outputs and gradients on the first batch) before training; a broken port is not
+    # trained: its records are errors naming the worst output, parameter and first bad layer.
+    check = run_step0(run_config, pair, stream, echo=progress) if step0 else None
+    if check is not None and not check.passed:
+        runs = blocked_records(run_config, check)
+    else:
+        runs = attach_step0(
+            [
+                train_torch(run_config, pair, stream, progress=progress),
+                train_jax(run_config, pair, stream, progress=progress),
+            ],
+            check,
+        )
     verdicts = compare_runs(runs)
     report_path = None
     if out_dir is not None:
