@@ -1,13 +1,24 @@
-"""jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast."""
+"""jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast.
 
+The public API is what ``__all__`` lists; ``jaxamp.flax`` (imported as ``jaxamp.flax``) holds the
+Flax integration.
+
+Example:
+  >>> policy = jaxamp.get_policy("bf16-mixed")
+  >>> loss_scale = jaxamp.DynamicLossScale.create()
+  >>> float(loss_scale.loss_scale)
+  65536.0
+"""
+
+from jaxamp._autocast import AUTOCAST_CATEGORIES as AUTOCAST_CATEGORIES
+from jaxamp._autocast import DtypeRecord as DtypeRecord
+from jaxamp._autocast import autocast as autocast
+from jaxamp._autocast import autocast_op_list as autocast_op_list
+from jaxamp._autocast import autocast_rules as autocast_rules
+from jaxamp._autocast import autocast_trace as autocast_trace
+from jaxamp._autocast import full_precision as full_precision
 from jaxamp.accumulate import MultiStepsState as MultiStepsState
 from jaxamp.accumulate import multi_steps as multi_steps
-from jaxamp.autocast import AUTOCAST_CATEGORIES as AUTOCAST_CATEGORIES
-from jaxamp.autocast import DtypeRecord as DtypeRecord
-from jaxamp.autocast import autocast as autocast
-from jaxamp.autocast import autocast_rules as autocast_rules
-from jaxamp.autocast import autocast_trace as autocast_trace
-from jaxamp.autocast import full_precision as full_precision
 from jaxamp.grad import value_and_grad as value_and_grad
 from jaxamp.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxamp.loss_scale import LossScale as LossScale
@@ -17,6 +28,7 @@ from jaxamp.loss_scale import all_finite as all_finite
 from jaxamp.optim import AmpInfo as AmpInfo
 from jaxamp.optim import LossScaleDivergedError as LossScaleDivergedError
 from jaxamp.optim import LossScaledState as LossScaledState
+from jaxamp.optim import LossScaledTransformation as LossScaledTransformation
 from jaxamp.optim import amp_info as amp_info
 from jaxamp.optim import amp_states as amp_states
 from jaxamp.optim import get_loss_scale as get_loss_scale
@@ -30,28 +42,36 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUTOCAST_CATEGORIES",
-    "DtypeRecord",
-    "autocast",
-    "autocast_rules",
-    "autocast_trace",
-    "full_precision",
     "AmpInfo",
+    "DtypeRecord",
     "DynamicLossScale",
     "LossScale",
     "LossScaleDivergedError",
     "LossScaledState",
+    "LossScaledTransformation",
+    "MultiStepsState",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "all_finite",
     "amp_info",
     "amp_states",
+    "autocast",
+    "autocast_op_list",
+    "autocast_rules",
+    "autocast_trace",
     "cast_floating",
+    "full_precision",
     "get_loss_scale",
     "get_policy",
     "loss_scaled",
     "multi_steps",
-    "MultiStepsState",
     "set_loss_scale",
     "value_and_grad",
 ]
+
+
+def __dir__() -> list[str]:
+    # The namespace users see is the API: submodules (jaxamp.policy, jaxamp.optim, ...) stay
+    # importable by name but are not listed next to it.
+    return sorted([*__all__, "__version__"])

@@ -4,7 +4,7 @@
 autocast function runs; :func:`torch_dtype_trace` records the same table for a torch function under
 ``torch.autocast`` (with a ``TorchDispatchMode``, so the ops are the aten ops autocast dispatched,
 casts included). :func:`diff_dtype_traces` lines the two up through the op counterpart table in
-``jaxamp._oplists`` and names the ops that run in different precision.
+``jaxamp.autocast_op_list`` and names the ops that run in different precision.
 """
 
 from __future__ import annotations
@@ -17,12 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from jaxamp import DtypeRecord
-
-try:  # the op tables moved into the private autocast package
-    from jaxamp._autocast import oplists as _oplists
-except ImportError:  # pragma: no cover - older layout
-    from jaxamp import _oplists
+from jaxamp import DtypeRecord, autocast_op_list
 
 __all__ = [
     "DtypeRecord",
@@ -72,7 +67,7 @@ def torch_dtype_trace(
       **kwargs: its keyword arguments.
 
     Returns:
-      A list of :class:`jaxamp.autocast.DtypeRecord`, one per aten op in dispatch order.
+      A list of :class:`jaxamp.DtypeRecord`, one per aten op in dispatch order.
 
     Examples:
       >>> torch_dtype_trace(lambda x: x @ x, torch.ones(2, 2))[-1]
@@ -85,7 +80,7 @@ def torch_dtype_trace(
 
 
 def _primitive_of(torch_op: str) -> str | None:
-    prims = _oplists.PRIMITIVE_COUNTERPARTS.get(torch_op.split(".")[0])
+    prims = autocast_op_list("cpu").primitives(torch_op)
     return prims[0] if prims else None
 
 

@@ -160,7 +160,7 @@ def test_shard_map():
 def test_unknown_higher_order_primitive_warns_once():
     import sys
 
-    mod = sys.modules["jaxamp.autocast"]
+    mod = sys.modules["jaxamp._autocast.interpreter"]
 
     mod._warned_primitives.discard("custom_transpose_call")
     # A primitive with a jaxpr param that autocast does not know: fake one from cond's.

@@ -77,9 +77,9 @@ def test_explicit_upcast_inside_scan_and_grad():
 
 def test_explicit_cast_primitive_is_identity_outside_autocast():
     # A jaxpr traced under autocast may be cached by JAX and reused elsewhere.
-    ac = __import__("sys").modules["jaxamp.autocast"]
+    ac = __import__("sys").modules["jaxamp._autocast.explicit_casts"]
     x = jnp.arange(3.0)
-    f = lambda x: ac._explicit_cast_p.bind(x * 2, dtype=jnp.dtype(jnp.float32))  # noqa: E731
+    f = lambda x: ac.explicit_cast_p.bind(x * 2, dtype=jnp.dtype(jnp.float32))  # noqa: E731
     np.testing.assert_array_equal(jax.jit(f)(x), x * 2)
     np.testing.assert_array_equal(jax.grad(lambda x: jnp.sum(f(x)))(x), jnp.full(3, 2.0))
     np.testing.assert_array_equal(jax.vmap(f)(x), x * 2)

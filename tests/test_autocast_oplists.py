@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from jaxamp import _oplists
+from jaxamp._autocast import oplists as _oplists
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch

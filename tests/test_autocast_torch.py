@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import _oplists
+from jaxamp._autocast import oplists as _oplists
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

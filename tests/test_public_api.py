@@ -17,6 +17,7 @@ EXPECTED_ALL = sorted(
         "LossScale",
         "LossScaleDivergedError",
         "LossScaledState",
+        "LossScaledTransformation",
         "MultiStepsState",
         "NoOpLossScale",
         "Policy",
@@ -25,6 +26,7 @@ EXPECTED_ALL = sorted(
         "amp_info",
         "amp_states",
         "autocast",
+        "autocast_op_list",
         "autocast_rules",
         "autocast_trace",
         "cast_floating",
@@ -110,3 +112,35 @@ def test_star_import_matches_all():
 
 def test_version():
     assert isinstance(jaxamp.__version__, str) and jaxamp.__version__.count(".") >= 1
+
+
+def test_namespace_is_the_api():
+    # No submodule is listed beside the API, and `jaxamp.autocast` is only the function.
+    import types
+
+    assert sorted(dir(jaxamp)) == sorted([*EXPECTED_ALL, "__version__"])
+    assert inspect.isfunction(jaxamp.autocast)
+    assert not any(isinstance(getattr(jaxamp, n), types.ModuleType) for n in jaxamp.__all__)
+    assert list(jaxamp.__all__) == sorted(jaxamp.__all__)
+    import importlib
+
+    # Submodules stay importable by name.
+    assert importlib.import_module("jaxamp.policy").get_policy is jaxamp.get_policy
+
+
+def test_loss_scaled_transformation_is_exported():
+    import optax
+
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    assert isinstance(tx, jaxamp.LossScaledTransformation)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+def test_op_lists_are_public():
+    ops = jaxamp.autocast_op_list("cpu")
+    assert ops.device == "cpu" and ops.category("linear") == "lower_precision_fp"
+    assert ops.primitives("matmul") == ("dot_general",)
+    assert "flax.linen:Dense.__call__" in ops.functions("linear")
+    assert jaxamp.autocast_op_list("cuda").category("softmax.int") == "fp32_set_opt_dtype"
+    with pytest.raises(ValueError, match="device"):
+        jaxamp.autocast_op_list("tpu")

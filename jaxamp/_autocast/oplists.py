@@ -25,6 +25,8 @@ Categories (torch's ``CastPolicy``):
 * ``"banned"``: torch raises under autocast (we compute in float32).
 
 Ops on no list keep their input dtypes ("keep").
+
+Public access: ``jaxamp.autocast_op_list(device)`` returns the `OpList` for a device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import dataclasses
 from collections.abc import Mapping
 
 __all__ = [
+    "AUTOCAST_CATEGORIES",
     "CATEGORIES",
     "CPU",
     "CUDA",
@@ -54,6 +57,8 @@ CATEGORIES = (
     "promote",
     "banned",
 )
+# Categories a primitive can be given in autocast's ``overrides``: torch's, plus "keep" (no list).
+AUTOCAST_CATEGORIES = (*CATEGORIES, "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,21 @@ class OpList:
     def names(self, category: str) -> frozenset[str]:
         """All torch op names (with overloads) in ``category``."""
         return frozenset(n for n, c in self.ops.items() if c == category)
+
+    def primitives(self, torch_op: str) -> tuple[str, ...]:
+        """The JAX primitives that implement ``torch_op`` (any overload); () if none."""
+        return tuple(PRIMITIVE_COUNTERPARTS.get(torch_op.split(".")[0], ()))
+
+    def functions(self, torch_op: str) -> tuple[str, ...]:
+        """The JAX library functions (``module:qualname``) that implement ``torch_op`` as a
+        composite; () if none."""
+        found = FUNCTION_COUNTERPARTS.get(torch_op)
+        if found is None:
+            base = torch_op.split(".")[0]
+            found = next(
+                (v for k, v in FUNCTION_COUNTERPARTS.items() if k.split(".")[0] == base), ()
+            )
+        return tuple(found)
 
 
 def _ops(**by_category: str) -> dict[str, str]:
