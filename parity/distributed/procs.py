@@ -1,0 +1,230 @@
+"""Worker processes that the harness owns: started, bounded by a timeout, and ended by PID.
+
+Every worker is started in its own session (process group), its PID recorded in the owning
+`WorkerGroup`. The group ends its workers (SIGTERM to each worker's process group, then SIGKILL
+after a grace period) when the run finishes, fails, times out, on Ctrl-C (SIGINT) and SIGTERM to
+the harness, and at interpreter exit (atexit). Ports are picked free on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["WorkerGroup", "WorkerResult", "WorkerError", "free_port", "live_worker_pids"]
+
+_GRACE_S = 5.0
+# Every group alive in this process (ended by the signal handlers and at exit).
+_GROUPS: set[WorkerGroup] = set()
+_LOCK = threading.Lock()
+_HANDLERS_INSTALLED = False
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or timed out; the message names the worker and ends with its output tail."""
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """One finished worker: its name, PID, exit code, and output (stdout+stderr) tail."""
+
+    name: str
+    pid: int
+    returncode: int
+    output: str
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 at the time of the call (bound to port 0, then released).
+
+    Example:
+      >>> 1024 <= free_port() < 65536
+      True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live_worker_pids() -> list[int]:
+    """PIDs of workers started by this process that are still running (for tests and cleanup)."""
+    with _LOCK:
+        groups = list(_GROUPS)
+    return [p.pid for g in groups for p in g._procs if p.poll() is None]
+
+
+def _end_all(*_: object) -> None:
+    with _LOCK:
+        groups = list(_GROUPS)
+    for group in groups:
+        group.terminate()
+
+
+def _install_handlers() -> None:
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    _HANDLERS_INSTALLED = True
+    atexit.register(_end_all)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+
+        def handler(signum, frame, previous=previous):
+            _end_all()
+            if callable(previous):
+                previous(signum, frame)
+            elif signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            else:
+                sys.exit(128 + signum)
+
+        signal.signal(sig, handler)
+
+
+class WorkerGroup:
+    """Starts worker commands, waits for all of them under one timeout, ends them all by PID.
+
+    Use as a context manager: leaving the block ends every worker still running.
+
+    Example:
+      >>> with WorkerGroup(timeout_s=60) as group:
+      ...     group.start("echo", [sys.executable, "-c", "print('hi')"])
+      ...     results = group.wait()
+      >>> results[0].output.strip()
+      'hi'
+    """
+
+    def __init__(self, timeout_s: float, log_dir: str | os.PathLike | None = None):
+        if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise ValueError(f"WorkerGroup: `timeout_s` must be a number > 0; got {timeout_s!r}.")
+        self.timeout_s = float(timeout_s)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._procs: list[subprocess.Popen] = []
+        self._names: list[str] = []
+        self._logs: list[Path] = []
+        self._files: list = []
+        self._started = time.monotonic()
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __enter__(self) -> WorkerGroup:
+        _install_handlers()
+        with _LOCK:
+            _GROUPS.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
+        with _LOCK:
+            _GROUPS.discard(self)
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of every worker started (running or not)."""
+        return [p.pid for p in self._procs]
+
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+        """Starts one worker in its own process group; returns its PID."""
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = self.log_dir / f"{name}.log"
+        else:
+            import tempfile
+
+            fd, path = tempfile.mkstemp(prefix=f"parity-{name}-", suffix=".log")
+            os.close(fd)
+            log = Path(path)
+        handle = open(log, "w")  # noqa: SIM115 - closed in terminate()
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # its own process group: ended as a unit, by PID
+        )
+        self._procs.append(proc)
+        self._names.append(name)
+        self._logs.append(log)
+        self._files.append(handle)
+        return proc.pid
+
+    def _tail(self, i: int, chars: int = 4000) -> str:
+        self._files[i].flush()
+        try:
+            return self._logs[i].read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait(self) -> list[WorkerResult]:
+        """Waits for every worker; on a failure or the timeout ends the others and raises."""
+        deadline = self._started + self.timeout_s
+        pending = set(range(len(self._procs)))
+        while pending:
+            for i in sorted(pending):
+                code = self._procs[i].poll()
+                if code is None:
+                    continue
+                pending.discard(i)
+                if code != 0:
+                    self.terminate()
+                    raise WorkerError(
+                        f"worker {self._names[i]} (pid {self._procs[i].pid}) exited with "
+                        f"code {code}; the others were ended. Output tail:\n{self._tail(i)}"
+                    )
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(self._names[i] for i in sorted(pending))
+                tails = "\n".join(f"--- {self._names[i]}:\n{self._tail(i, 1500)}" for i in pending)
+                self.terminate()
+                raise WorkerError(
+                    f"workers {names} still running after the {self.timeout_s:.0f} s timeout; "
+                    f"all were ended.\n{tails}"
+                )
+            if pending:
+                time.sleep(0.05)
+        return [
+            WorkerResult(self._names[i], p.pid, p.returncode, self._tail(i, 20000))
+            for i, p in enumerate(self._procs)
+        ]
+
+    def terminate(self) -> None:
+        """Ends every worker still running: SIGTERM to its process group, SIGKILL after a grace."""
+        running = [p for p in self._procs if p.poll() is None]
+        for p in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for p in running:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for p in self._procs:
+            # Reap, and end anything left in the worker's group (children it forked).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=1)
+        for handle in self._files:
+            with contextlib.suppress(OSError):
+                handle.close()
+        if self.log_dir is None:
+            for log in self._logs:
+                with contextlib.suppress(OSError):
+                    log.unlink()
+            self._logs = [Path(os.devnull)] * len(self._logs)
