@@ -200,3 +200,101 @@ def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
     error = next(r for r in runs if r["framework"] == "jax")
     assert "no kernel for this" in error["summary"]["error"]
     assert "Runs that raised" in (out / "report.md").read_text()
+
+
+# --- issue 14 / FAULTS 30: invalid files, nothing compared, no finite values ----------------------
+
+
+def _synthetic(framework, precision="fp32", losses=(2.3, 2.0, 1.8), scales=None, skipped=None):
+    steps = [
+        {
+            "step": i,
+            "loss": loss,
+            "loss_finite": loss is not None,
+            "loss_scale": None if scales is None else scales[i],
+            "skipped": bool(skipped and skipped[i]),
+            "time_s": 0.01,
+        }
+        for i, loss in enumerate(losses)
+    ]
+    run = {
+        "framework": framework,
+        "model": "mlp",
+        "precision": precision,
+        "device": "cpu",
+        "config": {},
+        "steps": steps,
+        "summary": {
+            "final_loss": losses[-1] if losses else None,
+            "eval_metric": None,
+            "skipped_steps": sum(s["skipped"] for s in steps),
+            "diverged": any(x is None for x in losses),
+        },
+    }
+    if framework == "torch":
+        run["torch_mode"] = "eager"
+    return run
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ({"runs": [{}]}, "'framework'"),
+        ({"runs": [_synthetic("torch") | {"steps": [{"step": 0}]}]}, "'steps[0].loss'"),
+        (
+            {"runs": [_synthetic("torch") | {"steps": [{"step": 0, "loss": "x"}]}]},
+            "'steps[0].loss'",
+        ),
+        ({"runs": [{k: v for k, v in _synthetic("jax").items() if k != "steps"}]}, "'steps'"),
+    ],
+)
+def test_compare_names_file_run_and_field_of_an_invalid_results_file(
+    tmp_path, capsys, content, field
+):
+    (tmp_path / "results.json").write_text(json.dumps(content))
+    assert cli.main(["compare", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "results.json") in err and "run 0" in err and field in err
+    assert "Traceback" not in err
+
+
+def test_compare_names_a_broken_json_file(tmp_path, capsys):
+    (tmp_path / "results.json").write_text('{"runs": [')
+    assert cli.main(["compare", str(tmp_path)]) == 2
+    assert "results.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_matrix_refuses_to_resume_onto_an_invalid_file(tmp_path, capsys):
+    bad = json.dumps({"runs": [{"framework": "jax"}]})
+    (tmp_path / "results.json").write_text(bad)
+    args = ["matrix", "--out", str(tmp_path), "--models", "mlp", "--precisions", "fp32"]
+    assert cli.main(args + ["--steps", "2", "--no-progress"]) == 2
+    assert "'model'" in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_text() == bad  # not overwritten
+
+
+def test_compare_with_one_framework_exits_non_zero_and_says_why(tmp_path, capsys):
+    write_json_atomic(tmp_path / "results.json", {"runs": [_synthetic("torch")]})
+    assert cli.main(["compare", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert "NOTHING COMPARED" in out
+    report = (tmp_path / "report.md").read_text()
+    assert "NOTHING COMPARED" in report and "only torch" in report
+    assert json.loads((tmp_path / "verdicts.json").read_text())["status"] == "NOTHING COMPARED"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("case", ["nan_batch_0", "all_skipped"])
+def test_compare_reports_runs_without_finite_losses(tmp_path, capsys, precision, case):
+    losses = [None, None, None] if case == "all_skipped" else [None, 2.0, 1.8]
+    scales = [2.0**16, 2.0**15, 2.0**14] if precision == "fp16-mixed" else None
+    skipped = [True, True, True] if case == "all_skipped" else [True, False, False]
+    skipped = skipped if precision == "fp16-mixed" else None
+    runs = [_synthetic(fw, precision, losses, scales, skipped) for fw in ("torch", "jax")]
+    write_json_atomic(tmp_path / "results.json", {"runs": runs})
+    assert cli.main(["compare", str(tmp_path)]) == 1  # the verdict status, not a plotting error
+    assert "Traceback" not in capsys.readouterr().err
+    report = (tmp_path / "report.md").read_text()
+    assert "**FAIL**" in report
+    if case == "all_skipped":
+        assert "no finite loss" in report

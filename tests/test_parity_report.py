@@ -35,6 +35,7 @@ def _run(framework, precision="fp32", losses=None, scales=None, skipped=None, mo
             }
         )
     bad = [s["step"] for s in steps if not s["loss_finite"]]
+    time_s = steps[0]["time_s"] if steps else None
     run = {
         "framework": framework,
         "model": model,
@@ -44,16 +45,16 @@ def _run(framework, precision="fp32", losses=None, scales=None, skipped=None, mo
         "config": {},
         "steps": steps,
         "summary": {
-            "step_time_median_s": steps[0]["time_s"],
-            "step_time_p10_s": steps[0]["time_s"],
-            "step_time_p90_s": steps[0]["time_s"],
+            "step_time_median_s": time_s,
+            "step_time_p10_s": time_s,
+            "step_time_p90_s": time_s,
             "compile_time_s": 1.0 if framework == "jax" else None,
             "throughput_samples_per_s": 100.0,
             "peak_memory_bytes": 3 * 2**20 if framework == "jax" else 4 * 2**20,
             "peak_memory_method": "xla_memory_analysis"
             if framework == "jax"
             else "torch_profiler_cpu_allocations",
-            "final_loss": steps[-1]["loss"],
+            "final_loss": steps[-1]["loss"] if steps else None,
             "eval_metric": 0.9,
             "eval_metric_name": "accuracy",
             "skipped_steps": sum(s["skipped"] for s in steps),
@@ -193,3 +194,73 @@ def test_compare_models_library_entry(tmp_path, precision):
         parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, batches, steps=20)
     with pytest.raises(TypeError, match="batches"):
         parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, 42)
+
+
+# --- issue 14: reports that cope with anything a run can record -----------------------------------
+
+
+def _report_cases():
+    nan = [float("nan")] * 3
+    scales = [2.0**16] * 3
+    return {
+        "no finite loss": [_run("torch", losses=nan), _run("jax", losses=nan)],
+        "one step": [_run("torch", losses=[2.3]), _run("jax", losses=[2.3])],
+        "no steps": [_run("torch", losses=[]), _run("jax", losses=[])],
+        "one framework": [_run("torch")],
+        "fp16 all skipped": [
+            _run("torch", "fp16-mixed", nan, scales, [True] * 3),
+            _run("jax", "fp16-mixed", nan, scales, [True] * 3),
+        ],
+    }
+
+
+@pytest.mark.parametrize("case", list(_report_cases()))
+def test_report_is_written_for_degenerate_runs(tmp_path, case):
+    runs = _report_cases()[case]
+    verdicts = compare_runs(runs)
+    path = write_report(tmp_path, runs, verdicts)
+    text = path.read_text()
+    overall = text.split("\n")[2]
+    if case == "one step":  # one compared step is evidence: judged, with its own plots
+        assert "**PASS**" in overall and "loss_curves.png" in text
+    else:  # nothing degenerate is a pass
+        assert "PASS" not in overall
+    if case == "one framework":
+        assert "NOTHING COMPARED" in text and "only torch" in text
+    if case in ("no finite loss", "fp16 all skipped"):
+        assert "no finite loss" in text
+    if case == "no steps":
+        assert "no steps recorded" in text
+    assert (tmp_path / "steps.csv").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("case", ["nan_batch_0", "all_nan"])
+def test_compare_models_survives_nan_batches(tmp_path, precision, case):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(4, 6)).astype(np.float32), rng.integers(0, 3, size=(4,)).astype(np.int32))
+        for _ in range(4)
+    ]
+    poisoned = range(len(batches)) if case == "all_nan" else [0]
+    for i in poisoned:
+        batches[i][0][:] = np.nan
+    result = parity.compare_models(
+        _TorchNet(),
+        _FlaxNet(),
+        _transfer,
+        batches,
+        precision=precision,
+        out_dir=tmp_path,
+        timing_warmup=0,
+        init_scale=2.0**4,
+        growth_interval=1,
+    )
+    assert not result.passed
+    assert result.report_path.exists()
+    assert any(v.check == "no divergence" and v.passed is False for v in result.verdicts)
+    if precision == "fp16-mixed":
+        for run in result.runs:  # the scaler skips every non-finite step on both sides
+            assert run["steps"][0]["skipped"] and run["summary"]["skipped_steps"] >= len(poisoned)

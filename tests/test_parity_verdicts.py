@@ -1,0 +1,278 @@
+"""Verdict logic on synthetic run records: noise calibration, seed statistics, fp16 events, wording."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from parity.compare import (
+    TOLERANCES,
+    Verdict,
+    cell_bottom_lines,
+    compare_runs,
+    format_verdicts,
+    overall_status,
+    self_divergence,
+)
+from parity.records import validate_run
+
+
+def _run(
+    framework,
+    losses,
+    precision="fp32",
+    *,
+    variant="",
+    data_seed=0,
+    scales=None,
+    skips=None,
+    eval_metric=None,
+    torch_mode="eager",
+):
+    policy = {
+        "fp32": "p=f32,c=f32,o=f32",
+        "bf16-mixed": "p=f32,c=bf16,o=f32",
+        "fp16-mixed": "p=f32,c=f16,o=f32",
+    }[precision]
+    steps = []
+    for i, loss in enumerate(losses):
+        finite = loss is not None and math.isfinite(loss)
+        steps.append(
+            {
+                "step": i,
+                "loss": float(loss) if finite else None,
+                "loss_finite": finite,
+                "loss_scale": None if scales is None else scales[i],
+                "skipped": bool(skips[i]) if skips is not None else False,
+                "time_s": 0.01,
+            }
+        )
+    run = {
+        "framework": framework,
+        "model": "m",
+        "precision": precision,
+        "policy": policy,
+        "device": "cpu",
+        "status": "completed",
+        "seed": 0,
+        "variant": variant,
+        "config": {"seed": 0, "data_seed": data_seed},
+        "steps": steps,
+        "summary": {
+            "final_loss": steps[-1]["loss"] if steps else None,
+            "eval_metric": eval_metric,
+            "eval_metric_name": "accuracy",
+            "skipped_steps": sum(s["skipped"] for s in steps),
+            "diverged": any(not s["loss_finite"] for s in steps),
+        },
+    }
+    if framework == "torch":
+        run["torch_mode"] = torch_mode
+    validate_run(run)
+    return run
+
+
+def _chaos(n, start_gap, rate=1.6, seed=0, level=2.0):
+    """A 'trained' loss curve and a copy whose relative gap grows like start_gap * rate**s, saturating."""
+    rng = np.random.default_rng(seed)
+    base = level * np.exp(-np.arange(n) / 40) + 0.3
+    sign = rng.choice([-1, 1], n)
+    gap = np.minimum(start_gap * rate ** np.arange(n), 0.3)
+    return base, base * (1 + sign * gap)
+
+
+def _rows(verdicts, prefix):
+    return [v for v in verdicts if v.check.startswith(prefix)]
+
+
+def test_fixed_bands_decide_when_no_calibration_and_lines_explain_themselves():
+    base = np.linspace(2.3, 1.0, 30)
+    cand = base * (1 + 3e-5)
+    cand[12] = base[12] * (1 + 5e-3)  # one bad step in the second window
+    verdicts = compare_runs([_run("torch", base), _run("jax", cand)])
+    first, second = _rows(verdicts, "per-step loss")
+    assert first.passed and first.mode == "fixed bands" and first.tolerance == 1e-4
+    assert not second.passed and second.first_failing_step == 12 and second.worst_step == 12
+    assert "step-0 gap 3e-05 relative" in second.detail
+    assert "first failing step 12" in second.detail and "nats" in second.detail
+    assert second.absolute == pytest.approx(base[12] * 5e-3, rel=1e-6)
+    assert overall_status(verdicts) == "FAIL"
+    assert "first failing step 12" in cell_bottom_lines(verdicts)[("m", "fp32", "cpu")]
+
+
+def test_chaotic_correct_port_passes_only_with_noise_calibration():
+    n = 40
+    base, noisy = _chaos(n, 1e-7, seed=1)
+    _, jax = _chaos(n, 2e-6, seed=2)  # same amplification, a larger (still tiny) start
+    runs = [_run("torch", base), _run("jax", jax)]
+    fixed = compare_runs(runs)
+    assert overall_status(fixed) == "FAIL"  # chaos breaks the fixed bands
+    calibrated = compare_runs(runs + [_run("torch", noisy, variant="noise")])
+    rows = _rows(calibrated, "per-step loss")
+    assert [r.passed for r in rows] == [True, True, True]
+    assert {r.mode for r in rows[1:]} == {"noise-calibrated"}
+    assert "self-divergence (torch~noise)" in rows[1].detail and "k=10" in rows[1].detail
+    assert overall_status(calibrated) == "PASS"
+    assert "noise-calibrated" in cell_bottom_lines(calibrated)[("m", "fp32", "cpu")]
+
+
+def test_wrong_port_fails_at_step_0_even_with_calibration():
+    n = 40
+    base, noisy = _chaos(n, 1e-7, seed=1)
+    wrong = base * 1.2  # step-0 loss 20% off: a port bug, not chaos
+    verdicts = compare_runs(
+        [_run("torch", base), _run("jax", wrong), _run("torch", noisy, variant="noise")]
+    )
+    first = _rows(verdicts, "per-step loss")[0]
+    assert (
+        not first.passed and first.first_failing_step == 0 and first.step0_gap == pytest.approx(0.2)
+    )
+
+
+def test_fixed_bands_stay_default_when_self_divergence_is_below_them():
+    base = np.linspace(2.3, 1.0, 30)
+    noisy = base * (1 + 1e-7)
+    jax = base * (1 + 5e-5)
+    rows = _rows(
+        compare_runs(
+            [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+        ),
+        "per-step",
+    )
+    assert all(r.passed and r.mode == "fixed bands" for r in rows)
+
+
+def test_self_divergence_is_a_running_maximum():
+    main = _run("torch", [2.0, 1.0, 1.0])
+    noisy = _run("torch", [2.0, 1.1, 1.0], variant="noise")
+    assert self_divergence(main, [noisy]) == pytest.approx([0.0, 0.1, 0.1])
+    assert self_divergence(main, []) is None
+
+
+def test_near_zero_losses_are_judged_against_the_loss_scale_floor():
+    base = np.concatenate([np.linspace(2.3, 1e-3, 25), np.full(5, 1e-5)])
+    jax = base.copy()
+    jax[-5:] = 2e-5  # 100% relative to the loss itself, 4e-7 of the first loss
+    verdicts = compare_runs([_run("torch", base, "bf16-mixed"), _run("jax", jax, "bf16-mixed")])
+    final = _rows(verdicts, "final loss")[0]
+    assert final.passed and final.value < 1e-3
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_fp16_without_scale_events_is_informational_never_a_pass(events):
+    n = 10
+    scales = [2.0**16] * n
+    skips = [False] * n
+    if events:
+        scales = [
+            2.0**24,
+            2.0**23,
+            2.0**23,
+            2.0**23,
+            2.0**24,
+            2.0**24,
+            2.0**24,
+            2.0**24,
+            2.0**24,
+            2.0**24,
+        ]
+        skips = [True] + [False] * (n - 1)
+    losses = np.linspace(2.0, 1.0, n)
+    verdicts = compare_runs(
+        [
+            _run("torch", losses, "fp16-mixed", scales=scales, skips=skips),
+            _run("jax", losses, "fp16-mixed", scales=scales, skips=skips),
+        ]
+    )
+    traj = _rows(verdicts, "loss-scale trajectory")[0]
+    if events:
+        assert traj.passed is True and traj.mode == "exact"
+    else:
+        assert traj.passed is None and traj.mode == "informational"
+        assert "no scale event" in traj.detail and "informational" in traj.detail
+
+
+def test_fp16_different_skips_fail_and_name_the_step():
+    n = 6
+    losses = np.linspace(2.0, 1.0, n)
+    a = [2.0**24, 2.0**23, 2.0**23, 2.0**23, 2.0**23, 2.0**23]
+    b = [2.0**24, 2.0**23, 2.0**22, 2.0**22, 2.0**22, 2.0**22]
+    verdicts = compare_runs(
+        [
+            _run("torch", losses, "fp16-mixed", scales=a, skips=[1, 0, 0, 0, 0, 0]),
+            _run("jax", losses, "fp16-mixed", scales=b, skips=[1, 1, 0, 0, 0, 0]),
+        ]
+    )
+    traj = _rows(verdicts, "loss-scale trajectory")[0]
+    assert traj.passed is False and traj.first_failing_step == 2
+    assert _rows(verdicts, "skip decisions")[0].first_failing_step == 1
+
+
+def _seeded(framework, seed, final, n=10):
+    losses = np.linspace(2.3, final, n)
+    return _run(framework, losses, "bf16-mixed", data_seed=seed, eval_metric=0.5)
+
+
+def test_seed_statistics_decide_final_loss():
+    torch_finals, jax_same, jax_off = (
+        [1.00, 1.10, 0.95, 1.05],
+        [1.02, 1.08, 0.97, 1.04],
+        [1.6, 1.65, 1.62, 1.58],
+    )
+    same = [_seeded("torch", s, f) for s, f in enumerate(torch_finals)]
+    same += [_seeded("jax", s, f) for s, f in enumerate(jax_same)]
+    verdicts = compare_runs(same)
+    row = _rows(verdicts, "final loss over seeds")[0]
+    assert (
+        row.passed
+        and row.mode == "seed statistics"
+        and "Welch" in row.detail
+        and "95%" in row.detail
+    )
+    single = _rows(verdicts, "final loss (mean")[0]
+    assert single.passed is None and "seed statistics" in single.detail
+    off = [_seeded("torch", s, f) for s, f in enumerate(torch_finals)]
+    off += [_seeded("jax", s, f) for s, f in enumerate(jax_off)]
+    row = _rows(compare_runs(off), "final loss over seeds")[0]
+    assert row.passed is False and row.value < 0.05
+
+
+def test_one_framework_no_steps_and_errors_are_never_a_pass():
+    only = compare_runs([_run("torch", [2.0, 1.0])])
+    assert overall_status(only) == "NOTHING COMPARED" and only[0].passed is None
+    assert "nothing compared" in format_verdicts(only).lower()
+    nan = compare_runs([_run("torch", [None, None]), _run("jax", [None, None])])
+    assert overall_status(nan) == "FAIL"
+    empty = compare_runs([_run("torch", []), _run("jax", [])])
+    assert overall_status(empty) == "FAIL"
+    assert overall_status(compare_runs([])) == "NOTHING COMPARED"
+
+
+def test_unsupported_cells_are_reported_not_failed():
+    run = _run("torch", [])
+    run.update(status="unsupported", reason="no bf16 LSTM kernel on this CPU")
+    verdicts = compare_runs([run, _run("jax", [2.0])])
+    assert any(v.mode == "unsupported here" and v.passed is None for v in verdicts)
+    assert overall_status(verdicts) == "NOTHING COMPARED"
+
+
+def test_step0_rows_plug_in_from_records_and_arguments():
+    row = Verdict(
+        "m", "fp32", "cpu", "step 0 forward (fp32)", "jax vs torch", 1e-7, 1e-5, True, mode="step 0"
+    )
+    torch_run, jax_run = _run("torch", [2.0, 1.0]), _run("jax", [2.0, 1.0])
+    torch_run["step0"] = {"verdicts": [row.to_dict()]}
+    verdicts = compare_runs([torch_run, jax_run])
+    assert verdicts[0] == row
+    extra = Verdict(
+        "m", "fp32", "cpu", "step 0 gradients", "jax vs torch", 1.0, 1e-5, False, mode="step 0"
+    )
+    verdicts = compare_runs([torch_run, jax_run], extra_verdicts=[extra])
+    assert verdicts[0] == extra and overall_status(verdicts) == "FAIL"
+    assert Verdict.from_dict({**row.to_dict(), "new_field": 1}) == row
+
+
+def test_tolerances_are_stated():
+    assert TOLERANCES["noise_k"] > 1 and 0 < TOLERANCES["seed_confidence"] < 1
