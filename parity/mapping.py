@@ -378,7 +378,7 @@ def _nnx_state_to_variables(state) -> dict:
     from flax import nnx
 
     out: dict = {}
-    for path, variable in state.flat_state():
+    for path, variable in nnx.to_flat_state(state):
         if isinstance(variable, nnx.Variable):
             collection = _nnx_collection(type(variable))
             value = variable.get_value() if hasattr(variable, "get_value") else variable.value

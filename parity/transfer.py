@@ -54,6 +54,9 @@ from torch import nn
 from parity.mapping import MappingEntry, layer_entries
 
 __all__ = [
+    "TransferError",
+    "auto",
+    "validate_variables",
     "attention_from_flax",
     "attention_to_flax",
     "batchnorm_from_flax",
@@ -620,3 +623,7 @@ def attention_entries(
     return layer_entries(
         torch_name, _flax_path(flax_module), [(t, ("params", *f), x) for t, f, x in rows]
     )
+
+
+# Automatic mapping and validation live in parity.automap (they use the entries above).
+from parity.automap import TransferError, auto, validate_variables  # noqa: E402

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from parity.adapters import FlaxModel, output_logits
 from parity.data import BatchStream
 from parity.mapping import WeightMapping
 from parity.models import cnn, lstm, mlp, resnet, transformer
@@ -100,7 +101,7 @@ class ModelPair:
     name: str
     task: str
     torch_model: torch.nn.Module
-    flax_model: flax_nn.Module
+    flax_model: flax_nn.Module | FlaxModel
     config: dict
     to_flax: Callable[[torch.nn.Module], dict] = dataclasses.field(repr=False, default=None)
     from_flax: Callable[[dict, torch.nn.Module], None] = dataclasses.field(repr=False, default=None)
@@ -146,11 +147,13 @@ class ModelPair:
                 inputs = inputs.permute(0, 3, 1, 2)
         else:
             inputs = inputs.long()
-        return model(inputs)
+        return output_logits(model(inputs), "torch")
 
     def flax_apply(self, variables: dict, inputs: jax.Array, train: bool) -> tuple[jax.Array, Any]:
         """``(logits, new_batch_stats)``; ``new_batch_stats`` is None unless ``train`` and the
         variables hold a ``batch_stats`` collection (which is then updated, torch-style)."""
+        if isinstance(self.flax_model, FlaxModel):
+            return self.flax_model.apply(variables, inputs, train)
         if train and "batch_stats" in variables:
             logits, updates = self.flax_model.apply(
                 variables, inputs, train=True, mutable=["batch_stats"]
@@ -264,7 +267,17 @@ def get_model_pair(
 def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapping | None:
     if hasattr(spec.module, "mapping"):
         return spec.module.mapping(torch_model, config)
-    return None
+    # No hand-written mapping: match the pair's own transfer automatically, tracing one example.
+    from parity.transfer import auto
+
+    inputs, _ = spec.module.make_data(config, 0, 2).batch(0)
+    example = torch.as_tensor(np.asarray(inputs))
+    if example.is_floating_point():
+        if spec.torch_channels_first and example.dim() == 4:
+            example = example.permute(0, 3, 1, 2)
+    else:
+        example = example.long()
+    return auto(torch_model, spec.module.to_flax(torch_model, config), example_inputs=example)
 
 
 # --- losses and metrics -----------------------------------------------------------------------
