@@ -129,3 +129,34 @@ def test_unknown_category_names_closest():
         jaxamp.autocast(lambda a: a, overrides={"exp": "fp23"})
     with pytest.raises(ValueError, match="not_a_key"):
         jaxamp.autocast(lambda a: a, overrides={"not_a_key": "fp32"})
+
+
+# --- the op-hook extension point (used by jaxamp.fp8) ---------------------------------------
+
+
+def test_op_hooks_see_autocast_operands_and_can_replace_the_op(maybe_jit):
+    from jaxamp._autocast.api import transform
+
+    seen = []
+
+    def hook(call):
+        seen.append((call.torch_op, call.category, [a.dtype for a in call.args], call.device))
+        if call.torch_op is None:
+            return None  # fall through: autocast binds it as usual
+        return [2 * b for b in call.bind()]
+
+    def f(variables, x):
+        return _linen(variables, x), x @ x.T
+
+    g = maybe_jit(transform(f, device="cpu", hooks={"dot_general": hook}))
+    dense, bare = g(LINEN_VARS, X)
+    ref_dense, ref_bare = jaxamp.autocast(f, device="cpu")(LINEN_VARS, X)
+    kernel = LINEN_VARS["params"]["kernel"].astype(jnp.bfloat16)
+    bias = LINEN_VARS["params"]["bias"].astype(jnp.bfloat16)
+    doubled = 2 * (X.astype(jnp.bfloat16) @ kernel) + bias
+    np.testing.assert_array_equal(np.asarray(dense, np.float32), np.asarray(doubled, np.float32))
+    np.testing.assert_array_equal(np.asarray(bare, np.float32), np.asarray(ref_bare, np.float32))
+    assert ("linear", "lower_precision_fp", [jnp.bfloat16] * 2, "cpu") in seen
+    assert (None, "lower_precision_fp", [jnp.bfloat16] * 2, "cpu") in seen
+    record = jaxamp.autocast_trace(f, LINEN_VARS, X, device="cpu", hooks={"dot_general": hook})
+    assert len(_dot_dtypes(record)) == 2
