@@ -50,8 +50,14 @@ def _digest(arrays: list[np.ndarray]) -> str:
     return h.hexdigest()[:16]
 
 
+_TorchPoison: Any = None
+
+
 def _inject_factor(spec: dict, step: int, global_batch: int) -> np.ndarray:
-    """Per-example logit factor: 1, or inf on the injected rank's rows at the injected step.
+    """Per-example gradient factor: 1, or inf on the injected rank's rows at the injected step.
+
+    Applied to the logits' gradient only (the loss stays finite, as with a real overflow in
+    the backward pass), so one rank's gradient contribution is non-finite.
 
     The rows are torch rank ``inject["rank"]``'s slice of the global batch (``inject["rows"]``),
     the same examples on both sides whatever the JAX device count.
@@ -62,6 +68,26 @@ def _inject_factor(spec: dict, step: int, global_batch: int) -> np.ndarray:
         start, stop = inject["rows"]
         factor[start:stop] = np.inf
     return factor
+
+
+def _torch_poison():
+    import torch
+
+    class Poison(torch.autograd.Function):
+        """Identity forward; the backward multiplies each example's gradient by its factor."""
+
+        @staticmethod
+        def forward(ctx, logits, factor):
+            ctx.save_for_backward(factor)
+            return logits.view_as(logits)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (factor,) = ctx.saved_tensors
+            shape = (-1,) + (1,) * (grad.dim() - 1)
+            return grad * factor.to(grad.dtype).reshape(shape), None
+
+    return Poison
 
 
 def _make_pair(spec: dict, config: Any, get_model_pair):
@@ -84,6 +110,8 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from parity.models import get_model_pair, loss_torch
     from parity.train_torch import build_torch_optimizer
 
+    global _TorchPoison
+    _TorchPoison = _torch_poison()
     torch.set_num_threads(1)  # N ranks share the machine
     torch.set_float32_matmul_precision("highest")
     config = RunConfig.from_dict(spec["config"])
@@ -179,8 +207,7 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=compute, enabled=use_autocast):
                 logits = pair.torch_forward(wrapped, inputs, train=True)
-                shape = (-1,) + (1,) * (logits.dim() - 1)
-                logits = logits * factor.to(logits.dtype).reshape(shape)
+                logits = _TorchPoison.apply(logits, factor)
                 loss = loss_torch(pair.task, logits.float(), targets)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -335,10 +362,21 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
             forward, dtype=policy.compute_dtype, device=torch_device_type(config.device)
         )
 
+    @jax.custom_vjp
+    def poison(logits, factor):
+        return logits
+
+    def poison_fwd(logits, factor):
+        return logits, factor
+
+    def poison_bwd(factor, g):
+        shape = (-1,) + (1,) * (g.ndim - 1)
+        return g * factor.astype(g.dtype).reshape(shape), jnp.zeros_like(factor)
+
+    poison.defvjp(poison_fwd, poison_bwd)
+
     def loss_fn(params, inputs, targets, factor):
-        logits = forward(params, inputs)
-        shape = (-1,) + (1,) * (logits.ndim - 1)
-        logits = logits * factor.astype(logits.dtype).reshape(shape)
+        logits = poison(forward(params, inputs), factor)
         return loss_jax(pair.task, logits.astype(jnp.float32), targets)
 
     if not config.mixed:
