@@ -1,7 +1,12 @@
-"""Train-state glue: a linen `TrainState` and an NNX `Optimizer` that carry a policy and a loss scale.
+"""Train-state glue: a linen `TrainState` and an NNX `Optimizer` with a policy and a loss scale.
 
-Both wrap the optimizer in `jaxamp.loss_scaled`, take gradients of the *scaled* loss, skip
-non-finite steps (params and optimizer state bit-for-bit unchanged) and expose `amp_info`.
+Both wrap the optimizer in `jaxamp.loss_scaled`, take gradients of the *scaled* loss and expose
+`amp_info`. The skip decision is `loss_scaled`'s, made once (see its docs per loss-scale type,
+`NoOpLossScale` included): a non-finite step is skipped completely — params (subnormals
+included, via `jaxamp.optim.apply_updates`), optimizer state, `step` and telemetry — or applied
+completely; linen and NNX share the code. Params must be in the policy's param dtype (or a
+per-module rule's): float16 master weights under "fp16-mixed" are refused, as torch refuses
+to unscale float16 gradients.
 
 The step counter on skipped steps:
 
@@ -21,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from flax.training import train_state as flax_train_state
@@ -31,7 +37,7 @@ from jaxamp.optim import (
     AmpInfo,
     LossScaledTransformation,
     amp_info,
-    amp_states,
+    apply_updates,
     get_loss_scale,
     loss_scaled,
 )
@@ -84,14 +90,62 @@ def wrap_optimizer(
     )
 
 
-def _keep_if_skipped(new: Any, old: Any, finite: jax.Array) -> Any:
-    # jnp.where, not p + 0: adding a zero update turns -0.0 into +0.0 (not bit-identical).
-    return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+def _leaf_name(path: tuple) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
 
 
-def _advance(step: jax.Array, finite: jax.Array, count_skipped_steps: bool) -> jax.Array:
+def check_param_dtypes(params: Any, expected: Callable[[str], Any], policy: Policy, caller: str):
+    """Raises `TypeError` naming every floating param leaf whose dtype is not `expected(path)`.
+
+    torch refuses to unscale float16 gradients (float16 master weights lose small updates and
+    overflow); a policy that says float32 params while the params are float16 would silently
+    train in float16.
+    """
+    wrong = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        name = _leaf_name(path)
+        allowed = expected(name)
+        if np.dtype(dtype) not in allowed:
+            wrong.append(
+                f"{name} ({np.dtype(dtype).name}; expected "
+                f"{' or '.join(sorted(d.name for d in allowed))})"
+            )
+    if wrong:
+        shown = ", ".join(wrong[:8]) + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        raise TypeError(
+            f"{caller}: {len(wrong)} parameter leaves are not in the policy's param dtype "
+            f"(policy {str(policy)!r}): {shown}. Training them as they are would ignore the "
+            "policy (torch likewise refuses to unscale float16 gradients). Fix: create the "
+            "params under the policy (jf.linen.with_policy(model.init, policy) / "
+            "jf.nnx.apply_policy(model, policy)) or cast them: policy.cast_to_param(params)."
+        )
+
+
+def _rule_param_dtypes(rules: Any) -> set:
+    """The param dtypes named by normalised per-module rules."""
+    dtypes = set()
+    for rule in rules:
+        value = rule.value
+        dtype = value.param_dtype if isinstance(value, Policy) else value.param
+        if dtype is not None:
+            dtypes.add(np.dtype(dtype))
+    return dtypes
+
+
+def _advance(step: jax.Array, applied: jax.Array, count_skipped_steps: bool) -> jax.Array:
     one = jnp.ones((), step.dtype)
-    return step + (one if count_skipped_steps else finite.astype(step.dtype))
+    return step + (one if count_skipped_steps else applied.astype(step.dtype))
 
 
 class TrainState(flax_train_state.TrainState):
@@ -177,6 +231,13 @@ class TrainState(flax_train_state.TrainState):
                 f"policy={str(policy)!r} but apply_fn is wrapped with policy "
                 f"{str(apply_fn.policy)!r}; pass the same policy (or the unwrapped model.apply)."
             )
+        # Per-module rules may give some modules another param dtype; which module a leaf
+        # belongs to is only known when the model runs, so any rule's param dtype is allowed.
+        config = getattr(getattr(apply_fn, "interceptor", None), "config", None)
+        allowed = {np.dtype(policy.param_dtype)} | _rule_param_dtypes(
+            getattr(config, "user_rules", ())
+        )
+        check_param_dtypes(params, lambda _: allowed, policy, "TrainState.create(params=...)")
         tx = wrap_optimizer(
             tx,
             policy,
@@ -208,13 +269,10 @@ class TrainState(flax_train_state.TrainState):
           ``count_skipped_steps``.
         """
         updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
-        finite = amp_info(new_opt_state).last_step_finite
-        new_params = _keep_if_skipped(
-            optax.apply_updates(self.params, updates), self.params, finite
-        )
+        applied = amp_info(new_opt_state).last_step_applied
         return self.replace(
-            step=_advance(jnp.asarray(self.step), finite, self.count_skipped_steps),
-            params=new_params,
+            step=_advance(jnp.asarray(self.step), applied, self.count_skipped_steps),
+            params=apply_updates(self.params, updates, new_opt_state),
             opt_state=new_opt_state,
             **kwargs,
         )
@@ -303,6 +361,7 @@ class Optimizer(nnx.Optimizer):
             max_consecutive_skips=max_consecutive_skips,
             on_max_skips=on_max_skips,
         )
+        _check_nnx_param_dtypes(model, wrt, graph, policy)
         super().__init__(model, tx, wrt=wrt, graph=graph)
         self.policy = policy
         self.count_skipped_steps = count_skipped_steps
@@ -320,13 +379,10 @@ class Optimizer(nnx.Optimizer):
         updates, new_opt_state = self.tx.update(
             grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays
         )
-        finite = amp_info(new_opt_state).last_step_finite
-        new_params = _keep_if_skipped(
-            optax.apply_updates(param_arrays, updates), param_arrays, finite
-        )
-        nnx.update(model, new_params)
+        applied = amp_info(new_opt_state).last_step_applied
+        nnx.update(model, apply_updates(param_arrays, updates, new_opt_state))
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
-        self.step[...] = _advance(self.step[...], finite, self.count_skipped_steps)
+        self.step[...] = _advance(self.step[...], applied, self.count_skipped_steps)
         return updates
 
     def amp_info(self) -> AmpInfo:
@@ -380,6 +436,19 @@ def nnx_value_and_grad(
     return wrapped
 
 
-def has_loss_scaling(opt_state: Any) -> bool:
-    """Whether an optax state holds a `loss_scaled` state (used by checkpoint checks)."""
-    return bool(amp_states(opt_state))
+def _check_nnx_param_dtypes(model: Any, wrt: Any, graph: Any, policy: Policy) -> None:
+    from jaxamp.flax import _rules
+    from jaxamp.flax.nnx import module_policies
+
+    per_module = module_policies(model)
+
+    def expected(name: str) -> set:
+        parts = name.split("/")
+        for cut in range(len(parts) - 1, -1, -1):
+            module_policy = per_module.get(_rules.path_string(parts[:cut]))
+            if module_policy is not None:
+                return {np.dtype(module_policy.param_dtype)}
+        return {np.dtype(policy.param_dtype)}
+
+    params = nnx.as_pure(nnx.state(model, wrt, graph=graph))
+    check_param_dtypes(params, expected, policy, "jf.Optimizer(model=...)")
