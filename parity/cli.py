@@ -126,6 +126,38 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    from parity.distributed.run import JAX_MODES, STRATEGIES
+
+    group = parser.add_argument_group("multi-device (parity.distributed)")
+    group.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="JAX devices / processes; > 1 (or --strategy) runs torch ranks vs JAX meshes",
+    )
+    group.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp")
+    group.add_argument(
+        "--torch-ranks", type=int, default=None, help="torch processes (default --devices)"
+    )
+    group.add_argument(
+        "--jax-modes",
+        nargs="+",
+        choices=JAX_MODES,
+        default=list(JAX_MODES),
+        help="JAX variants to run (default all)",
+    )
+    group.add_argument(
+        "--inject-overflow",
+        default=None,
+        metavar="STEP:RANK",
+        help="fp16: a non-finite gradient on torch rank RANK's rows at STEP, both sides",
+    )
+    group.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per worker group (default 900)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity", description="PyTorch (torch.amp) vs JAX (jaxamp) parity runs."
@@ -146,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="architecture override, JSON value; repeatable",
     )
     _add_training_args(run, matrix=False)
+    _add_distributed_args(run)
 
     compare = sub.add_parser("compare", help="verdicts and report.md for DIR/results.json")
     compare.add_argument("dir", help="folder holding results.json")
@@ -303,6 +336,10 @@ def _cmd_run(args) -> int:
         raise ValueError(f"--model must be one of {', '.join(_model_names())}; got {args.model!r}.")
     config = _config_from_args(args, args.model, args.precision)
     frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
+    if args.devices > 1 or args.strategy is not None or args.torch_ranks is not None:
+        from parity.distributed.run import cli_run
+
+        return cli_run(args, config, frameworks)
     out = Path(args.out)
     runs = run_pair(
         config, frameworks, progress=not args.no_progress, step0_checks=not args.no_step0

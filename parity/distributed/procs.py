@@ -163,7 +163,8 @@ class WorkerGroup:
         return proc.pid
 
     def _tail(self, i: int, chars: int = 4000) -> str:
-        self._files[i].flush()
+        if not self._files[i].closed:
+            self._files[i].flush()
         try:
             return self._logs[i].read_text(errors="replace")[-chars:]
         except OSError:
@@ -180,10 +181,11 @@ class WorkerGroup:
                     continue
                 pending.discard(i)
                 if code != 0:
+                    tail = self._tail(i)
                     self.terminate()
                     raise WorkerError(
                         f"worker {self._names[i]} (pid {self._procs[i].pid}) exited with "
-                        f"code {code}; the others were ended. Output tail:\n{self._tail(i)}"
+                        f"code {code}; the others were ended. Output tail:\n{tail}"
                     )
             if pending and time.monotonic() > deadline:
                 names = ", ".join(self._names[i] for i in sorted(pending))

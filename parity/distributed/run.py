@@ -508,3 +508,29 @@ def format_distributed(result: DistributedResult) -> str:
         )
     lines.append(f"status: {result.status}")
     return "\n".join(lines)
+
+
+def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
+    """``python -m parity run --devices N --strategy {ddp,fsdp}``: exit 0 pass, 1 fail."""
+    inject = None
+    if args.inject_overflow:
+        parts = args.inject_overflow.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(
+                f"--inject-overflow takes STEP:RANK (e.g. 3:1); got {args.inject_overflow!r}."
+            )
+        inject = (int(parts[0]), int(parts[1]))
+    plan = DistributedPlan(
+        devices=args.devices,
+        strategy=args.strategy or "ddp",
+        torch_ranks=args.torch_ranks,
+        jax_modes=tuple(args.jax_modes),
+        inject_overflow=inject,
+        timeout_s=args.timeout,
+        torch_backend="nccl" if config.device == "gpu" else "gloo",
+        jax_platform="gpu" if config.device == "gpu" else "cpu",
+    )
+    result = run_distributed(config, plan, args.out, frameworks=frameworks)
+    print(format_distributed(result))
+    print(f"results: {(Path(args.out) / 'distributed.json').resolve()}")
+    return {"PASS": 0, "FAIL": 1}.get(result.status, 3)

@@ -15,6 +15,7 @@ per-replica statistics, JAX's jit over the global batch synchronises them: not t
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -157,8 +158,14 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 if config.mixed
                 else MixedPrecisionPolicy()
             )
+            # One FSDP group per module owning parameters; tied parameters (e.g. a language
+            # model's shared embedding/output matrix) stay with the root group.
+            owners = collections.Counter(
+                id(p) for m in model.modules() for p in m.parameters(recurse=False)
+            )
             for sub in model.modules():
-                if sub is not model and any(True for _ in sub.parameters(recurse=False)):
+                direct = list(sub.parameters(recurse=False))
+                if sub is not model and direct and all(owners[id(p)] == 1 for p in direct):
                     fully_shard(sub, mp_policy=mp)
             wrapped = fully_shard(model, mp_policy=mp)
             for name in ("reduce_scatter_tensor", "all_reduce"):
