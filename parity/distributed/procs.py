@@ -115,6 +115,7 @@ class WorkerGroup:
         self._names: list[str] = []
         self._logs: list[Path] = []
         self._files: list = []
+        self._temp_logs: list[Path] = []
         self._started = time.monotonic()
 
     def __hash__(self) -> int:
@@ -147,15 +148,20 @@ class WorkerGroup:
             fd, path = tempfile.mkstemp(prefix=f"parity-{name}-", suffix=".log")
             os.close(fd)
             log = Path(path)
+            self._temp_logs.append(log)
         handle = open(log, "w")  # noqa: SIM115 - closed in terminate()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group: ended as a unit, by PID
-        )
+        stdin = open(os.devnull)  # noqa: SIM115 - read-only, closed right after the start
+        try:
+            proc = subprocess.Popen(
+                list(cmd),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=stdin,
+                env=env,
+                start_new_session=True,  # its own process group: ended as a unit, by PID
+            )
+        finally:
+            stdin.close()
         self._procs.append(proc)
         self._names.append(name)
         self._logs.append(log)
@@ -225,8 +231,7 @@ class WorkerGroup:
         for handle in self._files:
             with contextlib.suppress(OSError):
                 handle.close()
-        if self.log_dir is None:
-            for log in self._logs:
-                with contextlib.suppress(OSError):
-                    log.unlink()
-            self._logs = [Path(os.devnull)] * len(self._logs)
+        # Temporary logs (no log_dir) are removed once; nothing else is ever unlinked.
+        while self._temp_logs:
+            with contextlib.suppress(OSError):
+                self._temp_logs.pop().unlink()

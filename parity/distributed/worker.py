@@ -538,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stdout.flush()
         return 1
+    result["pid"] = os.getpid()
     _write(spec["out"], result)
     return 0
 

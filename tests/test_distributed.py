@@ -1,0 +1,201 @@
+"""parity.distributed: owned and bounded workers, plan validation, and short multi-device runs.
+
+The multi-device runs start torch ranks (gloo on 127.0.0.1) and JAX worker processes (their own
+host device count); every test checks that no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from parity.config import RunConfig  # noqa: E402
+from parity.distributed import (  # noqa: E402
+    DistributedPlan,
+    WorkerError,
+    WorkerGroup,
+    free_port,
+    run_distributed,
+)
+from parity.distributed.hlo import reduction_collectives, reduction_dtypes  # noqa: E402
+from parity.distributed.procs import live_worker_pids  # noqa: E402
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is not running: read its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def test_worker_group_ends_every_worker_when_one_fails():
+    with WorkerGroup(timeout_s=30) as group:
+        group.start("sleeper", SLEEPER)
+        group.start("failer", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+        with pytest.raises(WorkerError, match=r"failer.*code 3(.|\n)*boom"):
+            group.wait()
+        pids = group.pids
+    assert not any(_alive(p) for p in pids)
+    assert live_worker_pids() == []
+
+
+def test_worker_group_timeout_ends_workers():
+    start = time.monotonic()
+    with WorkerGroup(timeout_s=1.0) as group:
+        group.start("sleeper", SLEEPER)
+        with pytest.raises(WorkerError, match="timeout"):
+            group.wait()
+        pids = group.pids
+    assert time.monotonic() - start < 15
+    assert not any(_alive(p) for p in pids)
+
+
+def test_worker_group_success_and_validation():
+    with WorkerGroup(timeout_s=30) as group:
+        group.start("echo", [sys.executable, "-c", "print('hi')"])
+        results = group.wait()
+    assert results[0].returncode == 0 and results[0].output.strip() == "hi"
+    with pytest.raises(ValueError, match="timeout_s"):
+        WorkerGroup(timeout_s=0)
+
+
+def test_ctrl_c_ends_workers(tmp_path):
+    # A harness process with a worker; SIGINT to the harness must end the worker too.
+    pid_file = tmp_path / "pid"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from parity.distributed.procs import WorkerGroup
+        with WorkerGroup(timeout_s=60) as g:
+            pid = g.start("sleeper", {SLEEPER!r})
+            open({str(pid_file)!r}, "w").write(str(pid))
+            g.wait()
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    harness = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "worker never started"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        assert _alive(worker)
+        harness.send_signal(signal.SIGINT)
+        harness.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait()
+
+
+def test_free_port_binds_loopback():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_plan_validation():
+    with pytest.raises(ValueError, match="Did you mean 'fsdp'"):
+        DistributedPlan(strategy="fsd")
+    with pytest.raises(ValueError, match="Did you mean 'shard_map'"):
+        DistributedPlan(jax_modes=("shardmap",))
+    with pytest.raises(ValueError, match="devices"):
+        DistributedPlan(devices=0)
+    with pytest.raises(ValueError, match="torch ranks"):
+        DistributedPlan(devices=2, inject_overflow=(1, 2))
+    config = RunConfig(model="mlp", batch_size=6, steps=2)
+    with pytest.raises(ValueError, match="divisible"):
+        run_distributed(config, DistributedPlan(devices=4))
+    with pytest.raises(ValueError, match="fp16-mixed"):
+        run_distributed(
+            RunConfig(model="mlp", batch_size=8), DistributedPlan(inject_overflow=(1, 0))
+        )
+    with pytest.raises(ValueError, match="BatchNorm"):
+        run_distributed(RunConfig(model="cnn_bn", batch_size=8, steps=1), DistributedPlan())
+
+
+def test_hlo_parser(tmp_path):
+    (tmp_path / "module_1.jit_train_step.after_spmd-partitioning.txt").write_text(
+        "  %all-reduce.1 = bf16[8,16]{1,0} all-reduce(%dot.1), to_apply=%add, "
+        'metadata={op_name="transpose(jvp())/dot_general"}\n'
+        "  %all-reduce.2 = (f32[], f32[8]{0}) all-reduce(%a, %b), to_apply=%add\n"
+        "  %rs = f32[4]{0} reduce-scatter(%c), dimensions={0}\n"
+        "  %ag = bf16[8]{0} all-gather(%d), dimensions={0}\n"
+    )
+    colls = reduction_collectives(tmp_path, "train_step")
+    assert [c["op"] for c in colls] == ["all-reduce", "all-reduce", "reduce-scatter"]
+    assert colls[0]["op_name"] == "transpose(jvp())/dot_general"
+    assert reduction_dtypes(colls) == ["bfloat16", "float32"]
+
+
+def _assert_no_strays(result):
+    pids = [r["pid"] for results in result.ranks.values() for r in results]
+    assert pids and not any(_alive(p) for p in pids)
+    assert live_worker_pids() == []
+
+
+def _failed(result):
+    return [v for v in result.verdicts if v.passed is False]
+
+
+@pytest.mark.slow
+def test_ddp_bf16_mixed_two_ranks_jit_and_multiprocess(tmp_path):
+    config = RunConfig(
+        model="mlp", precision="bf16-mixed", steps=4, batch_size=8, lr_warmup_steps=2, eval=False
+    )
+    plan = DistributedPlan(devices=2, strategy="ddp", jax_modes=("jit", "multiprocess"))
+    result = run_distributed(
+        config,
+        plan,
+        tmp_path,
+    )
+    assert result.status == "PASS", _failed(result)
+    checks = {(v.check, v.compared) for v in result.verdicts}
+    assert ("gradient reduction dtype", "jax:jit") in checks
+    assert ("loss scale and skips identical across ranks", "jax:multiprocess") in checks
+    assert (tmp_path / "distributed.json").exists()
+    _assert_no_strays(result)
+
+
+@pytest.mark.slow
+def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
+    config = RunConfig(
+        model="mlp", precision="fp16-mixed", steps=4, batch_size=8, lr_warmup_steps=2, eval=False
+    )
+    plan = DistributedPlan(
+        devices=4, torch_ranks=2, strategy="ddp", jax_modes=("jit",), inject_overflow=(2, 1)
+    )
+    result = run_distributed(config, plan, tmp_path)
+    assert result.status == "PASS", _failed(result)
+    injected = [v for v in result.verdicts if v.check.startswith("injected overflow")]
+    assert {v.compared for v in injected} == {"torch", "jax:jit"}
+    assert all(v.passed for v in injected)
+    for results in result.ranks.values():
+        for r in results:
+            assert [s["skipped"] for s in r["steps"]] == [False, False, True, False]
+    _assert_no_strays(result)
