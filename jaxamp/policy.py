@@ -48,6 +48,11 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     """Casts the floating-point array leaves of `tree` to `dtype`; other leaves are untouched.
 
     Integer, boolean and PRNG-key arrays, Python scalars and non-array leaves keep their type.
+
+    Example:
+      >>> tree = jaxamp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.bfloat16)
+      >>> tree["w"].dtype, tree["step"].dtype
+      (dtype(bfloat16), dtype('int32'))
     """
     dtype = np.dtype(dtype)
 

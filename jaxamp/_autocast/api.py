@@ -95,8 +95,16 @@ def autocast(
       (e.g. a linear model returns ``dtype``), as under torch.autocast.
 
     Examples:
-      >>> loss = jaxamp.autocast(loss_fn, device="cuda", dtype=jnp.bfloat16)
-      >>> grads = jax.grad(loss)(params, batch)  # float32 params get float32 grads
+      >>> def loss_fn(w, x):
+      ...     return jnp.sum(jnp.tanh(x @ w))
+      >>> w, x = jnp.full((4, 2), 0.5), jnp.ones((3, 4))
+      >>> loss = jaxamp.autocast(loss_fn, device="cpu", dtype=jnp.bfloat16)
+      >>> loss(w, x).dtype  # the matmul ran in bfloat16, tanh and sum kept its dtype
+      dtype(bfloat16)
+      >>> jax.grad(loss)(w, x).dtype  # float32 params get float32 grads
+      dtype('float32')
+      >>> jaxamp.autocast(loss_fn, device="cuda", overrides={"dot_general": "fp32"})(w, x).dtype
+      dtype('float32')
     """
     return transform(fn, dtype=dtype, device=device, overrides=overrides)
 
@@ -157,9 +165,12 @@ def autocast_trace(
       program order (higher-order primitives are entered, not listed).
 
     Examples:
-      >>> jaxamp.autocast_trace(lambda x: jnp.exp(x @ x), jnp.ones((2, 2)), device="cuda")
-      [DtypeRecord(op='dot_general', in_dtypes=('float16', 'float16'), out_dtypes=('float16',)),
-       DtypeRecord(op='exp', in_dtypes=('float32',), out_dtypes=('float32',))]
+      >>> for record in jaxamp.autocast_trace(
+      ...     lambda x: jnp.exp(x @ x), jnp.ones((2, 2)), device="cuda"
+      ... ):
+      ...     print(record)
+      DtypeRecord(op='dot_general', in_dtypes=('float16', 'float16'), out_dtypes=('float16',))
+      DtypeRecord(op='exp', in_dtypes=('float32',), out_dtypes=('float32',))
 
     The casts autocast inserts are not listed; they show in ``in_dtypes``.
     """
@@ -190,8 +201,13 @@ def full_precision(fn: Callable) -> Callable:
       A function with ``fn``'s signature.
 
     Examples:
-      >>> stable_loss = jaxamp.full_precision(lambda logits, y: cross_entropy(logits, y))
-      >>> loss = jaxamp.autocast(lambda p, x, y: stable_loss(model(p, x), y))(params, x, y)
+      >>> stable_loss = jaxamp.full_precision(
+      ...     lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      ... )
+      >>> w, x, y = jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.array([0, 2])
+      >>> loss = jaxamp.autocast(lambda w, x, y: stable_loss(x @ w, y), device="cpu")
+      >>> loss(w, x, y).dtype  # the matmul ran in bfloat16, the loss in float32
+      dtype('float32')
     """
     if not callable(fn):
         raise TypeError(f"full_precision: `fn` must be callable, got {type(fn).__name__}.")

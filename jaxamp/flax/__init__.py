@@ -19,16 +19,19 @@ or an override with ``output=``); the root returns the global policy's output dt
 softmax runs in float32 (``float32_softmax=True``) for Flax's attention modules.
 
 Examples:
-  linen::
+  linen:
 
-    init = jf.linen.with_policy(model.init, "bf16-mixed")
-    state = jf.TrainState.create(apply_fn=model.apply, params=init(rng, x)["params"],
-                                 tx=optax.adam(1e-3), policy="bf16-mixed")
+  >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+  >>> init = jf.linen.with_policy(model.init, "bf16-mixed")
+  >>> state = jf.TrainState.create(
+  ...     apply_fn=model.apply, params=init(jax.random.key(0), x)["params"],
+  ...     tx=optax.adam(1e-3), policy="bf16-mixed",
+  ... )
 
-  NNX::
+  NNX:
 
-    jf.nnx.apply_policy(model, "bf16-mixed")
-    optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="bf16-mixed")
+  >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16-mixed")
+  >>> optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="bf16-mixed")
 """
 
 from jaxamp.flax import checkpoint as checkpoint

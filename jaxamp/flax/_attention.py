@@ -57,6 +57,12 @@ def float32_softmax_attention(
 
     Returns:
       The attention output, in the compute dtype.
+
+    Example:
+      >>> q = jnp.ones((1, 5, 2, 8), jnp.bfloat16)  # [batch, length, heads, depth]
+      >>> jf.float32_softmax_attention(q, q, q).dtype
+      dtype(bfloat16)
+      >>> layer = nn.MultiHeadDotProductAttention(2, attention_fn=jf.float32_softmax_attention)
     """
     if dtype is None:
         dtype = jnp.result_type(query, key, value)

@@ -53,6 +53,13 @@ class PolicyOverride:
 
     Built with `override`. ``output=None`` means "the caller's compute dtype", so a float32
     LayerNorm inside a bfloat16 block hands bfloat16 activations back to the block.
+
+    Example:
+      >>> rule = jf.override(compute="f32")
+      >>> rule
+      PolicyOverride(param=None, compute=dtype('float32'), output=None)
+      >>> str(rule.apply(jaxamp.get_policy("bf16-mixed"), jnp.bfloat16))
+      'p=f32,c=f32,o=bf16'
     """
 
     param: np.dtype | None = None
@@ -93,8 +100,12 @@ def override(param: Any = None, compute: Any = None, output: Any = None) -> Poli
       ValueError, TypeError: a dtype is not float16, bfloat16, float32 or float64.
 
     Examples:
-      >>> rules = {nn.Dense: jf.override(compute="float32")}   # every Dense in float32
+      >>> rules = {nn.Dense: jf.override(compute="float32")}  # every Dense in float32
       >>> rules = {"head/*": jf.override(compute="f32", output="f32")}
+      >>> str(jf.override(compute="full", output="bf16"))  # get_policy's dtype names
+      'override(c=f32,o=bf16)'
+      >>> jf.float32_compute  # the default rule of normalisation layers
+      PolicyOverride(param=None, compute=dtype('float32'), output=None)
     """
     return PolicyOverride(
         _dtype(param, "param"), _dtype(compute, "compute"), _dtype(output, "output")
@@ -187,7 +198,17 @@ def rule_matches(rule: _Rule, module: Any, path: str, cls: type | None = None) -
 
 
 class UnmatchedRuleWarning(UserWarning):
-    """A per-module rule matched no module of the model (likely a misspelled path or class)."""
+    """A per-module rule matched no module of the model (likely a misspelled path or class).
+
+    Example:
+      >>> import warnings
+      >>> init = jf.linen.with_policy(nn.Dense(2).init, "bf16-mixed", {"Dense_9": "fp32"})
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> caught[0].category.__name__, "matched no module" in str(caught[0].message)
+      ('UnmatchedRuleWarning', True)
+    """
 
 
 def warn_unmatched(

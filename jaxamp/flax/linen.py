@@ -16,6 +16,15 @@ params get float32 gradients.
 Limits: params read other than through ``self.param`` (e.g. ``self.variables``) are not cast;
 ``@nn.nowrap`` and private (``_name``) methods are not intercepted (they run inside their
 caller's policy); non-param variables (e.g. BatchNorm statistics) are left alone.
+
+Example:
+  >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+  >>> apply = jf.linen.with_policy(model.apply, "bf16-mixed")
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+  >>> apply(variables, jnp.ones((1, 3))).dtype
+  dtype('float32')
+  >>> nn.LayerNorm in jf.linen.DEFAULT_RULES  # normalisation layers compute in float32
+  True
 """
 
 from __future__ import annotations
@@ -157,6 +166,14 @@ def policy_interceptor(
 
     Returns:
       An interceptor ``(next_fun, args, kwargs, context) -> output``.
+
+    Example:
+      >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+      >>> interceptor = jf.linen.policy_interceptor("bf16-true")
+      >>> with nn.intercept_methods(interceptor):
+      ...     variables = model.init(jax.random.key(0), x)
+      >>> variables["params"]["kernel"].dtype
+      dtype(bfloat16)
     """
     config = _Config(policy, rules, defaults, float32_softmax)
 
@@ -207,9 +224,12 @@ def intercept(
     Args: as `policy_interceptor`.
 
     Examples:
-      >>> with jf.linen.intercept("bf16-mixed", {nn.Dense: "fp32"}):
-      ...     variables = model.init(rng, x)        # params stored in float32
-      ...     logits = model.apply(variables, x)    # bf16 compute, Dense in fp32, f32 output
+      >>> model, x = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)]), jnp.ones((1, 3))
+      >>> with jf.linen.intercept("bf16-mixed", {"layers_2": "fp32"}):
+      ...     variables = model.init(jax.random.key(0), x)  # params stored in float32
+      ...     logits = model.apply(variables, x)  # bf16 compute, last Dense in fp32
+      >>> variables["params"]["layers_0"]["kernel"].dtype, logits.dtype
+      (dtype('float32'), dtype('float32'))
     """
     return nn.intercept_methods(
         policy_interceptor(policy, rules, defaults=defaults, float32_softmax=float32_softmax)
@@ -238,10 +258,15 @@ def with_policy(
       ``interceptor`` the interceptor.
 
     Examples:
+      >>> model, x = nn.Dense(2), jnp.ones((1, 3))
       >>> init = jf.linen.with_policy(model.init, "bf16-mixed")
-      >>> apply = jf.linen.with_policy(model.apply, "bf16-mixed")
+      >>> apply = jf.linen.with_policy(model.apply, "p=f32,c=bf16,o=bf16")
       >>> variables = init(jax.random.key(0), x)
-      >>> logits = jax.jit(apply)(variables, x)
+      >>> variables["params"]["kernel"].dtype, jax.jit(apply)(variables, x).dtype
+      (dtype('float32'), dtype(bfloat16))
+
+      Normalisation layers compute in float32 by default (`DEFAULT_RULES`);
+      ``defaults=False`` turns that off.
     """
     if not callable(fn):
         raise TypeError(f"with_policy(fn=...) takes a callable; got {type(fn).__name__}.")

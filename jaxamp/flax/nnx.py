@@ -18,6 +18,15 @@ The call hook is installed by giving each instance a subclass of its own class (
 ``isinstance`` unchanged), so it survives `nnx.split`/`nnx.merge`, `nnx.jit` and `nnx.grad`.
 Only ``__call__`` is hooked; params read by other methods (e.g. `nnx.Embed.attend`) are cast
 when an enclosing module's ``__call__`` runs.
+
+Example:
+  >>> rngs = nnx.Rngs(0)
+  >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.LayerNorm(4, rngs=rngs))
+  >>> _ = jf.nnx.apply_policy(model, "bf16-mixed")
+  >>> model(jnp.ones((1, 3))).dtype
+  dtype('float32')
+  >>> nnx.LayerNorm in jf.nnx.DEFAULT_RULES  # normalisation layers compute in float32
+  True
 """
 
 from __future__ import annotations
@@ -227,9 +236,14 @@ def apply_policy(
       TypeError: `model` is not an `nnx.Module`, or a rule is malformed.
 
     Examples:
-      >>> model = MyModel(rngs=nnx.Rngs(0))
-      >>> jf.nnx.apply_policy(model, "bf16-mixed", {"head": "fp32"})
-      >>> logits = model(x)                 # bf16 compute, f32 head, f32 output
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> model = jf.nnx.apply_policy(model, "bf16-mixed", {"layers/1": "fp32"})
+      >>> policies = jf.nnx.module_policies(model)
+      >>> str(policies["layers/0"]), str(policies["layers/1"])
+      ('p=f32,c=bf16,o=bf16', 'p=f32,c=f32,o=f32')
+      >>> model(jnp.ones((1, 3))).dtype  # bf16 compute, f32 last layer, f32 output
+      dtype('float32')
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"apply_policy(model=...) takes an nnx.Module; got {type(model).__name__}.")
@@ -259,7 +273,16 @@ def _is_callable_class(cls: type) -> bool:
 
 
 def remove_policy(model: nnx.Module) -> nnx.Module:
-    """Removes the call hooks `apply_policy` installed (params keep their current dtypes)."""
+    """Removes the call hooks `apply_policy` installed (params keep their current dtypes).
+
+    Example:
+      >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16-true")
+      >>> model(jnp.ones((1, 3))).dtype
+      dtype(bfloat16)
+      >>> model = jf.nnx.remove_policy(model)
+      >>> jf.nnx.module_policies(model), model.kernel[...].dtype
+      ({}, dtype(bfloat16))
+    """
     for _, module in _ordered_modules(model):
         base = getattr(type(module), "__jaxamp_base__", None)
         if base is not None:
@@ -273,7 +296,13 @@ def remove_policy(model: nnx.Module) -> nnx.Module:
 
 
 def module_policies(model: nnx.Module) -> dict[str, Policy]:
-    """The effective policy of every module `apply_policy` configured, keyed by path."""
+    """The effective policy of every module `apply_policy` configured, keyed by path.
+
+    Example:
+      >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "fp16-mixed")
+      >>> jf.nnx.module_policies(model)
+      {'': Policy('p=f32,c=f16,o=f32')}
+    """
     out = {}
     for path, module in _ordered_modules(model):
         policy = vars(module).get(_POLICY_ATTR)

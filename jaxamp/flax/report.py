@@ -41,7 +41,13 @@ _LOW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 @dataclasses.dataclass(frozen=True)
 class ModuleReport:
-    """One module's line of the report (dtype names as strings, e.g. "bfloat16")."""
+    """One module's line of the report (dtype names as strings, e.g. "bfloat16").
+
+    Example:
+      >>> line = jf.precision_report(nn.Dense(2), jnp.ones((1, 3)), policy="bf16-mixed")[""]
+      >>> line.module, line.params, line.compute, line.output, line.policy
+      ('Dense', ('float32',), 'bfloat16', 'float32', 'p=f32,c=bf16,o=f32')
+    """
 
     path: str
     module: str
@@ -61,6 +67,13 @@ class PrecisionReport:
     Attributes:
       modules: one `ModuleReport` per module path (its first call).
       policy: the global policy's string, or None.
+
+    Example:
+      >>> report = jf.precision_report(nn.Dense(2), jnp.ones((1, 3), jnp.bfloat16))
+      >>> report.policy, [m.flags for m in report.modules]
+      (None, [('silent-promotion',)])
+      >>> sorted(report.to_dict())
+      ['modules', 'policy']
     """
 
     modules: tuple[ModuleReport, ...]
@@ -169,8 +182,13 @@ def precision_report(
       silently promote low-precision inputs to float32.
 
     Examples:
-      >>> print(jf.precision_report(model, jnp.ones((1, 28, 28, 1), jnp.bfloat16)))
+      >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+      >>> x = jnp.ones((1, 3), jnp.bfloat16)
+      >>> [m.path for m in jf.precision_report(model, x).traps]  # float32 params promote
+      ['layers_0']
       >>> report = jf.precision_report(model, x, policy="bf16-mixed")
+      >>> report["layers_1"].compute, report["layers_2"].compute, report.traps
+      ('float32', 'bfloat16', ())
     """
     from flax import linen as nn
     from flax import nnx
