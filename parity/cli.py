@@ -123,7 +123,17 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         action="store_true",
         help="skip the step-0 output/gradient checks that run before training (parity.step0)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (default: a bar on a terminal, a plain line every 30 s elsewhere)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op CPU threads for torch and XLA alike (default: every core; recorded)",
+    )
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     matrix.add_argument("--force", action="store_true", help="redo runs already in results.json")
     _add_training_args(matrix, matrix=True)
+    from parity.matmul import add_matmul_parser
+
+    add_matmul_parser(sub)
     return parser
 
 
@@ -243,25 +256,40 @@ def run_pair(
 
     With both frameworks, the step-0 checks (`parity.step0`) run first; when they fail, nothing
     is trained and both records are errors naming the worst output, parameter and layer."""
+    from parity.hardware import UnsupportedHere, unsupported_reason
     from parity.models import get_model_pair
+    from parity.records import build_unsupported_record
     from parity.step0 import attach_step0, blocked_records, run_step0
     from parity.train_jax import train_jax
     from parity.train_torch import build_error_record, train_torch
 
     pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    # A cell this hardware cannot run (no GPU; no oneDNN kernel) is recorded, not failed.
+    unsupported = []
+    for framework in frameworks:
+        model = pair.torch_model if framework == "torch" else config.model
+        reason = unsupported_reason(framework, config.policy, model, config.device)
+        if reason is not None:
+            unsupported.append(build_unsupported_record(framework, config, reason))
+    skip = {run["framework"] for run in unsupported}
+    frameworks = tuple(fw for fw in frameworks if fw not in skip)
+    if not frameworks:
+        return unsupported
     # Step 0 first (outputs and gradients before any training); a broken port is not trained.
     step0 = run_step0(config, pair, frameworks=frameworks) if step0_checks else None
     if step0 is not None and not step0.passed:
-        return blocked_records(config, step0, frameworks)
+        return unsupported + blocked_records(config, step0, frameworks)
     runs = []
     for framework in frameworks:
         trainer = train_torch if framework == "torch" else train_jax
         try:
             runs.append(trainer(config, pair, progress=progress))
+        except UnsupportedHere as e:
+            runs.append(build_unsupported_record(framework, config, e.reason))
         except Exception as e:  # recorded and failed by `compare`; the matrix goes on
             print(f"error: {framework} {config.model} {config.precision}: {e}", file=sys.stderr)
             runs.append(build_error_record(framework, config, e))
-    return attach_step0(runs, step0)
+    return unsupported + attach_step0(runs, step0)
 
 
 def calibration_runs(
@@ -351,6 +379,9 @@ def _cmd_run(args) -> int:
     merge_runs(out, runs)
     for run in runs:
         s = run["summary"]
+        if run.get("status") == "unsupported":
+            print(f"{run['framework']:5s} {run['model']} {run['precision']}: unsupported here")
+            continue
         if s.get("error"):
             print(f"{run['framework']:5s} {run['model']} {run['precision']}: ERROR {s['error']}")
             continue
@@ -376,9 +407,9 @@ def _cmd_matrix(args) -> int:
     progress = not args.no_progress
     iterator = cells
     if progress:
-        from tqdm import tqdm
+        from parity.progress import progress as progress_lines
 
-        iterator = tqdm(cells, desc="matrix", unit="cell")
+        iterator = progress_lines(cells, "matrix", unit="cell", leave=True)
     skipped_cells = []
     for model, precision in iterator:
         reason = UNSUPPORTED.get((model, precision, args.device))
@@ -411,6 +442,19 @@ def _cmd_matrix(args) -> int:
     return _compare_and_report(out, skipped_cells)
 
 
+def _gpu_missing(args) -> str | None:
+    """One line naming each requested framework that has no GPU here, or None."""
+    if args.device != "gpu":
+        return None
+    from parity.hardware import unsupported_reason
+
+    wanted = getattr(args, "framework", "both")
+    frameworks = ("torch", "jax") if wanted == "both" else (wanted,)
+    reasons = [unsupported_reason(fw, "fp32", "mlp", "gpu") for fw in frameworks]
+    reasons = [r for r in reasons if r]
+    return "; ".join(reasons) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = build_parser()
@@ -420,8 +464,20 @@ def main(argv: list[str] | None = None) -> int:
         # its allocator peak says nothing about the model.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        if args.command == "run":
-            return _cmd_run(args)
+        if args.command == "matmul":
+            from parity.matmul import main_matmul
+
+            return main_matmul(args)
+        if args.command in ("run", "matrix"):
+            from parity.measure import set_threads
+
+            set_threads(args.threads)  # before JAX starts its CPU backend; recorded in every run
+            missing = _gpu_missing(args)
+            code = _cmd_run(args) if args.command == "run" else _cmd_matrix(args)
+            if missing:  # what could run ran and is reported; the cells without a GPU are not
+                print(f"error: --device gpu: {missing}", file=sys.stderr)
+                return 2
+            return code
         if args.command == "compare":
             out = Path(args.dir)
             if not (out / "results.json").exists():

@@ -22,11 +22,13 @@ Memory methods (every figure in ``results.json`` names one of these):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -156,6 +158,37 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
     return total
 
 
+# kineto (torch's profiler backend) prints "USDT:... profiler_start" / "profiler_stop" (and
+# "STAGE:... Completed Stage") lines to fd 2 around every profile. They sit at its highest log
+# level: KINETO_LOG_LEVEL can hide them only together with its errors, so they are filtered out.
+_KINETO_MARKER = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Captures fd 2 while profiling and passes on every line except kineto's markers."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded interpreters): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", errors="replace")
+            kept = [ln for ln in text.splitlines(keepends=True) if not _KINETO_MARKER.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def torch_cpu_step_memory(run_step: Callable[[], Any], live_tensors: Iterable[Any]) -> int:
     """Peak CPU bytes of one torch training step (method ``torch_profiler_cpu_allocations``).
 
@@ -168,7 +201,10 @@ def torch_cpu_step_memory(run_step: Callable[[], Any], live_tensors: Iterable[An
     from torch.profiler import ProfilerActivity, profile
 
     baseline = tensor_bytes(live_tensors)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        _without_kineto_markers(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         run_step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())

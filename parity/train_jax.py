@@ -197,7 +197,7 @@ def train_jax(
       stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
       variables: initial Flax variables (default: ``pair.torch_to_flax()``, converted from the
         torch model's initial weights).
-      progress: show a tqdm progress bar.
+      progress: report progress (a bar on a terminal, a plain line every 30 s elsewhere).
     """
     from parity.models import loss_jax
 
@@ -302,9 +302,9 @@ def train_jax(
     log = measure.StepLog()
     iterator = range(config.steps)
     if progress:
-        from tqdm import tqdm
+        from parity.progress import progress as progress_lines
 
-        iterator = tqdm(iterator, desc=f"jax {config.model} {config.precision}", leave=False)
+        iterator = progress_lines(iterator, f"jax {config.model} {config.precision}")
     for step in iterator:
         inputs, targets = host_batch(step)
         learning_rate = jnp.float32(config.lr_at(step))

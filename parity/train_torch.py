@@ -73,7 +73,7 @@ def train_torch(
       config: the run's configuration.
       pair: a `parity.models.ModelPair` (torch model, forward, loss task).
       stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
-      progress: show a tqdm progress bar.
+      progress: report progress (a bar on a terminal, a plain line every 30 s elsewhere).
 
     Returns:
       A run record as in DESIGN.md (framework ``"torch"``; ``torch_compile`` in the config).
@@ -139,12 +139,12 @@ def train_torch(
     scale = float(scaler.get_scale()) if scaler is not None else None
     iterator = range(config.steps)
     if progress:
-        from tqdm import tqdm
+        from parity.progress import progress as progress_lines
 
         label = (
             f"torch{'-compile' if config.torch_compile else ''} {config.model} {config.precision}"
         )
-        iterator = tqdm(iterator, desc=label, leave=False)
+        iterator = progress_lines(iterator, label)
     for step in iterator:
         raw_inputs, raw_targets = stream.batch(step)
         inputs = _to_device(raw_inputs, device, input_dtype)
