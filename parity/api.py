@@ -85,11 +85,143 @@ def _no_reverse_transfer(variables, torch_module):
     raise NotImplementedError("compare_models needs only the torch -> Flax transfer.")
 
 
+def prepare_pair(
+    torch_module: Any,
+    flax_module: Any,
+    transfer: Callable[[Any], dict] | None,
+    stream: Any,
+    *,
+    task: str = "classification",
+    name: str = "user_model",
+    torch_channels_first: bool | None = None,
+    rules: dict[str, Any] | None = None,
+    flax_kwargs: Callable[[Any], dict] | None = None,
+    dropout: str = "disable",
+) -> Any:
+    """A checked `parity.models.ModelPair` from user models: the adapters, the weight mapping
+    (given `transfer` or `parity.transfer.auto`), validation against the Flax model's own
+    variables, and one abstract forward pass on the first batch, all before any training step.
+
+    Args: as `compare_models`; `stream` is a `BatchStream`-like object (``batch(step)``).
+
+    Returns:
+      A `ModelPair` whose ``torch_model`` is a copy (dropout disabled when asked).
+
+    Raises:
+      parity.adapters.AdapterError / parity.transfer.TransferError: naming the problem and the fix.
+
+    Example:
+      >>> import flax.linen as fnn, torch
+      >>> batches = [(np.zeros((4, 3), np.float32), np.zeros(4, np.int32))]
+      >>> pair = prepare_pair(torch.nn.Linear(3, 2), fnn.Dense(2), None, _UserBatches(batches, None))
+      >>> [e.transform for e in pair.mapping.entries]
+      ['linear', 'identity']
+    """
+    import copy
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from parity import adapters
+    from parity.mapping import WeightMapping, as_variables
+    from parity.models import TASKS, ModelPair
+    from parity.transfer import auto, validate_variables
+
+    if task not in TASKS:
+        import difflib
+
+        close = difflib.get_close_matches(str(task), TASKS, n=1)
+        raise ValueError(
+            f"`task` must be one of {TASKS}, got {task!r}"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+        )
+    if dropout not in ("disable", "refuse"):
+        raise ValueError(f"`dropout` must be 'disable' or 'refuse', got {dropout!r}.")
+    if not isinstance(torch_module, torch.nn.Module):
+        raise adapters.AdapterError(
+            f"`torch_module` must be a torch.nn.Module, got {type(torch_module).__name__}."
+        )
+    flax = adapters.as_flax_model(flax_module, flax_kwargs=flax_kwargs)
+    inputs, targets = stream.batch(0)
+    inputs, targets = np.asarray(inputs), np.asarray(targets)
+    channels_first = adapters.check_image_layout(torch_module, inputs, torch_channels_first)
+    model = copy.deepcopy(torch_module)
+    found = adapters.torch_dropout_layers(model)
+    if found and dropout == "refuse":
+        raise adapters.AdapterError(
+            f"the torch model has dropout {found}: the two frameworks draw different masks, so "
+            "parity cannot be checked. Set the rates to 0, or pass dropout='disable'."
+        )
+    adapters.disable_torch_dropout(model)
+
+    example = torch.as_tensor(inputs)
+    if example.is_floating_point():
+        if channels_first and example.dim() == 4:
+            example = example.permute(0, 3, 1, 2)
+    else:
+        example = example.long()
+    reference = flax.init_variables(jnp.asarray(inputs))
+    mapping = None
+    if transfer is None:
+        mapping = auto(model, reference, rules=rules, example_inputs=example)
+        to_flax, from_flax = mapping.to_flax, mapping.to_torch
+    else:
+        to_flax, from_flax = (lambda m: as_variables(transfer(m))), _no_reverse_transfer
+    variables = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), to_flax(model))
+    validate_variables(
+        variables, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), reference)
+    )
+    validate_variables(variables, reference, check_dtype=False)
+    pair = ModelPair(
+        name=name,
+        task=task,
+        torch_model=model,
+        flax_model=flax,
+        config={},
+        to_flax=to_flax,
+        from_flax=from_flax,
+        data=None,
+        torch_channels_first=channels_first,
+        mapping=mapping if isinstance(mapping, WeightMapping) else None,
+    )
+    # One abstract forward pass each side: signatures, outputs and shapes fail here, not mid-run.
+    logits = jax.eval_shape(
+        lambda v, x: pair.flax_apply(v, x, train=True)[0], variables, jnp.asarray(inputs)
+    )
+    _check_logits(task, tuple(logits.shape), targets, "Flax")
+    with torch.no_grad():
+        torch_logits = pair.torch_forward(
+            copy.deepcopy(model), torch.as_tensor(inputs), train=False
+        )
+    _check_logits(task, tuple(torch_logits.shape), targets, "torch")
+    return pair
+
+
+def _check_logits(task: str, shape: tuple[int, ...], targets: np.ndarray, side: str) -> None:
+    expected = {
+        "classification": ("(batch, classes)", len(shape) == 2 and shape[:1] == targets.shape),
+        "lm": ("(batch, time, vocab)", len(shape) == 3 and shape[:2] == targets.shape),
+        "regression": (f"the targets' shape {targets.shape}", shape == targets.shape),
+    }
+    description, ok = expected[task]
+    if not ok:
+        hint = ""
+        if task == "classification" and len(shape) == 3:
+            hint = " A sequence model's per-token logits: pass task='lm'."
+        elif task == "lm" and len(shape) == 2:
+            hint = " One logit vector per example: pass task='classification'."
+        raise ValueError(
+            f"task={task!r}: the {side} model returned logits of shape {shape} for targets of "
+            f"shape {targets.shape}; expected {description}.{hint}"
+        )
+
+
 def compare_models(
     torch_module: Any,
     flax_module: Any,
-    transfer: Callable[[Any], dict],
-    batches: Any,
+    transfer: Callable[[Any], dict] | None = None,
+    batches: Any = None,
     *,
     precision: str = "fp32",
     task: str = "classification",
@@ -97,7 +229,10 @@ def compare_models(
     eval_batches: Sequence[tuple[Any, Any]] | None = None,
     out_dir: str | Path | None = None,
     name: str = "user_model",
-    torch_channels_first: bool = False,
+    torch_channels_first: bool | None = None,
+    rules: dict[str, Any] | None = None,
+    flax_kwargs: Callable[[Any], dict] | None = None,
+    dropout: str = "disable",
     progress: bool = False,
     step0: bool = True,
     **config: Any,
@@ -109,21 +244,34 @@ def compare_models(
     the verdicts and tolerances are `parity.compare`'s.
 
     Args:
-      torch_module: a ``torch.nn.Module``; ``forward(inputs)`` returns logits. Not modified (the
-        trainer trains a copy).
-      flax_module: a linen module; ``apply(variables, inputs, train=bool)`` returns logits.
-      transfer: ``torch_module -> {"params": ..., optionally "batch_stats": ...}``.
+      torch_module: a ``torch.nn.Module``; ``forward(inputs)`` returns logits, or a Hugging Face
+        ``ModelOutput`` / dict with ``logits`` / tuple with the logits first. Not modified (the
+        trainers train copies).
+      flax_module: a ``flax.linen`` module, a ``flax.nnx`` module, or a Hugging Face Flax model
+        (``.module`` + ``.params``); see `parity.adapters` for the call signatures it takes.
+      transfer: ``torch_module -> {"params": ..., optionally "batch_stats": ...}`` (a bare params
+        dict is accepted), or None (default): `parity.transfer.auto` maps the weights.
+        Either way the result is checked against the Flax model's own variables (names, shapes,
+        dtypes) before any step.
       batches: a `parity.data.BatchStream`, a sequence of ``(inputs, targets)`` numpy pairs (one
         per step), or a callable ``step -> (inputs, targets)``.
       precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``.
-      task: ``"classification"`` (logits ``(B, C)``, int targets ``(B,)``) or ``"lm"`` (logits
-        ``(B, T, V)``, targets ``(B, T)``); the loss is mean cross-entropy in float32.
+      task: ``"classification"`` (logits ``(B, C)``, int targets ``(B,)``), ``"lm"`` (logits
+        ``(B, T, V)``, targets ``(B, T)``): mean cross-entropy; or ``"regression"`` (outputs and
+        float targets of one shape): mean squared error. Losses are computed in float32.
       steps: training steps (default: the number of batches in a sequence, else 30).
       eval_batches: held-out ``(inputs, targets)`` pairs for the eval metric (default: none;
         a BatchStream brings its own).
       out_dir: if given, ``results.json``, ``steps.csv``, ``report.md`` and plots go there.
       name: the model name in records and the report.
-      torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module.
+      torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module; None
+        (default) detects it from the first ``Conv2d`` (`parity.adapters.check_image_layout`).
+        Images are always given NHWC (Flax's layout).
+      rules: explicit mapping rules for `parity.transfer.auto` (when `transfer` is None).
+      flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
+      dropout: ``"disable"`` (default: torch dropout layers get ``p=0`` in the trained copies,
+        NNX dropout is made deterministic, linen modules get ``deterministic=True`` when they
+        take it) or ``"refuse"`` (raise when the torch model has dropout).
       progress: tqdm progress bars.
       step0: run the step-0 checks (`parity.step0`) first and skip training when they fail.
       **config: any other `RunConfig` field (``optimizer``, ``lr``, ``clip_norm``, ``device``,
@@ -137,13 +285,17 @@ def compare_models(
     """
     from parity.compare import compare_runs
     from parity.data import BatchStream
-    from parity.models import ModelPair
     from parity.train_jax import train_jax
     from parity.train_torch import train_torch
 
-    if not callable(transfer):
+    if transfer is not None and not callable(transfer):
         raise TypeError(
-            f"compare_models(transfer=...) takes a callable torch module -> flax variables; got {type(transfer).__name__}."
+            "compare_models(transfer=...) takes a callable torch module -> flax variables, or "
+            f"None for the automatic mapping; got {type(transfer).__name__}."
+        )
+    if batches is None:
+        raise TypeError(
+            "compare_models: `batches` is required (a BatchStream, pairs or a callable)."
         )
     if isinstance(batches, BatchStream):
         stream = batches
@@ -164,16 +316,17 @@ def compare_models(
         eval=bool(eval_batches) or isinstance(batches, BatchStream),
         **config,
     )
-    pair = ModelPair(
-        name=name,
+    pair = prepare_pair(
+        torch_module,
+        flax_module,
+        transfer,
+        stream,
         task=task,
-        torch_model=torch_module,
-        flax_model=flax_module,
-        config={},
-        to_flax=transfer,
-        from_flax=_no_reverse_transfer,
-        data=None,
+        name=name,
         torch_channels_first=torch_channels_first,
+        rules=rules,
+        flax_kwargs=flax_kwargs,
+        dropout=dropout,
     )
     from parity.step0 import attach_step0, blocked_records, run_step0
 

@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[parity,dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[parity,dev,test]"
 echo "environment ready: $(pwd)/.venv"

@@ -44,7 +44,7 @@ __all__ = [
     "loss_torch",
 ]
 
-TASKS = ("classification", "lm")
+TASKS = ("classification", "lm", "regression")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,24 +284,31 @@ def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapp
 
 
 def loss_torch(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in float32 (LM: over all tokens). Returns a float32 scalar."""
+    """Mean cross-entropy in float32 (LM: over all tokens); regression: mean squared error in
+    float32. Returns a float32 scalar."""
     _check_task(task)
     logits = logits.float()
+    if task == "regression":
+        return torch.mean(torch.square(logits - targets.float()))
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()
     )
 
 
 def loss_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy in float32 (LM: over all tokens). Returns a float32 scalar."""
+    """Mean cross-entropy in float32 (LM: over all tokens); regression: mean squared error in
+    float32. Returns a float32 scalar."""
     _check_task(task)
+    if task == "regression":
+        return jnp.mean(jnp.square(logits.astype(jnp.float32) - targets.astype(jnp.float32)))
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(log_probs, targets.astype(jnp.int32)[..., None], axis=-1)
     return -jnp.mean(picked)
 
 
 def eval_metric_name(task: str) -> str:
-    """``"accuracy"`` (higher is better) for classification, ``"loss"`` (lower) for lm."""
+    """``"accuracy"`` (higher is better) for classification, ``"loss"`` (lower) for lm and
+    regression (mean squared error)."""
     _check_task(task)
     return "accuracy" if task == "classification" else "loss"
 
