@@ -8,7 +8,7 @@ only afterwards does the cast's transpose turn the gradient into float32. torch 
 bf16 all-reduces late in compilation, so only the post-partitioning HLO shows the difference.)
 
 How: :func:`reduce_in` traces a function to a jaxpr and re-evaluates it. Floating inputs are
-tracked through casts and layout-only ops (transpose, reshape, broadcast, slices). Where such a
+tracked through casts and element-moving ops (transpose, reshape, broadcast, slices, gathers). Where such a
 value is *narrowed* (cast to a smaller float dtype) and then consumed by an op, the op runs as a
 ``custom_vjp``: the forward pass is exactly the original op on the narrowed operand; the backward
 pass computes the wide input's cotangent with every ``dot_general``/``conv_general_dilated`` set
@@ -16,6 +16,10 @@ to ``preferred_element_type=reduce_dtype`` (bfloat16 operands, ``reduce_dtype`` 
 result) and every other op (bias sums, scales, gather's scatter-add) in ``reduce_dtype``. The
 partial sums the partitioner then all-reduces (or reduce-scatters, for sharded parameters) are
 ``reduce_dtype`` values. Activation gradients keep the compute dtype.
+
+Under ``shard_map``, an invariant (replicated) value meeting per-device data goes through
+``pvary``, whose transpose is a ``psum`` of the per-device cotangents; narrow inputs of ``pvary``
+are carried in ``reduce_dtype`` there so that ``psum`` runs in ``reduce_dtype`` as well.
 
 Limits: ops inside ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``checkpoint``/
 ``shard_map`` bodies that consume a narrowed input keep JAX's default (their gradients are reduced
@@ -37,8 +41,8 @@ from jax import lax
 
 __all__ = ["reduce_in", "needs_reduce_transform"]
 
-# Ops that only move or repeat elements: a cast commutes with them, and their transposes do not
-# sum across the batch, so the wide value is carried through them.
+# Ops that only move, pick or repeat elements: a cast commutes with them, so the wide value is
+# carried through them (their transposes then run on wide cotangents).
 _LAYOUT = frozenset(
     {
         "transpose",
@@ -51,10 +55,16 @@ _LAYOUT = frozenset(
         "rev",
         "copy",
         "copy_p",
+        # Row lookups (embeddings, positional tables): the cast commutes with them too.
+        "gather",
+        # shard_map's invariant -> per-device marker (its transpose is a psum).
+        "pvary",
     }
 )
 # Calls whose body is inlined (XLA inlines them anyway).
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# shard_map's "invariant value becomes per-device" op: its transpose is a psum.
+_VARYING = frozenset({"pvary"})
 # Ops that accumulate: their reduce-dtype form keeps the inputs and widens the accumulator.
 _ACCUMULATING = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -235,6 +245,26 @@ def _fused(eqn: Any, vals: list, wides: list, reduce_dtype: np.dtype) -> list:
     return list(out) if multiple else [out]
 
 
+def _narrower(x: Any, dtype: np.dtype) -> bool:
+    d = _dtype(x)
+    return d is not None and d.itemsize < dtype.itemsize
+
+
+def _pvary_wide(eqn: Any, vals: list, reduce_dtype: np.dtype) -> list:
+    """``pvary`` (shard_map: an invariant value meets per-device data) in `reduce_dtype`.
+
+    Its transpose is the ``psum`` that sums the per-device cotangents of an invariant value
+    (e.g. a replicated parameter's lookup). Casting up before and back after leaves forward
+    values unchanged (the round trip is exact) and makes that ``psum`` run in `reduce_dtype`.
+    """
+    wide = [x.astype(reduce_dtype) if _narrower(x, reduce_dtype) else x for x in vals]
+    outs = _bind(eqn, wide)
+    return [
+        o.astype(x.dtype) if _narrower(x, reduce_dtype) else o
+        for o, x in zip(outs, vals, strict=True)
+    ]
+
+
 def _eval_forward(
     jaxpr: Any,
     consts: Sequence[Any],
@@ -256,7 +286,14 @@ def _eval_forward(
         in_wide = [wide.get(v) if isinstance(v, jex_core.Var) else None for v in eqn.invars]
         out_wide: list = [None] * len(eqn.outvars)
         name = eqn.primitive.name
-        if all(w is None for w in in_wide):
+        wide_layout = name in _LAYOUT and any(w is not None for w in in_wide)
+        if name in _VARYING and not wide_layout and any(_narrower(x, reduce_dtype) for x in vals):
+            outs = _pvary_wide(eqn, vals, reduce_dtype)
+            out_wide = [
+                w if w is not None and _dtype(x) is not None and x.dtype == w.dtype else None
+                for x, w in zip(outs, in_wide, strict=False)
+            ]
+        elif all(w is None for w in in_wide):
             outs = _bind(eqn, vals)
         elif name in _CALLS:
             body, body_consts = _call_body(eqn)

@@ -43,16 +43,19 @@ _PROBE = textwrap.dedent(
         "emb": rng.normal(size=(10, 16)).astype(np.float32),
         "w": rng.normal(size=(16, 8)).astype(np.float32),
         "b": np.zeros((8,), np.float32),
+        "pos": rng.normal(size=(16,)).astype(np.float32),
     }
     x = rng.normal(size=(32, 16)).astype(np.float32)
     ids = (np.arange(32) % 10).astype(np.int32)
 
     def loss(p, x, ids):
-        h = x + p["emb"][ids]
+        # A lookup with constant indices stays replicated until it meets the batch: under
+        # shard_map its gradient is summed by the psum that transposes pvary.
+        h = x + p["emb"][ids] + p["pos"][jnp.arange(16)]
         return jnp.mean(((h @ p["w"]) + p["b"]) ** 2)
 
     def sharded(spec_w):
-        p = {"emb": put(params["emb"], P()), "w": put(params["w"], spec_w), "b": put(params["b"], P())}
+        p = {k: put(v, spec_w if k == "w" else P()) for k, v in params.items()}
         return p, put(x, P("data")), put(ids, P("data"))
 
     def marked(name, build):

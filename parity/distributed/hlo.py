@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any
 
-__all__ = ["dump_flags", "reduction_collectives", "reduction_dtypes"]
+__all__ = ["dump_flags", "is_gradient_reduction", "reduction_collectives", "reduction_dtypes"]
 
 _COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter)\(")
 _DTYPE = re.compile(r"\b([a-z]+\d+)\[")
@@ -57,7 +57,20 @@ def reduction_collectives(dump_dir: str | os.PathLike, module: str = "") -> list
     return out
 
 
-def reduction_dtypes(collectives: list[dict[str, Any]]) -> list[str]:
+def is_gradient_reduction(collective: dict[str, Any]) -> bool:
+    """Whether a collective belongs to the backward pass (JAX names those ops ``transpose(...)``).
+
+    Forward collectives (e.g. the all-reduce XLA uses to gather rows of a sharded embedding
+    table) move parameters, as FSDP2's all-gather in ``param_dtype`` does, and are not judged.
+    """
+    return "transpose(" in collective.get("op_name", "")
+
+
+def reduction_dtypes(
+    collectives: list[dict[str, Any]], *, gradients_only: bool = False
+) -> list[str]:
     """The floating dtypes (numpy names) reduced across devices, e.g. ``["float32"]``."""
+    if gradients_only:
+        collectives = [c for c in collectives if is_gradient_reduction(c)]
     found = {d for c in collectives for d in c["dtypes"] if d in _FLOAT_TYPES}
     return sorted(HLO_TO_NUMPY.get(d, d) for d in found)

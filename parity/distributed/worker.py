@@ -520,9 +520,10 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
         "params_digest": digests[0] if digests else None,
         "device_params_digests": digests,
         "params_sharded": bool(sharded),
-        "reduce_dtypes": reduction_dtypes(collectives),
+        "reduce_dtypes": reduction_dtypes(collectives, gradients_only=True),
         "reduce_collectives": collectives[:50],
-        "reduce_dtype_method": "post-SPMD-partitioning HLO (XLA dump): all-reduce/reduce-scatter",
+        "reduce_dtype_method": "post-SPMD-partitioning HLO (XLA dump): backward all-reduce/"
+        "reduce-scatter",
         "peak_memory_bytes": (memory or {}).get("peak_bytes"),
         "memory_method": "XLA memory analysis of the compiled step, per device",
         "process_peak_rss_bytes": _peak_rss_bytes(),
