@@ -247,6 +247,9 @@ class _Rewrite:
             raise ValueError(f"jaxamp.fp8: matmul {info.name!r} has {info.dtype} operands.")
         rec = self.recipe
         state = None
+        if self.state is _COLLECT:  # init_state: names only, computed as written
+            self._record(info, True, "collected")
+            return _bind(eqn, vals, eqn.params)[0]
         if rec.scaling == "delayed":
             if self.state is None:
                 raise ValueError(
@@ -289,6 +292,9 @@ def _bind(eqn: Any, vals: Sequence[Any], params: dict) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_COLLECT: Any = object()  # state sentinel: collect the fp8 matmuls' names only
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic) or hasattr(x, "aval")
 
@@ -308,7 +314,7 @@ def _run(fn, rec, fp8_filter, args, kwargs, state, records):
     dyn_vals = [leaves[i] for i in dynamic]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
     outs = rewrite.eval(closed.jaxpr, closed.consts, dyn_vals, "", "")
-    if state is not None:
+    if state is not None and state is not _COLLECT:
         unused = sorted(set(state) - set(rewrite.used))
         if unused:
             raise ValueError(
@@ -426,8 +432,7 @@ def init_state(
 
     def trace(a, k):
         records: list[MatmulRecord] = []
-        dyn = _make_recipe(rec, scaling="dynamic", emulate=True)
-        _run(fn, dyn, fp8_filter, a, k, None, records)
+        _run(fn, rec, fp8_filter, a, k, _COLLECT, records)
         names.extend(r.name for r in records if r.fp8)
 
     _abstract(trace, args, kwargs)

@@ -40,12 +40,36 @@ def fp8_max(dtype: Any) -> float:
     return float(ml_dtypes.finfo(np.dtype(dtype)).max)
 
 
+def _half_gap_below_ln2() -> np.ndarray:
+    # For each integer L in [-160, 160): half the gap from L down to the next float32, times
+    # ln 2 (index L + 160). log2(x) for x just below 2**L rounds (in float32) up to L exactly
+    # when 1 - x / 2**L < this value.
+    ints = np.arange(-160, 160).astype(np.float32)
+    below = np.nextafter(ints, np.float32(-np.inf))
+    half = (ints.astype(np.float64) - below.astype(np.float64)) / 2
+    return (half * np.log(2.0)).astype(np.float32)
+
+
+_HALF_GAP_LN2 = _half_gap_below_ln2()
+
+
 def _floor_pow2(x: jax.Array) -> jax.Array:
-    # 2**floor(log2(x)) for positive normal float32: clear the mantissa bits. Exact, where
-    # exp2(floor(log2(x))) (torchao) depends on the log2 rounding just below a power of two.
-    bits = lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFF800000)
-    out = lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(jnp.isnan(x), x, out)
+    """torchao's ``exp2(floor(log2(x)))`` with a correctly rounded float32 log2, exactly.
+
+    Not the same as clearing the mantissa: just below a power of two ``2**L`` the float32 log2
+    rounds up to ``L``, and torchao then returns ``2**L``. XLA's log2 is not correctly rounded
+    (it can land 1 ulp below ``L``), so the rounding is decided here from the exact mantissa:
+    with ``x = mant * 2**L``, ``mant`` in [0.5, 1), log2 rounds up iff ``1 - mant`` is below
+    half the float32 gap under ``L`` times ln 2 (a first-order expansion; the decision is exact
+    because the gap is ``2**(j-24)`` and ``2**j * ln 2`` is never within 1e-5 of an integer).
+    """
+    mant, expo = jnp.frexp(x)  # x = mant * 2**expo, mant in [0.5, 1)
+    threshold = jnp.asarray(_HALF_GAP_LN2)[jnp.clip(expo, -160, 159) + 160]
+    # log2(x) = expo + log2(mant) ~ expo - (1 - mant) / ln2; 1 - mant is exact (Sterbenz)
+    n = expo - 1 + ((1.0 - mant) < threshold).astype(expo.dtype)
+    p2 = jnp.ldexp(jnp.ones_like(x), n)
+    special = (x == 0) | ~jnp.isfinite(x)
+    return jnp.where(special, jnp.where(x == 0, jnp.zeros_like(x), x), p2)
 
 
 def amax_to_scale(amax: jax.Array, dtype: Any, power_of_2: bool = False) -> jax.Array:
