@@ -126,6 +126,12 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       tree: a pytree of arrays.
       axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
         is then true only if the leaves are finite on every replica (``()``: no axes).
+
+    Example:
+      >>> bool(jaxamp.all_finite({"w": jnp.ones(3), "step": jnp.int32(1)}))
+      True
+      >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf])])), bool(jaxamp.all_finite({}))
+      (False, True)
     """
     leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
     if not leaves:

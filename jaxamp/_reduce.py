@@ -356,7 +356,10 @@ def reduce_in(fn: Callable, reduce_dtype: Any) -> Callable:
     Example:
       >>> loss = reduce_in(lambda w, x: jnp.sum(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)),
       ...                  jnp.float32)
+      >>> w, x = jnp.ones((4, 2)), jnp.ones((8, 4))
       >>> g = jax.grad(loss)(w, x)  # the batch-sharded weight gradient is summed in float32
+      >>> g.dtype
+      dtype('float32')
     """
     reduce_dtype = np.dtype(reduce_dtype)
     if not _is_float(reduce_dtype):

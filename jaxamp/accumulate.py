@@ -21,6 +21,12 @@ class MultiStepsState(NamedTuple):
       mini_step: micro-batches accumulated in the current window (int32).
       acc_grads: running mean of this window's gradients (float32 for float leaves).
       inner_state: the wrapped optimizer's state (e.g. a `loss_scaled` state).
+
+    Example:
+      >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), every_k=4)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> isinstance(state, jaxamp.MultiStepsState), int(state.mini_step)
+      (True, 0)
     """
 
     mini_step: jax.Array
@@ -54,6 +60,18 @@ def multi_steps(
 
     Returns:
       A `GradientTransformationExtraArgs`; updates are zero except on a window's last micro-batch.
+
+    Example:
+      >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), every_k=2)
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> grads = {"w": jnp.full(2, 65536.0)}  # scaled by the default 2**16
+      >>> updates, opt_state = tx.update(grads, opt_state, params)  # accumulated
+      >>> updates["w"]  # nothing applied yet
+      Array([-0., -0.], dtype=float32)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)  # applied: sgd on the mean
+      >>> updates["w"]
+      Array([-0.1, -0.1], dtype=float32)
     """
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(

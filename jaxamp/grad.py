@@ -57,11 +57,18 @@ def value_and_grad(
         `fun` casts by itself (e.g. a `jaxamp.autocast` forward pass) to reduce in that dtype
         the gradients of every input `fun` narrows.
 
-    Examples:
-      >>> grad_fn = jaxamp.value_and_grad(loss_fn, policy="bf16-mixed")
-      >>> loss, grads = grad_fn(params, batch, loss_scale=opt_state)
+    Example:
+      >>> def loss_fn(params, x):
+      ...     return jnp.mean((x @ params["w"]) ** 2)
+      >>> params, x = {"w": jnp.full((3, 2), 0.1)}, jnp.ones((4, 3))
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> grad_fn = jaxamp.value_and_grad(loss_fn, policy="fp16-mixed")
+      >>> loss, grads = grad_fn(params, x, loss_scale=opt_state)  # grads of the scaled loss
+      >>> loss.dtype, grads["w"].dtype
+      (dtype('float32'), dtype('float32'))
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = optax.apply_updates(params, updates)
+      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
     """
     if not callable(fun):
         raise TypeError(f"value_and_grad(fun=...) takes a callable; got {type(fun).__name__}.")

@@ -45,7 +45,15 @@ _scale_tree = scale_tree  # kept importable here for jaxamp.grad
 
 @runtime_checkable
 class LossScale(Protocol):
-    """jmp's loss-scale protocol; jmp's own loss-scale objects satisfy it too."""
+    """jmp's loss-scale protocol; jmp's own loss-scale objects satisfy it too.
+
+    Example:
+      >>> import jmp
+      >>> isinstance(jaxamp.DynamicLossScale.create(), jaxamp.LossScale)
+      True
+      >>> isinstance(jmp.DynamicLossScale(jnp.float32(2.0**15)), jaxamp.LossScale)
+      True
+    """
 
     @property
     def loss_scale(self) -> jax.Array: ...
@@ -124,7 +132,13 @@ class _ScaleMixin:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale(_ScaleMixin):
-    """No loss scaling: `scale` and `unscale` return their input unchanged."""
+    """No loss scaling: `scale` and `unscale` return their input unchanged.
+
+    Example:
+      >>> scale = jaxamp.NoOpLossScale()
+      >>> float(scale.loss_scale), float(scale.scale(jnp.float32(3.0)))
+      (1.0, 3.0)
+    """
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -144,7 +158,15 @@ class NoOpLossScale(_ScaleMixin):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(_ScaleMixin):
-    """A constant loss scale (float32). `adjust` returns it unchanged."""
+    """A constant loss scale (float32). `adjust` returns it unchanged.
+
+    Example:
+      >>> scale = jaxamp.StaticLossScale(1024.0)
+      >>> float(scale.scale(jnp.float32(2.0))), float(scale.unscale(jnp.float32(2048.0)))
+      (2048.0, 2.0)
+      >>> scale.adjust(jnp.array(False)) is scale
+      True
+    """
 
     loss_scale: jax.Array
 
@@ -231,6 +253,18 @@ class DynamicLossScale(_ScaleMixin):
       unscaling then writes NaN into the parameters. `min_scale=0.0` lets the scale collapse to
       0.0 as torch's does; XLA on CPU flushes float32 values below 2**-126 to zero, so it gets
       there in fewer steps than torch, which walks through the subnormals (tested).
+
+    Example:
+      >>> scale = jaxamp.DynamicLossScale.create(init_scale=2.0**15, growth_interval=2)
+      >>> float(scale.loss_scale)
+      32768.0
+      >>> grads = scale.unscale(scale.scale({"w": jnp.ones(2)}))
+      >>> float(scale.adjust(jnp.array(False)).loss_scale)  # overflow: back off
+      16384.0
+      >>> float(scale.adjust(jnp.array(True)).adjust(jnp.array(True)).loss_scale)  # grow
+      65536.0
+      >>> jaxamp.DynamicLossScale.from_preset("jmp").growth_interval
+      2000
     """
 
     loss_scale: jax.Array

@@ -48,6 +48,15 @@ class LossScaledState(NamedTuple):
       group_applied: with ``param_labels`` (one shared scale, a skip decision per group), a
         tree shaped like the parameters of scalar bools: whether each leaf's group applied
         the last step; None otherwise (one decision for every leaf: `last_step_finite`).
+
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> isinstance(opt_state, jaxamp.LossScaledState)
+      True
+      >>> float(opt_state.loss_scale.loss_scale), int(opt_state.skipped_steps)
+      (65536.0, 0)
     """
 
     inner_state: optax.OptState
@@ -68,6 +77,14 @@ class AmpInfo(NamedTuple):
         non-finite step is always skipped; with ``param_labels``, whether every group did).
       skipped_steps: total skipped steps.
       consecutive_skips: skipped steps in a row, ending with the last step.
+
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> info = jaxamp.amp_info(opt_state)
+      >>> float(info.loss_scale), int(info.skipped_steps)
+      (65536.0, 0)
     """
 
     loss_scale: jax.Array
@@ -78,11 +95,23 @@ class AmpInfo(NamedTuple):
 
 
 class LossScaleDivergedError(RuntimeError):
-    """Raised when a run skips `max_consecutive_skips` steps in a row (it overflows forever)."""
+    """Raised when a run skips `max_consecutive_skips` steps in a row (it overflows forever).
+
+    Example:
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1), max_consecutive_skips=3, on_max_skips="raise")
+      >>> issubclass(jaxamp.LossScaleDivergedError, RuntimeError)
+      True
+    """
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
-    """The type `loss_scaled` returns (an optax `GradientTransformationExtraArgs`)."""
+    """The type `loss_scaled` returns (an optax `GradientTransformationExtraArgs`).
+
+    Example:
+      >>> tx = jaxamp.loss_scaled(optax.adam(1e-3))
+      >>> isinstance(tx, jaxamp.LossScaledTransformation), isinstance(tx, optax.GradientTransformation)
+      (True, True)
+    """
 
 
 OnMaxSkips = Literal["warn", "raise", "ignore"]
@@ -198,13 +227,16 @@ def loss_scaled(
       ValueError: `inner` is already loss-scaled (here or, at `init`, anywhere inside it); at
         `update`, a mapped axis is in scope and `axis_name` was not given.
 
-    Examples:
-      >>> tx = jaxamp.loss_scaled(optax.adamw(1e-3))
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.adam(1e-3))  # torch's GradScaler rule by default
       >>> opt_state = tx.init(params)
-      >>> loss, grads = jaxamp.value_and_grad(loss_fn, policy=policy)(
-      ...     params, batch, loss_scale=opt_state)
+      >>> scale = jaxamp.get_loss_scale(opt_state)
+      >>> grads = scale.scale({"w": jnp.full(3, 0.5)})  # gradients of the scaled loss
       >>> updates, opt_state = tx.update(grads, opt_state, params)
       >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
+      >>> bool(jaxamp.amp_info(opt_state).last_step_applied)
+      True
     """
     if isinstance(inner, LossScaledTransformation):
         raise ValueError(
@@ -369,9 +401,14 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
     Returns:
       The new parameters, each leaf in its own dtype.
 
-    Examples:
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> grads = {"w": jnp.array([jnp.nan, 1.0, 1.0])}
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
+      >>> jaxamp.optim.apply_updates(params, updates, opt_state)["w"]  # skipped: unchanged
+      Array([1., 1., 1.], dtype=float32)
     """
     state = _unwrap(_one_state(opt_state, "apply_updates"))
     new_params = optax.apply_updates(params, updates)
@@ -403,6 +440,12 @@ def get_loss_scale(opt_state: Any) -> Any:
     Raises:
       ValueError: no loss-scaled state is found, or several are (one per `multi_transform`
         group): then pick one with `jaxamp.amp_states(opt_state)`.
+
+    Example:
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaled(optax.sgd(0.1)))
+      >>> opt_state = tx.init({"w": jnp.ones(2)})
+      >>> float(jaxamp.get_loss_scale(opt_state).loss_scale)
+      65536.0
     """
     if isinstance(opt_state, LossScale) and not isinstance(opt_state, LossScaledState):
         return opt_state
@@ -411,7 +454,13 @@ def get_loss_scale(opt_state: Any) -> Any:
 
 
 def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
-    """Every `LossScaledState` inside `opt_state`, keyed by its path (e.g. ``"[0]"``)."""
+    """Every `LossScaledState` inside `opt_state`, keyed by its path (e.g. ``"[0]"``).
+
+    Example:
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaled(optax.sgd(0.1)))
+      >>> list(jaxamp.amp_states(tx.init({"w": jnp.ones(2)})))
+      ['[1]']
+    """
     return dict(_find_states(opt_state))
 
 
@@ -433,7 +482,16 @@ def _one_state(opt_state: Any, caller: str) -> LossScaledState:
 
 
 def set_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
-    """Returns `opt_state` with its loss scale replaced (e.g. to reset it after a restore)."""
+    """Returns `opt_state` with its loss scale replaced (e.g. to reset it after a restore).
+
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> opt_state = jaxamp.set_loss_scale(opt_state, jaxamp.StaticLossScale(128.0))
+      >>> float(jaxamp.get_loss_scale(opt_state).loss_scale)
+      128.0
+    """
     loss_scale = _as_loss_scale(loss_scale)
     _one_state(opt_state, "set_loss_scale")
 
@@ -453,6 +511,16 @@ def amp_info(opt_state: Any) -> AmpInfo:
     Returns:
       An `AmpInfo` of scalar arrays: the current scale, whether the last step was finite and
       applied, and total and consecutive skipped steps. Cheap under `jit`; log it.
+
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> grads = {"w": jnp.array([1.0, jnp.inf, 0.0])}  # an overflowing step
+      >>> _, opt_state = tx.update(grads, opt_state, params)
+      >>> info = jaxamp.amp_info(opt_state)
+      >>> float(info.loss_scale), bool(info.last_step_applied), int(info.skipped_steps)
+      (32768.0, False, 1)
     """
     state = _unwrap(_one_state(opt_state, "amp_info"))
     return AmpInfo(

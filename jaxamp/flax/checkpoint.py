@@ -16,6 +16,15 @@ is the target's own, fresh one — the documented reset. A checkpoint never load
 other missing or unexpected leaf is a `ValueError`.
 
 orbax-checkpoint is imported lazily (it is in the ``dev`` and ``parity`` extras).
+
+Example:
+  >>> import os
+  >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+  >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
+  >>> jf.checkpoint.save(os.path.abspath("ckpt"), state, step=1)
+  >>> restored = jf.checkpoint.restore(os.path.abspath("ckpt"), state)
+  >>> float(jaxamp.get_loss_scale(restored["opt"]).loss_scale)
+  65536.0
 """
 
 from __future__ import annotations
@@ -133,7 +142,14 @@ def _optimizer_paths(target: Any) -> list[tuple[str, ...]]:
 
 
 def amp_metadata(target: Any, policy: Any = None) -> dict[str, Any]:
-    """The loss-scaling record `save` writes next to the arrays (JSON-serialisable)."""
+    """The loss-scaling record `save` writes next to the arrays (JSON-serialisable).
+
+    Example:
+      >>> state = {"opt": jaxamp.loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})}
+      >>> meta = jf.checkpoint.amp_metadata(state, policy="fp16-mixed")
+      >>> [entry["type"] for entry in meta["loss_scaled"]], meta["loss_scaled"][0]["path"]
+      (['DynamicLossScale'], ['opt'])
+    """
     if policy is None:
         policy = getattr(target, "policy", None)
     return {
@@ -194,6 +210,15 @@ def save(
 
     Raises:
       ValueError: `step` is not an int >= 0, or a checkpoint for `step` exists already.
+
+    Example:
+      >>> import os
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
+      >>> jf.checkpoint.save(os.path.abspath("ckpt"), state, step=1)
+      >>> restored = jf.checkpoint.restore(os.path.abspath("ckpt"), state)
+      >>> float(jaxamp.get_loss_scale(restored["opt"]).loss_scale)
+      65536.0
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"save(step=...) takes an int >= 0; got {step!r}.")
@@ -221,7 +246,16 @@ def save(
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
-    """The newest saved step in `directory`, or None."""
+    """The newest saved step in `directory`, or None.
+
+    Example:
+      >>> import os
+      >>> state = {"w": jnp.ones(2)}
+      >>> for step in (1, 5):
+      ...     jf.checkpoint.save(os.path.abspath("ckpt"), state, step=step)
+      >>> jf.checkpoint.latest_step(os.path.abspath("ckpt")), jf.checkpoint.latest_step("missing")
+      (5, None)
+    """
     manager = _manager(directory, None, create=False)
     try:
         return manager.latest_step()
@@ -230,7 +264,15 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
-    """All saved steps in `directory`, ascending."""
+    """All saved steps in `directory`, ascending.
+
+    Example:
+      >>> import os
+      >>> for step in (1, 5):
+      ...     jf.checkpoint.save(os.path.abspath("ckpt"), {"w": jnp.ones(2)}, step=step)
+      >>> jf.checkpoint.all_steps(os.path.abspath("ckpt"))
+      [1, 5]
+    """
     manager = _manager(directory, None, create=False)
     try:
         return sorted(manager.all_steps())
@@ -310,6 +352,15 @@ def restore(
     Raises:
       ValueError: no checkpoint; loss scaling differs (with "error"); leaves are missing,
         unexpected, or of another shape.
+
+    Example:
+      >>> import os
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
+      >>> jf.checkpoint.save(os.path.abspath("ckpt"), state, step=1)
+      >>> restored = jf.checkpoint.restore(os.path.abspath("ckpt"), state)
+      >>> float(jaxamp.get_loss_scale(restored["opt"]).loss_scale)
+      65536.0
     """
     if on_loss_scale_mismatch not in ("error", "reset"):
         raise ValueError(

@@ -48,7 +48,14 @@ __all__ = ["TrainState", "Optimizer", "default_loss_scale", "wrap_optimizer"]
 
 def default_loss_scale(policy: Policy) -> Any:
     """The loss scale ``loss_scale="auto"`` picks: torch's dynamic scale where float16 takes
-    part in the policy, no scaling otherwise (bfloat16 has float32's range)."""
+    part in the policy, no scaling otherwise (bfloat16 has float32's range).
+
+    Example:
+      >>> type(jf.default_loss_scale(jaxamp.get_policy("fp16-mixed"))).__name__
+      'DynamicLossScale'
+      >>> type(jf.default_loss_scale(jaxamp.get_policy("bf16-mixed"))).__name__
+      'NoOpLossScale'
+    """
     return DynamicLossScale.create() if policy.needs_loss_scaling else NoOpLossScale()
 
 
@@ -159,15 +166,19 @@ class TrainState(flax_train_state.TrainState):
       policy: the global policy (static).
       count_skipped_steps: whether `step` advances on skipped steps (static; default False).
 
-    Examples:
-      >>> state = jf.TrainState.create(apply_fn=model.apply, params=params,
-      ...                              tx=optax.adam(1e-3), policy="fp16-mixed")
+    Example:
+      >>> model, x, y = nn.Dense(3), jnp.ones((2, 4)), jnp.array([0, 2])
+      >>> params = model.init(jax.random.key(0), x)["params"]
+      >>> state = jf.TrainState.create(
+      ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3), policy="fp16-mixed"
+      ... )
       >>> def loss_fn(params, x, y):
       ...     logits = state.apply_fn({"params": params}, x)
       ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       >>> loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # scaled grads
-      >>> state = state.apply_gradients(grads=grads)                    # skips if non-finite
-      >>> state.amp_info().loss_scale
+      >>> state = state.apply_gradients(grads=grads)  # skips if non-finite
+      >>> float(state.amp_info().loss_scale), int(state.step)
+      (65536.0, 1)
     """
 
     policy: Policy = struct.field(pytree_node=False, default=None)
@@ -323,15 +334,20 @@ class Optimizer(nnx.Optimizer):
 
     `step` (uint32, as `nnx.Optimizer`) counts applied updates by default; see the module docs.
 
-    Examples:
-      >>> jf.nnx.apply_policy(model, "fp16-mixed")
+    Example:
+      >>> model = jf.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "fp16-mixed")
       >>> optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="fp16-mixed")
+      >>> def loss_fn(model, x, y):
+      ...     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
       >>> @nnx.jit
       ... def train_step(model, optimizer, x, y):
       ...     grad_fn = jf.nnx_value_and_grad(loss_fn)
       ...     loss, grads = grad_fn(model, x, y, loss_scale=optimizer)
       ...     optimizer.update(model, grads)
       ...     return loss, optimizer.amp_info()
+      >>> loss, info = train_step(model, optimizer, jnp.ones((2, 4)), jnp.array([0, 2]))
+      >>> float(info.loss_scale), bool(info.last_step_applied)
+      (65536.0, True)
     """
 
     def __init__(
@@ -410,6 +426,13 @@ def nnx_value_and_grad(
       has_aux: whether `fn` returns ``(loss, aux)``.
       argnums: which positional argument is differentiated (an NNX module or a pytree).
       wrt: the `nnx.grad` filter (default `nnx.Param`).
+
+    Example:
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> grad_fn = jf.nnx_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
+      >>> loss, grads = grad_fn(model, jnp.ones((3, 2)), loss_scale=jaxamp.StaticLossScale(8.0))
+      >>> loss.dtype, grads["kernel"][...].dtype
+      (dtype('float32'), dtype('float32'))
     """
     if not callable(fn):
         raise TypeError(f"nnx_value_and_grad(fn=...) takes a callable; got {type(fn).__name__}.")
