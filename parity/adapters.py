@@ -260,7 +260,7 @@ def _call_parameters(fn) -> dict[str, inspect.Parameter]:
 
 
 def _auto_kwargs(
-    parameters: dict[str, inspect.Parameter], inputs, train: bool, what: str
+    parameters: dict[str, inspect.Parameter], inputs, train: bool, what: str, given=()
 ) -> dict[str, Any]:
     """Keyword arguments for a Flax ``__call__``: train flags, masks, positions."""
     kwargs: dict[str, Any] = {}
@@ -280,6 +280,7 @@ def _auto_kwargs(
         name
         for name in names[1:]
         if name not in kwargs
+        and name not in given
         and parameters[name].default is inspect.Parameter.empty
         and parameters[name].kind
         in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -315,17 +316,21 @@ class FlaxModel:
     flax_kwargs: Callable[[Any], dict] | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    def _extra(self, inputs) -> dict:
+        if self.flax_kwargs is None:
+            return {}
+        extra = self.flax_kwargs(inputs)
+        if not isinstance(extra, Mapping):
+            raise AdapterError(
+                f"flax_kwargs must return a dict of keyword arguments, got {type(extra).__name__}."
+            )
+        return dict(extra)
+
     def _kwargs(self, inputs, train):
-        fn = self.module.__call__
-        kwargs = _auto_kwargs(_call_parameters(fn), inputs, train, type(self.module).__name__)
-        if self.flax_kwargs is not None:
-            extra = self.flax_kwargs(inputs)
-            if not isinstance(extra, Mapping):
-                raise AdapterError(
-                    f"flax_kwargs must return a dict of keyword arguments, got {type(extra).__name__}."
-                )
-            kwargs.update(extra)
-        return kwargs
+        extra = self._extra(inputs)
+        parameters = _call_parameters(self.module.__call__)
+        kwargs = _auto_kwargs(parameters, inputs, train, type(self.module).__name__, extra)
+        return {**kwargs, **extra}
 
     def apply(self, variables: Mapping, inputs: Any, train: bool) -> tuple[Any, Any]:
         """``(logits, new_batch_stats)``; the statistics are None unless ``train`` and the
@@ -345,7 +350,9 @@ class FlaxModel:
 
     def _apply_nnx(self, variables, inputs, train):
         nnx = _nnx()
-        model = nnx.merge(*self._split)
+        graphdef, state = self._split
+        # Fresh Variables in the current trace (the cached ones belong to the outer context).
+        model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
         nnx_load(model, variables)
         if train:
             model.train()
@@ -359,12 +366,10 @@ class FlaxModel:
         return output_logits(out, "flax"), stats
 
     def _kwargs_nnx(self, model, inputs, train):
+        extra = self._extra(inputs)
         parameters = _call_parameters(type(model).__call__)
-        kwargs = _auto_kwargs(parameters, inputs, train, type(model).__name__)
-        # NNX modes are set by model.train()/eval(); keep explicit flags only if declared.
-        if self.flax_kwargs is not None:
-            kwargs.update(self.flax_kwargs(inputs))
-        return kwargs
+        kwargs = _auto_kwargs(parameters, inputs, train, type(model).__name__, extra)
+        return {**kwargs, **extra}
 
     @property
     def _split(self):
