@@ -114,21 +114,26 @@ def _operands(n: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def _check_product(
     name: str, c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: str
 ) -> str | None:
-    """None when the first rows of `c` are within the rounding bound of an exact product."""
+    """None when the first rows of `c` are within the rounding of a float32-accumulated product.
+
+    Both frameworks accumulate bf16/fp16 products in float32 (CPU kernels and tensor cores); the
+    bound allows that accumulation's worst case (n * eps32 * sum|a||b|), the output's rounding
+    (2 eps|c|) and a few roundings in the operand dtype of partial sums, whose size is about
+    sqrt(sum (ab)^2) (cuBLAS may reduce split-K partial sums in fp16). A transposed or otherwise
+    wrong product is off by about that same sqrt(sum (ab)^2): caught.
+    """
+    import ml_dtypes
+
     rows = min(4, a.shape[0])
     a64, b64 = a[:rows].astype(np.float64), b.astype(np.float64)
     exact = a64 @ b64
     scale = np.abs(a64) @ np.abs(b64)
-    import ml_dtypes
-
+    rms = np.sqrt((a64**2) @ (b64**2))
     eps = float(ml_dtypes.finfo(a.dtype).eps)  # bfloat16 2**-7, float16 2**-10, float32 2**-23
-    n = a.shape[1]
-    # Worst case of an n-term dot product accumulated in the operand dtype, plus the output's
-    # own rounding; a kernel that accumulates wider is far inside it.
-    bound = n * eps * scale + eps * np.abs(exact)
+    eps32 = float(np.finfo(np.float32).eps)
+    bound = 2 * eps * np.abs(exact) + a.shape[1] * eps32 * scale + 4 * eps * rms
     got = c[:rows].astype(np.float64)
-    bad = np.abs(got - exact) > bound
-    if not np.all(np.isfinite(got)) or bad.any():
+    if not np.all(np.isfinite(got)) or np.any(np.abs(got - exact) > bound):
         worst = float(np.max(np.abs(got - exact) - bound))
         return f"{name}: product off by {worst:.3g} beyond the rounding bound"
     return None
