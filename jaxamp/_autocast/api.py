@@ -70,7 +70,7 @@ def autocast(
     * Inner ``jit`` calls are inlined into the caller (XLA inlines them anyway); their explicit
       ``in_shardings``/``out_shardings`` are not re-applied.
     * Composites that torch runs as one kernel (flax's LayerNorm, optax's l2/cross-entropy losses,
-      ``jnp.mean``, ...) follow that kernel's category; see ``jaxamp._oplists``.
+      ``jnp.mean``, ...) follow that kernel's category; see `autocast_op_list`.
     * Autocast applies to every op in ``fn``'s jaxpr. Put it on the forward pass or loss and
       differentiate outside (as with torch): the backward pass then mirrors the forward's dtypes.
 
