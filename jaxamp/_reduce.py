@@ -149,8 +149,13 @@ def _wide_eqn(eqn: Any, vals: list, reduce_dtype: np.dtype) -> list:
         return _eval_wide(body, consts, vals, reduce_dtype)
     if name in _ACCUMULATING:
         common = functools.reduce(_wider, float_dtypes)
+        accumulate = _wider(common, reduce_dtype)
+        if jax.default_backend() == "cpu":
+            # XLA:CPU has no bf16 x bf16 -> f32 dot kernel for every shape. Upcasting the inputs
+            # is the same arithmetic: products of two bf16 (or f16) values are exact in float32.
+            common = accumulate
         vals = [x.astype(common) if _dtype(x) is not None else x for x in vals]
-        params = dict(eqn.params, preferred_element_type=_wider(common, reduce_dtype))
+        params = dict(eqn.params, preferred_element_type=accumulate)
         return _bind(eqn, vals, params)
     if _sub_jaxprs(eqn) and "update_jaxpr" not in eqn.params:
         # Opaque higher-order op: evaluate it exactly as traced.
