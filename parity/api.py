@@ -38,7 +38,7 @@ class ParityResult:
     Attributes:
       runs: the run records (the ``results.json`` schema), torch first.
       verdicts: `parity.compare.Verdict` rows (``passed`` is None for informational rows).
-      passed: no verdict failed.
+      passed: no verdict failed and at least one passed (`parity.compare.overall_status` is "PASS").
       report_path: ``report.md`` when `out_dir` was given, else None.
     """
 
@@ -235,6 +235,7 @@ def compare_models(
     dropout: str = "disable",
     progress: bool = False,
     step0: bool = True,
+    noise: str = "none",
     **config: Any,
 ) -> ParityResult:
     """Trains `torch_module` under torch.amp and `flax_module` under jaxamp, and compares them.
@@ -274,6 +275,9 @@ def compare_models(
         take it) or ``"refuse"`` (raise when the torch model has dropout).
       progress: tqdm progress bars.
       step0: run the step-0 checks (`parity.step0`) first and skip training when they fail.
+      noise: ``"none"`` (default), ``"torch"``, ``"jax"`` or ``"both"``: calibration runs from
+        weights nudged by one ulp (`parity.calibrate.noise_runs`), so a chaotic model's per-step
+        gap is judged against its own self-divergence (`parity.compare`, noise-calibrated mode).
       **config: any other `RunConfig` field (``optimizer``, ``lr``, ``clip_norm``, ``device``,
         ``init_scale``, ``growth_interval``, ...).
 
@@ -283,7 +287,7 @@ def compare_models(
     Raises:
       TypeError / ValueError: bad batches or configuration (naming the parameter).
     """
-    from parity.compare import compare_runs
+    from parity.compare import compare_runs, overall_status
     from parity.data import BatchStream
     from parity.train_jax import train_jax
     from parity.train_torch import train_torch
@@ -343,6 +347,18 @@ def compare_models(
             ],
             check,
         )
+        noise_frameworks = {"none": (), "torch": ("torch",), "jax": ("jax",)}
+        noise_frameworks["both"] = ("torch", "jax")
+        if noise not in noise_frameworks:
+            raise ValueError(
+                f"compare_models(noise={noise!r}): must be one of {tuple(noise_frameworks)}."
+            )
+        if noise_frameworks[noise]:
+            from parity.calibrate import noise_runs
+
+            runs += noise_runs(
+                run_config, pair, noise_frameworks[noise], stream=stream, progress=progress
+            )
     verdicts = compare_runs(runs)
     report_path = None
     if out_dir is not None:
@@ -350,11 +366,18 @@ def compare_models(
 
         out = Path(out_dir)
         data = merge_runs(out, runs)
-        write_json_atomic(out / "verdicts.json", {"verdicts": [v.to_dict() for v in verdicts]})
-        report_path = write_report(out, data["runs"], compare_runs(data["runs"]))
+        all_verdicts = compare_runs(data["runs"])
+        write_json_atomic(
+            out / "verdicts.json",
+            {
+                "status": overall_status(all_verdicts),
+                "verdicts": [v.to_dict() for v in all_verdicts],
+            },
+        )
+        report_path = write_report(out, data["runs"], all_verdicts)
     return ParityResult(
         runs=runs,
         verdicts=verdicts,
-        passed=not any(v.passed is False for v in verdicts),
+        passed=overall_status(verdicts) == "PASS",
         report_path=report_path,
     )

@@ -264,3 +264,22 @@ def test_compare_models_survives_nan_batches(tmp_path, precision, case):
     if precision == "fp16-mixed":
         for run in result.runs:  # the scaler skips every non-finite step on both sides
             assert run["steps"][0]["skipped"] and run["summary"]["skipped_steps"] >= len(poisoned)
+
+
+@pytest.mark.slow
+def test_compare_models_with_noise_calibration(tmp_path):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
+        for _ in range(6)
+    ]
+    result = parity.compare_models(
+        _TorchNet(), _FlaxNet(), _transfer, batches, noise="both", out_dir=tmp_path, lr=1e-2
+    )
+    assert sorted(r["variant"] for r in result.runs) == ["", "", "noise", "noise"]
+    rows = [v for v in result.verdicts if v.check.startswith("per-step loss")]
+    assert rows and all("self-divergence (torch~noise, jax~noise)" in v.detail for v in rows)
+    assert result.passed and (tmp_path / "divergence.png").exists()
+    with pytest.raises(ValueError, match="noise"):
+        parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, batches, noise="all", step0=False)
