@@ -72,12 +72,17 @@ def _mapped_axes_in_scope() -> tuple[str, ...]:
     return tuple(str(n) for n in names)
 
 
-def _varying_axes(tree: Any) -> set[str]:
+def _varying_axes(tree: Any) -> set[str] | None:
+    """The manual axes any leaf varies over, or None where JAX does not track it (pmap)."""
     axes: set[str] = set()
+    tracked = False
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
-            axes.update(str(a) for a in (getattr(jax.typeof(leaf), "vma", None) or ()))
-    return axes
+            vma = getattr(jax.typeof(leaf), "vma", None)
+            if vma is not None:
+                tracked = True
+                axes.update(str(a) for a in vma)
+    return axes if tracked else None
 
 
 def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
@@ -90,9 +95,13 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
     """
     if axis_name is not None:
         return
-    varying = _varying_axes(tree)
     in_scope = set(_mapped_axes_in_scope())
-    suspicious = varying or {a for a in in_scope if a not in _manual_mesh_axes()}
+    if not in_scope:
+        return
+    varying = _varying_axes(tree)
+    # Where JAX tracks which axes a value varies over (shard_map), already psum-ed gradients
+    # are fine; elsewhere (pmap, named vmap) any mapped axis in scope is suspicious.
+    suspicious = varying if varying is not None else in_scope
     if suspicious:
         shown = ", ".join(
             sorted(n.replace("_internal_pmap_axis_name", "<pmap axis>") for n in suspicious)
@@ -103,16 +112,6 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
             "axis_name=<the pmap/shard_map axis name> (pmap(..., axis_name='batch')), or "
             "axis_name=() if every replica is meant to decide on its own."
         )
-
-
-def _manual_mesh_axes() -> set[str]:
-    # Inside shard_map the mesh axes are in scope too, but there the value types say whether
-    # the gradients differ across replicas (already psum-ed gradients do not).
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-        return {str(a) for a in getattr(mesh, "manual_axes", ()) or ()}
-    except Exception:  # pragma: no cover - depends on the JAX version
-        return set()
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
