@@ -9,7 +9,8 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +91,35 @@ def plot_losses(
     plt.close(fig)
 
 
-def progress(iterable: Iterable[Any], *, total: int, enabled: bool, desc: str):
-    """A tqdm progress bar, off when `enabled` is false or stderr is not a terminal."""
-    from tqdm.auto import tqdm
+def progress(
+    iterable: Iterable[Any], *, total: int, enabled: bool, desc: str, every_s: float = 10.0
+) -> Iterator[Any]:
+    """Progress on stderr: a tqdm bar on a terminal; elsewhere (a log file, CI) one plain line
+    every `every_s` seconds and one at the end, so a redirected run is never silent for long.
+    Nothing at all when `enabled` is false."""
+    if not enabled:
+        yield from iterable
+        return
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, disable=not (enabled and sys.stderr.isatty()))
+        yield from tqdm(iterable, total=total, desc=desc)
+        return
+    start = last = time.monotonic()
+    done = 0
+    for item in iterable:
+        yield item
+        done += 1
+        if time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            print(
+                f"{desc}: {done}/{total} steps, {last - start:.0f} s", file=sys.stderr, flush=True
+            )
+    print(
+        f"{desc}: {done}/{total} steps done in {time.monotonic() - start:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

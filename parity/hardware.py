@@ -241,6 +241,10 @@ def torch_bf16_is_emulated(torch_info: dict[str, Any] | None = None) -> bool | N
         return None
     if str(info.get("cpu_capability", "")).upper() not in ("AVX512", "AVX512_BF16", "AMX"):
         return True
+    # oneDNN (torch's bf16 matmul/conv kernels) capped below AVX512_CORE_BF16 emulates bf16 too
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or "ALL").upper()
+    if isa != "ALL" and not any(key in isa for key in ("BF16", "AMX", "FP16", "AVX10")):
+        return True
     flags = cpu_flags()
     if not flags:
         return None

@@ -141,3 +141,13 @@ def test_torch_memory_profiling_prints_no_kineto_markers(capfd):
     assert peak > 0
     err = capfd.readouterr().err
     assert "USDT" not in err and "profiler_start" not in err and "STAGE" not in err
+
+
+def test_examples_show_progress_off_a_terminal(capsys):
+    from examples import utils
+
+    assert list(utils.progress(range(3), total=3, enabled=True, desc="train")) == [0, 1, 2]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("train: 3/3 steps done in")
+    assert list(utils.progress(range(2), total=2, enabled=False, desc="train")) == [0, 1]
+    assert capsys.readouterr().err == ""
