@@ -16,6 +16,7 @@ import time
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch]
 
 from parity.config import RunConfig  # noqa: E402
 from parity.distributed import (  # noqa: E402

@@ -79,6 +79,9 @@ _PROBE = textwrap.dedent(
     auto_loss = lambda p, x, ids: jnp.mean(fwd(p, x, ids).astype(jnp.float32) ** 2)
     case("autocast_reduce_f32", jaxamp.value_and_grad(auto_loss, reduce_dtype="float32"), sharded(P()))
     case("autocast_default", jaxamp.value_and_grad(auto_loss), sharded(P()))
+    fwd32 = jaxamp.autocast(lambda p, x, ids: (x + p["emb"][ids]) @ p["w"] + p["b"], dtype=jnp.bfloat16, device="cpu", reduce_dtype="float32")
+    auto_loss32 = lambda p, x, ids: jnp.mean(fwd32(p, x, ids).astype(jnp.float32) ** 2)
+    case("autocast_kwarg_reduce_f32", jax.value_and_grad(auto_loss32), sharded(P()))
 
     def sm(policy):
         def step(p, x, ids):
@@ -149,6 +152,7 @@ def _dtypes(colls):
         "dp_fp16_mixed",
         "fsdp_bf16_mixed",
         "autocast_reduce_f32",
+        "autocast_kwarg_reduce_f32",
         "shard_map_bf16_mixed",
         "flax_train_state_bf16_mixed",
     ],

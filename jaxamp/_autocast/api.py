@@ -43,6 +43,7 @@ def autocast(
     dtype: Any = None,
     device: str | None = None,
     overrides: Mapping[Any, str | None] | None = None,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """Runs ``fn`` with torch.autocast's per-op precision rules for a torch device type.
 
@@ -89,6 +90,11 @@ def autocast(
         name from the op lists (e.g. ``"linear"``, ``"softmax"``), which moves that op as if
         torch's list said so (``"linear"`` moves flax ``Dense`` but not a bare ``a @ b``, which
         is torch's ``matmul``). Unknown keys raise ``ValueError`` with the closest valid name.
+      reduce_dtype: FSDP2's ``reduce_dtype`` (e.g. ``"float32"``): the gradients of the inputs
+        autocast narrows (float32 params cast to ``dtype``) are accumulated in it, so the
+        cross-device gradient sums of a sharded batch (SPMD all-reduce / reduce-scatter,
+        ``shard_map``'s psum) run in it; forward values are unchanged. Default None: JAX's
+        own gradients (their cross-device sums run in ``dtype``).
 
     Returns:
       A function with ``fn``'s signature. Output dtypes are what the ops produce under autocast
@@ -106,7 +112,13 @@ def autocast(
       >>> jaxamp.autocast(loss_fn, device="cuda", overrides={"dot_general": "fp32"})(w, x).dtype
       dtype('float32')
     """
-    return transform(fn, dtype=dtype, device=device, overrides=overrides)
+    out = transform(fn, dtype=dtype, device=device, overrides=overrides)
+    if reduce_dtype is not None:
+        from jaxamp._reduce import reduce_in
+        from jaxamp.policy import parse_dtype
+
+        out = reduce_in(out, parse_dtype(reduce_dtype, where="autocast(reduce_dtype=...)"))
+    return out
 
 
 def transform(
