@@ -325,3 +325,34 @@ def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
     assert first.passed is False and first.first_failing_step == 0
     assert first.step0_gap > 1e-3 and "step-0 gap" in first.detail
     assert overall_status(verdicts) == "FAIL"
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.standard_promotion
+def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational():
+    from parity.config import FP16_STRESS, RunConfig
+    from parity.models import get_model_pair
+    from parity.train_jax import train_jax
+    from parity.train_torch import train_torch
+
+    tiny = {"image_shape": (8, 8, 3), "hidden": 16}
+    pair = get_model_pair("mlp", seed=0, **tiny)
+    base = dict(
+        model="mlp",
+        precision="fp16-mixed",
+        steps=12,
+        batch_size=4,
+        eval=False,
+        timing_warmup=1,
+        model_overrides=tiny,
+    )
+    stressed = RunConfig(**base, **FP16_STRESS)
+    verdicts = compare_runs([train_torch(stressed, pair), train_jax(stressed, pair)])
+    trajectory = _rows(verdicts, "loss-scale trajectory")[0]
+    assert trajectory.passed is True and trajectory.mode == "exact", trajectory.detail
+    assert "0 scale events" not in trajectory.detail
+    calm = RunConfig(**{**base, "steps": 4})  # torch's defaults: 2**16, growth every 2000 steps
+    verdicts = compare_runs([train_torch(calm, pair), train_jax(calm, pair)])
+    trajectory = _rows(verdicts, "loss-scale trajectory")[0]
+    assert trajectory.passed is None and "no scale event" in trajectory.detail
