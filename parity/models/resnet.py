@@ -120,7 +120,10 @@ class TorchResNet(torch.nn.Module):
         self.fc = torch.nn.Linear(config["channels"][-1], config["num_classes"])
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.stem_bn(self.stem_conv(images)))
+        # NCHW-contiguous: the permuted NHWC batch is channels-last in memory, and torch 2.13's
+        # CPU weight gradient of a 1x1 stride-2 conv on channels-last input is wrong about half
+        # the time (nondeterministic; found by the step-0 checks, see parity/step0.py).
+        x = torch.relu(self.stem_bn(self.stem_conv(images.contiguous())))
         for block in self.blocks:
             x = block(x)
         return self.fc(x.mean(dim=(2, 3)))
