@@ -1,15 +1,21 @@
-"""PyTorch vs JAX parity-run benchmark: step time per model and precision, with spread.
+"""PyTorch vs JAX parity-run benchmark: step time per model and precision, with 95% CIs.
 
-For every model x precision it trains the matched pair with the harness's own trainers (the same
-config object on both sides), `--repeats` times, interleaving torch eager, torch.compile and JAX
-so that drifting machine load hits all of them alike. Each repeat gives one ratio
-``jax / torch_eager`` and ``jax / torch_compile`` of median step times (after warm-up, synced);
-the table reports the median ratio and its spread ((max - min) / median) over the repeats, and
-flags spreads above 10%. It also reports bf16-mixed vs fp32 peak memory (each side's method).
+For every model x precision it trains the matched pair with the harness's own trainers (one
+`RunConfig` for both sides) in alternating blocks: `--repeats` rounds, each round one short run
+per framework (torch eager, JAX, and torch.compile unless `--no-compile`), the order rotated every
+round, so load that drifts during the benchmark hits every framework alike. The steps after each
+run's warm-up are pooled per framework: the table gives each framework's median step time with a
+bootstrap 95% CI and the JAX/torch ratio of medians with its CI (`parity.speed`), and flags a
+figure as unreliable where the CI is wide, the spread large or the machine loaded. Thread counts
+are set equal on both sides (`--threads`, default every core) and recorded. Cells this hardware
+cannot run (torch's bf16 LSTM without AVX-512, no GPU) are listed with the reason, not timed.
 
-Gate: correctness first — a repeat whose runs fail `parity.compare` is reported, not timed.
+Gate: correctness first. Each round's runs go through `parity.compare`; a failing verdict is
+reported in the "parity" column.
 
-    python benchmarks/bench_parity.py --out benchmarks/results/parity_cpu.json
+    python benchmarks/bench_parity.py --out benchmarks/results/parity_cpu_ci.json
+    python benchmarks/bench_parity.py --device gpu --steps 60 --out benchmarks/results/parity_gpu_ci.json
+    python benchmarks/bench_parity.py --render benchmarks/results/parity_cpu_ci.json
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,35 +31,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parity.compare import compare_runs  # noqa: E402
+from parity import measure, speed  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
-from parity.measure import versions  # noqa: E402
-from parity.models import get_model_pair  # noqa: E402
-from parity.report import write_json_atomic  # noqa: E402
-from parity.train_jax import train_jax  # noqa: E402
-from parity.train_torch import train_torch  # noqa: E402
 
 # Batch sizes that give each model a few ms of work per step on a 2-core CPU. torch's float16
-# kernels on CPU are ~200x slower: fp16-mixed runs are tiny and only indicative.
-BATCH = {"mlp": 64, "cnn": 32, "cnn_bn": 32, "lstm": 32, "transformer": 16}
-FP16_BATCH = 4
-SPREAD_LIMIT = 0.10
+# kernels on CPU are ~200x slower: fp16-mixed runs are tiny and only indicative there.
+BATCH = {"mlp": 64, "cnn": 32, "cnn_bn": 32, "lstm": 32, "transformer": 16, "resnet": 16}
+FP16_CPU_BATCH = 4
+GPU_BATCH_SCALE = 8
 
 
-def _spread(values):
-    values = [v for v in values if v is not None]
-    if len(values) < 2:
-        return 0.0
-    return (max(values) - min(values)) / statistics.median(values)
+def _batch(model: str, precision: str, device: str) -> int:
+    if device == "gpu":
+        return BATCH.get(model, 16) * GPU_BATCH_SCALE
+    return FP16_CPU_BATCH if precision == "fp16-mixed" else BATCH.get(model, 16)
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def bench_cell(model, precision, *, device, steps, repeats, warmup, compile_torch, log):
+    """Alternating-block timing of one cell; returns (summary, raw rounds)."""
+    from parity.compare import compare_runs
+    from parity.hardware import unsupported_reason
+    from parity.models import get_model_pair
+    from parity.train_jax import train_jax
+    from parity.train_torch import train_torch
 
-
-def bench_cell(model, precision, *, steps, repeats, warmup, compile_torch, progress):
-    batch = FP16_BATCH if precision == "fp16-mixed" else BATCH[model]
+    batch = _batch(model, precision, device)
     base = RunConfig(
         model=model,
         precision=precision,
@@ -62,182 +64,195 @@ def bench_cell(model, precision, *, steps, repeats, warmup, compile_torch, progr
         timing_warmup=warmup,
         lr_warmup_steps=10,  # as the CLI's default (see parity/cli.py)
         eval=False,
+        device=device,
     )
     pair = get_model_pair(model, seed=0)
+    cell = {"model": model, "precision": precision, "device": device, "batch_size": batch}
+    reasons = {
+        fw: unsupported_reason(
+            fw, base.policy, pair.torch_model if fw == "torch" else model, device
+        )
+        for fw in ("torch", "jax")
+    }
+    if any(reasons.values()):
+        cell["unsupported"] = "; ".join(f"{fw}: {r}" for fw, r in reasons.items() if r)
+        log(f"  {model} {precision}: not timed ({cell['unsupported']})")
+        return cell, []
     modes = ["torch", "jax"] + (["torch-compile"] if compile_torch else [])
-    repeats_out = []
-    for repeat in range(repeats):
+    rounds, pooled = [], {mode: [] for mode in modes}
+    last_runs = {}
+    for index in range(repeats):
+        order = modes[index % len(modes) :] + modes[: index % len(modes)]
         runs = {}
-        for mode in modes:
+        for mode in order:
             if mode == "jax":
                 runs[mode] = train_jax(base, pair)
             else:
-                config = base.replace(torch_compile=mode == "torch-compile")
-                runs[mode] = train_torch(config, pair)
+                runs[mode] = train_torch(base.replace(torch_compile=mode == "torch-compile"), pair)
+            pooled[mode].extend(speed.measured_times(runs[mode]))
         verdicts = compare_runs([runs["torch"], runs["jax"]])
         failed = [f"{v.check}: {v.value_text}" for v in verdicts if v.passed is False]
-        times = {m: r["summary"]["step_time_median_s"] for m, r in runs.items()}
-        record = {
-            "repeat": repeat,
-            "step_time_median_s": times,
-            "compile_time_s": {m: r["summary"]["compile_time_s"] for m, r in runs.items()},
-            "peak_memory_bytes": {m: r["summary"]["peak_memory_bytes"] for m, r in runs.items()},
-            "peak_memory_method": {m: r["summary"]["peak_memory_method"] for m, r in runs.items()},
-            "failed_verdicts": failed,
-            "jax_over_torch_eager": times["jax"] / times["torch"],
-        }
-        if "torch-compile" in times:
-            record["jax_over_torch_compile"] = times["jax"] / times["torch-compile"]
-        repeats_out.append(record)
-        if progress:
-            print(
-                f"  {model} {precision} repeat {repeat}: "
-                + ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in times.items())
-                + (f"  FAILED {failed}" if failed else ""),
-                flush=True,
-            )
-    summary = {"model": model, "precision": precision, "batch_size": batch, "steps": steps}
+        medians = {m: runs[m]["summary"]["step_time_median_s"] for m in modes}
+        rounds.append(
+            {
+                "round": index,
+                "order": order,
+                "step_time_median_s": medians,
+                "load_average": measure.load_average(),
+                "failed_verdicts": failed,
+            }
+        )
+        last_runs = runs
+        log(
+            f"  {model} {precision} round {index}: "
+            + ", ".join(f"{m} {medians[m] * 1e3:.2f} ms" for m in order)
+            + (f"  FAILED {failed}" if failed else "")
+        )
     for mode in modes:
-        values = [r["step_time_median_s"][mode] for r in repeats_out]
-        summary[f"{mode}_step_ms"] = _median(values) * 1e3
-        summary[f"{mode}_step_spread"] = _spread(values)
-        summary[f"{mode}_peak_memory_bytes"] = repeats_out[0]["peak_memory_bytes"][mode]
-        summary[f"{mode}_peak_memory_method"] = repeats_out[0]["peak_memory_method"][mode]
-    for key in ("jax_over_torch_eager", "jax_over_torch_compile"):
-        values = [r.get(key) for r in repeats_out]
-        if any(v is not None for v in values):
-            summary[key] = _median(values)
-            summary[f"{key}_min"] = min(v for v in values if v is not None)
-            summary[f"{key}_max"] = max(v for v in values if v is not None)
-            summary[f"{key}_spread"] = _spread(values)
-    summary["ratios_repeat_within_10pct"] = all(
-        summary.get(f"{k}_spread", 0.0) <= SPREAD_LIMIT
-        for k in ("jax_over_torch_eager", "jax_over_torch_compile")
-    )
-    summary["correct"] = not any(r["failed_verdicts"] for r in repeats_out)
-    return summary, repeats_out
+        median, low, high = speed.median_ci(pooled[mode])
+        cell[mode] = {
+            "median_ms": median * 1e3,
+            "ci_ms": [low * 1e3, high * 1e3],
+            "steps": len(pooled[mode]),
+            "peak_memory_bytes": last_runs[mode]["summary"]["peak_memory_bytes"],
+            "peak_memory_method": last_runs[mode]["summary"]["peak_memory_method"],
+            "compile_time_s": last_runs[mode]["summary"]["compile_time_s"],
+        }
+    for mode in modes[:1] + modes[2:]:
+        ratio, low, high = speed.ratio_ci(pooled["jax"], pooled[mode])
+        key = "jax_over_torch_eager" if mode == "torch" else "jax_over_torch_compile"
+        cell[key] = {"ratio": ratio, "ci": [low, high]}
+    loads = [r["load_average"] for r in rounds if r["load_average"] is not None]
+    cell["load_average"] = [min(loads), max(loads)] if loads else None
+    cell["warnings"] = [
+        w
+        for mode in modes
+        for w in speed.reliability_warnings(_as_run(last_runs[mode], pooled[mode]))
+    ]
+    cell["caveats"] = speed.cell_caveats(last_runs["torch"])
+    cell["correct"] = not any(r["failed_verdicts"] for r in rounds)
+    return cell, rounds
+
+
+def _as_run(run, times):
+    """A run record whose steps are the pooled times (for `speed.reliability_warnings`)."""
+    return {**run, "config": {"timing_warmup": 0}, "steps": [{"time_s": t} for t in times]}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "lstm", "transformer"])
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed", "bf16-true"])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from each median")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from each run")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (one run per framework)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for both sides")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile runs")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/parity_cpu.json"))
-    parser.add_argument(
-        "--render", nargs="+", metavar="JSON", help="only print tables of saved runs"
-    )
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/parity_cpu_ci.json"))
+    parser.add_argument("--render", nargs="+", metavar="JSON", help="only print saved results")
     args = parser.parse_args(argv)
     if args.render:
-        render([json.loads(Path(path).read_text()) for path in args.render])
+        for path in args.render:
+            print(render(json.loads(Path(path).read_text())))
         return 0
+    if args.device == "gpu":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    threads = measure.set_threads(args.threads)  # before JAX starts its backend
+    from parity.hardware import hardware_info, hardware_summary
+    from parity.records import write_json_atomic
 
     started = time.time()
+    load_before = measure.load_average()
     cells, raw = [], []
     for model in args.models:
         for precision in args.precisions:
-            steps = min(args.steps, 15) if precision == "fp16-mixed" else args.steps
+            cpu_fp16 = precision == "fp16-mixed" and args.device == "cpu"
+            steps = min(args.steps, 15) if cpu_fp16 else args.steps
             print(f"{model} {precision}", flush=True)
-            summary, repeats = bench_cell(
+            cell, rounds = bench_cell(
                 model,
                 precision,
+                device=args.device,
                 steps=steps,
                 repeats=args.repeats,
                 warmup=min(args.warmup, steps - 2),
-                compile_torch=not args.no_compile and precision != "fp16-mixed",
-                progress=True,
+                compile_torch=not args.no_compile and not cpu_fp16,
+                log=lambda line: print(line, flush=True),
             )
-            cells.append(summary)
-            raw.append({"model": model, "precision": precision, "repeats": repeats})
-    memory = []
-    for model in args.models:
-        by = {c["precision"]: c for c in cells if c["model"] == model}
-        if "fp32" in by and "bf16-mixed" in by:
-            row = {"model": model}
-            for mode in ("torch", "jax"):
-                a = by["fp32"][f"{mode}_peak_memory_bytes"]
-                b = by["bf16-mixed"][f"{mode}_peak_memory_bytes"]
-                row[f"{mode}_fp32_bytes"] = a
-                row[f"{mode}_bf16_mixed_bytes"] = b
-                row[f"{mode}_bf16_over_fp32"] = b / a if a and b else None
-                row[f"{mode}_method"] = by["fp32"][f"{mode}_peak_memory_method"]
-            memory.append(row)
+            cells.append(cell)
+            raw.append({"model": model, "precision": precision, "rounds": rounds})
+    hardware = hardware_info()
     record = {
-        "benchmark": "parity_cpu",
+        "benchmark": "parity_ci",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": "cpu",
-        "gpu": "none available",
-        "versions": versions(),
+        "device": args.device,
+        "hardware": hardware,
+        "hardware_summary": hardware_summary(hardware),
+        "threads": threads,
+        "timing": "alternating blocks: each round one run per framework, order rotated per "
+        "round; per framework the steps after warm-up are pooled; medians and ratios with "
+        "bootstrap 95% CIs",
+        "versions": measure.versions(),
         "args": vars(args),
+        "load_average_before": load_before,
+        "load_average_after": measure.load_average(),
         "wall_s": time.time() - started,
         "cells": cells,
-        "memory": memory,
         "raw": raw,
     }
     write_json_atomic(args.out, record)
-    render([record])
+    print(render(record))
     print(f"\nwrote {args.out} ({record['wall_s']:.0f} s)")
     return 0
 
 
-def _best_of(repeats, mode):
-    return min(r["step_time_median_s"][mode] for r in repeats)
+def _ms(entry) -> str:
+    if not entry:
+        return "—"
+    low, high = entry["ci_ms"]
+    return f"{entry['median_ms']:.3g} ({low:.3g}–{high:.3g})"
 
 
-def render(records) -> None:
-    """Prints the markdown tables of one or more benchmark records.
+def _ratio(entry) -> str:
+    if not entry:
+        return "—"
+    low, high = entry["ci"]
+    return f"**{entry['ratio']:.2f}** ({low:.2f}–{high:.2f})"
 
-    Besides the median ratio over repeats and its min-max, it gives the best-of-repeats ratio
-    (each framework's fastest repeat): on a shared machine the fastest repeat is the least
-    disturbed one.
-    """
-    cells = [c for rec in records for c in rec["cells"]]
-    raw = {(r["model"], r["precision"]): r["repeats"] for rec in records for r in rec["raw"]}
-    memory = [m for rec in records for m in rec["memory"]]
-    print(
-        "| model | precision | batch | torch eager ms | torch.compile ms | JAX ms "
-        "| JAX / eager: median (min–max) | best-of | JAX / compile: median (min–max) | best-of "
-        "| spread ≤ 10% | parity |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in cells:
-        repeats = raw[(c["model"], c["precision"])]
 
-        def ratio(key, c=c):
-            if key not in c:
-                return "—"
-            return f"{c[key]:.2f} ({c[key + '_min']:.2f}–{c[key + '_max']:.2f})"
-
-        def best(mode, repeats=repeats):
-            if mode not in repeats[0]["step_time_median_s"]:
-                return "—"
-            return f"{_best_of(repeats, 'jax') / _best_of(repeats, mode):.2f}"
-
-        compile_ms = c.get("torch-compile_step_ms")
-        print(
-            f"| {c['model']} | {c['precision']} | {c['batch_size']} | {c['torch_step_ms']:.2f} "
-            f"| {'—' if compile_ms is None else f'{compile_ms:.2f}'} | {c['jax_step_ms']:.2f} "
-            f"| {ratio('jax_over_torch_eager')} | {best('torch')} "
-            f"| {ratio('jax_over_torch_compile')} | {best('torch-compile')} "
-            f"| {'yes' if c['ratios_repeat_within_10pct'] else 'no'} "
-            f"| {'pass' if c['correct'] else 'FAIL'} |"
+def render(record) -> str:
+    """The markdown of one benchmark record: medians and ratios with 95% CIs, then notes."""
+    lines = [
+        f"Machine: {record['hardware_summary']}; load average {record['load_average_before']:.1f} "
+        f"before, {record['load_average_after']:.1f} after; {record['wall_s']:.0f} s.",
+        "",
+        "| model | precision | batch | torch eager ms (95% CI) | torch.compile ms | JAX ms "
+        "| JAX / eager (95% CI) | JAX / compile (95% CI) | parity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for cell in record["cells"]:
+        name = f"{cell['model']} {cell['precision']}"
+        if "unsupported" in cell:
+            lines.append(
+                f"| {cell['model']} | {cell['precision']} | {cell['batch_size']} "
+                f"| unsupported here | — | — | — | — | — |"
+            )
+            notes.append(f"- {name}: not timed: {cell['unsupported']}.")
+            continue
+        lines.append(
+            f"| {cell['model']} | {cell['precision']} | {cell['batch_size']} "
+            f"| {_ms(cell.get('torch'))} | {_ms(cell.get('torch-compile'))} | {_ms(cell.get('jax'))} "
+            f"| {_ratio(cell.get('jax_over_torch_eager'))} "
+            f"| {_ratio(cell.get('jax_over_torch_compile'))} "
+            f"| {'pass' if cell['correct'] else 'FAIL'} |"
         )
-    print()
-    print(
-        "| model | torch fp32 MiB | torch bf16-mixed MiB | ratio | JAX fp32 MiB "
-        "| JAX bf16-mixed MiB | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for m in memory:
-        print(
-            f"| {m['model']} | {m['torch_fp32_bytes'] / 2**20:.2f} "
-            f"| {m['torch_bf16_mixed_bytes'] / 2**20:.2f} | {m['torch_bf16_over_fp32']:.2f} "
-            f"| {m['jax_fp32_bytes'] / 2**20:.2f} | {m['jax_bf16_mixed_bytes'] / 2**20:.2f} "
-            f"| {m['jax_bf16_over_fp32']:.2f} |"
-        )
+        if cell["caveats"]:
+            notes.append(f"- {name}: " + "; ".join(cell["caveats"]) + ".")
+        if cell["warnings"]:
+            notes.append(f"- {name}: unreliable: " + "; ".join(cell["warnings"]) + ".")
+    return "\n".join(lines + [""] + notes)
 
 
 if __name__ == "__main__":
