@@ -819,7 +819,10 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
                 f", decided by {', '.join(modes)}" if modes else ""
             )
             if info:
-                text += "; the loss-scale trajectory had no scale event (informational)"
+                text += (
+                    "; the loss-scale trajectory was NOT tested (no skip, no growth: "
+                    "informational, not a pass)"
+                )
             out[cell] = text
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
