@@ -308,6 +308,8 @@ class FlaxModel:
       variables: the model's own variables when it carries them (NNX, Hugging Face), else None.
       flax_kwargs: ``inputs -> extra keyword arguments`` for the call, or None.
       notes: what the adapter changed (dropout disabled, arguments filled), for the report.
+      factory: NNX only: ``(dtype=..., param_dtype=...) -> nnx.Module``, so `clone` can rebuild
+        the model in another precision (linen modules clone themselves).
     """
 
     kind: str
@@ -315,6 +317,39 @@ class FlaxModel:
     variables: dict | None = None
     flax_kwargs: Callable[[Any], dict] | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    factory: Callable[..., Any] | None = None
+
+    @property
+    def dtype(self) -> Any:
+        """The computation dtype the model was built with (None: the inputs')."""
+        return _first_attr(self.module, "dtype")
+
+    @property
+    def param_dtype(self) -> Any:
+        """The parameter dtype the model was built with."""
+        return _first_attr(self.module, "param_dtype")
+
+    def clone(self, **overrides: Any) -> FlaxModel:
+        """The same model with other constructor fields, e.g. ``clone(dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16)`` (linen: ``module.clone``; NNX: rebuilt with `factory`)."""
+        if self.kind != "nnx":
+            return dataclasses.replace(self, module=self.module.clone(**overrides))
+        if self.factory is None:
+            raise AdapterError(
+                "clone: this NNX model has no factory; pass as_flax_model(model, factory=lambda "
+                "dtype, param_dtype: MyModel(..., dtype=dtype, param_dtype=param_dtype, rngs=...))."
+            )
+        args = {"dtype": self.dtype, "param_dtype": self.param_dtype, **overrides}
+        return as_flax_model(
+            self.factory(**args), flax_kwargs=self.flax_kwargs, factory=self.factory
+        )
+
+    def init(self, rngs: Any, inputs: Any, **kwargs: Any) -> dict:
+        """linen: ``module.init(rngs, inputs, **kwargs)``; NNX and Hugging Face: the model's own
+        variables (already initialised; `rngs` and `kwargs` are not needed)."""
+        if self.variables is not None:
+            return self.variables
+        return self.module.init(rngs, inputs, **{**self._kwargs(inputs, False), **kwargs})
 
     def _extra(self, inputs) -> dict:
         if self.flax_kwargs is None:
@@ -422,7 +457,25 @@ def _explain(error: Exception, model: FlaxModel) -> Exception:
     return error
 
 
-def as_flax_model(obj: Any, *, flax_kwargs: Callable[[Any], dict] | None = None) -> FlaxModel:
+def _first_attr(module: Any, name: str) -> Any:
+    if hasattr(module, name):
+        return getattr(module, name)
+    try:
+        nnx = _nnx()
+        for _, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Module) and node is not module and hasattr(node, name):
+                return getattr(node, name)
+    except TypeError:
+        pass
+    return None
+
+
+def as_flax_model(
+    obj: Any,
+    *,
+    flax_kwargs: Callable[[Any], dict] | None = None,
+    factory: Callable[..., Any] | None = None,
+) -> FlaxModel:
     """Wraps a linen module, an ``nnx.Module``, a Hugging Face Flax model, or an existing
     `FlaxModel`.
 
@@ -447,7 +500,7 @@ def as_flax_model(obj: Any, *, flax_kwargs: Callable[[Any], dict] | None = None)
         for path, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Dropout) and node.rate > 0:
                 notes.append(f"nnx.Dropout at {'/'.join(map(str, path))} made deterministic")
-        return FlaxModel("nnx", model, as_variables(model), flax_kwargs, notes)
+        return FlaxModel("nnx", model, as_variables(model), flax_kwargs, notes, factory)
     if isinstance(obj, fnn.Module):
         return FlaxModel("linen", obj, None, flax_kwargs)
     module = getattr(obj, "module", None)

@@ -453,6 +453,7 @@ def _pair_and_batch(name, batch_size=4, **overrides):
 # Smaller variants where a test compiles a gradient or a second precision (keeps the suite fast).
 SMALL = {
     "mlp": {"image_shape": (8, 8, 3)},
+    "mlp_nnx": {"image_shape": (8, 8, 3)},
     "cnn": {"image_shape": (8, 8, 3)},
     "cnn_bn": {"image_shape": (8, 8, 3)},
     "lstm": {"seq_len": 8},

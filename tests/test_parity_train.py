@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 # Tiny architectures: compile time and torch's slow CPU fp16 kernels dominate otherwise.
 TINY = {
     "mlp": {"image_shape": (8, 8, 3), "hidden": 16},
+    "mlp_nnx": {"image_shape": (8, 8, 3), "hidden": 16},
     "cnn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "cnn_bn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "lstm": {"vocab_size": 32, "embed_dim": 8, "hidden": 8, "seq_len": 8},

@@ -243,3 +243,21 @@ def test_regression_pair_trains_in_parity():
     assert jax.tree.leaves(result.runs[0]["steps"][0]["loss"]) == [
         result.runs[0]["steps"][0]["loss"]
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion  # optax internals
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_builtin_nnx_pair_trains_like_its_linen_twin(precision):
+    """`mlp_nnx` (NNX) and `mlp` (linen) compute the same function: identical JAX runs."""
+    from parity.config import RunConfig
+    from parity.models import get_model_pair
+    from parity.train_jax import train_jax
+
+    overrides = {"image_shape": (8, 8, 3), "hidden": 16}
+    runs = {}
+    for name in ("mlp", "mlp_nnx"):
+        pair = get_model_pair(name, seed=0, **overrides)
+        config = RunConfig(model=name, precision=precision, steps=3, batch_size=8, eval=False)
+        runs[name] = [s["loss"] for s in train_jax(config, pair)["steps"]]
+    assert runs["mlp"] == runs["mlp_nnx"]

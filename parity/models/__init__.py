@@ -6,7 +6,7 @@
 >>> inputs, targets = stream.batch(0)
 >>> logits, _ = pair.flax_apply(variables, jnp.asarray(inputs), train=True)
 
-Models: ``mlp``, ``cnn``, ``cnn_bn`` (``cnn`` with BatchNorm after each conv), ``lstm``,
+Models: ``mlp``, ``mlp_nnx`` (``mlp`` with a Flax NNX module), ``cnn``, ``cnn_bn`` (``cnn`` with BatchNorm after each conv), ``lstm``,
 ``transformer``, ``resnet`` (BasicBlocks with BatchNorm; ``wrong_port="padding"`` or
 ``"bn_variance"`` builds a deliberately wrong Flax twin). Images are NHWC in the data and for Flax; ``torch_forward`` permutes to NCHW for
 convolutional torch models. Bring your own model by building a :class:`ModelPair` directly (see its
@@ -30,7 +30,7 @@ import torch
 from parity.adapters import FlaxModel, output_logits
 from parity.data import BatchStream
 from parity.mapping import WeightMapping
-from parity.models import cnn, lstm, mlp, resnet, transformer
+from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
 
 __all__ = [
     "MODEL_NAMES",
@@ -57,6 +57,7 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     "mlp": _Spec(mlp, "classification", mlp.DEFAULTS, False),
+    "mlp_nnx": _Spec(mlp_nnx, "classification", mlp_nnx.DEFAULTS, False),
     "cnn": _Spec(cnn, "classification", cnn.DEFAULTS, True),
     "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True),
     "lstm": _Spec(lstm, "classification", lstm.DEFAULTS, False),
