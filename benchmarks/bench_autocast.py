@@ -1,11 +1,13 @@
 """autocast overhead: an autocast train step against the same step with hand-placed casts.
 
 Prints a table and writes benchmarks/results/autocast.json. Gates on correctness first (same loss,
-same compiled HLO modulo names), then times both steps interleaved, medians after warm-up with
-block_until_ready; compile time apart. Also reports the trace-time cost of autocast for a 12-layer
-transformer.
+same compiled HLO modulo names), then times both steps interleaved step by step (alternating
+order), medians after warm-up with block_until_ready and bootstrap 95% CIs for each median and for
+the autocast/hand ratio (`parity.speed`); compile time apart; the machine load is recorded and a
+wide CI is flagged. Also reports the trace-time cost of autocast for a 12-layer transformer.
 
     .venv/bin/python benchmarks/bench_autocast.py [--steps 200] [--width 512]
+    python benchmarks/bench_autocast.py --device gpu --steps 200   # torch's CUDA op lists
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pathlib
 import platform
 import re
 import statistics
+import sys
 import time
 
 import flax
@@ -25,6 +28,11 @@ import jax.numpy as jnp
 import optax
 
 import jaxamp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from parity import measure, speed  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -39,7 +47,7 @@ class MLP(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(x)
 
 
-def make_steps(width: int):
+def make_steps(width: int, device: str = "cpu"):
     tx = optax.sgd(1e-2, momentum=0.9)
     auto_model, hand_model = MLP(width), MLP(width, dtype=jnp.bfloat16)
 
@@ -60,7 +68,8 @@ def make_steps(width: int):
 
         return step
 
-    auto = make(jaxamp.autocast(auto_loss, device="cpu", dtype=jnp.bfloat16))
+    autocast_device = "cuda" if device == "gpu" else "cpu"  # torch's op lists for that device
+    auto = make(jaxamp.autocast(auto_loss, device=autocast_device, dtype=jnp.bfloat16))
     hand = make(hand_loss)
     return auto_model, tx, auto, hand
 
@@ -132,10 +141,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--out", default="benchmarks/results/autocast.json")
     args = parser.parse_args()
+    if args.device == "cpu":
+        jax.config.update("jax_platforms", "cpu")  # before the backend starts
+    elif jax.default_backend() != "gpu":
+        raise SystemExit(f"--device gpu: JAX's backend is {jax.default_backend()!r}, not 'gpu'")
+    threads = measure.thread_settings()
+    load_before = measure.load_average()
 
-    model, tx, auto, hand = make_steps(args.width)
+    model, tx, auto, hand = make_steps(args.width, args.device)
     kx, ky = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (args.batch, args.width))
     y = jax.random.randint(ky, (args.batch,), 0, 10)
@@ -171,7 +187,13 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
             state[name] = (p, o)
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["autocast"] / med["hand"]
+    ci = {k: speed.median_ci(v)[1:] for k, v in times.items()}
+    ratio, ratio_low, ratio_high = speed.ratio_ci(times["autocast"], times["hand"])
+    warnings = [
+        f"{k}: 95% CI spans {100 * (hi - lo) / med[k]:.0f}% of the median"
+        for k, (lo, hi) in ci.items()
+        if (hi - lo) / med[k] > speed.CI_WIDTH_LIMIT
+    ]
     trace = trace_cost()
 
     record = {
@@ -182,15 +204,32 @@ def main() -> None:
         "policy": "autocast(device='cpu', dtype=bfloat16) vs flax dtype=bfloat16 hand casts",
         "config": {"width": args.width, "batch": args.batch, "depth": 4, "steps": args.steps},
         "step_time_median_s": med,
+        "step_time_ci_s": ci,
         "ratio_autocast_over_hand": ratio,
+        "ratio_ci": [ratio_low, ratio_high],
+        "timing": "interleaved step by step, order alternating; bootstrap 95% CIs",
+        "threads": threads,
+        "load_average_before": load_before,
+        "load_average_after": measure.load_average(),
+        "warnings": warnings,
         "compile_time_s": compile_s,
         "hlo_equal": hlo_equal,
         "transformer_12_layer_trace": trace,
     }
-    print(f"{'step':<10} {'median ms':>10} {'compile s':>10}")
+    print(f"{'step':<10} {'median ms (95% CI)':>26} {'compile s':>10}")
     for name in ("autocast", "hand"):
-        print(f"{name:<10} {med[name] * 1e3:>10.3f} {compile_s[name]:>10.2f}")
-    print(f"ratio autocast/hand: {ratio:.4f}   compiled HLO identical: {hlo_equal}")
+        lo, hi = ci[name]
+        text = f"{med[name] * 1e3:.3f} ({lo * 1e3:.3f}-{hi * 1e3:.3f})"
+        print(f"{name:<10} {text:>26} {compile_s[name]:>10.2f}")
+    print(
+        f"ratio autocast/hand: {ratio:.4f} (95% CI {ratio_low:.4f}-{ratio_high:.4f})   "
+        f"compiled HLO identical: {hlo_equal}"
+    )
+    print(
+        f"load average {record['load_average_before']:.1f} before, "
+        f"{record['load_average_after']:.1f} after"
+        + ("; UNRELIABLE: " + "; ".join(warnings) if warnings else "")
+    )
     print(
         "12-layer transformer value_and_grad trace (median of 3, fresh functions): plain "
         "{plain_trace_s:.3f} s, autocast {autocast_trace_s:.3f} s "
