@@ -20,7 +20,13 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
-from jaxamp.fp8._dot import DelayedScalingState, check_hardware, dot_general, linear_like
+from jaxamp.fp8._dot import (
+    DelayedScalingState,
+    check_hardware,
+    dot_general,
+    linear_like,
+    to_2d,
+)
 from jaxamp.fp8._recipes import Recipe
 from jaxamp.fp8._recipes import recipe as _make_recipe
 
@@ -117,7 +123,15 @@ def _join(prefix: str, rest: str) -> str:
 
 
 class _Rewrite:
-    def __init__(self, rec: Recipe, select: Callable, state: dict | None, records: list | None):
+    def __init__(
+        self,
+        rec: Recipe,
+        select: Callable,
+        state: dict | None,
+        records: list | None,
+        capture: dict | None = None,
+    ):
+        self.capture = capture
         self.recipe = rec
         self.select = select
         self.state = state
@@ -273,9 +287,31 @@ class _Rewrite:
             recipe=rec,
             state=state,
         )
+        if self.capture is not None:
+            out = self._capture(info.name, lhs, rhs, eqn.params["dimension_numbers"], out)
         how = f"{rec.name}, {'emulated (float32 matmul of fp8 values)' if rec.emulate else 'fp8 matmul'}"
         self._record(info, True, how + (f", inside {loop}" if loop else ""))
         return out
+
+    def _capture(self, name: str, lhs, rhs, dn, out):
+        """Keeps the matmul's 2-D operands (concrete runs) and, via the VJP, its grad_output."""
+        entry = self.capture.setdefault(name, {})
+        (lc, _), _ = dn
+        rows = int(np.prod([d for i, d in enumerate(lhs.shape) if i not in tuple(lc)]))
+        if not isinstance(lhs, jax.core.Tracer) and not isinstance(rhs, jax.core.Tracer):
+            entry["lhs2d"], entry["rhs2d"], _ = to_2d(lhs, rhs, dn)
+
+        @jax.custom_vjp
+        def tap(y):
+            return y
+
+        def tap_bwd(_, g):
+            if not isinstance(g, jax.core.Tracer):
+                entry["grad_output2d"] = g.reshape(rows, -1)
+            return (g,)
+
+        tap.defvjp(lambda y: (y, None), tap_bwd)
+        return tap(out)
 
     def _record(self, info: MatmulInfo, fp8: bool, how: str) -> None:
         if self.records is not None:
@@ -299,8 +335,8 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic) or hasattr(x, "aval")
 
 
-def _run(fn, rec, fp8_filter, args, kwargs, state, records):
-    rewrite = _Rewrite(rec, _selector(fp8_filter), state, records)
+def _run(fn, rec, fp8_filter, args, kwargs, state, records, capture=None):
+    rewrite = _Rewrite(rec, _selector(fp8_filter), state, records, capture)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
 

@@ -364,6 +364,19 @@ def linear_like(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> str | N
     return None
 
 
+def to_2d(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any):
+    """``(x (M, K), w (K, N), output shape)`` of a dot without batch dimensions."""
+    (lc, rc), _ = dimension_numbers
+    lc, rc = tuple(int(d) for d in lc), tuple(int(d) for d in rc)
+    lf = [d for d in range(lhs.ndim) if d not in lc]
+    rf = [d for d in range(rhs.ndim) if d not in rc]
+    out_shape = tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
+    k = int(np.prod([lhs.shape[d] for d in lc]))
+    x2 = jnp.transpose(lhs, lf + list(lc)).reshape(-1, k)
+    w2 = jnp.transpose(rhs, list(rc) + rf).reshape(k, -1)
+    return x2, w2, out_shape
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -414,14 +427,7 @@ def dot_general(
     why = linear_like(dimension_numbers, lhs.ndim, rhs.ndim)
     if why:
         raise ValueError(f"jaxamp.fp8.dot_general: cannot run this dot in fp8: {why}.")
-    (lc, rc), _ = dimension_numbers
-    lc, rc = tuple(int(d) for d in lc), tuple(int(d) for d in rc)
-    lf = [d for d in range(lhs.ndim) if d not in lc]
-    rf = [d for d in range(rhs.ndim) if d not in rc]
-    out_shape = tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
-    k = int(np.prod([lhs.shape[d] for d in lc]))
-    x2 = jnp.transpose(lhs, lf + list(lc)).reshape(-1, k)
-    w2 = jnp.transpose(rhs, list(rc) + rf).reshape(k, -1)
+    x2, w2, out_shape = to_2d(lhs, rhs, dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     if rec.scaling == "delayed":
         if not isinstance(state, DelayedScalingState):

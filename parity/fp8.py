@@ -1,0 +1,328 @@
+"""FP8 precisions for the harness: torchao on the torch side, `jaxamp.fp8` on the JAX side.
+
+``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's three float8
+training recipes. Everything outside the converted linear layers runs in float32 on both sides
+(policy ``fp32``). The torch side swaps ``nn.Linear`` modules for torchao's ``Float8Linear``
+(``convert_to_float8_training``; ``emulate=True`` where the device has no fp8 matmuls: CPU, GPUs
+before sm89); the JAX side runs the forward pass through ``jaxamp.fp8.convert`` with the same
+recipe. Both sides convert the same layers: every linear layer except those under an attention
+module, because ``torch.nn.MultiheadAttention`` calls ``F.linear`` on its own weights and never
+its ``out_proj.forward`` (torchao's swap would change nothing there).
+
+This module never imports torch at import time (``parity.train_jax`` uses it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import jaxamp.fp8
+
+__all__ = [
+    "FP8_PRECISIONS",
+    "EXCLUDED_MODULES",
+    "convert_torch",
+    "fp8_method",
+    "is_fp8",
+    "jax_filter",
+    "jax_recipe",
+    "recipe_name",
+    "step0_fp8",
+    "torch_emulate",
+    "torch_module_filter",
+    "wrap_jax_forward",
+]
+
+FP8_PRECISIONS: dict[str, str] = {
+    "fp8-tensorwise": "tensorwise",
+    "fp8-rowwise": "rowwise",
+    "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
+}
+# Module names (path components) whose linear layers neither side converts; see the docstring.
+EXCLUDED_MODULES: tuple[str, ...] = ("attn",)
+
+
+def is_fp8(precision: str) -> bool:
+    """Whether `precision` is one of the fp8 precisions."""
+    return precision in FP8_PRECISIONS
+
+
+def recipe_name(precision: str) -> str:
+    """torchao's recipe name for an fp8 precision (``"fp8-rowwise-gw-hp"`` -> ``"rowwise_with_gw_hp"``)."""
+    if precision not in FP8_PRECISIONS:
+        raise ValueError(
+            f"parity.fp8: precision {precision!r} is not fp8; fp8 precisions: {tuple(FP8_PRECISIONS)}."
+        )
+    return FP8_PRECISIONS[precision]
+
+
+def jax_recipe(precision: str) -> jaxamp.fp8.Recipe:
+    """The `jaxamp.fp8` recipe: emulated exactly where torch's is (no fp8 matmul hardware)."""
+    emulate = jaxamp.fp8.fp8_matmul_hardware() is not None
+    return jaxamp.fp8.recipe(recipe_name(precision), emulate=emulate)
+
+
+def _excluded(parts: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(p, pattern) for p in parts for pattern in EXCLUDED_MODULES)
+
+
+def jax_filter(info: jaxamp.fp8.MatmulInfo) -> bool:
+    """Linear-layer matmuls outside attention modules (the layers torchao converts and runs)."""
+    return info.linear is None and not _excluded(info.path.split("/"))
+
+
+def torch_module_filter(module: Any, fqn: str) -> bool:
+    """torchao ``module_filter_fn``: every ``nn.Linear`` outside attention modules."""
+    del module
+    return not _excluded(fqn.split("."))
+
+
+def wrap_jax_forward(forward: Callable, precision: str) -> Callable:
+    """`forward` with its linear layers in fp8 (``jaxamp.fp8.convert``) for an fp8 precision."""
+    return jaxamp.fp8.convert(forward, jax_recipe(precision), fp8_filter=jax_filter)
+
+
+def torch_emulate(device: Any) -> bool:
+    """torchao's ``emulate``: True unless `device` is a CUDA GPU with fp8 matmuls (sm89+)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def convert_torch(model: Any, precision: str, device: Any) -> list[str]:
+    """Swaps `model`'s linear layers for torchao ``Float8Linear`` in place; returns their names."""
+    import dataclasses
+
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe_name(precision))
+    config = dataclasses.replace(config, emulate=torch_emulate(device))
+    before = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    convert_to_float8_training(model, config=config, module_filter_fn=torch_module_filter)
+    return sorted(
+        n for n, m in model.named_modules() if n in before and type(m).__name__ == "Float8Linear"
+    )
+
+
+def fp8_method(precision: str, framework: str) -> str:
+    """How a side realises an fp8 precision (logged in the run record)."""
+    name = recipe_name(precision)
+    if framework == "torch":
+        return f"torchao convert_to_float8_training(recipe={name!r}), attention excluded"
+    emulate = jaxamp.fp8.fp8_matmul_hardware() is not None
+    return (
+        f"jaxamp.fp8.convert(recipe={name!r}{', emulate=True' if emulate else ''}), "
+        "attention excluded"
+    )
+
+
+# --- step 0: per-layer scales and fp8 bit patterns, both frameworks --------------------------------
+
+
+def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    """Per converted layer: torchao's own scales and fp8 codes of input, weight and grad_output."""
+    import copy
+
+    import torch
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from parity.models import loss_torch
+
+    model = copy.deepcopy(pair.torch_model)
+    convert_torch(model, precision, "cpu")
+    seen: dict[str, dict] = {}
+
+    def cast(t, cc, axis, pow2):
+        gran = cc.scaling_granularity
+        out = hp_tensor_to_float8_dynamic(
+            t.detach(),
+            cc.target_dtype,
+            LinearMMConfig(),
+            scaling_granularity=gran,
+            axiswise_dim=axis if gran is ScalingGranularity.AXISWISE else None,
+            round_scales_to_power_of_2=pow2,
+        )
+        return out._scale.numpy().copy(), out._data.view(torch.uint8).numpy().copy()
+
+    hooks = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ != "Float8Linear":
+            continue
+        c = mod.config
+        pow2 = c.round_scales_to_power_of_2
+
+        def fwd_hook(mod, args, out, name=name, c=c, pow2=pow2):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            seen.setdefault(name, {})["input"] = cast(x, c.cast_config_input, -1, pow2)
+            seen[name]["weight"] = cast(mod.weight.t(), c.cast_config_weight, 0, pow2)
+
+        def bwd_hook(mod, grad_in, grad_out, name=name, c=c, pow2=pow2):
+            g = grad_out[0].reshape(-1, grad_out[0].shape[-1])
+            seen[name]["grad_output"] = cast(g, c.cast_config_grad_output, -1, pow2)
+
+        hooks.append(mod.register_forward_hook(fwd_hook))
+        hooks.append(mod.register_full_backward_hook(bwd_hook))
+    try:
+        with warnings.catch_warnings():
+            # integer token inputs: the hook fires on module outputs only, which is what we read
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            logits = pair.torch_forward(model, torch.from_numpy(np.asarray(inputs)), train=True)
+            loss = loss_torch(pair.task, logits, torch.from_numpy(np.asarray(targets)))
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
+    import jax
+    import jax.numpy as jnp
+
+    from parity.models import loss_jax
+
+    rec = jax_recipe(precision)
+    variables = pair.torch_to_flax()
+    captured: dict[str, dict] = {}
+
+    def forward(params, x):
+        full = dict(variables)
+        full["params"] = params
+        logits = pair.flax_apply(full, x, train=True)[0]
+        return loss_jax(pair.task, logits.astype(jnp.float32), jnp.asarray(targets))
+
+    from jaxamp.fp8._convert import _run
+
+    x = jnp.asarray(inputs)
+    _run(forward, rec, jax_filter, (variables["params"], x), {}, None, None, captured)
+    jax.grad(lambda p: _run(forward, rec, jax_filter, (p, x), {}, None, None, captured))(
+        variables["params"]
+    )
+    out = {}
+    for name, ops in captured.items():
+        lhs, rhs, g = ops["lhs2d"], ops["rhs2d"], ops["grad_output2d"]
+        entry = {}
+        for key, value, cast, axis in (
+            ("input", lhs, rec.input, -1),
+            ("weight", rhs, rec.weight, 0),
+            ("grad_output", g, rec.grad_output, -1),
+        ):
+            q, s = jaxamp.fp8.quantize(value, cast, axis, rec.power_of_2_scales)
+            entry[key] = (np.asarray(s), np.asarray(q).view(np.uint8))
+        out[name] = entry
+    return out
+
+
+def _code_steps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance between fp8 codes in representable steps (sign-magnitude ordering)."""
+
+    def ordinal(c):
+        c = c.astype(np.int32)
+        mag = c & 0x7F
+        return np.where(c & 0x80, -mag, mag)
+
+    return np.abs(ordinal(a) - ordinal(b))
+
+
+def _within_one_step_of_row_max(a, b, fp8_dtype, rowwise: bool) -> bool:
+    """|a - b| (as fp8 values) <= one fp8 step at the row's (or tensor's) largest magnitude."""
+    va = a.view(fp8_dtype).astype(np.float32)
+    vb = b.view(fp8_dtype).astype(np.float32)
+    top = np.maximum(np.abs(va), np.abs(vb))
+    top = top.max(axis=-1, keepdims=True) if rowwise else top.max()
+    mant_bits = 3 if np.dtype(fp8_dtype) == np.dtype(jaxamp.fp8.Cast("e4m3").dtype) else 2
+    step = np.exp2(np.floor(np.log2(np.maximum(top, 1e-30))) - mant_bits)
+    return bool(np.all(np.abs(va - vb) <= step))
+
+
+def step0_fp8(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> list[dict]:
+    """Step-0 fp8 check: per layer and tensor, torchao's scales and codes against jaxamp.fp8's.
+
+    Both sides start from the same weights and see the same batch. Weights and the first layer's
+    input are the same float32 numbers on both sides, so their scales and codes must be equal.
+    Activations and gradients further in come out of float32 matmuls summed in another order, so
+    they may differ in the last bit: their scales may differ by a few float32 ulps, an input code
+    by one fp8 step where a value sits on a rounding boundary, and a gradient by one fp8 step at
+    its row's (tensorwise: tensor's) largest magnitude, because the gradient is itself the output
+    of fp8 matmuls whose operands may have flipped by one step upstream (never more).
+
+    Returns:
+      One dict per (layer, tensor): ``torch_module``, ``jax_name``, ``tensor``, ``scales_equal``,
+      ``scale_max_rel_diff``, ``codes_differing`` (count), ``codes`` (total),
+      ``max_code_steps``, ``exact_expected`` and ``passed``.
+    """
+    torch_side = _torch_step0(pair, precision, inputs, targets)
+    jax_side = _jax_step0(pair, precision, inputs, targets)
+    by_path = {}
+    for name in jax_side:
+        path = name[: -len("/dot_general")] if name.endswith("/dot_general") else name
+        by_path[path] = name
+    rec = jax_recipe(precision)
+    rec_casts = {
+        "input": rec.input.dtype,
+        "weight": rec.weight.dtype,
+        "grad_output": rec.grad_output.dtype,
+    }
+    rows = []
+    for torch_module, flax_module in pair.mapping.module_pairs():
+        if torch_module not in torch_side:
+            continue
+        suffix = "/".join(flax_module)
+        hits = [p for p in by_path if p == suffix or p.endswith("/" + suffix)]
+        if len(hits) != 1:
+            raise ValueError(
+                f"step0_fp8: torch layer {torch_module!r} converted by torchao has "
+                f"{'no' if not hits else 'several'} fp8 matmul on the JAX side "
+                f"(looked for {suffix!r} among {sorted(by_path)})."
+            )
+        jax_name = by_path.pop(hits[0])
+        for tensor in ("input", "weight", "grad_output"):
+            ts, tc = torch_side[torch_module][tensor]
+            js, jc = jax_side[jax_name][tensor]
+            ts, js = ts.reshape(js.shape) if ts.size == js.size else ts, js
+            rel = float(np.max(np.abs(js.astype(np.float64) - ts) / np.abs(ts))) if ts.size else 0.0
+            jc = jc.reshape(tc.shape)
+            steps = _code_steps(jc, tc)
+            exact = tensor == "weight"
+            fp8_dtype = rec_casts[tensor]
+            if exact:
+                ok_scale, ok_codes = rel == 0.0, int(steps.max()) == 0
+            else:
+                ok_scale = rel <= 8 * float(np.finfo(np.float32).eps)
+                if tensor == "input":  # same fp8 math upstream: flips only at a boundary
+                    ok_codes = int(steps.max()) <= 1
+                else:  # grad_output: upstream fp8 roundings differ by a step, so allow one
+                    ok_codes = _within_one_step_of_row_max(jc, tc, fp8_dtype, js.size > 1)
+            rows.append(
+                {
+                    "torch_module": torch_module,
+                    "jax_name": jax_name,
+                    "tensor": tensor,
+                    "scales_equal": bool(np.array_equal(js.reshape(ts.shape), ts)),
+                    "scale_max_rel_diff": rel,
+                    "codes_differing": int(np.count_nonzero(steps)),
+                    "codes": int(steps.size),
+                    "max_code_steps": int(steps.max()),
+                    "exact_expected": exact,
+                    "passed": bool(ok_scale and ok_codes),
+                }
+            )
+    if by_path:
+        raise ValueError(
+            f"step0_fp8: JAX fp8 matmuls {sorted(by_path.values())} have no torchao layer."
+        )
+    if not rows:
+        raise ValueError("step0_fp8: no layer was converted on the torch side: nothing compared.")
+    return rows
