@@ -31,10 +31,14 @@ __all__ = [
     "torch_device_type",
 ]
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+# fp8-*: torchao's float8 training recipes (parity.fp8); float32 outside the fp8 linear layers.
+FP8_PRECISIONS = ("fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", *FP8_PRECISIONS)
 # The jaxamp policy of each precision name (a preset name or jmp's grammar). A precision that
 # is not a jaxamp preset registers its policy here.
-PRECISION_POLICIES: dict[str, str] = {name: name for name in PRECISIONS}
+PRECISION_POLICIES: dict[str, str] = {
+    name: "fp32" if name in FP8_PRECISIONS else name for name in PRECISIONS
+}
 # fp16 verdicts must see the scaler act: at torch's defaults (2**16, growth every 2000 steps) a
 # short run often has no overflow and no growth, and "identical scale trajectory" compares
 # nothing. At 2**20 the built-in models' scaled float16 gradients overflow in the first steps
