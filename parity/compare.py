@@ -650,6 +650,8 @@ def _embedded_verdicts(runs: Iterable[Mapping[str, Any]]) -> list[Verdict]:
         rows = step0.get("verdicts", []) if isinstance(step0, Mapping) else []
         for row in rows:
             verdict = Verdict.from_dict(row)
+            if not verdict.mode:
+                verdict = dataclasses.replace(verdict, mode="step 0")
             key = (verdict.cell, verdict.check, verdict.compared)
             if key not in seen:
                 seen.add(key)

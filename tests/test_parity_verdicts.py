@@ -264,8 +264,9 @@ def test_step0_rows_plug_in_from_records_and_arguments():
     )
     torch_run, jax_run = _run("torch", [2.0, 1.0]), _run("jax", [2.0, 1.0])
     torch_run["step0"] = {"verdicts": [row.to_dict()]}
+    jax_run["step0"] = {"verdicts": [{**row.to_dict(), "mode": ""}]}  # the same row, no mode
     verdicts = compare_runs([torch_run, jax_run])
-    assert verdicts[0] == row
+    assert verdicts[0] == row and verdicts[1].check != row.check  # once, mode "step 0"
     extra = Verdict(
         "m", "fp32", "cpu", "step 0 gradients", "jax vs torch", 1.0, 1e-5, False, mode="step 0"
     )
