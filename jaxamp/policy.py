@@ -101,6 +101,19 @@ class Policy(jmp.Policy):
             object.__setattr__(self, "reduce_dtype", self.param_dtype)
         for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
             value = getattr(self, field)
+            if value is None or isinstance(value, bool):
+                # np.dtype(None) is float64: never what a missing dtype means.
+                raise TypeError(
+                    f"Policy({field}={value!r}): must be a floating dtype (float16, bfloat16, "
+                    "float32, float64) or its name."
+                )
+            if isinstance(value, str):
+                try:
+                    dtype = parse_dtype(value, where=f"Policy({field}={value!r})")
+                except ValueError as e:
+                    raise TypeError(str(e)) from None
+                object.__setattr__(self, field, dtype)
+                continue
             try:
                 dtype = np.dtype(value)
             except TypeError as e:

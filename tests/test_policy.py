@@ -558,3 +558,19 @@ def test_full_list_of_names_is_documented():
     doc = get_policy.__doc__
     for name in (*PRESETS, *_ALIASES, *_NAME_TO_DTYPE, "half", "auto", "r``/``reduce"):
         assert name in doc, name
+
+
+@pytest.mark.parametrize("field", range(3))
+def test_policy_rejects_none_and_bool_dtypes(field):
+    # np.dtype(None) is float64: Policy(None, None, None) must not quietly become f64.
+    for bad in (None, True):
+        args = [F32, F32, F32]
+        args[field] = bad
+        with pytest.raises(TypeError, match=("param", "compute", "output")[field]):
+            Policy(*args)
+
+
+def test_policy_accepts_dtype_names():
+    assert Policy("f32", "bf16", "float32", "full") == get_policy("bf16-mixed")
+    with pytest.raises(TypeError, match="did you mean 'bf16'"):
+        Policy("f32", "bf61", "f32")
