@@ -108,6 +108,19 @@ _PROBE = textwrap.dedent(
     state = jax.device_put(state, NamedSharding(mesh, P()))
     case("flax_train_state_bf16_mixed", ts_step, (state, put(x, P("data"))))
 
+    from flax import nnx
+    nmodel = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), nnx.LayerNorm(16, rngs=nnx.Rngs(1)), nnx.Linear(16, 8, rngs=nnx.Rngs(2)))
+    jf.nnx.apply_policy(nmodel, "bf16-mixed")
+    ngraph, nstate = nnx.split(nmodel)
+    def nnx_case(reduce_dtype):
+        def step(state, x):
+            m = nnx.merge(ngraph, state)
+            lf = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+            return jf.nnx_value_and_grad(lf, reduce_dtype=reduce_dtype)(m, x)[1]
+        return step
+    case("nnx_reduce_f32", nnx_case("float32"), (nstate, put(x, P("data"))))
+    case("nnx_default", nnx_case(None), (nstate, put(x, P("data"))))
+
     out = {}
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter)\(")
     for name in cases:
@@ -155,6 +168,7 @@ def _dtypes(colls):
         "autocast_kwarg_reduce_f32",
         "shard_map_bf16_mixed",
         "flax_train_state_bf16_mixed",
+        "nnx_reduce_f32",
     ],
 )
 def test_gradient_collectives_run_in_reduce_dtype(collectives, case):
@@ -165,7 +179,14 @@ def test_gradient_collectives_run_in_reduce_dtype(collectives, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", ["dp_reduce_bf16", "fsdp_reduce_bf16", "shard_map_reduce_bf16", "autocast_default"]
+    "case",
+    [
+        "dp_reduce_bf16",
+        "fsdp_reduce_bf16",
+        "shard_map_reduce_bf16",
+        "autocast_default",
+        "nnx_default",
+    ],
 )
 def test_low_precision_reduction_is_visible_when_asked_for(collectives, case):
     # The same programs with reduce_dtype = compute dtype (or no reduce dtype for autocast)
@@ -274,3 +295,41 @@ def test_pmap_grads_in_param_dtype_psum_in_float32():
         np.testing.assert_allclose(
             g[k][0], full[k], atol=8 * eps * float(jnp.max(jnp.abs(full[k]))), rtol=0
         )
+
+
+@pytest.mark.standard_promotion
+def test_nnx_value_and_grad_reduce_dtype_keeps_values_and_state():
+    from flax import nnx
+
+    import jaxamp.flax as jf
+
+    def build():
+        rngs = nnx.Rngs(0)
+        model = nnx.Sequential(
+            nnx.Linear(4, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+        )
+        jf.nnx.apply_policy(model, "bf16-mixed")
+        return model
+
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(16, 4)), jnp.float32)
+
+    def loss(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    plain, reduced = build(), build()
+    l1, g1 = jf.nnx_value_and_grad(loss)(plain, x)
+    l2, g2 = jf.nnx_value_and_grad(loss, reduce_dtype="float32")(reduced, x)
+    assert l1 == l2
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    leaves1, leaves2 = jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)
+    # The bias before BatchNorm has a zero true gradient (rounding noise only): scale the
+    # tolerance by the largest gradient of the model.
+    scale = max(float(jnp.max(jnp.abs(a))) for a in leaves1)
+    for a, b in zip(leaves1, leaves2, strict=True):
+        assert b.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, atol=8 * eps * scale)
+    # Batch statistics updated by the forward pass are kept, as nnx.value_and_grad keeps them.
+    stats = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.BatchStat))  # noqa: E731
+    for a, b in zip(stats(plain), stats(reduced), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(float(jnp.abs(s).sum()) > 0 for s in stats(reduced)[:1])

@@ -412,7 +412,12 @@ class Optimizer(nnx.Optimizer):
 
 
 def nnx_value_and_grad(
-    fn: Callable[..., Any], *, has_aux: bool = False, argnums: int = 0, wrt: Any = nnx.Param
+    fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: int = 0,
+    wrt: Any = nnx.Param,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """`nnx.value_and_grad` of the loss times the current loss scale (scaled in float32).
 
@@ -426,6 +431,11 @@ def nnx_value_and_grad(
       has_aux: whether `fn` returns ``(loss, aux)``.
       argnums: which positional argument is differentiated (an NNX module or a pytree).
       wrt: the `nnx.grad` filter (default `nnx.Param`).
+      reduce_dtype: FSDP2's ``reduce_dtype`` (e.g. ``"float32"`` for a model under a
+        bf16-mixed `jf.nnx.apply_policy`): the gradients of the params the model narrows are
+        accumulated, and summed across devices, in it (see `jaxamp.value_and_grad`). The
+        differentiated module's state updates (batch statistics, RNG counters) are kept; other
+        module arguments are passed by value. Default None: JAX's own gradients.
 
     Example:
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
@@ -452,11 +462,38 @@ def nnx_value_and_grad(
             loss32 = jnp.asarray(loss).astype(jnp.float32)
             return loss32 * scale_value, (loss32, aux)
 
+        if reduce_dtype is not None:
+            (loss, aux), grads = _nnx_reduced(scaled, args, argnums, wrt, reduce_dtype)
+            return ((loss, aux), grads) if has_aux else (loss, grads)
         grad_fn = nnx.value_and_grad(scaled, argnums=nnx.DiffState(argnums, wrt), has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return wrapped
+
+
+def _nnx_reduced(scaled: Callable, args: tuple, argnums: int, wrt: Any, reduce_dtype: Any):
+    """`nnx.value_and_grad(scaled)` through split/merge, with `jaxamp._reduce.reduce_in`."""
+    from jaxamp._reduce import reduce_in
+    from jaxamp.policy import parse_dtype
+
+    dtype = parse_dtype(reduce_dtype, where="nnx_value_and_grad(reduce_dtype=...)")
+    index = argnums % len(args)
+    module = args[index]
+    graphdef, diff_state, rest_state = nnx.split(module, wrt, ...)
+    others = args[:index] + args[index + 1 :]
+
+    def pure(diff_state, rest_state, *others):
+        merged = nnx.merge(graphdef, diff_state, rest_state)
+        inner = list(others)
+        inner.insert(index, merged)
+        value, (loss, aux) = scaled(*inner)
+        return value, (loss, aux, nnx.state(merged))
+
+    grad_fn = jax.value_and_grad(reduce_in(pure, dtype), has_aux=True)
+    (_, (loss, aux, new_state)), grads = grad_fn(diff_state, rest_state, *others)
+    nnx.update(module, new_state)
+    return (loss, aux), grads
 
 
 def _check_nnx_param_dtypes(model: Any, wrt: Any, graph: Any, policy: Policy) -> None:
