@@ -67,6 +67,13 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
     parser.add_argument("--batch-size", type=int, default=None, help="examples per step")
     parser.add_argument("--seed", type=int, default=0, help="torch init and data seed (default 0)")
     parser.add_argument(
+        "--data",
+        default="synthetic",
+        help="synthetic (default), digits (scikit-learn's bundled 8x8 digits, image models), "
+        "text[:PATH] (byte-level corpus, default the Python stdlib sources; transformer, lstm), "
+        "fashion-mnist:DIR, cifar10:DIR",
+    )
+    parser.add_argument(
         "--device", choices=DEVICES, default="cpu", help="cpu, or gpu (CUDA torch, GPU JAX)"
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -240,6 +247,7 @@ def _config_from_args(
             else {}
         ),
         "model_overrides": _overrides(getattr(args, "model_override", None)),
+        "data": args.data,
     }
     return RunConfig(**values)
 
@@ -263,7 +271,9 @@ def run_pair(
     from parity.train_jax import train_jax
     from parity.train_torch import build_error_record, train_torch
 
-    pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    pair = get_model_pair(
+        config.model, seed=config.seed, data=config.data, **config.model_overrides
+    )
     # A cell this hardware cannot run (no GPU; no oneDNN kernel) is recorded, not failed.
     unsupported = []
     for framework in frameworks:
@@ -332,7 +342,9 @@ def calibration_runs(
     ]
     if not wanted_noise and not missing_seeds:
         return []
-    pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+    pair = get_model_pair(
+        config.model, seed=config.seed, data=config.data, **config.model_overrides
+    )
     runs = noise_runs(config, pair, wanted_noise, progress=progress) if wanted_noise else []
     if missing_seeds:
         runs += seed_runs(config, pair, seeds, progress=progress)

@@ -134,6 +134,8 @@ class RunConfig:
       torch_compile: the torch side runs its model under ``torch.compile``.
       eval: evaluate on the stream's held-out batches after training.
       model_overrides: architecture hyperparameters passed to `get_model_pair`.
+      data: the batches (`parity.data.DataSpec`): ``"synthetic"``, ``"digits"``, ``"text"``,
+        ``"text:PATH"``, ``"fashion-mnist:DIR"`` or ``"cifar10:DIR"``.
     """
 
     model: str = "mlp"
@@ -158,6 +160,7 @@ class RunConfig:
     torch_compile: bool = False
     eval: bool = True
     model_overrides: dict = dataclasses.field(default_factory=dict)
+    data: str = "synthetic"
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -188,6 +191,9 @@ class RunConfig:
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         if not isinstance(self.torch_compile, bool) or not isinstance(self.eval, bool):
             raise TypeError("RunConfig: `torch_compile` and `eval` must be bools.")
+        from parity.data import DataSpec
+
+        object.__setattr__(self, "data", str(DataSpec.parse(self.data)))
         if not isinstance(self.model_overrides, dict):
             raise TypeError(
                 f"RunConfig: `model_overrides` must be a dict; got {type(self.model_overrides).__name__}."

@@ -14,13 +14,17 @@ Synthetic tasks (learnable, so loss curves are meaningful):
   labelled class.
 
 The task structure (prototypes, grammar) depends only on the shapes, not on the seed: different seeds
-draw different samples of the same task. Real data: ``load_fashion_mnist`` (IDX files, raw or gzip)
-and ``load_cifar10`` (the python-pickle batches), from a folder the user gives; nothing is downloaded.
+draw different samples of the same task. Real data, nothing downloaded: ``load_digits``
+(scikit-learn's bundled 8x8 digits), ``load_text`` + ``text_stream`` (a byte-level corpus from
+local files, by default the standard library's sources), ``load_fashion_mnist`` (IDX files, raw or
+gzip) and ``load_cifar10`` (the python-pickle batches) from a folder the user gives. `DataSpec`
+parses the CLI's ``--data`` values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import io
 import os
@@ -32,13 +36,18 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DATA_KINDS",
     "ArrayDataset",
     "BatchStream",
+    "DataSpec",
     "load_cifar10",
+    "load_digits",
     "load_fashion_mnist",
+    "load_text",
     "read_idx",
     "synthetic_images",
     "synthetic_tokens",
+    "text_stream",
 ]
 
 Batch = tuple[np.ndarray, np.ndarray]
@@ -525,3 +534,232 @@ def _existing_folder(folder: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"`folder` must be an existing directory, got {str(folder)!r}.")
     return path
+
+
+# --- offline real data: scikit-learn digits, byte-level text ----------------------------------
+
+_SPLIT_KEY = 20251123  # fixed entropy for the train/test split of bundled datasets
+
+
+def load_digits() -> ArrayDataset:
+    """scikit-learn's bundled handwritten digits: 1,797 8x8 grey images, 10 classes.
+
+    The data ship inside the scikit-learn wheel (``sklearn.datasets.load_digits``): nothing is
+    downloaded. Images become NHWC ``(N, 8, 8, 1)`` float32 standardised with the training
+    mean/std; a fixed permutation (independent of any run seed) puts 1,438 images in the
+    training split and 359 in the test split.
+
+    Example:
+      >>> data = load_digits()
+      >>> data.train_images.shape, data.test_images.shape, data.num_classes
+      ((1438, 8, 8, 1), (359, 8, 8, 1), 10)
+    """
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as error:  # pragma: no cover - scikit-learn is in the parity extra
+        raise ImportError(
+            "--data digits needs scikit-learn: pip install -c constraints.txt -e '.[parity]'."
+        ) from error
+    digits = sklearn_digits()
+    images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)[..., None]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(_SPLIT_KEY).permutation(len(labels))
+    cut = len(labels) - len(labels) // 5
+    train, test = order[:cut], order[cut:]
+    train_images, test_images = _standardise(images[train], images[test])
+    return ArrayDataset("digits", train_images, labels[train], test_images, labels[test], 10)
+
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+
+
+def default_text_path() -> Path:
+    """The Python standard library's own sources: a corpus on every machine with Python."""
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_text(path: str | os.PathLike | None = None, *, max_bytes: int = 8 << 20) -> np.ndarray:
+    """A byte-level corpus as uint8 ids (vocabulary 256).
+
+    Args:
+      path: a file, or a folder whose ``*.py``/``*.txt``/``*.md``/``*.rst`` files are read in
+        sorted path order (a folder's own files first, then its subfolders'); default: the
+        standard library folder (``sysconfig.get_paths()["stdlib"]``, its top-level ``*.py``
+        files only).
+      max_bytes: stop after this many bytes (files are never cut in the middle except the last).
+
+    Returns:
+      uint8 array of the concatenated files, each followed by a newline.
+
+    Raises:
+      ValueError: the path does not exist or holds no text (naming it).
+
+    Example:
+      >>> corpus = load_text()
+      >>> corpus.dtype, corpus.size > 1_000_000
+      (dtype('uint8'), True)
+    """
+    if path is None:
+        folder = default_text_path()
+        files = sorted(p for p in folder.glob("*.py") if p.is_file())
+    else:
+        root = Path(path)
+        if root.is_file():
+            files = [root]
+        elif root.is_dir():
+            files = sorted(
+                (p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES),
+                key=lambda p: (len(p.relative_to(root).parts), str(p)),
+            )
+        else:
+            raise ValueError(f"--data text:PATH: {str(root)!r} is neither a file nor a folder.")
+    chunks, total = [], 0
+    for file in files:
+        data = file.read_bytes() + b"\n"
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    corpus = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    if corpus.size < 1024:
+        raise ValueError(
+            f"--data text:PATH: {str(path or default_text_path())!r} holds {corpus.size} bytes of "
+            f"text ({', '.join(TEXT_SUFFIXES)} files); give at least 1 KiB."
+        )
+    return corpus
+
+
+def text_stream(
+    corpus: np.ndarray,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    task: str = "lm",
+    *,
+    num_eval_batches: int = 4,
+) -> BatchStream:
+    """Windows of a byte corpus: the first 90% trains, the last 10% is held out.
+
+    ``task="lm"``: inputs ``(B, seq_len)`` int32 bytes, targets the next bytes. ``task=
+    "classification"`` (2 classes): each window is reversed with probability 1/2 and the label
+    says whether it was; reversed text has the same byte counts, so only the order tells (an
+    LSTM or a transformer learns it, a bag of bytes cannot).
+
+    Example:
+      >>> stream = text_stream(load_text(), seed=0, batch_size=2, seq_len=8)
+      >>> [a.shape for a in stream.batch(0)]
+      [(2, 8), (2, 8)]
+    """
+    seq_len = _check_int("seq_len", seq_len, 2)
+    if task not in ("lm", "classification"):
+        raise ValueError(f"`task` must be 'lm' or 'classification', got {task!r}.")
+    corpus = np.asarray(corpus, dtype=np.uint8)
+    cut = int(corpus.size * 0.9)
+    train, held_out = corpus[:cut], corpus[cut:]
+    window = seq_len + 1
+    if held_out.size <= window:
+        raise ValueError(
+            f"the text corpus ({corpus.size} bytes) is too short for seq_len={seq_len}."
+        )
+
+    def windows(part: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+        starts = rng.integers(0, part.size - window, size=size)
+        return part[starts[:, None] + np.arange(window)].astype(np.int32)
+
+    def make(part):
+        def sample(rng: np.random.Generator, size: int) -> Batch:
+            tokens = windows(part, rng, size)
+            if task == "lm":
+                return tokens[:, :-1], tokens[:, 1:]
+            labels = rng.integers(0, 2, size=size).astype(np.int32)
+            text = tokens[:, :-1]
+            return np.where(labels[:, None] == 1, text[:, ::-1], text), labels
+
+        return sample
+
+    stream = BatchStream(
+        make(train),
+        seed=seed,
+        batch_size=batch_size,
+        task=task,
+        num_classes=256 if task == "lm" else 2,
+        input_shape=(seq_len,),
+        num_eval_batches=num_eval_batches,
+    )
+    held_out_sampler = make(held_out)
+    stream.eval_batches = lambda: [  # type: ignore[method-assign]
+        held_out_sampler(np.random.default_rng([seed, _EVAL_STREAM, index]), batch_size)
+        for index in range(num_eval_batches)
+    ]
+    return stream
+
+
+DATA_KINDS = ("synthetic", "digits", "text", "fashion-mnist", "cifar10")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """A parsed ``--data`` value: ``synthetic``, ``digits``, ``text`` / ``text:PATH``,
+    ``fashion-mnist:DIR`` or ``cifar10:DIR``.
+
+    Example:
+      >>> DataSpec.parse("text:/tmp/corpus.txt")
+      DataSpec(kind='text', path='/tmp/corpus.txt')
+    """
+
+    kind: str = "synthetic"
+    path: str | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> DataSpec:
+        """Parses and validates a ``--data`` string (errors name the closest kind)."""
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"--data must be a string such as 'digits', got {value!r}.")
+        kind, _, path = value.partition(":")
+        if kind not in DATA_KINDS:
+            import difflib
+
+            close = difflib.get_close_matches(kind, DATA_KINDS, n=1)
+            raise ValueError(
+                f"--data {value!r}: unknown kind {kind!r}; use one of synthetic, digits, "
+                "text[:PATH], fashion-mnist:DIR, cifar10:DIR"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + "."
+            )
+        if kind in ("fashion-mnist", "cifar10") and not path:
+            raise ValueError(f"--data {kind} needs the folder with the files: {kind}:DIR.")
+        if kind in ("synthetic", "digits") and path:
+            raise ValueError(f"--data {kind} takes no path, got {value!r}.")
+        return cls(kind, path or None)
+
+    def __str__(self) -> str:
+        return self.kind if self.path is None else f"{self.kind}:{self.path}"
+
+    @property
+    def modality(self) -> str:
+        """``"images"``, ``"text"`` or ``"synthetic"`` (each model's own data)."""
+        return {"synthetic": "synthetic", "text": "text"}.get(self.kind, "images")
+
+    def dataset(self) -> ArrayDataset:
+        """The image dataset (cached per process)."""
+        return _image_dataset(self.kind, self.path)
+
+    def corpus(self) -> np.ndarray:
+        """The text corpus (cached per process)."""
+        return _text_corpus(self.path)
+
+
+@functools.lru_cache(maxsize=4)
+def _image_dataset(kind: str, path: str | None) -> ArrayDataset:
+    if kind == "digits":
+        return load_digits()
+    if kind == "fashion-mnist":
+        return load_fashion_mnist(path)
+    return load_cifar10(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _text_corpus(path: str | None) -> np.ndarray:
+    return load_text(path)

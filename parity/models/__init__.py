@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from parity.adapters import FlaxModel, output_logits
-from parity.data import BatchStream
+from parity.data import BatchStream, DataSpec, text_stream
 from parity.mapping import WeightMapping
 from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
 
@@ -212,6 +212,7 @@ def get_model_pair(
     seed: int = 0,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
+    data: str = "synthetic",
     **overrides: Any,
 ) -> ModelPair:
     """Build the named pair; the torch model is initialised under ``torch.manual_seed(seed)``
@@ -221,6 +222,11 @@ def get_model_pair(
       name: one of ``MODEL_NAMES``.
       seed: torch initialisation seed.
       dtype, param_dtype: passed to the Flax module (computation / parameter dtype).
+      data: the pair's batches (`parity.data.DataSpec`): ``"synthetic"`` (each model's own
+        task), ``"digits"`` / ``"fashion-mnist:DIR"`` / ``"cifar10:DIR"`` for image models
+        (``image_shape`` and ``num_classes`` follow the dataset), ``"text"`` / ``"text:PATH"``
+        (byte-level, vocabulary 256) for ``transformer`` (next byte) and ``lstm`` (was the
+        window reversed?).
       **overrides: architecture hyperparameters replacing the defaults (see ``pair.config``),
         e.g. ``image_shape=(28, 28, 1)`` for Fashion-MNIST, ``d_model=128``.
 
@@ -238,8 +244,19 @@ def get_model_pair(
             f"get_model_pair({name!r}): unknown override(s) {unknown}; allowed: "
             f"{sorted(spec.defaults)}."
         )
+    data_spec = DataSpec.parse(data) if not isinstance(data, DataSpec) else data
+    implied = _data_overrides(name, spec, data_spec)
+    for key, value in implied.items():
+        if (
+            key in overrides
+            and _check_override(name, key, overrides[key], spec.defaults[key]) != value
+        ):
+            raise ValueError(
+                f"get_model_pair({name!r}): `{key}`={overrides[key]!r} contradicts --data "
+                f"{data_spec} (which needs {value!r}); leave `{key}` out."
+            )
     config = dict(spec.defaults)
-    for key, value in overrides.items():
+    for key, value in {**implied, **overrides}.items():
         config[key] = _check_override(name, key, value, spec.defaults[key])
     if "image_shape" in config and spec.torch_channels_first:
         height, width, _ = config["image_shape"]
@@ -259,9 +276,49 @@ def get_model_pair(
         config=config,
         to_flax=functools.partial(spec.module.to_flax, config=config),
         from_flax=functools.partial(spec.module.from_flax, config=config),
-        data=functools.partial(spec.module.make_data, config),
+        data=_data_function(spec, config, data_spec),
         torch_channels_first=spec.torch_channels_first,
         mapping=_builtin_mapping(spec, torch_model, flax_model, config),
+    )
+
+
+_IMAGE_MODELS = ("mlp", "mlp_nnx", "cnn", "cnn_bn", "resnet")
+_TEXT_MODELS = ("transformer", "lstm")
+
+
+def _data_overrides(name: str, spec: _Spec, data: DataSpec) -> dict[str, Any]:
+    """The architecture values a dataset fixes (input shape, classes, vocabulary)."""
+    if data.modality == "synthetic":
+        return {}
+    if data.modality == "images":
+        if "image_shape" not in spec.defaults:
+            raise ValueError(
+                f"--data {data} is an image dataset; model {name!r} takes tokens. Image models: "
+                f"{', '.join(_IMAGE_MODELS)}."
+            )
+        dataset = data.dataset()
+        return {
+            "image_shape": tuple(int(d) for d in dataset.train_images.shape[1:]),
+            "num_classes": int(dataset.num_classes),
+        }
+    if "vocab_size" not in spec.defaults:
+        raise ValueError(
+            f"--data {data} is a byte-level text corpus; model {name!r} takes images. Text "
+            f"models: {', '.join(_TEXT_MODELS)}."
+        )
+    implied: dict[str, Any] = {"vocab_size": 256}
+    if spec.task == "classification":
+        implied["num_classes"] = 2
+    return implied
+
+
+def _data_function(spec: _Spec, config: dict, data: DataSpec):
+    if data.modality == "synthetic":
+        return functools.partial(spec.module.make_data, config)
+    if data.modality == "images":
+        return lambda seed, batch_size: data.dataset().stream(seed, batch_size)
+    return lambda seed, batch_size: text_stream(
+        data.corpus(), seed, batch_size, config["seq_len"], spec.task
     )
 
 
