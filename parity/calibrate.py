@@ -77,6 +77,7 @@ def nudge_flax_variables(variables: dict) -> dict:
 
 
 def _run(trainer_name: str, framework: str, config, pair, stream, progress, **kwargs):
+    from parity.hardware import UnsupportedHere
     from parity.records import build_error_record
 
     try:
@@ -87,6 +88,10 @@ def _run(trainer_name: str, framework: str, config, pair, stream, progress, **kw
         from parity.train_jax import train_jax
 
         return train_jax(config, pair, stream, progress=progress, **kwargs)
+    except UnsupportedHere as e:  # this machine cannot run the cell: reported, not failed
+        from parity.records import build_unsupported_record
+
+        return build_unsupported_record(framework, config, e.reason)
     except Exception as e:  # recorded and failed by `compare`, like a main run
         print(f"error: {framework} {config.model} {config.precision}: {e}", file=sys.stderr)
         return build_error_record(framework, config, e)

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity import fp8 as parity_fp8
 from parity import measure
 from parity.config import RunConfig, torch_device_type
+from parity.hardware import UnsupportedHere, unsupported_reason
 from parity.records import build_error_record as build_error_record  # the schema lives there
 from parity.records import build_run_record
 
@@ -83,6 +83,10 @@ def train_torch(
 
     if stream is None:
         stream = pair.make_data(config.stream_seed, config.batch_size)
+    # A cell this machine cannot run (no CUDA; no oneDNN kernel for it) is not a failure.
+    reason = unsupported_reason("torch", config.policy, pair.torch_model, config.device)
+    if reason is not None:
+        raise UnsupportedHere(reason)
     device_type = torch_device_type(config.device)
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("train_torch: config.device='gpu' but torch sees no CUDA device.")
@@ -94,9 +98,6 @@ def train_torch(
         torch.backends.cudnn.allow_tf32 = False
 
     model = copy.deepcopy(pair.torch_model).to(device)
-    fp8_layers = None
-    if parity_fp8.is_fp8(config.precision):  # torchao Float8Linear swap (see parity.fp8)
-        fp8_layers = parity_fp8.convert_torch(model, config.precision, device)
     input_dtype = None
     if config.param_dtype != "float32":  # bf16-true: the whole model in low precision
         input_dtype = getattr(torch, config.param_dtype)
@@ -213,15 +214,5 @@ def train_torch(
         memory_method=memory_method,
         eval_metric=eval_metric,
         stopped_reason=log.stopped_reason,
-        extra={
-            "torch_mode": "compile" if config.torch_compile else "eager",
-            **(
-                {
-                    "fp8_method": parity_fp8.fp8_method(config.precision, "torch"),
-                    "fp8_layers": fp8_layers,
-                }
-                if fp8_layers is not None
-                else {}
-            ),
-        },
+        extra={"torch_mode": "compile" if config.torch_compile else "eager"},
     )
