@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 import jaxamp
+from parity import fp8 as parity_fp8
 from parity import measure
 from parity.config import RunConfig, torch_device_type
 from parity.hardware import UnsupportedHere, unsupported_reason
@@ -231,6 +232,8 @@ def train_jax(
             return pair.flax_apply(full, inputs, train=True)
 
         forward = autocast_forward(forward, config, use_autocast)
+        if parity_fp8.is_fp8(config.precision):  # linear layers in fp8 (see parity.fp8)
+            forward = parity_fp8.wrap_jax_forward(forward, config.precision)
 
         def loss_fn(params, inputs, targets, *, batch_stats):
             logits, new_stats = forward(params, inputs, batch_stats)
@@ -354,7 +357,11 @@ def train_jax(
         eval_metric=eval_metric,
         stopped_reason=log.stopped_reason,
         extra={
-            "mixed_precision_method": mixed_method(config, use_autocast),
+            "mixed_precision_method": (
+                parity_fp8.fp8_method(config.precision, "jax")
+                if parity_fp8.is_fp8(config.precision)
+                else mixed_method(config, use_autocast)
+            ),
             "autocast_fallback_reason": fallback_reason,
         },
         memory_detail=memory_detail,
@@ -375,7 +382,9 @@ def _evaluate(
         logits, _ = pair.flax_apply(full, inputs, train=False)
         return logits
 
-    if config.mixed and use_autocast:
+    if parity_fp8.is_fp8(config.precision):
+        logits_fn = parity_fp8.wrap_jax_forward(logits_fn, config.precision)
+    elif config.mixed and use_autocast:
         logits_fn = autocast_forward(logits_fn, config, use_autocast)
     elif config.mixed:
         policy = config.policy

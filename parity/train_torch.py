@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity import fp8 as parity_fp8
 from parity import measure
 from parity.config import RunConfig, torch_device_type
 from parity.hardware import UnsupportedHere, unsupported_reason
@@ -98,6 +99,9 @@ def train_torch(
         torch.backends.cudnn.allow_tf32 = False
 
     model = copy.deepcopy(pair.torch_model).to(device)
+    fp8_layers = None
+    if parity_fp8.is_fp8(config.precision):  # torchao Float8Linear swap (see parity.fp8)
+        fp8_layers = parity_fp8.convert_torch(model, config.precision, device)
     input_dtype = None
     if config.param_dtype != "float32":  # bf16-true: the whole model in low precision
         input_dtype = getattr(torch, config.param_dtype)
@@ -214,5 +218,15 @@ def train_torch(
         memory_method=memory_method,
         eval_metric=eval_metric,
         stopped_reason=log.stopped_reason,
-        extra={"torch_mode": "compile" if config.torch_compile else "eager"},
+        extra={
+            "torch_mode": "compile" if config.torch_compile else "eager",
+            **(
+                {
+                    "fp8_method": parity_fp8.fp8_method(config.precision, "torch"),
+                    "fp8_layers": fp8_layers,
+                }
+                if fp8_layers is not None
+                else {}
+            ),
+        },
     )
