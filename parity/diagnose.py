@@ -45,12 +45,13 @@ import torch
 
 from parity.config import RunConfig
 from parity.step0 import (
-    FLOOR_FRACTION,
     _as_config,
     _jax_side,
     _program_shapes,
     _torch_side,
     flatten,
+    group_error,
+    group_scale,
     relative_error,
     tolerance,
     torch_setup,
@@ -227,26 +228,41 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
     return {n: captured[n] for n in order}
 
 
-def _flax_outputs(pair, variables, inputs, config: RunConfig, train: bool) -> dict[str, np.ndarray]:
+def _linen_module(flax_model: Any) -> tuple[Any, Any]:
+    """``(linen module, (inputs, train) -> call keyword arguments)`` for a linen module or a
+    `parity.adapters.FlaxModel` wrapping one (linen or Hugging Face)."""
+    kind = getattr(flax_model, "kind", None)
+    if kind is None:
+        return flax_model, lambda x, train: {"train": train}
+    if kind == "nnx":
+        raise NotImplementedError(
+            "per-layer diagnosis: NNX modules are not supported yet (linen modules and Hugging "
+            "Face Flax models are); compare an NNX model's layers with nnx.Module.sow."
+        )
+    kwargs = getattr(flax_model, "_kwargs", None)
+    return flax_model.module, (kwargs if kwargs is not None else lambda x, train: {"train": train})
+
+
+def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dict]:
+    """Every Flax module's first output, ``({module path: array}, ...)`` for eval and train mode
+    (one compiled program for both)."""
     import jaxamp
     from parity.train_jax import autocast_available, autocast_forward
 
-    params = variables["params"]
-    stats = variables.get("batch_stats")
-    x = jnp.asarray(inputs)
-    if config.param_dtype != "float32":  # bf16-true
-        low = jnp.dtype(config.param_dtype)
-        params = jaxamp.cast_floating(params, low)
-        stats = jaxamp.cast_floating(stats, low)
-        x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    low = jnp.dtype(config.param_dtype) if config.param_dtype != "float32" else None
 
-    def forward(params, stats, x):
+    module, call_kwargs = _linen_module(pair.flax_model)
+
+    def capture(params, stats, x, train):
         full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
         mutable = ["intermediates"] + (["batch_stats"] if train and stats is not None else [])
-        _, state = pair.flax_model.apply(
-            full, x, train=train, capture_intermediates=True, mutable=mutable
+        _, state = module.apply(
+            full, x, capture_intermediates=True, mutable=mutable, **call_kwargs(x, train)
         )
-        return state["intermediates"]
+        return jax.tree.map(lambda v: v.astype(jnp.float32), state["intermediates"])
+
+    def forward(params, stats, x):
+        return capture(params, stats, x, False), capture(params, stats, x, True)
 
     if config.mixed and autocast_available():
         forward = autocast_forward(forward, config)
@@ -257,47 +273,58 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig, train: bool) -> di
         def forward(params, stats, x):
             return inner(policy.cast_to_compute(params), stats, policy.cast_to_compute(x))
 
+    def run(params, stats, x):
+        if low is not None:  # bf16-true
+            params = jaxamp.cast_floating(params, low)
+            stats = jaxamp.cast_floating(stats, low)
+            x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return forward(params, stats, x)
+
     with jax.default_matmul_precision("highest"):
-        intermediates = jax.jit(forward)(params, stats, x)
-    out: dict[str, np.ndarray] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
-        keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
-        if "__call__" not in keys:
-            continue
-        module = "/".join(keys[: keys.index("__call__")])
-        if module not in out:  # the first output of the first call
-            out[module] = np.asarray(jnp.asarray(leaf, jnp.float32))
-    return out
+        both = jax.device_get(
+            jax.jit(run)(variables["params"], variables.get("batch_stats"), np.asarray(inputs))
+        )
+    outs = []
+    for intermediates in both:
+        out: dict[str, np.ndarray] = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+            keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+            if "__call__" not in keys:
+                continue
+            module = "/".join(keys[: keys.index("__call__")])
+            if module not in out:  # the first output of the first call
+                out[module] = np.asarray(leaf)
+        outs.append(out)
+    return outs[0], outs[1]
 
 
 # --- the diagnosis ------------------------------------------------------------------------------
 
 
-def _subtree_error(jax_flat, torch_flat, prefix: str, floor: float) -> float | None:
+def _subtree_error(jax_flat, torch_flat, prefix: str, scale: float) -> float | None:
     keys = [k for k in torch_flat if k.startswith(prefix + "/")]
     if not keys:
         return None
     return max(
-        relative_error(jax_flat[k], torch_flat[k], floor) if k in jax_flat else math.inf
-        for k in keys
+        group_error(jax_flat[k], torch_flat[k], scale) if k in jax_flat else math.inf for k in keys
     )
 
 
-def _stage_rows(pair, config: RunConfig, stage: str, inputs, targets, variables, pairs, shapes):
+def _stage_rows(
+    pair, config: RunConfig, stage: str, inputs, targets, variables, pairs, shapes, sides
+):
     flax_of = {t: "/".join(f) for t, f in pairs}
     names = [t for t, _ in pairs]
     torch_eval = _torch_outputs(pair, names, inputs, config, train=False)
     torch_train = _torch_outputs(pair, names, inputs, config, train=True)
-    flax_eval = _flax_outputs(pair, variables, inputs, config, train=False)
-    flax_train = _flax_outputs(pair, variables, inputs, config, train=True)
-    t = _torch_side(pair, inputs, targets, config, 1.0, trace_flops=False)
-    j = _jax_side(pair, variables, inputs, targets, config, 1.0, trace_flops=False)
-    grad_floor = FLOOR_FRACTION * max(
-        (float(np.max(np.abs(g))) for g in t.grads.values()), default=0
-    )
-    stat_floor = FLOOR_FRACTION * max(
-        (float(np.max(np.abs(s))) for s in t.stats.values()), default=0
-    )
+    flax_eval, flax_train = _flax_outputs(pair, variables, inputs, config)
+    if sides is None:
+        sides = (
+            _torch_side(pair, inputs, targets, config, 1.0, trace_flops=False),
+            _jax_side(pair, variables, inputs, targets, config, 1.0, trace_flops=False),
+        )
+    t, j = sides
+    grad_scale, stat_scale = group_scale(t.grads), group_scale(t.stats)
     # Execution order from the train-mode hooks; modules never called go last.
     ordered = [n for n in torch_train if n in flax_of] + [n for n in names if n not in torch_train]
     fwd_fan, _ = shapes["forward"]
@@ -317,8 +344,8 @@ def _stage_rows(pair, config: RunConfig, stage: str, inputs, targets, variables,
                 row[kind] = math.inf  # captured on one side only
             else:
                 row[kind] = None
-        row["running stats"] = _subtree_error(j.stats, t.stats, flax, stat_floor)
-        row["gradients"] = _subtree_error(j.grads, t.grads, flax, grad_floor)
+        row["running stats"] = _subtree_error(j.stats, t.stats, flax, stat_scale)
+        row["gradients"] = _subtree_error(j.grads, t.grads, flax, grad_scale)
         row["band"] = tolerance(dtype, fwd_fan, depth)
         row["grad_band"] = tolerance(dtype, grad_fan, grad_depth)
         row["failed_kinds"] = [
@@ -351,6 +378,8 @@ def diagnose_pair(
     batch: tuple[Any, Any] | None = None,
     *,
     variables: dict | None = None,
+    sides: dict[str, tuple[Any, Any]] | None = None,
+    shapes: dict[str, tuple[int, int]] | None = None,
 ) -> Diagnosis:
     """Compares every matched layer of a pair on one batch, in fp32 and at the run's precision.
 
@@ -361,6 +390,7 @@ def diagnose_pair(
       variables: Flax variables holding the torch model's weights (default: converted from it);
         pass the weights of a later step to diagnose a trajectory failure (and load the same
         weights into ``pair.torch_model``).
+      sides, shapes: results `parity.step0.check_step0` already computed (internal reuse).
 
     Returns:
       A `Diagnosis` (rows in execution order, fp32 first; the first diverging layer).
@@ -376,7 +406,9 @@ def diagnose_pair(
     if variables is None:
         variables = pair.torch_to_flax()
     pairs, unmatched = module_pairs(pair, variables)
-    shapes = _program_shapes(pair, variables, inputs, targets)
+    if shapes is None:
+        shapes = _program_shapes(pair, variables, inputs, targets)
+    sides = sides or {}
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -389,10 +421,19 @@ def diagnose_pair(
             variables,
             pairs,
             shapes,
+            sides.get("fp32"),
         )
         if config.precision != "fp32":
             rows += _stage_rows(
-                pair, config, config.precision, inputs, targets, variables, pairs, shapes
+                pair,
+                config,
+                config.precision,
+                inputs,
+                targets,
+                variables,
+                pairs,
+                shapes,
+                sides.get(config.precision),
             )
     finally:
         torch.set_float32_matmul_precision(previous)

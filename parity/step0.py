@@ -15,9 +15,9 @@ run's precision it also measures which dtype the matmul and convolution FLOPs ra
 (the compute-dtype verdict: a bf16 run whose matmuls ran in float32 fails and says so).
 
 Error measure: for each tensor the normwise relative error ``||jax - torch||_2 / ||torch||_2``
-(`relative_error`), with a floor (``2**-10`` times the largest magnitude in the tensor's group:
-all gradients, or all running statistics) that keeps gradients that are zero up to cancellation
-(a conv bias before BatchNorm) from producing meaningless relative errors.
+(`relative_error`). Gradients and running statistics are floored by their group's scale
+(`group_error`): a gradient that is zero up to cancellation (a conv bias before BatchNorm) is
+measured against the largest gradient, not against its own rounding noise.
 
 Tolerance (:func:`tolerance`)::
 
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -217,6 +218,7 @@ class Step0Result:
       worst_parameter: ``(name, relative error)`` of the worst gradient, likewise.
       compute_flops: ``{"torch": {dtype: FLOPs}, "jax": {...}}`` at the run's precision.
       diagnosis: the `parity.diagnose.Diagnosis` made when a check failed (None otherwise).
+      diagnosis_error: why the diagnosis could not be made, if it could not.
     """
 
     verdicts: list[Verdict]
@@ -225,6 +227,7 @@ class Step0Result:
     worst_parameter: tuple[str, float] | None = None
     compute_flops: dict[str, dict[str, int]] | None = None
     diagnosis: Any = None
+    diagnosis_error: str | None = None
 
     def summary(self) -> str:
         """One line: pass, or the failed checks with their worst output/parameter, and the first
@@ -251,6 +254,7 @@ class Step0Result:
             "worst_parameter": list(self.worst_parameter) if self.worst_parameter else None,
             "compute_flops": self.compute_flops,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
+            "diagnosis_error": self.diagnosis_error,
         }
 
 
@@ -272,7 +276,7 @@ def flatten(tree: Any) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        out[key] = np.asarray(jnp.asarray(leaf, jnp.float32))
+        out[key] = np.asarray(leaf).astype(np.float32)  # host-side: no device op per leaf
     return out
 
 
@@ -346,7 +350,9 @@ def _torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> _Side
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(loss_scale)
-    stats = flatten(pair.to_flax(model).get("batch_stats", {}))
+    # The transfer reads float32 weights (a bf16-true model is copied up first).
+    stats_model = model if config.param_dtype == "float32" else copy.deepcopy(model).float()
+    stats = flatten(pair.to_flax(stats_model).get("batch_stats", {}))
     return _Side(
         eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
     )
@@ -387,32 +393,44 @@ def _jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops)
     from parity.dtype_trace import jax_matmul_flops
     from parity.models import loss_jax
 
-    params = variables["params"]
-    batch_stats = variables.get("batch_stats")
-    x = jnp.asarray(inputs)
-    if config.param_dtype != "float32":  # bf16-true
-        low = jnp.dtype(config.param_dtype)
-        params = jaxamp.cast_floating(params, low)
-        batch_stats = jaxamp.cast_floating(batch_stats, low)
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(low)
-    y = jnp.asarray(targets)
+    low = jnp.dtype(config.param_dtype) if config.param_dtype != "float32" else None
     forward = _jax_forward(pair, config)
 
-    def loss_fn(params):
-        logits, new_stats = forward(params, batch_stats, x, True)
-        loss = loss_jax(pair.task, logits.astype(jnp.float32), y)
-        return loss * jnp.float32(loss_scale), (loss, logits, new_stats)
+    def train_grads(params, batch_stats, x, y):
+        if low is not None:  # bf16-true: params, statistics and inputs in low precision
+            params = jaxamp.cast_floating(params, low)
+            batch_stats = jaxamp.cast_floating(batch_stats, low)
+            x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+        def loss_fn(params):
+            logits, new_stats = forward(params, batch_stats, x, True)
+            loss = loss_jax(pair.task, logits.astype(jnp.float32), y)
+            return loss * jnp.float32(loss_scale), (loss, logits, new_stats)
+
+        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
+        return grads, aux, (params, batch_stats, x)
+
+    def run(params, batch_stats, x, y):
+        grads, (loss, logits, new_stats), (params, batch_stats, x) = train_grads(
+            params, batch_stats, x, y
+        )
+        eval_logits, _ = forward(params, batch_stats, x, False)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / jnp.float32(loss_scale), grads)
+        as32 = functools.partial(jax.tree.map, lambda v: v.astype(jnp.float32))
+        return as32(eval_logits), loss, as32(logits), as32(new_stats), grads
+
+    args = (
+        variables["params"],
+        variables.get("batch_stats"),
+        np.asarray(inputs),
+        np.asarray(targets),
+    )
     with jax.default_matmul_precision("highest"):
-        eval_logits, _ = jax.jit(lambda p, s: forward(p, s, x, False))(params, batch_stats)
-        grads, (loss, logits, new_stats) = jax.jit(grad_fn)(params)
-        flops = jax_matmul_flops(jax.make_jaxpr(grad_fn)(params)) if trace_flops else None
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / jnp.float32(loss_scale), grads)
+        eval_logits, loss, logits, new_stats, grads = jax.device_get(jax.jit(run)(*args))
+        flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args)) if trace_flops else None
     return _Side(
-        np.asarray(eval_logits, np.float32),
-        np.asarray(logits, np.float32),
+        np.asarray(eval_logits),
+        np.asarray(logits),
         float(loss),
         flatten(grads),
         flatten(new_stats if new_stats is not None else {}),
@@ -430,18 +448,34 @@ def _worst(errors: dict[str, float]) -> tuple[str, float] | None:
     return name, errors[name]
 
 
+def group_scale(tensors: dict[str, np.ndarray]) -> float:
+    """The largest magnitude in a group of tensors (all gradients, or all running statistics)."""
+    return max((float(np.max(np.abs(t))) for t in tensors.values() if t.size), default=0.0)
+
+
+def group_error(got: Any, expected: Any, scale: float) -> float:
+    """`relative_error` of one tensor of a group whose largest magnitude is `scale`.
+
+    A tensor whose root-mean-square is below ``FLOOR_FRACTION * scale`` is zero up to
+    cancellation (the gradient of a conv bias before BatchNorm: the sum of a BatchNorm backward
+    output, exactly zero in exact arithmetic); its error is measured against ``scale``, the scale
+    its rounding noise comes from. Other tensors are floored at ``FLOOR_FRACTION * scale``.
+    """
+    b = np.asarray(expected, dtype=np.float64)
+    finite = b[np.isfinite(b)]
+    rms = float(np.sqrt(np.mean(np.square(finite)))) if finite.size else 0.0
+    floor = scale if rms < FLOOR_FRACTION * scale else FLOOR_FRACTION * scale
+    return relative_error(got, expected, floor)
+
+
 def _group_errors(
     jax_tensors: dict[str, np.ndarray], torch_tensors: dict[str, np.ndarray]
 ) -> tuple[dict[str, float], list[str]]:
-    """Per-tensor relative errors of a group with the group floor; and the names missing on a side."""
+    """Per-tensor errors of a group (`group_error`); and the names present on one side only."""
     missing = sorted(set(jax_tensors) ^ set(torch_tensors))
+    scale = group_scale(torch_tensors)
     common = [k for k in torch_tensors if k in jax_tensors]
-    scale = max(
-        (float(np.max(np.abs(torch_tensors[k]))) for k in common if torch_tensors[k].size),
-        default=0.0,
-    )
-    floor = FLOOR_FRACTION * scale
-    return {k: relative_error(jax_tensors[k], torch_tensors[k], floor) for k in common}, missing
+    return {k: group_error(jax_tensors[k], torch_tensors[k], scale) for k in common}, missing
 
 
 def _torch_name(pair: Any, flax_key: str) -> str:
@@ -620,11 +654,13 @@ def check_step0(
         worst_output = worst_param = None
         flops = None
         failed_stage = None
+        shapes = _program_shapes(pair, variables, inputs, targets)
+        sides: dict[str, tuple[_Side, _Side]] = {}
         for stage, stage_config in stages:
             low = stage_config.precision != "fp32"
             t = _torch_side(pair, inputs, targets, stage_config, 1.0, trace_flops=low)
             j = _jax_side(pair, variables, inputs, targets, stage_config, 1.0, trace_flops=low)
-            shapes = _program_shapes(pair, variables, inputs, targets)
+            sides[stage] = (t, j)
             rows, w_out, w_param = _stage_verdicts(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes
             )
@@ -643,9 +679,17 @@ def check_step0(
         if not passed and diagnose:
             from parity.diagnose import diagnose_pair
 
-            result.diagnosis = diagnose_pair(
-                pair, failed_stage or config, (inputs, targets), variables=variables
-            )
+            try:
+                result.diagnosis = diagnose_pair(
+                    pair,
+                    failed_stage or config,
+                    (inputs, targets),
+                    variables=variables,
+                    sides=sides,
+                    shapes=shapes,
+                )
+            except Exception as e:  # the verdicts stand without the table
+                result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
         return result
     finally:
         torch.set_float32_matmul_precision(previous)
@@ -695,7 +739,9 @@ def run_step0(
       echo: print the outcome.
 
     Returns:
-      The `Step0Result`, or None when fewer than two frameworks run.
+      The `Step0Result`, or None when fewer than two frameworks run. When the checks themselves
+      raise (say, torch has no kernel for the dtype on this CPU), a passing result with one
+      informational row saying why: the trainers then record the cell's real outcome.
 
     Example:
       >>> result = run_step0(config, pair)
@@ -708,7 +754,22 @@ def run_step0(
     if stream is None:
         seed = getattr(config, "stream_seed", config.seed)
         stream = pair.make_data(seed, config.batch_size)
-    result = check_step0(pair, config, stream.batch(0))
+    try:
+        result = check_step0(pair, config, stream.batch(0))
+    except Exception as e:  # e.g. no kernel for this dtype here: training reports it, not step 0
+        reason = f"{type(e).__name__}: {str(e)[:300]}"
+        row = Verdict(
+            model=config.model,
+            precision=config.precision,
+            device=config.device,
+            check="step 0",
+            compared="jax vs torch, step 0",
+            value=f"not run ({reason})",
+            tolerance="-",
+            passed=None,
+            detail="the step-0 checks raised; training goes on and records its own outcome",
+        )
+        result = Step0Result([row], True)
     if echo:
         print(f"{config.model} {config.precision}: {result.summary()}", file=sys.stderr)
         if result.diagnosis is not None:
