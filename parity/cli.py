@@ -257,6 +257,11 @@ def matrix_config(model: str, precision: str, **changes: Any) -> RunConfig:
     return RunConfig(model=model, precision=precision, **{**MATRIX_PLAN[precision], **changes})
 
 
+def _step0_option(args) -> dict[str, bool]:
+    # Passed only when switched off, so wrappers of `run_pair` without the keyword keep working.
+    return {"step0_checks": False} if getattr(args, "no_step0", False) else {}
+
+
 def run_pair(
     config: RunConfig, frameworks: tuple[str, ...], *, progress: bool, step0_checks: bool = True
 ) -> list[dict[str, Any]]:
@@ -381,9 +386,7 @@ def _cmd_run(args) -> int:
 
         return cli_run(args, config, frameworks)
     out = Path(args.out)
-    runs = run_pair(
-        config, frameworks, progress=not args.no_progress, step0_checks=not args.no_step0
-    )
+    runs = run_pair(config, frameworks, progress=not args.no_progress, **_step0_option(args))
     if args.framework == "both":
         runs += calibration_runs(
             config, noise=args.noise, seeds=args.seeds, progress=not args.no_progress
@@ -438,7 +441,7 @@ def _cmd_matrix(args) -> int:
             if args.force or key not in done or done[key]["config"] != config.to_dict()
         )
         if todo:  # else finished in an earlier (possibly interrupted) invocation
-            runs = run_pair(config, todo, progress=progress, step0_checks=not args.no_step0)
+            runs = run_pair(config, todo, progress=progress, **_step0_option(args))
             data = merge_runs(out, runs)  # after every cell: an interruption loses one cell at most
             done = {run_key(r): r for r in data["runs"]}
         extra = calibration_runs(
