@@ -359,12 +359,13 @@ def reduce_in(fn: Callable, reduce_dtype: Any) -> Callable:
       A function with `fn`'s signature.
 
     Example:
-      >>> loss = reduce_in(lambda w, x: jnp.sum(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)),
-      ...                  jnp.float32)
+      >>> from jaxamp._reduce import reduce_in
+      >>> def loss(w, x):
+      ...     return jnp.sum(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
       >>> w, x = jnp.ones((4, 2)), jnp.ones((8, 4))
-      >>> g = jax.grad(loss)(w, x)  # the batch-sharded weight gradient is summed in float32
-      >>> g.dtype
-      dtype('float32')
+      >>> g = jax.grad(reduce_in(loss, jnp.float32))(w, x)  # w's gradient accumulated in f32
+      >>> g.dtype, float(g[0, 0])
+      (dtype('float32'), 8.0)
     """
     reduce_dtype = np.dtype(reduce_dtype)
     if not _is_float(reduce_dtype):
