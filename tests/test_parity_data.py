@@ -318,3 +318,114 @@ def test_cifar_loader_reads_numpy1_pickles_without_warnings(tmp_path):
         path.write_bytes(legacy)
     dataset = load_cifar10(tmp_path)  # warnings are errors in this suite
     assert dataset.test_labels.tolist() == written["test_batch"][1]
+
+
+# --- offline real data: digits, text, --data specs --------------------------------------------
+
+
+def test_digits_are_bundled_and_split_deterministically():
+    pytest.importorskip("sklearn")
+    from parity.data import load_digits
+
+    data = load_digits()
+    assert data.train_images.shape == (1438, 8, 8, 1) and data.test_images.shape == (359, 8, 8, 1)
+    assert data.train_images.dtype == np.float32 and data.train_labels.dtype == np.int32
+    assert set(np.unique(data.train_labels)) == set(range(10))
+    np.testing.assert_allclose(data.train_images.mean(), 0.0, atol=1e-5)
+    again = load_digits()
+    np.testing.assert_array_equal(data.test_labels, again.test_labels)
+    stream = data.stream(seed=3, batch_size=16)
+    first, second = stream.batch(5), stream.batch(5)
+    np.testing.assert_array_equal(first[0], second[0])
+    assert len(stream.eval_batches()) == 359 // 16
+
+
+def test_text_corpus_defaults_to_the_standard_library(tmp_path):
+    from parity.data import default_text_path, load_text
+
+    corpus = load_text(max_bytes=1 << 16)
+    first_file = sorted(default_text_path().glob("*.py"))[0].read_bytes()
+    assert corpus.dtype == np.uint8 and corpus.size == 1 << 16
+    assert bytes(corpus[:64]) == first_file[:64]
+    (tmp_path / "b.txt").write_bytes(b"b" * 600)
+    (tmp_path / "a.md").write_bytes(b"a" * 600)
+    (tmp_path / "skip.bin").write_bytes(b"\x00" * 5000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.py").write_bytes(b"c" * 600)
+    text = bytes(load_text(tmp_path))
+    assert text == b"a" * 600 + b"\n" + b"b" * 600 + b"\n" + b"c" * 600 + b"\n"
+    with pytest.raises(ValueError, match="neither a file nor a folder"):
+        load_text(tmp_path / "missing")
+    with pytest.raises(ValueError, match="at least 1 KiB"):
+        load_text(tmp_path / "sub" / "c.py")
+
+
+@pytest.mark.parametrize("task", ["lm", "classification"])
+def test_text_stream_windows(task):
+    from parity.data import text_stream
+
+    corpus = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)
+    stream = text_stream(corpus, seed=0, batch_size=8, seq_len=12, task=task)
+    inputs, targets = stream.batch(0)
+    assert inputs.shape == (8, 12) and inputs.dtype == np.int32
+    steps = np.diff(inputs.astype(np.int64), axis=1) % 256
+    if task == "lm":
+        np.testing.assert_array_equal(targets, (inputs + 1) % 256)  # the next byte
+        assert np.all(steps == 1)
+    else:
+        # label 1: the window runs backwards; label 0: forwards
+        forwards = np.all(steps == 1, axis=1)
+        np.testing.assert_array_equal(forwards, targets == 0)
+
+
+def test_text_stream_holds_out_the_last_tenth():
+    from parity.data import text_stream
+
+    corpus = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint8)
+    stream = text_stream(corpus, seed=0, batch_size=8, seq_len=12)
+    cut = int(corpus.size * 0.9)
+    head, tail = bytes(corpus[:cut]), bytes(corpus[cut:])
+    for inputs, _ in stream.eval_batches():
+        assert all(bytes(row.astype(np.uint8)) in tail for row in inputs)
+    for step in range(3):
+        inputs, _ = stream.batch(step)
+        assert all(bytes(row.astype(np.uint8)) in head for row in inputs)
+
+
+def test_data_specs_and_their_errors():
+    from parity.data import DataSpec
+
+    assert str(DataSpec.parse("text")) == "text"
+    assert DataSpec.parse("fashion-mnist:/data/fm").path == "/data/fm"
+    for bad, fragment in [
+        ("digit", "did you mean 'digits'"),
+        ("cifar10", "cifar10:DIR"),
+        ("digits:/x", "takes no path"),
+        ("", "string such as"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            DataSpec.parse(bad)
+
+
+def test_pairs_take_their_shapes_from_the_data():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from parity.config import RunConfig
+    from parity.models import get_model_pair
+
+    pair = get_model_pair("cnn_bn", data="digits")
+    assert pair.config["image_shape"] == (8, 8, 1) and pair.config["num_classes"] == 10
+    inputs, labels = pair.make_data(0, 4).batch(0)
+    assert inputs.shape == (4, 8, 8, 1) and labels.max() < 10
+    lstm = get_model_pair("lstm", data="text")
+    assert lstm.config["vocab_size"] == 256 and lstm.config["num_classes"] == 2
+    with pytest.raises(ValueError, match="Image models: mlp"):
+        get_model_pair("lstm", data="digits")
+    with pytest.raises(ValueError, match="Text models: transformer"):
+        get_model_pair("mlp", data="text")
+    with pytest.raises(ValueError, match="contradicts --data digits"):
+        get_model_pair("cnn", data="digits", image_shape=(16, 16, 3))
+    assert RunConfig(data="digits").to_dict()["data"] == "digits"
+    assert RunConfig.from_dict(RunConfig(data="text").to_dict()).data == "text"
+    with pytest.raises(ValueError, match="did you mean 'digits'"):
+        RunConfig(data="digit")
