@@ -48,13 +48,14 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     """Casts the floating-point array leaves of `tree` to `dtype`; other leaves are untouched.
 
     Integer, boolean and PRNG-key arrays, Python scalars and non-array leaves keep their type.
+    `dtype` must be a floating dtype or its name (``cast_floating(tree, "int8")`` raises).
 
     Example:
       >>> tree = jaxamp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.bfloat16)
       >>> tree["w"].dtype, tree["step"].dtype
       (dtype(bfloat16), dtype('int32'))
     """
-    dtype = np.dtype(dtype)
+    dtype = parse_dtype(dtype, where=f"cast_floating(dtype={dtype!r})")
 
     def cast(x):
         if isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating):

@@ -574,3 +574,13 @@ def test_policy_accepts_dtype_names():
     assert Policy("f32", "bf16", "float32", "full") == get_policy("bf16-mixed")
     with pytest.raises(TypeError, match="did you mean 'bf16'"):
         Policy("f32", "bf61", "f32")
+
+
+def test_cast_floating_rejects_non_floating_targets():
+    tree = {"w": jnp.ones(2)}
+    for bad in ("int8", jnp.int32, np.bool_):
+        with pytest.raises(ValueError, match="cast_floating"):
+            cast_floating(tree, bad)
+    with pytest.raises(TypeError, match="cast_floating"):
+        cast_floating(tree, None)
+    assert cast_floating(tree, "bf16")["w"].dtype == jnp.bfloat16
