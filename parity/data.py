@@ -144,9 +144,15 @@ def synthetic_images(
     num_classes: int = 10,
     *,
     noise: float = 1.0,
+    label_noise: float = 0.1,
     num_eval_batches: int = 4,
 ) -> BatchStream:
     """Images with learnable class structure: NHWC float32 inputs, int32 labels in [0, num_classes).
+
+    A fraction `label_noise` of the labels (training and held-out alike) is replaced by a
+    uniformly drawn class, so no model can drive the loss to 0: with 10 classes and the default
+    0.1 the best achievable mean cross-entropy is about 0.50 (and accuracy about 0.91), and a
+    loss curve keeps meaning something after the prototypes are learnt.
 
     Args:
       seed: sample seed (batches are a pure function of ``(seed, step)``).
@@ -154,6 +160,7 @@ def synthetic_images(
       image_shape: ``(H, W, C)``.
       num_classes: number of classes (>= 2).
       noise: standard deviation of the Gaussian pixel noise (signal std is about 1).
+      label_noise: probability that a label is replaced by a uniformly drawn class.
       num_eval_batches: size of the held-out set in batches.
     """
     if (
@@ -165,6 +172,8 @@ def synthetic_images(
     num_classes = _check_int("num_classes", num_classes, 2)
     if not np.isfinite(noise) or noise < 0:
         raise ValueError(f"`noise` must be a finite float >= 0, got {noise!r}.")
+    if not 0.0 <= label_noise <= 1.0:
+        raise ValueError(f"`label_noise` must be in [0, 1], got {label_noise!r}.")
     image_shape = tuple(int(d) for d in image_shape)
     prototypes = _image_prototypes(image_shape, num_classes)
 
@@ -174,6 +183,8 @@ def synthetic_images(
         shift = rng.normal(0.0, 0.3, size=(size, 1, 1, 1))
         pixels = rng.normal(0.0, noise, size=(size, *image_shape))
         images = prototypes[labels] * contrast + shift + pixels
+        flip = rng.random(size) < label_noise
+        labels = np.where(flip, rng.integers(0, num_classes, size=size), labels)
         return images.astype(np.float32), labels.astype(np.int32)
 
     return BatchStream(

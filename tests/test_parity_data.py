@@ -429,3 +429,13 @@ def test_pairs_take_their_shapes_from_the_data():
     assert RunConfig.from_dict(RunConfig(data="text").to_dict()).data == "text"
     with pytest.raises(ValueError, match="did you mean 'digits'"):
         RunConfig(data="digit")
+
+
+def test_image_label_noise_sets_a_loss_floor():
+    """10% of the labels are random: even the true prototype class is right only ~91% of the time."""
+    clean = synthetic_images(0, 2048, (8, 8, 1), 10, label_noise=0.0).batch(0)[1]
+    noisy = synthetic_images(0, 2048, (8, 8, 1), 10).batch(0)[1]
+    agreement = np.mean(clean == noisy)
+    assert 0.87 < agreement < 0.95  # expected 1 - 0.1 * 0.9 = 0.91
+    with pytest.raises(ValueError, match="label_noise"):
+        synthetic_images(0, 4, label_noise=1.5)
