@@ -70,6 +70,17 @@ def _check_confidence(confidence: float) -> None:
         raise ValueError(f"`confidence` must be in (0, 1); got {confidence!r}.")
 
 
+def _bootstrap(data, statistic, *, seed: int, **kwargs):
+    """scipy.stats.bootstrap with a seeded generator (``rng=`` from scipy 1.15, ``random_state=``
+    before: GPU images may carry an older scipy)."""
+    from scipy.stats import bootstrap
+
+    try:
+        return bootstrap(data, statistic, rng=np.random.default_rng(seed), **kwargs)
+    except TypeError:
+        return bootstrap(data, statistic, random_state=np.random.default_rng(seed), **kwargs)
+
+
 def median_ci(
     times: Sequence[float], *, confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float, float]:
@@ -97,15 +108,13 @@ def median_ci(
     median = float(np.median(sample))
     if sample.size < 2 or np.ptp(sample) == 0:
         return median, median, median
-    from scipy.stats import bootstrap
-
-    result = bootstrap(
+    result = _bootstrap(
         (sample,),
         np.median,
         confidence_level=confidence,
         n_resamples=n_resamples,
         method="percentile",
-        rng=np.random.default_rng(seed),
+        seed=seed,
     )
     low, high = result.confidence_interval
     return median, float(low), float(high)
@@ -147,12 +156,11 @@ def ratio_ci(
     ratio = float(np.median(a) / np.median(b))
     if (a.size < 2 or np.ptp(a) == 0) and (b.size < 2 or np.ptp(b) == 0):
         return ratio, ratio, ratio
-    from scipy.stats import bootstrap
 
     def statistic(x, y, axis=-1):
         return np.median(x, axis=axis) / np.median(y, axis=axis)
 
-    result = bootstrap(
+    result = _bootstrap(
         (a, b),
         statistic,
         confidence_level=confidence,
@@ -160,7 +168,7 @@ def ratio_ci(
         method="percentile",
         paired=False,
         vectorized=True,
-        rng=np.random.default_rng(seed),
+        seed=seed,
     )
     low, high = result.confidence_interval
     return ratio, float(low), float(high)
