@@ -1,0 +1,110 @@
+"""Per-layer diagnosis (parity.diagnose): layers matched through the mapping, first diverging layer.
+
+Tiny MLPs (fp32); the resnet's wrongly padded conv is named in tests/test_parity_step0.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parity.config import RunConfig
+from parity.diagnose import (
+    KINDS,
+    Diagnosis,
+    _guess_flax_path,
+    diagnose_config,
+    diagnose_pair,
+    module_pairs,
+)
+from parity.models import get_model_pair
+
+TINY = {"image_shape": (4, 4, 3), "hidden": 8}
+
+
+def _pair():
+    return get_model_pair("mlp", seed=0, **TINY)
+
+
+def _batch(pair):
+    return pair.make_data(0, 4).batch(0)
+
+
+def test_guessed_flax_paths_follow_flax_list_naming():
+    assert _guess_flax_path("blocks.1.conv1") == ("blocks_1", "conv1")
+    assert _guess_flax_path("fc") == ("fc",)
+    assert _guess_flax_path("layers.0.0.attn") == ("layers_0_0", "attn")
+
+
+def test_module_pairs_from_the_mapping_and_without_it():
+    pair = _pair()
+    variables = pair.torch_to_flax()
+    mapped, unmatched = module_pairs(pair, variables)
+    assert unmatched == []
+    assert [t for t, _ in mapped] == ["fc1", "fc2", "fc3"]
+    pair.mapping = None  # a user pair without a WeightMapping: the names are guessed
+    guessed, unmatched = module_pairs(pair, variables)
+    assert guessed == mapped and unmatched == []
+
+
+@pytest.mark.slow
+def test_correct_pair_has_no_diverging_layer():
+    pair = _pair()
+    diagnosis = diagnose_pair(pair, RunConfig(model="mlp", precision="fp32"), _batch(pair))
+    assert diagnosis.first_failing is None
+    assert [r["layer"] for r in diagnosis.rows] == ["fc1", "fc2", "fc3"]  # execution order
+    for row in diagnosis.rows:
+        assert row["passed"], row
+        assert row["eval output"] < row["band"] / 10
+        assert row["gradients"] < row["grad_band"] / 10
+        assert row["running stats"] is None  # no BatchNorm
+    assert "every layer within its band" in diagnosis.to_markdown()
+
+
+@pytest.mark.slow
+def test_first_diverging_layer_is_the_broken_one_and_the_table_is_json():
+    pair = _pair()
+    variables = pair.torch_to_flax()
+    broken = jnp.asarray(variables["params"]["fc2"]["kernel"]) * 1.01  # a 1% transfer error
+    variables["params"]["fc2"]["kernel"] = broken
+    diagnosis = diagnose_pair(pair, "fp32", _batch(pair), variables=variables)
+    assert diagnosis.first_failing == "fc2"
+    assert diagnosis.first_failing_kind == "eval output"
+    rows = {r["layer"]: r for r in diagnosis.rows}
+    assert rows["fc1"]["eval output"] < rows["fc1"]["band"]  # upstream is fine
+    assert 1e-3 < rows["fc2"]["eval output"] <= 0.0101  # the kernel's 1%, diluted by the bias
+    text = diagnosis.to_markdown()
+    assert "**FIRST**" in text and "`fc2`" in text
+    for kind in KINDS:
+        assert kind in text
+    as_json = json.loads(json.dumps(diagnosis.to_dict()))
+    assert as_json["first_failing"] == "fc2" and len(as_json["rows"]) == 3
+
+
+def test_gradient_only_divergence_names_the_deepest_layer():
+    rows = [
+        {"layer": "a", "stage": "fp32", "failed_kinds": ["gradients"]},
+        {"layer": "b", "stage": "fp32", "failed_kinds": ["gradients"]},
+        {"layer": "c", "stage": "fp32", "failed_kinds": []},
+    ]
+    from parity.diagnose import _first_failing
+
+    assert _first_failing(rows) == ("b", "fp32", "gradients")  # backward runs in reverse
+    rows[0]["failed_kinds"] = ["running stats"]
+    assert _first_failing(rows) == ("a", "fp32", "running stats")
+
+
+@pytest.mark.slow
+def test_diagnose_config_uses_the_run_batch():
+    config = RunConfig(
+        model="mlp",
+        precision="fp32",
+        batch_size=4,
+        model_overrides={"image_shape": (4, 4, 3), "hidden": 8},
+    )
+    diagnosis = diagnose_config(config)
+    assert isinstance(diagnosis, Diagnosis) and diagnosis.first_failing is None
+    assert np.isfinite([r["eval output"] for r in diagnosis.rows]).all()
