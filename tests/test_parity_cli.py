@@ -115,11 +115,11 @@ def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
     calls = []
     real_run_pair = cli.run_pair
 
-    def interrupted(config, frameworks, *, progress):
+    def interrupted(config, frameworks, *, progress, **kwargs):
         calls.append((config.precision, frameworks))
         if len(calls) == 2:
             raise KeyboardInterrupt  # the user hits ^C during the second cell
-        return real_run_pair(config, frameworks, progress=progress)
+        return real_run_pair(config, frameworks, progress=progress, **kwargs)
 
     monkeypatch.setattr(cli, "run_pair", interrupted)
     args = ["matrix", "--out", str(out), "--models", "mlp", "--precisions", "fp32", "bf16-mixed"]
@@ -135,9 +135,9 @@ def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
 
     redo = []
 
-    def counting(config, frameworks, *, progress):
+    def counting(config, frameworks, *, progress, **kwargs):
         redo.append(config.precision)
-        return real_run_pair(config, frameworks, progress=progress)
+        return real_run_pair(config, frameworks, progress=progress, **kwargs)
 
     monkeypatch.setattr(cli, "run_pair", counting)
     assert cli.main(args) == 0
