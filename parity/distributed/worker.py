@@ -192,7 +192,15 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             )
         optimizer = build_torch_optimizer(config, model.parameters())
         scaler = None
-        if config.loss_scaling:
+        if config.loss_scaling and strategy == "fsdp":
+            # Sharded gradients: each rank sees only its shard, so the found-inf flag must be
+            # all-reduced for every rank to skip together (torch's ShardedGradScaler does).
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(
+                device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
+            )
+        elif config.loss_scaling:
             scaler = torch.amp.GradScaler(
                 device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
             )
@@ -339,7 +347,16 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
         )
     params = jax.tree_util.tree_map(np.asarray, variables["params"])
     policy = config.policy
-    tx = build_jax_optimizer(config)
+    if config.loss_scaling and mode == "shard_map":
+        # Inside shard_map the skip decision is taken per device: loss_scaled is told the axis
+        # (the gradients are already summed over it, so every device decides the same).
+        inner = build_jax_optimizer(config.replace(precision="fp32"))
+        scale = jaxamp.DynamicLossScale.from_preset(
+            "torch", init_scale=config.init_scale, growth_interval=config.growth_interval
+        )
+        tx = jaxamp.loss_scaled(inner, scale, axis_name="data")
+    else:
+        tx = build_jax_optimizer(config)
 
     if strategy == "fsdp" and mode != "shard_map":
         param_specs = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, world), params)
