@@ -44,6 +44,8 @@ def autocast(
     device: str | None = None,
     overrides: Mapping[Any, str | None] | None = None,
     reduce_dtype: Any = None,
+    fp8: Any = None,
+    fp8_filter: Any = None,
 ) -> Callable:
     """Runs ``fn`` with torch.autocast's per-op precision rules for a torch device type.
 
@@ -95,6 +97,13 @@ def autocast(
         cross-device gradient sums of a sharded batch (SPMD all-reduce / reduce-scatter,
         ``shard_map``'s psum) run in it; forward values are unchanged. Default None: JAX's
         own gradients (their cross-device sums run in ``dtype``).
+      fp8: a `jaxamp.fp8` recipe (or its name: ``"tensorwise"``, ``"rowwise"``,
+        ``"rowwise_with_gw_hp"``): the selected linear-layer matmuls run in fp8 on the operands
+        autocast chose (torchao's ``Float8Linear`` under autocast); a selected matmul that cannot
+        raises. Dynamic recipes; for ``"delayed"`` use ``jaxamp.fp8.convert``. See
+        ``jaxamp.fp8.report`` for which matmuls ran in fp8.
+      fp8_filter: which matmuls (``jaxamp.fp8.convert``'s ``fp8_filter``): None (every matmul
+        without batch dimensions), path globs, or a callable on `jaxamp.fp8.MatmulInfo`.
 
     Returns:
       A function with ``fn``'s signature. Output dtypes are what the ops produce under autocast
@@ -112,7 +121,14 @@ def autocast(
       >>> jaxamp.autocast(loss_fn, device="cuda", overrides={"dot_general": "fp32"})(w, x).dtype
       dtype('float32')
     """
-    out = transform(fn, dtype=dtype, device=device, overrides=overrides)
+    hooks = None
+    if fp8 is not None:
+        from jaxamp.fp8._convert import autocast_hooks
+
+        hooks = autocast_hooks(fp8, fp8_filter)
+    elif fp8_filter is not None:
+        raise ValueError("autocast: fp8_filter= needs fp8= (a jaxamp.fp8 recipe).")
+    out = transform(fn, dtype=dtype, device=device, overrides=overrides, hooks=hooks)
     if reduce_dtype is not None:
         from jaxamp._reduce import reduce_in
         from jaxamp.policy import parse_dtype

@@ -33,6 +33,7 @@ from jaxamp.fp8._recipes import recipe as _make_recipe
 __all__ = [
     "MatmulInfo",
     "MatmulRecord",
+    "autocast_hooks",
     "combine_states",
     "convert",
     "init_state",
@@ -508,3 +509,72 @@ def combine_states(*states: Any) -> Any:
     if not states:
         raise ValueError("jaxamp.fp8.combine_states: give at least one state.")
     return jax.tree_util.tree_map(lambda *xs: jnp.max(jnp.stack(xs), axis=0), *states)
+
+
+def autocast_hooks(
+    recipe: Recipe | str, fp8_filter: Any = None, records: list | None = None
+) -> dict[str, Callable]:
+    """Hooks for autocast's interpreter (``jaxamp.autocast(fn, fp8=..., fp8_filter=...)``).
+
+    Each selected ``dot_general`` runs through `jaxamp.fp8.dot_general` on the operands autocast
+    chose (e.g. bfloat16 under a bfloat16 autocast, as torchao's ``Float8Linear`` takes the
+    autocast dtype), with autocast's output dtype. Dynamic recipes only: delayed scaling needs
+    explicit state, so compose ``jaxamp.fp8.convert(jaxamp.autocast(fn), delayed_recipe)``.
+
+    Returns:
+      ``{"dot_general": hook}`` for ``jaxamp._autocast`` (see its interpreter's docstring).
+    """
+    rec = _make_recipe(recipe)
+    if rec.scaling == "delayed":
+        raise ValueError(
+            "autocast(fp8=...): delayed scaling carries explicit state; use "
+            "jaxamp.fp8.convert(jaxamp.autocast(fn, ...), recipe, fp8_filter=...) with "
+            "fp8_state= instead."
+        )
+    select = _selector(fp8_filter)
+    counts: dict[str, int] = {}
+
+    def hook(call: Any) -> list | None:
+        check_hardware(rec)
+        lhs, rhs = call.args
+        dn = call.params["dimension_numbers"]
+        path = call.name_stack
+        base = _join(path, "dot_general")
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        info = MatmulInfo(
+            name=base if n == 0 else f"{base}#{n}",
+            path=path,
+            lhs_shape=tuple(lhs.shape),
+            rhs_shape=tuple(rhs.shape),
+            dimension_numbers=dn,
+            dtype=np.dtype(lhs.dtype),
+            linear=linear_like(dn, lhs.ndim, rhs.ndim),
+        )
+        if not select(info):
+            if records is not None:
+                records.append(
+                    MatmulRecord(
+                        info.name,
+                        path,
+                        info.lhs_shape,
+                        info.rhs_shape,
+                        False,
+                        "not selected by fp8_filter",
+                    )
+                )
+            return None
+        if info.linear is not None or not jnp.issubdtype(info.dtype, jnp.floating):
+            raise ValueError(
+                f"autocast(fp8=...): matmul {info.name!r} ({info.lhs_shape} x {info.rhs_shape}) "
+                f"is selected for fp8 but {info.linear or 'its operands are not floating'}. "
+                "Exclude it with fp8_filter."
+            )
+        out_dtype = call.params.get("preferred_element_type") or jnp.result_type(lhs, rhs)
+        out = dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec)
+        if records is not None:
+            how = f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}, under autocast"
+            records.append(MatmulRecord(info.name, path, info.lhs_shape, info.rhs_shape, True, how))
+        return [out]
+
+    return {"dot_general": hook}
