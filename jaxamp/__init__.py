@@ -1,7 +1,7 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast.
 
 The public API is what ``__all__`` lists; ``jaxamp.flax`` (imported as ``jaxamp.flax``) holds the
-Flax integration.
+Flax integration; ``jaxamp.fp8`` holds fp8 training (torchao's recipes, delayed scaling).
 
 Example:
   >>> policy = jaxamp.get_policy("bf16-mixed")
