@@ -69,7 +69,8 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
     parser.add_argument(
         "--data",
         default="synthetic",
-        help="synthetic (default), digits (scikit-learn's bundled 8x8 digits, image models), "
+        help="synthetic (default), real (digits for image models, text for token models), "
+        "digits (scikit-learn's bundled 8x8 digits, image models), "
         "text[:PATH] (byte-level corpus, default the Python stdlib sources; transformer, lstm), "
         "fashion-mnist:DIR, cifar10:DIR",
     )
@@ -406,7 +407,10 @@ def _cmd_run(args) -> int:
             + (" DIVERGED" if s["diverged"] else "")
         )
     print(f"results: {(out / 'results.json').resolve()}")
-    return _compare_and_report(out) if args.framework == "both" else 0
+    # Every run that produced records gets a report; one framework alone is "nothing compared"
+    # (exit 3) only when both were asked for: a single-framework run may be paired later.
+    code = _compare_and_report(out)
+    return code if args.framework == "both" or code == 1 else 0
 
 
 def _cmd_matrix(args) -> int:

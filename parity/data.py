@@ -707,13 +707,14 @@ def text_stream(
     return stream
 
 
-DATA_KINDS = ("synthetic", "digits", "text", "fashion-mnist", "cifar10")
+DATA_KINDS = ("synthetic", "real", "digits", "text", "fashion-mnist", "cifar10")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     """A parsed ``--data`` value: ``synthetic``, ``digits``, ``text`` / ``text:PATH``,
-    ``fashion-mnist:DIR`` or ``cifar10:DIR``.
+    ``fashion-mnist:DIR``, ``cifar10:DIR``, or ``real``: bundled real data for every model
+    (``digits`` for image models, ``text`` for token models), for a matrix over both kinds.
 
     Example:
       >>> DataSpec.parse("text:/tmp/corpus.txt")
@@ -734,19 +735,25 @@ class DataSpec:
 
             close = difflib.get_close_matches(kind, DATA_KINDS, n=1)
             raise ValueError(
-                f"--data {value!r}: unknown kind {kind!r}; use one of synthetic, digits, "
+                f"--data {value!r}: unknown kind {kind!r}; use one of synthetic, real, digits, "
                 "text[:PATH], fashion-mnist:DIR, cifar10:DIR"
                 + (f" (did you mean {close[0]!r}?)" if close else "")
                 + "."
             )
         if kind in ("fashion-mnist", "cifar10") and not path:
             raise ValueError(f"--data {kind} needs the folder with the files: {kind}:DIR.")
-        if kind in ("synthetic", "digits") and path:
+        if kind in ("synthetic", "real", "digits") and path:
             raise ValueError(f"--data {kind} takes no path, got {value!r}.")
         return cls(kind, path or None)
 
     def __str__(self) -> str:
         return self.kind if self.path is None else f"{self.kind}:{self.path}"
+
+    def resolve(self, image_model: bool) -> DataSpec:
+        """``real`` -> ``digits`` (image models) or ``text`` (token models); others unchanged."""
+        if self.kind != "real":
+            return self
+        return DataSpec("digits") if image_model else DataSpec("text")
 
     @property
     def modality(self) -> str:

@@ -439,3 +439,15 @@ def test_image_label_noise_sets_a_loss_floor():
     assert 0.87 < agreement < 0.95  # expected 1 - 0.1 * 0.9 = 0.91
     with pytest.raises(ValueError, match="label_noise"):
         synthetic_images(0, 4, label_noise=1.5)
+
+
+def test_real_data_resolves_per_model():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from parity.data import DataSpec
+    from parity.models import get_model_pair
+
+    assert DataSpec.parse("real").resolve(image_model=True) == DataSpec("digits")
+    assert DataSpec.parse("real").resolve(image_model=False) == DataSpec("text")
+    assert get_model_pair("cnn", data="real").config["image_shape"] == (8, 8, 1)
+    assert get_model_pair("transformer", data="real").config["vocab_size"] == 256

@@ -223,7 +223,7 @@ def get_model_pair(
       seed: torch initialisation seed.
       dtype, param_dtype: passed to the Flax module (computation / parameter dtype).
       data: the pair's batches (`parity.data.DataSpec`): ``"synthetic"`` (each model's own
-        task), ``"digits"`` / ``"fashion-mnist:DIR"`` / ``"cifar10:DIR"`` for image models
+        task), ``"real"`` (``"digits"`` or ``"text"``, whichever the model takes), ``"digits"`` / ``"fashion-mnist:DIR"`` / ``"cifar10:DIR"`` for image models
         (``image_shape`` and ``num_classes`` follow the dataset), ``"text"`` / ``"text:PATH"``
         (byte-level, vocabulary 256) for ``transformer`` (next byte) and ``lstm`` (was the
         window reversed?).
@@ -245,6 +245,7 @@ def get_model_pair(
             f"{sorted(spec.defaults)}."
         )
     data_spec = DataSpec.parse(data) if not isinstance(data, DataSpec) else data
+    data_spec = data_spec.resolve(image_model="image_shape" in spec.defaults)
     implied = _data_overrides(name, spec, data_spec)
     for key, value in implied.items():
         if (
