@@ -50,9 +50,11 @@ from parity.step0 import (
     _program_shapes,
     _torch_side,
     flatten,
+    gradient_tolerance,
     group_error,
     group_scale,
     relative_error,
+    step0_loss_scale,
     tolerance,
     torch_setup,
 )
@@ -319,9 +321,10 @@ def _stage_rows(
     torch_train = _torch_outputs(pair, names, inputs, config, train=True)
     flax_eval, flax_train = _flax_outputs(pair, variables, inputs, config)
     if sides is None:
+        scale = step0_loss_scale(config)
         sides = (
-            _torch_side(pair, inputs, targets, config, 1.0, trace_flops=False),
-            _jax_side(pair, variables, inputs, targets, config, 1.0, trace_flops=False),
+            _torch_side(pair, inputs, targets, config, scale, trace_flops=False),
+            _jax_side(pair, variables, inputs, targets, config, scale, trace_flops=False),
         )
     t, j = sides
     grad_scale, stat_scale = group_scale(t.grads), group_scale(t.stats)
@@ -347,7 +350,7 @@ def _stage_rows(
         row["running stats"] = _subtree_error(j.stats, t.stats, flax, stat_scale)
         row["gradients"] = _subtree_error(j.grads, t.grads, flax, grad_scale)
         row["band"] = tolerance(dtype, fwd_fan, depth)
-        row["grad_band"] = tolerance(dtype, grad_fan, grad_depth)
+        row["grad_band"] = gradient_tolerance(dtype, grad_fan, grad_depth)
         row["failed_kinds"] = [
             kind
             for kind in KINDS

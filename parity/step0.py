@@ -40,6 +40,9 @@ the frameworks against a band of 0.62, its outputs by 0.007 against 0.31. In flo
 (~1e-7..1e-6) and far below what a port bug gives (a shifted padding: ~1; a biased running
 variance: ~1e-3).
 
+Below float32 the gradient band carries an extra factor (`gradient_tolerance`): BatchNorm's
+backward cancellation amplifies low-precision rounding.
+
 A failure names the worst parameter and the worst output, and (``diagnose=True``) the per-layer
 diagnosis of `parity.diagnose` names the first layer whose error exceeds its band.
 
@@ -76,6 +79,7 @@ __all__ = [
     "Step0Failure",
     "Step0Result",
     "check_step0",
+    "gradient_tolerance",
     "program_shape",
     "relative_error",
     "tolerance",
@@ -83,6 +87,8 @@ __all__ = [
 ]
 
 SAFETY = 8.0
+# Extra factor of the gradient band below float32 (BatchNorm's backward cancellation).
+LOW_PRECISION_GRADIENT_FACTOR = 4.0
 # Gradients / statistics below this fraction of their group's largest are compared at that floor.
 FLOOR_FRACTION = 2.0**-10
 # A compute-dtype verdict fails when less than this fraction of the matmul FLOPs ran in the dtype.
@@ -124,6 +130,24 @@ def tolerance(dtype: Any, fan_in: int, depth: int, safety: float = SAFETY) -> fl
     if fan_in < 1 or depth < 1:
         raise ValueError(f"tolerance: `fan_in` and `depth` must be >= 1; got {fan_in}, {depth}.")
     return safety * depth * (math.sqrt(fan_in) * unit_roundoff("float32") + unit_roundoff(dtype))
+
+
+def gradient_tolerance(dtype: Any, fan_in: int, depth: int) -> float:
+    """The gradient band: `tolerance`, times ``LOW_PRECISION_GRADIENT_FACTOR`` below float32.
+
+    BatchNorm's backward pass (``g - mean(g) - x_hat * mean(g * x_hat)``) cancels, and cancellation
+    amplifies the low-precision rounding of its inputs: measured at step 0 (batch 4), cnn_bn
+    fp16-mixed gradients differ by 0.029 between the frameworks (1.2x the plain band), bf16-mixed
+    by 0.098 (0.5x), resnet bf16-mixed by 0.23 (0.4x); float32 gradients stay at ~1e-6.
+
+    Example:
+      >>> gradient_tolerance("float32", 256, 10) == tolerance("float32", 256, 10)
+      True
+    """
+    factor = (
+        1.0 if unit_roundoff(dtype) <= unit_roundoff("float32") else LOW_PRECISION_GRADIENT_FACTOR
+    )
+    return factor * tolerance(dtype, fan_in, depth)
 
 
 def relative_error(got: Any, expected: Any, floor: float = 0.0) -> float:
@@ -501,7 +525,7 @@ def _stage_verdicts(
     fwd_fan, fwd_depth = shapes["forward"]
     grad_fan, grad_depth = shapes["grad"]
     out_tol = tolerance(dtype, fwd_fan, fwd_depth)
-    grad_tol = tolerance(dtype, grad_fan, grad_depth)
+    grad_tol = gradient_tolerance(dtype, grad_fan, grad_depth)
     formula = f"band = {SAFETY:g} x depth x (sqrt(fan-in) x u(float32) + u({dtype}))"
 
     outputs = {
@@ -547,7 +571,12 @@ def _stage_verdicts(
                 passed=bool(value <= grad_tol),
                 detail=f"worst parameter: {_torch_name(pair, name)} of {len(grad_errors)}"
                 + (f"; missing on one side: {grad_missing}" if grad_missing else "")
-                + f"; fan-in {grad_fan}, depth {grad_depth}; {formula}",
+                + f"; fan-in {grad_fan}, depth {grad_depth}; {formula}"
+                + (
+                    f", x {LOW_PRECISION_GRADIENT_FACTOR:g} for gradients below float32"
+                    if grad_tol != tolerance(dtype, grad_fan, grad_depth)
+                    else ""
+                ),
                 **base,
             )
         )
@@ -596,6 +625,16 @@ def _compute_verdicts(config, t: _Side, j: _Side) -> list[Verdict]:
             )
         )
     return rows
+
+
+def step0_loss_scale(config: RunConfig) -> float:
+    """The first loss scale of the step-0 gradients: 1 unless the run scales its loss (fp16), then
+    the run's initial scale capped at torch's default 2**16 (a stress setting such as 2**24 makes
+    step 0 overflow on purpose). Without a scale, fp16 gradients underflow. `check_step0` halves
+    it (GradScaler's back-off) until torch's gradients are finite and gives JAX the same scale."""
+    if not config.loss_scaling:
+        return 1.0
+    return float(min(config.init_scale, 2.0**16))
 
 
 def _as_config(pair: Any, precision_or_config: Any) -> RunConfig:
@@ -658,8 +697,12 @@ def check_step0(
         sides: dict[str, tuple[_Side, _Side]] = {}
         for stage, stage_config in stages:
             low = stage_config.precision != "fp32"
-            t = _torch_side(pair, inputs, targets, stage_config, 1.0, trace_flops=low)
-            j = _jax_side(pair, variables, inputs, targets, stage_config, 1.0, trace_flops=low)
+            scale = step0_loss_scale(stage_config)
+            t = _torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
+            while scale > 1 and not all(np.isfinite(g).all() for g in t.grads.values()):
+                scale /= 2  # GradScaler's back-off, until torch's step 0 would not be skipped
+                t = _torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
+            j = _jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             sides[stage] = (t, j)
             rows, w_out, w_param = _stage_verdicts(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes
