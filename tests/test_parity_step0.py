@@ -309,3 +309,22 @@ def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
     good = parity.compare_models(_TorchMLP(), _FlaxMLP(), _mlp_transfer, batches, lr=1e-2)
     assert len(good.runs[0]["steps"]) == 3
     assert good.runs[0]["step0"]["passed"] is True
+
+
+@pytest.mark.slow
+def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
+    from parity import cli
+    from parity.records import load_results
+
+    out = tmp_path / "wrong"
+    args = ["run", "--model", "resnet", "--steps", "2", "--batch-size", "2", "--no-eval"]
+    args += ["--model-override", 'wrong_port="padding"', "--model-override", "image_shape=[8,8,3]"]
+    args += ["--model-override", "channels=[4,8,16]", "--out", str(out), "--no-progress"]
+    assert cli.main(args) == 1
+    runs = load_results(out)["runs"]
+    assert {r["framework"] for r in runs} == {"torch", "jax"}
+    for run in runs:
+        assert run["steps"] == []  # not trained
+        assert "blocks.1.conv1" in run["summary"]["error"]
+        assert run["step0"]["diagnosis"]["first_failing"] == "blocks.1.conv1"
+    assert "first diverging layer: blocks.1.conv1" in capsys.readouterr().err
