@@ -472,7 +472,7 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
       >>> validate_run({"framework": "jax"})
       Traceback (most recent call last):
       ...
-      parity.records.ResultsFileError: run records: field 'model': missing (required: a non-empty string)
+      parity.records.ResultsFileError: run records, field 'model': missing (required: a non-empty string)
     """
 
     def fail(field: str, message: str):
