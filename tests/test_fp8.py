@@ -466,3 +466,79 @@ def test_delayed_state_errors_name_the_entry():
         f(x, w, fp8_state={**state, "extra": state["dot_general"]})
     with pytest.raises(ValueError, match="not delayed"):
         f8.init_state(lambda x, w: x @ w, _emu("tensorwise"), x, w)
+
+
+# --- through autocast and per module (Flax's dot_general= argument) ------------------------------
+
+
+def test_autocast_fp8_runs_selected_matmuls_on_autocast_operands():
+    import jaxamp
+
+    p, x = _params(), jnp.ones((8, 16), jnp.float32)
+    rec = _emu("tensorwise")
+    amp = jax.jit(jaxamp.autocast(_attention_mlp, device="cpu", dtype=jnp.bfloat16, fp8=rec))
+    out = amp(p, x)
+    assert out.dtype == jnp.bfloat16
+    # the same as fp8 matmuls on bfloat16 operands, the rest in bfloat16 (CPU autocast lists)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (p, x))
+    want = jax.jit(lambda p, x: _attention_mlp_fp8(p, x, rec))(*bf16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    grads = jax.grad(lambda p: jnp.sum(amp(p, x).astype(jnp.float32)))(p)
+    assert grads["w_in"].dtype == jnp.float32
+    with pytest.raises(ValueError, match="batch dimensions"):
+        jaxamp.autocast(_attention_mlp, device="cpu", fp8=rec, fp8_filter="*")(p, x)
+    with pytest.raises(ValueError, match="convert"):
+        jaxamp.autocast(_attention_mlp, device="cpu", fp8=_emu("delayed"))
+    with pytest.raises(ValueError, match="needs fp8"):
+        jaxamp.autocast(_attention_mlp, device="cpu", fp8_filter="*")
+
+
+@pytest.mark.standard_promotion
+def test_per_module_fp8_in_linen_and_nnx():
+    import functools
+
+    import flax.linen as nn
+    from flax import nnx
+
+    rec = _emu("rowwise")
+    dot = functools.partial(f8.dot_general, recipe=rec)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((4, 16)), jnp.float32)
+    dense = nn.Dense(8, dot_general=dot)  # only this layer in fp8
+    v = dense.init(jax.random.key(0), x)
+    k, b = v["params"]["kernel"], v["params"]["bias"]
+    want = f8.dot_general(x, k, DN_XW, recipe=rec) + b
+    np.testing.assert_array_equal(np.asarray(dense.apply(v, x)), np.asarray(want))
+    lin = nnx.Linear(16, 8, dot_general=dot, rngs=nnx.Rngs(0))
+    want = f8.dot_general(x, lin.kernel[...], DN_XW, recipe=rec) + lin.bias[...]
+    np.testing.assert_array_equal(np.asarray(lin(x)), np.asarray(want))
+
+
+def test_fp8_public_names_are_pinned():
+    assert sorted(f8.__all__) == sorted(
+        [
+            "RECIPE_NAMES",
+            "Cast",
+            "DelayedScalingState",
+            "MatmulInfo",
+            "MatmulRecord",
+            "Recipe",
+            "amax_to_scale",
+            "check_hardware",
+            "combine_states",
+            "convert",
+            "dequantize",
+            "dot_general",
+            "fp8_matmul_hardware",
+            "fp8_max",
+            "init_state",
+            "quantize",
+            "quantize_with_scale",
+            "recipe",
+            "report",
+            "select_state",
+        ]
+    )
+    for name in f8.__all__:
+        obj = getattr(f8, name)
+        if callable(obj):
+            assert (obj.__doc__ or "").strip(), name

@@ -386,6 +386,7 @@ def dot_general(
     *,
     recipe: Recipe | str = "tensorwise",
     state: DelayedScalingState | None = None,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """``lax.dot_general`` in fp8 per `recipe`, with the recipe's casts in the backward pass too.
 
@@ -401,6 +402,7 @@ def dot_general(
       recipe: a `Recipe` or a recipe name.
       state: delayed recipes only: this matmul's `DelayedScalingState`; its gradient is the
         updated state.
+      out_sharding: as `jax.lax.dot_general`'s (applied as a sharding constraint on the output).
 
     Returns:
       The product, shaped as `lax.dot_general`'s.
@@ -441,4 +443,7 @@ def dot_general(
         if state is not None:
             raise ValueError("jaxamp.fp8.dot_general: `state` is for delayed recipes only.")
         y = _linear_dynamic(x2, w2, rec, out_dtype)
-    return y.reshape(out_shape)
+    y = y.reshape(out_shape)
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
