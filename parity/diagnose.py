@@ -59,7 +59,7 @@ from parity.step0 import (
     torch_setup,
 )
 
-__all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "module_pairs"]
+__all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "diagnose_run", "module_pairs"]
 
 KINDS = ("eval output", "train output", "running stats", "gradients")
 
@@ -460,3 +460,19 @@ def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagn
         pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
     batch = pair.make_data(config.seed, config.batch_size).batch(step)
     return diagnose_pair(pair, config, batch)
+
+
+def diagnose_run(run: dict[str, Any], pair: Any = None, step: int = 0) -> Diagnosis:
+    """`diagnose_config` for a run record (``results.json``): what `parity.compare` calls when a
+    trajectory verdict fails, to put the per-layer table in the report.
+
+    Args:
+      run: a run record (its ``config`` is read back with `RunConfig.from_dict`).
+      pair: the model pair (default: the built-in pair the record names).
+      step: whose batch to use (the initial weights are compared: the table says whether the
+        models already differ before training, and where).
+
+    Example:
+      >>> diagnose_run(load_results("runs/x")["runs"][0]).to_markdown()
+    """
+    return diagnose_config(RunConfig.from_dict(run["config"]), pair=pair, step=step)

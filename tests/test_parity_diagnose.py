@@ -18,6 +18,7 @@ from parity.diagnose import (
     _guess_flax_path,
     diagnose_config,
     diagnose_pair,
+    diagnose_run,
     module_pairs,
 )
 from parity.models import get_model_pair
@@ -108,3 +109,7 @@ def test_diagnose_config_uses_the_run_batch():
     diagnosis = diagnose_config(config)
     assert isinstance(diagnosis, Diagnosis) and diagnosis.first_failing is None
     assert np.isfinite([r["eval output"] for r in diagnosis.rows]).all()
+    from_record = diagnose_run({"config": config.to_dict()})  # what compare calls on a failure
+    assert [r["eval output"] for r in from_record.rows] == [
+        r["eval output"] for r in diagnosis.rows
+    ]
