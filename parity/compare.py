@@ -48,6 +48,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from parity.config import FP8_PRECISIONS
 from parity.records import run_label, run_seed, run_status
 
 __all__ = [
@@ -415,6 +416,37 @@ def _fp16_rows(out: _Rows, ref, cand) -> None:
     )
 
 
+# fp8 runs (parity.fp8): step 0 holds the same fp8 codes on both sides (checked layer by layer by
+# parity.fp8.step0_fp8), so its loss is held to the fp32 band; from then on, each side's float32
+# summation order flips an fp8 code now and then, and a flip moves an operand by one e4m3 step
+# (<= 2 x 2**-4 relative). A one-ulp nudge is absorbed by the fp8 rounding, so self-divergence
+# calibration measures ~0 there. Steps 1-9 are held to e4m3's unit roundoff 2**-4, and the run
+# to the final-loss band of the other reduced precisions.
+FP8_STEP_BAND = 2.0**-4
+
+
+def _fp8_rows(out: _Rows, ref, cand) -> None:
+    ref_l, cand_l = _losses(ref), _losses(cand)
+    gaps = _gaps(ref_l, cand_l, _floor(ref_l))[: TOLERANCES["fp32_first"][0]]
+    if not gaps:
+        out.add("per-step loss", "no steps on both sides", "at least one step", False)
+        return
+    tolerances = [_band(0)] + [FP8_STEP_BAND] * (len(gaps) - 1)
+    failing = [i for i, (g, t) in enumerate(zip(gaps, tolerances, strict=True)) if not g <= t]
+    worst = max(range(len(gaps)), key=lambda i: gaps[i] / tolerances[i])
+    out.add(
+        f"per-step loss, steps 0-{len(gaps) - 1} (fp8)",
+        gaps[worst],
+        f"{_fmt(_band(0))} at step 0, {_fmt(FP8_STEP_BAND)} after",
+        not failing,
+        f"step-0 gap {_fmt(gaps[0])} relative; worst step {worst}"
+        + (f"; first failing step {failing[0]}" if failing else ""),
+        mode="fixed bands",
+        step0_gap=gaps[0],
+        worst_step=worst,
+    )
+
+
 def _final_row(out: _Rows, ref, cand, envelope, seeds_decide: bool) -> None:
     window = TOLERANCES["final_window"]
     ref_l, cand_l = _losses(ref), _losses(cand)
@@ -500,6 +532,9 @@ def _pair_verdicts(
         )
     calibrated_by = ", ".join(sources)
     policy_compute = _compute(ref)
+    if ref["precision"] in FP8_PRECISIONS:  # torchao's recipes (parity.fp8): own band + final
+        policy_compute = "float8"
+        _fp8_rows(out, ref, cand)
     if policy_compute == "float32":
         _trajectory_rows(out, ref, cand, envelope, calibrated_by)
     elif policy_compute == "float16":
