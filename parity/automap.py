@@ -179,6 +179,39 @@ _CHANNELS_FIRST = (
 )
 
 
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "_ReshapeAlias")
+_ELEMENTWISE = ("Relu", "Gelu", "Silu", "Tanh", "Sigmoid", "Elu", "LeakyRelu", "Hardtanh", "Mul")
+
+
+def _flattened_shape(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of the >= 3-D tensor that a 2-D `x` is a flatten of, from the autograd graph
+    (through elementwise ops); None if `x` is no flatten or the map was permuted first (then
+    it is already channels-last)."""
+    node = x.grad_fn
+    for _ in range(6):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if any(name.startswith(v) for v in _VIEWS):
+            sizes = tuple(int(d) for d in getattr(node, "_saved_self_sym_sizes", ()))
+            if len(sizes) < 3:
+                return None
+            before = [n for n, _ in node.next_functions if n is not None]
+            for _ in range(2):  # reshape of a permuted map: Clone <- Permute
+                names = [type(n).__name__ for n in before]
+                if any(n.startswith(("Permute", "Transpose")) for n in names):
+                    return None
+                before = [m for n in before for m, _ in n.next_functions if m is not None]
+            return sizes
+        if not any(name.startswith(e) for e in _ELEMENTWISE):
+            return None
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
+
+
 def _trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int, ...]]:
     """Linear layers fed by ``flatten`` of a channels-first map: name -> (C, *spatial)."""
     last: dict[str, Any] = {}
@@ -195,6 +228,12 @@ def _trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int
     def before_linear(name):
         def hook(module, args):
             x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.dim() == 2:
+                flattened = _flattened_shape(x)
+                if flattened is not None:
+                    if math.prod(flattened[1:]) == x.shape[1] and math.prod(flattened[2:]) > 1:
+                        found[name] = tuple(int(d) for d in flattened[1:])
+                    return
             feature_map = last.get("map")
             if (
                 isinstance(x, torch.Tensor)
@@ -214,7 +253,7 @@ def _trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.enable_grad():  # the autograd graph shows where a flatten happened
             if isinstance(example_inputs, tuple | list):
                 model(*example_inputs)
             elif isinstance(example_inputs, Mapping):
