@@ -15,7 +15,13 @@ pass computes the wide input's cotangent with every ``dot_general``/``conv_gener
 to ``preferred_element_type=reduce_dtype`` (bfloat16 operands, ``reduce_dtype`` accumulation and
 result) and every other op (bias sums, scales, gather's scatter-add) in ``reduce_dtype``. The
 partial sums the partitioner then all-reduces (or reduce-scatters, for sharded parameters) are
-``reduce_dtype`` values. Activation gradients keep the compute dtype.
+``reduce_dtype`` values. The result is then rounded to the compute dtype's precision and range
+(as torch's low-precision kernels return it: a float16 weight gradient past 65504 is inf, so a
+loss scaler skips the step as torch's does) and returned in the input's dtype. Under
+``shard_map`` that rounding is per device, before the float32 ``psum``: torch DDP/FSDP2's order
+exactly; under ``jit`` the partitioner sums the per-device partial products first (XLA cannot
+round a partial sum), so the rounding applies to the float32 sum. Activation gradients keep the
+compute dtype.
 
 Under ``shard_map``, an invariant (replicated) value meeting per-device data goes through
 ``pvary``, whose transpose is a ``psum`` of the per-device cotangents; narrow inputs of ``pvary``
@@ -193,6 +199,20 @@ def _as_traced(x: Any, v: Any) -> Any:
 # -- forward: find narrowed inputs, fuse their consumers with a reduce-dtype backward ---------------
 
 
+def _round_to(x: Any, narrow: np.dtype) -> Any:
+    """`x` rounded to `narrow`'s precision and range (overflow: inf), keeping its own dtype.
+
+    torch's low-precision kernels return the gradient in the compute dtype (a float16 weight
+    gradient above 65504 is inf, and GradScaler skips the step); this keeps that, while the
+    arithmetic before it (and any cross-device sum the partitioner places there) stays wide.
+    """
+    xd = _dtype(x)
+    if xd is None or narrow.itemsize >= xd.itemsize:
+        return x
+    info = jnp.finfo(narrow)
+    return lax.reduce_precision(x, exponent_bits=int(info.nexp), mantissa_bits=int(info.nmant))
+
+
 def _fused(eqn: Any, vals: list, wides: list, reduce_dtype: np.dtype) -> list:
     """Runs `eqn` on `vals`; wide operands' cotangents are computed in `reduce_dtype`."""
     wide_pos = [i for i, w in enumerate(wides) if w is not None]
@@ -237,7 +257,8 @@ def _fused(eqn: Any, vals: list, wides: list, reduce_dtype: np.dtype) -> list:
         wide_cts_all = _eval_wide(closed.jaxpr, closed.consts, ct_leaves, reduce_dtype)
         wide_cts_all = dict(zip(float_pos, wide_cts_all, strict=True))
         wide_cts = tuple(
-            wide_cts_all[i].astype(d) for i, d in zip(wide_pos, wide_dtypes, strict=True)
+            _round_to(wide_cts_all[i], narrow).astype(d)
+            for i, narrow, d in zip(wide_pos, narrow_dtypes, wide_dtypes, strict=True)
         )
         other_cts = tuple(
             None if i in wide_pos or i not in narrow_cts else narrow_cts[i] for i in range(len(ops))

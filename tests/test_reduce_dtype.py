@@ -234,9 +234,9 @@ def test_values_unchanged_and_grads_agree(policy, maybe_jit):
         np.testing.assert_allclose(grads_r[k], grads_l[k], atol=8 * eps * scale, rtol=0)
 
 
-def test_grads_equal_float32_accumulation():
-    # reduce_in's weight gradient is a bf16 x bf16 dot accumulated and returned in float32:
-    # exactly the float32 dot of the bf16-rounded operands.
+def test_grads_equal_float32_accumulation_rounded_once():
+    # reduce_in's weight gradient is a bf16 x bf16 dot accumulated in float32 and rounded once to
+    # bfloat16 (as torch's bf16 matmul returns it): the float32 dot of the bf16 operands, rounded.
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(64, 16)), jnp.bfloat16)
@@ -249,7 +249,23 @@ def test_grads_equal_float32_accumulation():
     expected = jnp.dot(
         x.T, ones, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
     )
-    np.testing.assert_allclose(g, expected, rtol=1e-6)
+    np.testing.assert_array_equal(g, expected.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_float16_weight_gradient_overflows_as_in_torch():
+    # A float16 weight gradient past 65504 is inf in torch (its f16 matmul output); the same here,
+    # so a loss scaler skips that step on both sides.
+    w = jnp.ones((2, 1), jnp.float32)
+    x = jnp.full((4, 2), 8.0, jnp.float32)
+
+    def f(w, x):
+        return jnp.sum((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+    scaled = lambda w, x: f(w, x) * 2.0**16  # noqa: E731
+    g = jax.jit(jax.grad(reduce_in(scaled, jnp.float32)))(w, x)
+    assert g.dtype == jnp.float32 and not bool(jnp.isfinite(g).any())
+    g = jax.jit(jax.grad(reduce_in(f, jnp.float32)))(w, x)
+    np.testing.assert_array_equal(g, np.full((2, 1), 32.0))
 
 
 def test_static_leaves_and_aux_pass_through():
