@@ -458,6 +458,7 @@ SMALL = {
     "cnn_bn": {"image_shape": (8, 8, 3)},
     "lstm": {"seq_len": 8},
     "transformer": {"num_layers": 1, "seq_len": 16},
+    "resnet": {"image_shape": (8, 8, 3), "channels": (4, 8, 16)},
 }
 
 
@@ -504,7 +505,7 @@ def test_forward_agrees_fp32(name, train):
     flax_logits, new_stats = _jit_apply(pair)(variables, jnp.asarray(inputs), train)
     assert torch_logits.shape == flax_logits.shape
     assert _max_diff(torch_logits, flax_logits) < ATOL
-    assert (new_stats is not None) == (train and name == "cnn_bn")
+    assert (new_stats is not None) == (train and name in ("cnn_bn", "resnet"))
     if new_stats is not None:  # the torch forward just updated its running stats the same way
         after = pair.torch_to_flax()["batch_stats"]
         for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(new_stats), strict=True):
