@@ -20,6 +20,8 @@ from flax import nnx  # noqa: E402
 
 import parity  # noqa: E402
 from parity import adapters, api  # noqa: E402
+from parity.models.layers import TorchBatchNorm  # noqa: E402
+from parity.models.nnx_layers import TorchBatchNorm as NNXTorchBatchNorm  # noqa: E402
 from parity.transfer import TransferError  # noqa: E402
 
 
@@ -52,7 +54,8 @@ class LinenConvBN(fnn.Module):
     @fnn.compact
     def __call__(self, x, train: bool = False):
         x = fnn.Conv(4, (3, 3), padding=1, name="conv")(x)
-        x = fnn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, name="bn")(x)
+        # torch's running-variance update (flax's BatchNorm uses the biased variance)
+        x = TorchBatchNorm(momentum=0.9, epsilon=1e-5, name="bn")(x, train)
         x = fnn.max_pool(fnn.relu(x), (2, 2), (2, 2))
         return fnn.Dense(5, name="fc")(x.reshape(x.shape[0], -1))
 
@@ -60,7 +63,7 @@ class LinenConvBN(fnn.Module):
 class NNXConvBN(nnx.Module):
     def __init__(self, rngs):
         self.conv = nnx.Conv(3, 4, (3, 3), padding=1, rngs=rngs)
-        self.bn = nnx.BatchNorm(4, momentum=0.9, epsilon=1e-5, rngs=rngs)
+        self.bn = NNXTorchBatchNorm(4, momentum=0.9, epsilon=1e-5, rngs=rngs)
         self.drop = nnx.Dropout(0.5, rngs=rngs)
         self.fc = nnx.Linear(64, 5, rngs=rngs)
 
