@@ -291,7 +291,24 @@ def step0_fp8(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray
         for tensor in ("input", "weight", "grad_output"):
             ts, tc = torch_side[torch_module][tensor]
             js, jc = jax_side[jax_name][tensor]
-            ts, js = ts.reshape(js.shape) if ts.size == js.size else ts, js
+            if ts.size != js.size or tc.size != jc.size or tc.dtype != jc.dtype:
+                rows.append(
+                    {
+                        "torch_module": torch_module,
+                        "jax_name": jax_name,
+                        "tensor": tensor,
+                        "scales_equal": False,
+                        "scale_max_rel_diff": float("inf"),
+                        "codes_differing": int(tc.size),
+                        "codes": int(tc.size),
+                        "max_code_steps": 255,
+                        "exact_expected": tensor == "weight",
+                        "passed": False,
+                        "detail": f"scale shapes differ: torch {ts.shape}, jax {js.shape}",
+                    }
+                )
+                continue
+            ts = ts.reshape(js.shape)
             rel = float(np.max(np.abs(js.astype(np.float64) - ts) / np.abs(ts))) if ts.size else 0.0
             jc = jc.reshape(tc.shape)
             steps = _code_steps(jc, tc)

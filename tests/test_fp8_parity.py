@@ -1,0 +1,91 @@
+"""The harness's fp8 precisions: torchao's convert_to_float8_training (emulated on CPU) against
+jaxamp.fp8 on the same model, layer by layer at step 0 and over a short run."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchao.float8")
+
+import jaxamp.fp8  # noqa: E402
+from parity import fp8 as pf  # noqa: E402
+from parity.config import FP8_PRECISIONS, PRECISIONS, RunConfig  # noqa: E402
+from parity.models import get_model_pair  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax internals
+
+
+def test_fp8_precisions_are_registered():
+    assert set(FP8_PRECISIONS) <= set(PRECISIONS) and set(FP8_PRECISIONS) == set(pf.FP8_PRECISIONS)
+    config = RunConfig(model="mlp", precision="fp8-rowwise-gw-hp")
+    assert str(config.policy) == str(RunConfig(precision="fp32").policy)
+    assert not config.mixed and not config.loss_scaling
+    assert RunConfig.from_dict(config.to_dict()) == config
+    assert pf.recipe_name("fp8-rowwise-gw-hp") == "rowwise_with_gw_hp"
+    with pytest.raises(ValueError, match="fp8-rowwise"):
+        RunConfig(precision="fp8-rowwse")
+    with pytest.raises(ValueError, match="not fp8"):
+        pf.recipe_name("bf16-mixed")
+
+
+def _batch(pair):
+    return pair.make_data(0, 8).batch(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,precision",
+    [
+        ("mlp", "fp8-tensorwise"),
+        ("mlp", "fp8-rowwise"),
+        ("mlp", "fp8-rowwise-gw-hp"),
+        ("transformer", "fp8-tensorwise"),
+        ("transformer", "fp8-rowwise-gw-hp"),
+    ],
+)
+def test_step0_scales_and_fp8_codes_match_torchao(model, precision):
+    pair = get_model_pair(model, seed=0)
+    x, y = _batch(pair)
+    rows = pf.step0_fp8(pair, precision, x, y)
+    failed = [r for r in rows if not r["passed"]]
+    assert not failed, failed
+    # every converted layer was compared, input, weight and gradient each
+    torch_layers = {r["torch_module"] for r in rows}
+    assert len(rows) == 3 * len(torch_layers)
+    want = {"mlp": {"fc1", "fc2", "fc3"}, "transformer": None}[model]
+    if want:
+        assert torch_layers == want
+    else:  # attention stays out on both sides (MultiheadAttention never calls out_proj.forward)
+        assert all("attn" not in name for name in torch_layers) and "head" in torch_layers
+    weights = [r for r in rows if r["tensor"] == "weight"]
+    assert all(r["scales_equal"] and r["codes_differing"] == 0 for r in weights)
+    if model == "mlp":  # no float32 reordering upstream of a Linear's input that matters here
+        assert all(r["max_code_steps"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_step0_catches_a_wrong_recipe(monkeypatch):
+    pair = get_model_pair("mlp", seed=0)
+    x, y = _batch(pair)
+    monkeypatch.setattr(pf, "jax_recipe", lambda p: jaxamp.fp8.recipe("tensorwise", emulate=True))
+    rows = pf.step0_fp8(pair, "fp8-rowwise", x, y)
+    assert any(not r["passed"] for r in rows)
+
+
+@pytest.mark.slow
+def test_short_fp8_run_passes_verdicts(tmp_path):
+    from parity.compare import compare_runs
+    from parity.train_jax import train_jax
+    from parity.train_torch import train_torch
+
+    pair = get_model_pair("mlp", seed=0)
+    config = RunConfig(model="mlp", precision="fp8-tensorwise", steps=4, batch_size=8, eval=False)
+    runs = [train_torch(config, pair), train_jax(config, pair)]
+    assert "torchao" in runs[0]["fp8_method"] and runs[0]["fp8_layers"] == ["fc1", "fc2", "fc3"]
+    assert "jaxamp.fp8.convert" in runs[1]["mixed_precision_method"]
+    losses = [[s["loss"] for s in r["steps"]] for r in runs]
+    assert np.all(np.isfinite(losses))
+    verdicts = compare_runs(runs)
+    checks = {v.check: v for v in verdicts}
+    assert any("(fp8)" in c for c in checks), list(checks)
+    assert all(v.passed is not False for v in verdicts), [v for v in verdicts if v.passed is False]
