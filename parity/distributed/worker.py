@@ -120,6 +120,10 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(spec["port"])
     backend = spec.get("torch_backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank (NCCL needs the device before init)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     reduce_dtypes: set[str] = set()
