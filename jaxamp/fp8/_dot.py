@@ -181,8 +181,14 @@ def _mm(a: _Operand, b: _Operand, out_dtype: Any, emulate: bool) -> jax.Array:
         return out.astype(out_dtype)
     # fp8 operands into the matmul (tensor cores on sm89+), float32 accumulation, then the
     # inverse scales, as torch._scaled_mm with scale_a = 1/a_scale, scale_b = 1/b_scale.
+    # DEFAULT precision, explicitly: a surrounding jax.default_matmul_precision("highest") must not
+    # reach the fp8 GEMM (Flax's fp8 ops do the same).
     out = lax.dot_general(
-        a.value, b.value, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        a.value,
+        b.value,
+        (((1,), (0,)), ((), ())),
+        precision=lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32,
     )
     return (out * ((1.0 / a.scale) * (1.0 / b.scale))).astype(out_dtype)
 
