@@ -33,6 +33,7 @@ TINY = {
     "mlp_nnx": {"image_shape": (8, 8, 3), "hidden": 16},
     "cnn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "cnn_bn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
+    "resnet": {"image_shape": (8, 8, 3), "channels": (4, 8, 16)},
     "lstm": {"vocab_size": 32, "embed_dim": 8, "hidden": 8, "seq_len": 8},
     "transformer": {
         "vocab_size": 32,
