@@ -454,9 +454,13 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
             )
     # 4. replicated parameters identical across ranks.
     for side, results in ranks.items():
-        digests = [r["params_digest"] for r in results if r.get("params_digest")]
+        # One digest per parameter copy: per device where the worker saw several, else per rank.
+        digests = []
         for r in results:
-            digests.extend(r.get("device_params_digests") or [])
+            copies = r.get("device_params_digests") or []
+            digests.extend(
+                copies if copies else [r["params_digest"]] if r.get("params_digest") else []
+            )
         if len(digests) > 1:
             same = len(set(digests)) == 1
             rows.append(
