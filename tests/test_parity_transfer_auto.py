@@ -41,6 +41,7 @@ def test_auto_reproduces_every_builtin_transfer(name):
     assert _same_bits(reference, mapping.to_flax(pair.torch_model))
 
 
+@pytest.mark.slow
 def test_auto_on_freshly_initialised_flax_variables_matches_by_shape_and_order():
     """Flax auto-names (Dense_0, Conv_1, BatchNorm_0): matched by type, shape and order."""
 
@@ -68,14 +69,14 @@ def test_auto_on_freshly_initialised_flax_variables_matches_by_shape_and_order()
         torch_net[1].running_mean.uniform_()
         torch_net[1].running_var.uniform_(0.5, 2)
     images = np.random.default_rng(0).standard_normal((2, 6, 6, 3)).astype(np.float32)
-    variables = Net().init(jax.random.key(0), jnp.asarray(images))
+    variables = jax.jit(Net().init)(jax.random.key(0), jnp.asarray(images))
     mapping = auto(torch_net, variables, example_inputs=torch.as_tensor(images).permute(0, 3, 1, 2))
     flax_vars = mapping.to_flax(torch_net)
     validate_variables(flax_vars, variables)
     torch_net.eval()
     want = torch_net(torch.as_tensor(images).permute(0, 3, 1, 2)).detach().numpy()
     with jax.default_matmul_precision("highest"):
-        got = Net().apply(flax_vars, jnp.asarray(images))
+        got = jax.jit(Net().apply)(flax_vars, jnp.asarray(images))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert any("chw(8,6,6)" in e.transform for e in mapping.entries)
 
@@ -146,11 +147,12 @@ class _FlaxSeq(fnn.Module):
         return fnn.ConvTranspose(3, (3,), strides=(2,), padding="VALID", name="up")(x)
 
 
+@pytest.mark.slow
 def test_recurrent_norms_and_transposed_conv_forward_agree():
     torch.manual_seed(0)
     model = _TorchSeq().eval()
     tokens = np.random.default_rng(0).integers(0, 11, (2, 7))
-    variables = _FlaxSeq().init(jax.random.key(0), jnp.asarray(tokens))
+    variables = jax.jit(_FlaxSeq().init)(jax.random.key(0), jnp.asarray(tokens))
     mapping = auto(model, variables)
     flax_vars = mapping.to_flax(model)
     validate_variables(flax_vars, variables)
@@ -161,7 +163,7 @@ def test_recurrent_norms_and_transposed_conv_forward_agree():
         x = model.group(model.norm(x).transpose(1, 2))
         want = model.up(x).transpose(1, 2).numpy()
     with jax.default_matmul_precision("highest"):
-        got = _FlaxSeq().apply(flax_vars, jnp.asarray(tokens))
+        got = jax.jit(_FlaxSeq().apply)(flax_vars, jnp.asarray(tokens))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -198,6 +200,7 @@ class _TorchNet(torch.nn.Module):
         return x.mean(dim=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["module", "state"])
 def test_nnx_module_or_state_with_batchnorm_and_attention(source):
     torch.manual_seed(0)
