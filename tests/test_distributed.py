@@ -200,3 +200,14 @@ def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
         for r in results:
             assert [s["skipped"] for s in r["steps"]] == [False, False, True, False]
     _assert_no_strays(result)
+
+
+def test_pair_factory_import_path():
+    from parity.distributed.run import load_pair_factory
+    from parity.models import get_model_pair
+
+    assert load_pair_factory("parity.models:get_model_pair") is get_model_pair
+    with pytest.raises(ValueError, match="package.module:function"):
+        load_pair_factory("parity.models.get_model_pair")
+    with pytest.raises(ValueError, match="Did you mean 'get_model_pair'"):
+        load_pair_factory("parity.models:get_model_pairs")
