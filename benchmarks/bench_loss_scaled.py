@@ -6,9 +6,15 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``plain``: `optax.adamw` on unscaled gradients (no loss scaling at all);
 * ``loss_scaled``: `jaxamp.loss_scaled(optax.adamw)` with a dynamic loss scale;
 * ``naive``: a hand-written wrapper that unscales in a separate pass, checks finiteness in a
-  separate pass and selects (`jnp.where`) over updates and the whole inner state.
+  separate pass and selects (`jnp.where`) over updates and the whole inner state;
+* ``flax``: Flax's `DynamicScale.value_and_grad` (unscale, finite check, scale update) and
+  `jnp.where` over the new params and optimizer state, as the Flax examples do;
+* ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
+  `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
 
-Prints a table (median step time, ratio to plain) and writes JSON.
+Every variant differentiates the same policy-cast loss; the steps are timed interleaved (the
+order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidence interval
+(resampling the paired step indices).
 
     python benchmarks/bench_loss_scaled.py --steps 100 --repeats 2
 """
@@ -23,11 +29,14 @@ import statistics
 import tempfile
 import time
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
+from flax.training.dynamic_scale import DynamicScale
 
 import jaxamp
 
@@ -112,39 +121,110 @@ def _problem(name: str, batch_size: int):
     return params, x, y, loss_fn
 
 
-def _make_step(variant: str, loss_fn, policy):
-    base = optax.adamw(1e-4, weight_decay=0.01)
-    if variant == "plain":
-        tx = base
-    elif variant == "loss_scaled":
-        tx = jaxamp.loss_scaled(base)
-    elif variant == "naive":
-        tx = _naive_loss_scaled(base)
-    else:
-        raise ValueError(variant)
-    grad_fn = jaxamp.value_and_grad(loss_fn, policy=policy)
+VARIANTS = ("plain", "loss_scaled", "naive", "flax", "jmp")
 
-    def step(params, opt_state, x, y):
-        if variant == "plain":
+
+def _make_step(variant: str, loss_fn, policy):
+    """(init(params) -> state, jitted step(params, state, x, y) -> (params, state, loss))."""
+    policy = jaxamp.get_policy(policy)
+    base = optax.adamw(1e-4, weight_decay=0.01)
+
+    def compute_loss(params, x, y):
+        # The same policy casts for every variant (the differentiated cast gives f32 grads).
+        params, x = policy.cast_to_compute((params, x))
+        return policy.cast_to_output(loss_fn(params, x, y)).astype(jnp.float32)
+
+    if variant == "plain":
+        grad_fn = jax.value_and_grad(compute_loss)
+
+        def step(params, opt_state, x, y):
             loss, grads = grad_fn(params, x, y)
-        else:
+            updates, opt_state = base.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return base.init, jax.jit(step, donate_argnums=(0, 1))
+
+    if variant in ("loss_scaled", "naive"):
+        tx = jaxamp.loss_scaled(base) if variant == "loss_scaled" else _naive_loss_scaled(base)
+        grad_fn = jaxamp.value_and_grad(compute_loss)
+
+        def step(params, opt_state, x, y):
             scale = opt_state[1] if variant == "naive" else opt_state
             loss, grads = grad_fn(params, x, y, loss_scale=scale)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+            updates, opt_state = tx.update(grads, opt_state, params)
+            if variant == "loss_scaled":
+                return jaxamp.optim.apply_updates(params, updates, opt_state), opt_state, loss
+            return optax.apply_updates(params, updates), opt_state, loss
 
-    return tx, jax.jit(step, donate_argnums=(0, 1))
+        return tx.init, jax.jit(step, donate_argnums=(0, 1))
+
+    if variant == "flax":
+
+        def init(params):
+            return base.init(params), DynamicScale()
+
+        def step(params, state, x, y):
+            opt_state, dynamic_scale = state
+            dynamic_scale, is_finite, loss, grads = dynamic_scale.value_and_grad(compute_loss)(
+                params, x, y
+            )
+            updates, new_opt_state = base.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            select = lambda new, old: jnp.where(is_finite, new, old)  # noqa: E731
+            new_params = jax.tree.map(select, new_params, params)
+            new_opt_state = jax.tree.map(select, new_opt_state, opt_state)
+            return new_params, (new_opt_state, dynamic_scale), loss
+
+        return init, jax.jit(step, donate_argnums=(0, 1))
+
+    if variant == "jmp":
+        # jmp's loss scale checks its fields when rebuilt, which `jit(...).lower` trips on:
+        # carry its arrays and rebuild it inside the step.
+        def init(params):
+            scale = jmp.DynamicLossScale(jnp.float32(2.0**16))
+            return base.init(params), (scale.loss_scale, scale.counter)
+
+        def step(params, state, x, y):
+            opt_state, (scale_value, counter) = state
+            loss_scale = jmp.DynamicLossScale(scale_value, counter)
+
+            def scaled_loss(params):
+                loss = compute_loss(params, x, y)
+                return loss_scale.scale(loss), loss
+
+            grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+            grads = loss_scale.unscale(grads)
+            grads_finite = jmp.all_finite(grads)
+            loss_scale = loss_scale.adjust(grads_finite)
+            updates, new_opt_state = base.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            new_params, new_opt_state = jmp.select_tree(
+                grads_finite, (new_params, new_opt_state), (params, opt_state)
+            )
+            return new_params, (new_opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
+
+        return init, jax.jit(step, donate_argnums=(0, 1))
+    raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+
+
+def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
+    """95% CI of median(times) / median(plain), resampling paired step indices."""
+    times, plain = np.asarray(times), np.asarray(plain)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(times), size=(n_boot, len(times)))
+    ratios = np.median(times[idx], axis=1) / np.median(plain[idx], axis=1)
+    return [float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))]
 
 
 def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> dict:
     params, x, y, loss_fn = _problem(model, batch_size)
     n_params = sum(p.size for p in jax.tree.leaves(params))
-    variants = ("plain", "loss_scaled", "naive")
+    variants = VARIANTS
     runs = {}
     for variant in variants:
-        tx, step = _make_step(variant, loss_fn, policy)
+        init, step = _make_step(variant, loss_fn, policy)
         p = jax.tree.map(jnp.copy, params)
-        s = tx.init(p)
+        s = init(p)
         t0 = time.perf_counter()
         compiled = step.lower(p, s, x, y).compile()
         compile_s = time.perf_counter() - t0
@@ -162,7 +242,8 @@ def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> 
             jax.block_until_ready(loss)
     for i in range(steps):
         # Interleave, rotating the order so no variant always runs first after another.
-        order = variants[i % 3 :] + variants[: i % 3]
+        shift = i % len(variants)
+        order = variants[shift:] + variants[:shift]
         for variant in order:
             r = runs[variant]
             t0 = time.perf_counter()
@@ -187,6 +268,7 @@ def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> 
             "median_s": med,
             "iqr_s": [q1, q3],
             "ratio_to_plain": med / plain,
+            "ratio_ci95": _bootstrap_ratio_ci(times, runs["plain"]["times"]),
             "compile_s": runs[variant]["compile_s"],
         }
     return result
@@ -205,34 +287,40 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "transformer"], choices=["mlp", "transformer"]
     )
-    parser.add_argument("--policies", nargs="+", default=["fp32", "bf16-mixed"])
+    parser.add_argument("--policies", nargs="+", default=["fp32", "bf16-mixed", "fp16-mixed"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1, help="repeat the whole measurement")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--batch-size", "--batch-sizes", dest="batch_sizes", type=int, nargs="+", default=[32]
+    )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
+    parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
     args = parser.parse_args(argv)
-    if args.steps < 50:
+    if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
     results = []
     for repeat in range(args.repeats):
         for policy in args.policies:
             for model in args.models:
-                r = bench(model, policy, args.steps, args.warmup, args.batch_size)
-                r["repeat"] = repeat
-                results.append(r)
+                for batch_size in args.batch_sizes:
+                    r = bench(model, policy, args.steps, args.warmup, batch_size)
+                    r["repeat"] = repeat
+                    results.append(r)
     header = (
-        f"{'model':<12}{'params':>10}{'variant':>13}{'median ms':>11}{'IQR ms':>17}"
-        f"{'ratio':>8}{'compile s':>11}"
+        f"{'model':<12}{'policy':>11}{'batch':>6}{'variant':>13}{'median ms':>11}"
+        f"{'IQR ms':>17}{'ratio':>8}{'95% CI':>15}{'compile s':>11}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         for variant, v in r["variants"].items():
             iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
+            ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
             print(
-                f"{r['model']:<12}{r['params']:>10}{variant:>13}{v['median_s'] * 1e3:>11.2f}"
-                f"{iqr:>17}{v['ratio_to_plain']:>8.3f}{v['compile_s']:>11.2f}"
+                f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{variant:>13}"
+                f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
+                f"{v['compile_s']:>11.2f}"
             )
     payload = {
         "benchmark": "loss_scaled_overhead",
@@ -246,6 +334,8 @@ def main(argv=None) -> None:
             "jax": jax.__version__,
             "optax": optax.__version__,
             "jaxamp": jaxamp.__version__,
+            "flax": flax.__version__,
+            "jmp": getattr(jmp, "__version__", "unknown"),
         },
         "results": results,
     }

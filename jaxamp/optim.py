@@ -17,6 +17,7 @@ from jaxamp._numerics import (
     check_axis_name,
     check_replicas_agree,
     count_if,
+    identity_updates,
     select_tree,
     skip_updates,
     unscale_tree,
@@ -298,17 +299,31 @@ def loss_scaled(
         check_replicas_agree(updates, axis_name, "loss_scaled.update")
         current = state.loss_scale
         if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
-            grads = updates  # nothing to unscale: finite steps equal a run without the wrapper
+            unscale = lambda tree: tree  # noqa: E731  (finite steps equal an unwrapped run)
         else:
-            grads = unscale_tree(updates, current.loss_scale)
-        new_updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+            scale_value = current.loss_scale
+            unscale = lambda tree: unscale_tree(tree, scale_value)  # noqa: E731
         if param_labels is None:
-            # What reaches `inner` is checked: an overflow while unscaling is caught too.
-            grads_finite = all_finite(grads, axis_name=axis_name)
+            # What reaches `inner` is checked: an overflow while unscaling is caught too. The
+            # unscaled gradients are recomputed where they are used (in the check and inside
+            # the applied branch) rather than materialised: one read of the gradients each.
+            grads_finite = all_finite(unscale(updates), axis_name=axis_name)
             group_applied = None
-            new_updates = skip_updates(grads_finite, new_updates)
-            new_inner_state = select_tree(grads_finite, new_inner_state, state.inner_state)
+            new_updates, new_inner_state = _skip_if_not(
+                grads_finite,
+                inner,
+                unscale,
+                updates,
+                state.inner_state,
+                params,
+                extra_args,
+                noop=isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)),
+            )
         else:
+            grads = unscale(updates)
+            new_updates, new_inner_state = inner.update(
+                grads, state.inner_state, params, **extra_args
+            )
             labels = _labels_for(param_labels, grads)
             group_finite = _finite_per_group(grads, labels, axis_name)
             grads_finite = jnp.stack(list(group_finite.values())).all()
@@ -338,6 +353,42 @@ def loss_scaled(
         return new_updates, new_state
 
     return LossScaledTransformation(init, update)
+
+
+def _skip_if_not(applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop):
+    """Runs `inner.update` on the unscaled gradients where `applied`, else the identity.
+
+    Eagerly (a concrete decision) the step runs op by op, exactly as an unwrapped eager step.
+    Under `jit` a loss-scaled step branches (`lax.cond`): the inner update then fuses as in an
+    unwrapped step and the donated state is updated in place, where a select reads the old
+    state twice and makes XLA copy every state buffer. Without scaling (`noop`) a select keeps
+    finite steps bit-identical to an unwrapped jitted step (same fusion, no branch).
+    """
+    if not isinstance(applied, jax.core.Tracer):
+        if bool(applied):
+            return inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
+        shapes = jax.eval_shape(
+            lambda s: inner.update(unscale(scaled_grads), s, params, **extra_args), inner_state
+        )
+        return identity_updates(shapes[0]), inner_state
+    if noop:
+        grads = unscale(scaled_grads)
+        new_updates, new_inner_state = inner.update(grads, inner_state, params, **extra_args)
+        return skip_updates(applied, new_updates), select_tree(
+            applied, new_inner_state, inner_state
+        )
+
+    # A branch, not a select: the inner update fuses as in an unwrapped step, and the old
+    # state is not read a second time (a select makes XLA copy every donated state buffer).
+    def apply_step(inner_state):
+        return inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
+
+    out_shapes = jax.eval_shape(apply_step, inner_state)
+
+    def skip_step(inner_state):
+        return identity_updates(out_shapes[0]), inner_state
+
+    return jax.lax.cond(applied, apply_step, skip_step, inner_state)
 
 
 def _group_transform(transforms: Any, param_labels: Any) -> optax.GradientTransformation:

@@ -280,3 +280,42 @@ def test_no_partial_loads_and_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="on_loss_scale_mismatch"):
         ckpt.restore(tmp_path, state, on_loss_scale_mismatch="ignore")
     assert jax.tree.structure(ckpt.amp_metadata(state)) is not None
+
+
+def _corrupt_json(step_dir):
+    (step_dir / "amp" / "metadata").write_text("{not json")
+
+
+def _wrong_json(step_dir):
+    (step_dir / "amp" / "metadata").write_text('{"format": 1, "leaves": 3}')
+
+
+def _truncate_data(step_dir):
+    for path in (step_dir / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(path.read_bytes()[:7])
+
+
+def _delete_manifest(step_dir):
+    for path in (step_dir / "state").rglob("manifest.ocdbt"):
+        path.unlink()
+
+
+@pytest.mark.parametrize(
+    "corrupt, item",
+    [
+        (_corrupt_json, "amp"),
+        (_wrong_json, "amp"),
+        (_truncate_data, "state"),
+        (_delete_manifest, "state"),
+    ],
+    ids=["bad-json", "wrong-json", "truncated-data", "no-manifest"],
+)
+def test_corrupted_checkpoint_is_a_value_error_naming_the_file(tmp_path, corrupt, item):
+    """Issue 13 item 9: damaged files give the documented ValueError, not raw orbax errors."""
+    state = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
+    ckpt.save(tmp_path, state, 3)
+    corrupt(tmp_path / "3")
+    with pytest.raises(ValueError, match="corrupted") as err:
+        ckpt.restore(tmp_path, state)
+    assert str(tmp_path / "3" / item) in str(err.value)

@@ -340,8 +340,9 @@ def test_shard_map_axis_name_makes_every_replica_skip():
     new_params, scales = stepped(params, grads)
     np.testing.assert_array_equal(np.asarray(new_params), 1.0)  # every replica skipped
     np.testing.assert_array_equal(np.asarray(scales), 2.0**15)  # and agrees on the scale
-    # Without axis_name the replicas would disagree: the finite ones step.
-    tx_local = jaxamp.loss_scaled(optax.sgd(0.5))
+    # Independent decisions (axis_name=(), the explicit opt-out; leaving axis_name out here
+    # now raises, issue 13 item 9): the replicas disagree, the finite ones step.
+    tx_local = jaxamp.loss_scaled(optax.sgd(0.5), axis_name=())
 
     def local_step(p, g):
         updates, _ = tx_local.update(g, tx_local.init(p), p)

@@ -36,13 +36,11 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp.optim import LossScaledState
 
 __all__ = ["save", "restore", "latest_step", "all_steps", "amp_metadata"]
 
 _FORMAT = 1
-_AMP_FIELDS = ("loss_scale", "last_step_finite", "skipped_steps", "consecutive_skips")
 OnMismatch = Literal["error", "reset"]
 
 
@@ -117,28 +115,11 @@ def _amp_states(target: Any) -> list[tuple[tuple[str, ...], LossScaledState]]:
     from flax import nnx
 
     found = []
-    nodes = target if isinstance(target, (tuple, list)) else None
     for path, node in nnx.iter_graph(target):
         if isinstance(node, nnx.Optimizer):
             prefix = tuple(str(p) for p in path) + ("opt_state",)
             found.extend(find(nnx.as_pure(node.opt_state), prefix))
-    del nodes
     return found
-
-
-def _optimizer_paths(target: Any) -> list[tuple[str, ...]]:
-    """Where optimizer states live (for mapping a checkpoint without loss scaling)."""
-    if _is_nnx(target):
-        from flax import nnx
-
-        return [
-            tuple(str(p) for p in path) + ("opt_state",)
-            for path, node in nnx.iter_graph(target)
-            if isinstance(node, nnx.Optimizer)
-        ]
-    if hasattr(target, "opt_state"):
-        return [("opt_state",)]
-    return []
 
 
 def amp_metadata(target: Any, policy: Any = None) -> dict[str, Any]:
@@ -310,7 +291,6 @@ def _source_key(
     path: tuple[str, ...],
     saved_amp: list[tuple[str, ...]],
     wanted_amp: list[tuple[str, ...]],
-    optimizer_paths: list[tuple[str, ...]],
 ) -> tuple[str, ...] | None:
     """Where a target leaf comes from under a reset (None: keep the target's value)."""
     for prefix in wanted_amp:
@@ -324,7 +304,6 @@ def _source_key(
     for prefix in saved_amp:
         if _starts(path, prefix):
             return prefix + ("inner_state",) + path[len(prefix) :]
-    del optimizer_paths
     return path
 
 
@@ -378,7 +357,10 @@ def restore(
                 f"restore(step={step}): no such checkpoint in {directory}; saved steps are "
                 f"{sorted(manager.all_steps())}."
             )
-        saved = manager.restore(step, args=ocp.args.Composite(amp=ocp.args.JsonRestore()))["amp"]
+        saved = _read(
+            manager, step, ocp.args.Composite(amp=ocp.args.JsonRestore()), "amp", directory
+        )
+        _check_record(saved, directory, step)
         wanted = amp_metadata(target)
         message = _mismatch_message(saved, wanted, directory, step)
         if message is not None and on_loss_scale_mismatch == "error":
@@ -392,10 +374,7 @@ def restore(
         else:
             saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
             wanted_amp = [tuple(e["path"]) for e in wanted["loss_scaled"]]
-            sources = {
-                path: _source_key(path, saved_amp, wanted_amp, _optimizer_paths(target))
-                for path in target_flat
-            }
+            sources = {path: _source_key(path, saved_amp, wanted_amp) for path in target_flat}
         used = {src for src in sources.values() if src is not None}
         missing = sorted("/".join(s) for s in used if s not in saved_leaves)
         ignorable = set()
@@ -443,10 +422,13 @@ def restore(
                 abstract[src] = jax.ShapeDtypeStruct(
                     tuple(shape), _dtype(dtype), sharding=default_sharding
                 )
-        restored = manager.restore(
+        restored = _read(
+            manager,
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(_nest(abstract))),
-        )["state"]
+            ocp.args.Composite(state=ocp.args.StandardRestore(_nest(abstract))),
+            "state",
+            directory,
+        )
     finally:
         manager.close()
     restored_flat = _unnest(restored) if restored else {}
@@ -471,5 +453,48 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(jnp, name)) if hasattr(jnp, name) else np.dtype(name)
 
 
-# Loss-scale classes that a record may name (for readers of the JSON).
-KNOWN_LOSS_SCALES = (DynamicLossScale.__name__, StaticLossScale.__name__, NoOpLossScale.__name__)
+def _item_path(directory: Any, step: int, item: str) -> str:
+    return os.path.join(os.path.abspath(os.fspath(directory)), str(step), item)
+
+
+def _read(manager: Any, step: int, args: Any, item: str, directory: Any) -> Any:
+    """One item of a checkpoint; a corrupted or unreadable file is a `ValueError` naming it."""
+    try:
+        return manager.restore(step, args=args)[item]
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        error = e
+    raise ValueError(
+        f"restore({directory!s}, step={step}): the checkpoint file(s) at "
+        f"{_item_path(directory, step, item)} are corrupted or unreadable "
+        f"({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}). "
+        "Restore another step (jaxamp.flax.checkpoint.all_steps) or re-save."
+    ) from error
+
+
+def _check_record(saved: Any, directory: Any, step: int) -> None:
+    """The JSON record `save` writes: a dict with the keys `restore` reads."""
+    path = os.path.join(_item_path(directory, step, "amp"), "metadata")
+    problem = None
+    if not isinstance(saved, dict):
+        problem = f"it holds a {type(saved).__name__}, not a JSON object"
+    elif not isinstance(saved.get("leaves"), dict):
+        problem = "its 'leaves' entry is missing or not an object"
+    elif not isinstance(saved.get("loss_scaled"), list) or not all(
+        isinstance(e, dict) and {"path", "type", "config"} <= set(e) for e in saved["loss_scaled"]
+    ):
+        problem = "its 'loss_scaled' entry is missing or malformed"
+    else:
+        for name, entry in saved["leaves"].items():
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and isinstance(entry[0], list)
+                and isinstance(entry[1], str)
+            ):
+                problem = f"leaf {name!r} has no [shape, dtype] record"
+                break
+    if problem is not None:
+        raise ValueError(
+            f"restore({directory!s}, step={step}): the loss-scaling record {path} is corrupted: "
+            f"{problem}. Restore another step or re-save."
+        )
