@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from parity import transfer as _layers
 from parity.mapping import (
     TRANSFORM_OPS,
     MappingEntry,
@@ -316,6 +315,8 @@ def _fits(entries: list[MappingEntry], unit: _TorchUnit, node_leaves, node: _Fla
 
 
 def _linear_variants(unit, node):
+    from parity import transfer as _layers  # parity.transfer re-exports this module
+
     module = unit.module
     path = node.path
     variants = [_layers.linear_entries(unit.name, path, module, input_chw=unit.chw)]
@@ -343,6 +344,8 @@ def _layer_entries(unit, path, rows):
 
 
 def _variants(unit: _TorchUnit, node: _FlaxNode) -> list[list[MappingEntry]]:
+    from parity import transfer as _layers  # parity.transfer re-exports this module
+
     module, path = unit.module, node.path
     if unit.kind == "linear":
         return _linear_variants(unit, node)
@@ -519,7 +522,8 @@ def auto(
       >>> class F(fnn.Module):
       ...     @fnn.compact
       ...     def __call__(self, x):
-      ...         return fnn.Dense(2)(fnn.relu(fnn.Dense(8)(x)))
+      ...         hidden = fnn.relu(fnn.Dense(8)(x))  # Dense_0
+      ...         return fnn.Dense(2)(hidden)  # Dense_1
       >>> variables = F().init(jax.random.key(0), jnp.zeros((1, 4)))
       >>> mapping = auto(t, variables)
       >>> [(e.torch_name, "/".join(e.flax_path), e.transform) for e in mapping.entries][:2]
