@@ -251,3 +251,31 @@ def test_validate_variables_names_every_problem():
     }
     with pytest.raises(TransferError, match="dtype of params/fc/kernel: float16"):
         validate_variables(half, {"params": reference["params"]})
+
+
+def test_separate_qkv_linears_map_onto_flax_attention():
+    """torch q/k/v/out Linears (as in many hand-written attentions) -> linen MHA's DenseGeneral."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.key, self.value = (torch.nn.Linear(8, 8) for _ in range(3))
+            self.out = torch.nn.Linear(8, 8)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention()
+
+    attention = fnn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, out_features=8)
+    x = jnp.ones((1, 3, 8))
+    variables = {"params": {"attn": attention.init(jax.random.key(0), x, x)["params"]}}
+    model = Block()
+    mapping = auto(model, variables)
+    transforms = {e.torch_name: e.transform for e in mapping.entries}
+    assert transforms["attn.query.weight"] == "linear|reshape(8,2,4)"
+    assert transforms["attn.out.weight"] == "linear|reshape(2,4,8)"
+    out = mapping.to_flax(model)["params"]["attn"]
+    np.testing.assert_array_equal(
+        np.asarray(out["key"]["kernel"]).reshape(8, 8), model.attn.key.weight.detach().numpy().T
+    )
