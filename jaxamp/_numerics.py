@@ -250,19 +250,14 @@ def mul_like_torch(scale: jax.Array, factor: float) -> jax.Array:
 # --- skipping ------------------------------------------------------------------------------------
 
 
-def negative_zeros_like(tree: Any) -> Any:
-    """Updates that leave every parameter unchanged under `optax.apply_updates`.
+def identity_updates(shapes: Any) -> Any:
+    """-0.0 updates for a tree of `jax.ShapeDtypeStruct`, usable as a `lax.cond` branch inside
+    `shard_map` (both branches must vary over the same axes).
 
     -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
     for every normal p (subnormals are flushed by any arithmetic on CPU/TPU: `select_tree`
     keeps them).
     """
-    return jax.tree_util.tree_map(lambda x: jnp.full(jnp.shape(x), -0.0, jnp.result_type(x)), tree)
-
-
-def identity_updates(shapes: Any) -> Any:
-    """-0.0 updates (see `negative_zeros_like`) for a tree of `jax.ShapeDtypeStruct`, usable
-    as a `lax.cond` branch inside `shard_map` (both branches must vary over the same axes)."""
 
     def zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
         out = jnp.full(shape.shape, -0.0, shape.dtype)

@@ -109,9 +109,7 @@ def _restore(ids: list[int]) -> None:
 
 
 def _make_amp_call(base: type):
-    base_call = base.__call__
-
-    @functools.wraps(base_call)
+    @functools.wraps(base.__call__)
     def __call__(self, *args, **kwargs):
         policy: Policy = getattr(self, _POLICY_ATTR)
         casted = _cast_subtree_params(self)
@@ -122,7 +120,6 @@ def _make_amp_call(base: type):
             _restore(casted)
         return cast_floating(out, policy.output_dtype)
 
-    del base_call
     return __call__
 
 
