@@ -232,6 +232,7 @@ def test_dot_general_matches_torchao_float8_linear(name):
     assert np.abs(np.asarray(y).reshape(15, 24) - y32).max() > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_dot_general_dtypes_jit_and_layouts(name):
     rec = _emu(name)
@@ -471,6 +472,7 @@ def test_delayed_state_errors_name_the_entry():
 # --- through autocast and per module (Flax's dot_general= argument) ------------------------------
 
 
+@pytest.mark.slow
 def test_autocast_fp8_runs_selected_matmuls_on_autocast_operands():
     import jaxamp
 
@@ -493,6 +495,7 @@ def test_autocast_fp8_runs_selected_matmuls_on_autocast_operands():
         jaxamp.autocast(_attention_mlp, device="cpu", fp8_filter="*")
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 def test_per_module_fp8_in_linen_and_nnx():
     import functools
