@@ -53,9 +53,11 @@ from parity.step0 import (
     gradient_tolerance,
     group_error,
     group_scale,
+    jax_device,
     relative_error,
     step0_loss_scale,
     tolerance,
+    torch_device,
     torch_setup,
 )
 
@@ -209,7 +211,7 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
         def record(module, args, output):
             out = _first_tensor(output)
             if isinstance(out, torch.Tensor) and name not in captured:
-                array = out.detach().float().numpy().copy()
+                array = out.detach().float().cpu().numpy().copy()
                 if pair.torch_channels_first and array.ndim == 4:
                     array = array.transpose(0, 2, 3, 1)
                 captured[name] = array
@@ -221,7 +223,9 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
     try:
         with (
             torch.no_grad(),
-            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=bool(dtype)),
+            torch.autocast(
+                torch_device(config), dtype=dtype or torch.bfloat16, enabled=bool(dtype)
+            ),
         ):
             pair.torch_forward(model, x, train=train)
     finally:
@@ -282,7 +286,7 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dic
             x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
         return forward(params, stats, x)
 
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
         both = jax.device_get(
             jax.jit(run)(variables["params"], variables.get("batch_stats"), np.asarray(inputs))
         )

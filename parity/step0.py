@@ -317,7 +317,7 @@ def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarr
     (layout transforms are linear, so they carry gradients like weights).
     """
     named = {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float()
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
         for name, p in model.named_parameters()
     }
     mapping = _mapping(pair)
@@ -325,18 +325,30 @@ def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarr
         tree = mapping.grads_to_flax(named)
         tree = tree.get("params", tree) if isinstance(tree, dict) else tree
         return flatten(tree)
-    holder = copy.deepcopy(model).float()
+    holder = copy.deepcopy(model).float().cpu()
     with torch.no_grad():
         for name, p in holder.named_parameters():
             p.copy_(named[name])
     return flatten(pair.to_flax(holder)["params"])
 
 
+def torch_device(config: RunConfig) -> str:
+    """torch's device type for the run (``"cuda"`` for ``device="gpu"``)."""
+    return "cuda" if config.device == "gpu" else "cpu"
+
+
+def jax_device(config: RunConfig) -> Any:
+    """The JAX device of the run (``"gpu"``: the first GPU, else the first CPU)."""
+    return jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
+
+
 def torch_setup(pair: Any, inputs: Any, config: RunConfig):
     """``(model copy, input tensor, autocast dtype or None)`` as `parity.train_torch` sets them up
-    for the run's policy (a low param dtype casts the model and the inputs: bf16-true)."""
-    model = copy.deepcopy(pair.torch_model).float()
-    x = torch.from_numpy(np.ascontiguousarray(inputs))
+    for the run's policy and device (a low param dtype casts the model and the inputs:
+    bf16-true)."""
+    device = torch_device(config)
+    model = copy.deepcopy(pair.torch_model).float().to(device)
+    x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
     if config.param_dtype != "float32":
         low = getattr(torch, config.param_dtype)
         model = model.to(low)
@@ -344,20 +356,27 @@ def torch_setup(pair: Any, inputs: Any, config: RunConfig):
     return model, x, (getattr(torch, config.compute_dtype) if config.mixed else None)
 
 
+def model_off_host(model: torch.nn.Module, config: RunConfig) -> bool:
+    """Whether the transfer needs a float32 CPU copy (bf16-true, or a CUDA model)."""
+    return config.param_dtype != "float32" or torch_device(config) != "cpu"
+
+
 def _torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> _Side:
     from parity.dtype_trace import torch_matmul_flops
     from parity.models import loss_torch
 
     model, x, autocast_dtype = torch_setup(pair, inputs, config)
-    y = torch.from_numpy(np.ascontiguousarray(targets))
+    y = torch.from_numpy(np.ascontiguousarray(targets)).to(x.device)
 
     def autocast():
         return torch.autocast(
-            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=bool(autocast_dtype)
+            torch_device(config),
+            dtype=autocast_dtype or torch.bfloat16,
+            enabled=bool(autocast_dtype),
         )
 
     with torch.no_grad(), autocast():
-        eval_logits = pair.torch_forward(model, x, train=False).float().numpy().copy()
+        eval_logits = pair.torch_forward(model, x, train=False).float().cpu().numpy().copy()
     out: dict[str, Any] = {}
 
     def train_step():
@@ -366,7 +385,7 @@ def _torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> _Side
             logits = pair.torch_forward(model, x, train=True)
             loss = loss_torch(pair.task, logits, y)
         (loss * loss_scale).backward()
-        out["logits"], out["loss"] = logits.detach().float().numpy().copy(), loss.item()
+        out["logits"], out["loss"] = logits.detach().float().cpu().numpy().copy(), loss.item()
 
     flops = torch_matmul_flops(train_step) if trace_flops else (train_step() or None)
     if loss_scale != 1.0:
@@ -375,7 +394,7 @@ def _torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> _Side
                 if p.grad is not None:
                     p.grad.div_(loss_scale)
     # The transfer reads float32 weights (a bf16-true model is copied up first).
-    stats_model = model if config.param_dtype == "float32" else copy.deepcopy(model).float()
+    stats_model = copy.deepcopy(model).float().cpu() if model_off_host(model, config) else model
     stats = flatten(pair.to_flax(stats_model).get("batch_stats", {}))
     return _Side(
         eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
@@ -449,7 +468,7 @@ def _jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops)
         np.asarray(inputs),
         np.asarray(targets),
     )
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
         eval_logits, loss, logits, new_stats, grads = jax.device_get(jax.jit(run)(*args))
         flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args)) if trace_flops else None
     return _Side(
@@ -684,7 +703,9 @@ def check_step0(
     if variables is None:
         variables = pair.torch_to_flax()
     previous = torch.get_float32_matmul_precision()
+    previous_cudnn_tf32 = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False  # convolutions at full float32 too
     try:
         stages = [("fp32", dataclasses.replace(config, precision="fp32"))]
         if config.precision != "fp32":
@@ -735,6 +756,7 @@ def check_step0(
                 result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
         return result
     finally:
+        torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
         torch.set_float32_matmul_precision(previous)
 
 

@@ -148,6 +148,7 @@ def test_resnet_biased_running_variance_fails_step0_naming_the_norm():
 # --- compute dtype ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_matmul_flops_agree_between_jaxpr_and_torch_dispatch():
     x = np.random.default_rng(0).normal(size=(2, 6, 6, 3)).astype(np.float32)
     k = np.random.default_rng(1).normal(size=(3, 3, 3, 8)).astype(np.float32)
@@ -224,6 +225,7 @@ def _mlp_batch():
     )
 
 
+@pytest.mark.slow
 def test_compute_dtype_verdict_catches_bf16_true_run_with_float32_jax_matmuls():
     config = RunConfig(model="tiny_mlp", precision="bf16-true", batch_size=4)
     good = check_step0(_mlp_pair(), config, _mlp_batch())
@@ -295,6 +297,7 @@ def _wrong_transfer(module):
 
 
 @pytest.mark.standard_promotion  # optax's AdamW internals
+@pytest.mark.slow
 def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
     batches = [_mlp_batch() for _ in range(3)]
     torch.manual_seed(0)
