@@ -398,7 +398,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
         does not say ``emulate=True``. Nothing falls back to high precision silently.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> import jax, jax.numpy as jnp, jaxamp.fp8
       >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.recipe("rowwise", emulate=True))
       >>> f(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
       (4, 2)
@@ -433,7 +433,7 @@ def report(
       A list of `MatmulRecord` in program order (``str(record)`` is one line).
 
     Example:
-      >>> import jax.numpy as jnp, jaxamp
+      >>> import jax.numpy as jnp, jaxamp.fp8
       >>> rows = jaxamp.fp8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
       ...                          recipe=jaxamp.fp8.recipe("tensorwise", emulate=True))
       >>> [(r.name, r.fp8) for r in rows]
@@ -457,7 +457,7 @@ def init_state(
       an ordinary pytree to carry in the train state, checkpoint, and pass as ``fp8_state=``.
 
     Example:
-      >>> import jax.numpy as jnp, jaxamp
+      >>> import jax.numpy as jnp, jaxamp.fp8
       >>> r = jaxamp.fp8.recipe("delayed", emulate=True, amax_history_length=4)
       >>> list(jaxamp.fp8.init_state(lambda x, w: x @ w, r, jnp.ones((2, 3)), jnp.ones((3, 5))))
       ['dot_general']
@@ -487,7 +487,7 @@ def select_state(applied: Any, new: Any, old: Any) -> Any:
       The selected state (no host sync).
 
     Example:
-      >>> import jax.numpy as jnp, jaxamp
+      >>> import jax.numpy as jnp, jaxamp.fp8
       >>> jaxamp.fp8.select_state(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})["a"]
       Array([0., 0.], dtype=float32)
     """
@@ -502,7 +502,7 @@ def combine_states(*states: Any) -> Any:
     histories differ only in the newest amax: the max is the state of the whole window.
 
     Example:
-      >>> import jax.numpy as jnp, jaxamp
+      >>> import jax.numpy as jnp, jaxamp.fp8
       >>> jaxamp.fp8.combine_states({"a": jnp.array([1., 5.])}, {"a": jnp.array([3., 2.])})["a"]
       Array([3., 5.], dtype=float32)
     """

@@ -221,7 +221,7 @@ def recipe(name: str | Recipe, **changes: Any) -> Recipe:
       A frozen `Recipe`.
 
     Example:
-      >>> import jaxamp
+      >>> import jaxamp.fp8
       >>> jaxamp.fp8.recipe("rowwise", emulate=True).power_of_2_scales
       True
     """
