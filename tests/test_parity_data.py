@@ -451,3 +451,24 @@ def test_real_data_resolves_per_model():
     assert DataSpec.parse("real").resolve(image_model=False) == DataSpec("text")
     assert get_model_pair("cnn", data="real").config["image_shape"] == (8, 8, 1)
     assert get_model_pair("transformer", data="real").config["vocab_size"] == 256
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion  # optax internals
+def test_cli_runs_on_real_digits(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    import json
+
+    from parity.cli import main
+
+    code = main(
+        ["run", "--model", "mlp", "--data", "digits", "--steps", "3", "--batch-size", "8",
+         "--framework", "both", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert {run["config"]["data"] for run in runs} == {"digits"}
+    assert all(run["model_config"]["image_shape"] == [8, 8, 1] for run in runs)
+    losses = [[step["loss"] for step in run["steps"]] for run in runs]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
