@@ -552,3 +552,31 @@ def test_non_power_of_two_factors_within_one_ulp_of_torch(factor_kind, maybe_jit
         )
         theirs = float(scaler._scale)
         assert abs(ours - theirs) <= np.spacing(np.float32(theirs)), (init, factor)
+
+
+def test_skip_forms_agree(monkeypatch, float_dtype):
+    """The GPU form (a select: XLA:GPU syncs the host on a branch) equals the CPU form (a
+    branch), bit for bit, on applied and on skipped steps."""
+    import jaxamp.optim
+
+    results = {}
+    for form in ("branch", "select"):
+        monkeypatch.setattr(jaxamp.optim, "_branch_syncs_host", lambda f=form: f == "select")
+        params = {"w": jnp.asarray([1.0, -0.0, 1e-40, 2.0], jnp.float32)}
+        tx = jaxamp.loss_scaled(optax.adam(1e-2))
+        state = tx.init(params)
+
+        @jax.jit
+        def step(params, state, grads, tx=tx):
+            updates, state = tx.update(grads, state, params)
+            return apply_updates(params, updates, state), state
+
+        good = {"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], float_dtype) * 1024}
+        params1, state1 = step(params, state, good)
+        params2, state2 = step(params1, state1, {"w": good["w"].at[1].set(jnp.inf)})
+        _bytes_equal(params2, params1)
+        _bytes_equal(state2.inner_state, state1.inner_state)
+        assert int(state2.skipped_steps) == 1 and bool(state1.last_step_finite)
+        assert not np.array_equal(np.asarray(params1["w"]), np.asarray(params["w"]))
+        results[form] = (params1, state1, params2, state2)
+    _bytes_equal(results["branch"], results["select"])
