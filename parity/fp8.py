@@ -61,9 +61,13 @@ def recipe_name(precision: str) -> str:
     return FP8_PRECISIONS[precision]
 
 
-def jax_recipe(precision: str) -> jaxamp.fp8.Recipe:
-    """The `jaxamp.fp8` recipe: emulated exactly where torch's is (no fp8 matmul hardware)."""
-    emulate = jaxamp.fp8.fp8_matmul_hardware() is not None
+def jax_recipe(precision: str, device: str | None = None) -> jaxamp.fp8.Recipe:
+    """The `jaxamp.fp8` recipe: emulated exactly where torch's is (no fp8 matmul hardware).
+
+    `device` is the harness device (``"cpu"`` always emulates, as torch on CPU does; None or
+    ``"gpu"``: JAX's default backend decides).
+    """
+    emulate = device == "cpu" or jaxamp.fp8.fp8_matmul_hardware() is not None
     return jaxamp.fp8.recipe(recipe_name(precision), emulate=emulate)
 
 
@@ -82,9 +86,9 @@ def torch_module_filter(module: Any, fqn: str) -> bool:
     return not _excluded(fqn.split("."))
 
 
-def wrap_jax_forward(forward: Callable, precision: str) -> Callable:
+def wrap_jax_forward(forward: Callable, precision: str, device: str | None = None) -> Callable:
     """`forward` with its linear layers in fp8 (``jaxamp.fp8.convert``) for an fp8 precision."""
-    return jaxamp.fp8.convert(forward, jax_recipe(precision), fp8_filter=jax_filter)
+    return jaxamp.fp8.convert(forward, jax_recipe(precision, device), fp8_filter=jax_filter)
 
 
 def torch_emulate(device: Any) -> bool:
@@ -113,12 +117,12 @@ def convert_torch(model: Any, precision: str, device: Any) -> list[str]:
     )
 
 
-def fp8_method(precision: str, framework: str) -> str:
+def fp8_method(precision: str, framework: str, device: str | None = None) -> str:
     """How a side realises an fp8 precision (logged in the run record)."""
     name = recipe_name(precision)
     if framework == "torch":
         return f"torchao convert_to_float8_training(recipe={name!r}), attention excluded"
-    emulate = jaxamp.fp8.fp8_matmul_hardware() is not None
+    emulate = jax_recipe(precision, device).emulate
     return (
         f"jaxamp.fp8.convert(recipe={name!r}{', emulate=True' if emulate else ''}), "
         "attention excluded"
@@ -193,7 +197,7 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
 
     from parity.models import loss_jax
 
-    rec = jax_recipe(precision)
+    rec = jax_recipe(precision, "cpu")
     variables = pair.torch_to_flax()
     captured: dict[str, dict] = {}
 
@@ -269,7 +273,7 @@ def step0_fp8(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray
     for name in jax_side:
         path = name[: -len("/dot_general")] if name.endswith("/dot_general") else name
         by_path[path] = name
-    rec = jax_recipe(precision)
+    rec = jax_recipe(precision, "cpu")
     rec_casts = {
         "input": rec.input.dtype,
         "weight": rec.weight.dtype,

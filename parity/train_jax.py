@@ -233,7 +233,7 @@ def train_jax(
 
         forward = autocast_forward(forward, config, use_autocast)
         if parity_fp8.is_fp8(config.precision):  # linear layers in fp8 (see parity.fp8)
-            forward = parity_fp8.wrap_jax_forward(forward, config.precision)
+            forward = parity_fp8.wrap_jax_forward(forward, config.precision, config.device)
 
         def loss_fn(params, inputs, targets, *, batch_stats):
             logits, new_stats = forward(params, inputs, batch_stats)
@@ -358,7 +358,7 @@ def train_jax(
         stopped_reason=log.stopped_reason,
         extra={
             "mixed_precision_method": (
-                parity_fp8.fp8_method(config.precision, "jax")
+                parity_fp8.fp8_method(config.precision, "jax", config.device)
                 if parity_fp8.is_fp8(config.precision)
                 else mixed_method(config, use_autocast)
             ),
@@ -383,7 +383,7 @@ def _evaluate(
         return logits
 
     if parity_fp8.is_fp8(config.precision):
-        logits_fn = parity_fp8.wrap_jax_forward(logits_fn, config.precision)
+        logits_fn = parity_fp8.wrap_jax_forward(logits_fn, config.precision, config.device)
     elif config.mixed and use_autocast:
         logits_fn = autocast_forward(logits_fn, config, use_autocast)
     elif config.mixed:
