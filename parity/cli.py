@@ -32,6 +32,10 @@ MATRIX_PLAN: dict[str, dict[str, Any]] = {
     "bf16-true": {"steps": 30, "batch_size": 16},
     # The fp16 stress setting: the short run exercises overflow, backoff and growth.
     "fp16-mixed": {"steps": 20, "batch_size": 4, **FP16_STRESS},
+    # torchao's fp8 recipes (parity.fp8): emulated on CPU, float32 outside the fp8 layers.
+    "fp8-tensorwise": {"steps": 30, "batch_size": 16},
+    "fp8-rowwise": {"steps": 30, "batch_size": 16},
+    "fp8-rowwise-gw-hp": {"steps": 30, "batch_size": 16},
 }
 
 

@@ -43,8 +43,9 @@ FP8_PRECISIONS: dict[str, str] = {
     "fp8-rowwise": "rowwise",
     "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
 }
-# Module names (path components) whose linear layers neither side converts; see the docstring.
-EXCLUDED_MODULES: tuple[str, ...] = ("attn",)
+# Module names (path components) whose matmuls neither side converts: attention (see the
+# docstring) and recurrent cells (torch's nn.LSTM is not an nn.Linear; the Flax twin's gates are).
+EXCLUDED_MODULES: tuple[str, ...] = ("attn", "lstm")
 
 
 def is_fp8(precision: str) -> bool:

@@ -175,6 +175,8 @@ def test_fp16_loss_scale_trajectory_identical():
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_every_model_and_precision_runs(model, precision):
     skip_if_unsupported("torch", precision, model, "cpu")  # bf16 LSTM needs AVX-512 (oneDNN)
+    if precision.startswith("fp8-") and (model not in ("mlp", "cnn") or precision != "fp8-rowwise"):
+        pytest.skip("fp8: one recipe on mlp and cnn here; tests/test_fp8_parity.py covers the rest")
     config = RunConfig(
         model=model,
         precision=precision,
