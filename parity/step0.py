@@ -12,7 +12,10 @@ first in float32 at the highest matmul precision on both sides
 (``torch.set_float32_matmul_precision("highest")``, ``jax.default_matmul_precision("highest")``),
 then at the run's precision (autocast / bf16-true casting, exactly as the trainers do). At the
 run's precision it also measures which dtype the matmul and convolution FLOPs ran in on each side
-(the compute-dtype verdict: a bf16 run whose matmuls ran in float32 fails and says so).
+(the compute-dtype verdict: a bf16 run whose matmuls ran in float32 fails and says so). For the
+fp8 precisions (whose policy is fp32 outside the converted linear layers) the run-precision rows
+are `parity.fp8.step0_fp8`'s instead: every converted layer's scales and fp8 codes of input,
+weight and output gradient, torchao against jaxamp.fp8.
 
 Error measure: for each tensor the normwise relative error ``||jax - torch||_2 / ||torch||_2``
 (`relative_error`). Gradients and running statistics are floored by their group's scale
@@ -73,6 +76,7 @@ import torch
 
 from parity.compare import Verdict
 from parity.config import RunConfig
+from parity.fp8 import is_fp8
 
 __all__ = [
     "SAFETY",
@@ -646,6 +650,83 @@ def _compute_verdicts(config, t: _Side, j: _Side) -> list[Verdict]:
     return rows
 
 
+_FP8_TOLERANCES = {
+    "weight": "scales and codes equal",
+    "input": "scales within 8 float32 eps, codes within 1 fp8 step",
+    "grad_output": "scales within 8 float32 eps, codes within 1 fp8 step of the row's largest",
+}
+
+
+def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
+    """Step-0 rows of an fp8 run: `parity.fp8.step0_fp8` (torchao's scales and fp8 codes against
+    jaxamp.fp8's, every converted layer), one row per tensor (input, weight, grad_output).
+
+    The generic run-precision rows would compare two float32 models (an fp8 precision's policy
+    is fp32 outside the converted layers, and neither side applies fp8 there), so they say
+    nothing about the fp8 recipes. A layer converted on one side only fails the run.
+    """
+    from parity.fp8 import step0_fp8
+
+    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    prefix = f"step 0 {config.precision}"
+    try:
+        rows = step0_fp8(pair, config.precision, inputs, targets)
+    except ValueError as e:  # the two sides convert different layers
+        return [
+            Verdict(
+                check=f"{prefix}: fp8 layers",
+                compared="torchao Float8Linear layers vs jaxamp.fp8 matmuls",
+                value="mismatch",
+                tolerance="same layers",
+                passed=False,
+                detail=str(e)[:500],
+                mode="step 0",
+                **base,
+            )
+        ]
+    verdicts = []
+    for tensor, tol in _FP8_TOLERANCES.items():
+        group = [r for r in rows if r["tensor"] == tensor]
+        if not group:
+            continue
+        failed = [r for r in group if not r["passed"]]
+        steps = max(r["max_code_steps"] for r in group)
+        rel = max(r["scale_max_rel_diff"] for r in group)
+        differing = sum(r["codes_differing"] for r in group)
+        total = sum(r["codes"] for r in group)
+        detail = (
+            f"{len(group)} layers ({', '.join(r['torch_module'] for r in group)}); "
+            f"scales max rel diff {rel:.3g}; {differing}/{total} codes differ, "
+            f"by at most {steps} fp8 steps"
+        )
+        if failed:
+            detail = (
+                "failing layers: "
+                + ", ".join(
+                    f"{r['torch_module']} (scale rel diff {r['scale_max_rel_diff']:.3g}, "
+                    f"{r['codes_differing']}/{r['codes']} codes differ"
+                    + (f", {r['detail']}" if r.get("detail") else "")
+                    + ")"
+                    for r in failed
+                )
+                + "; "
+                + detail
+            )
+        verdicts.append(
+            Verdict(
+                check=f"{prefix}: fp8 {tensor} scales and codes",
+                compared="jaxamp.fp8 vs torchao, every converted layer",
+                value=f"{len(failed)}/{len(group)} layers off",
+                tolerance=tol,
+                passed=not failed,
+                detail=detail,
+                mode="step 0",
+                **base,
+            )
+        )
+    return verdicts
+
+
 def step0_loss_scale(config: RunConfig) -> float:
     """The first loss scale of the step-0 gradients: 1 unless the run scales its loss (fp16), then
     the run's initial scale capped at torch's default 2**16 (a stress setting such as 2**24 makes
@@ -689,7 +770,10 @@ def check_step0(
     Returns:
       A `Step0Result`: rows ``step 0 fp32: eval-mode output``, ``... train-mode output`` (logits,
       loss, running statistics), ``... gradients``; the same with ``step 0 <precision>`` for a
-      low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``.
+      low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
+      precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
+      scales and codes`` from `parity.fp8.step0_fp8` (torchao against jaxamp.fp8, every
+      converted layer; mode ``"step 0"``) instead.
 
     Example:
       >>> result = check_step0(get_model_pair("resnet", wrong_port="padding"))
@@ -714,10 +798,16 @@ def check_step0(
         worst_output = worst_param = None
         flops = None
         failed_stage = None
+        fp8_failed = False
         shapes = _program_shapes(pair, variables, inputs, targets)
         sides: dict[str, tuple[_Side, _Side]] = {}
         for stage, stage_config in stages:
             low = stage_config.precision != "fp32"
+            if is_fp8(stage_config.precision):  # fp32 stage passed: compare the fp8 recipes
+                verdicts.extend(_fp8_verdicts(pair, stage_config, inputs, targets))
+                if any(v.passed is False for v in verdicts):
+                    fp8_failed = True
+                break
             scale = step0_loss_scale(stage_config)
             t = _torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
             while scale > 1 and not all(np.isfinite(g).all() for g in t.grads.values()):
@@ -740,7 +830,8 @@ def check_step0(
                 break  # a broken fp32 port makes the low-precision comparison meaningless
         passed = not any(v.passed is False for v in verdicts)
         result = Step0Result(verdicts, passed, worst_output, worst_param, flops)
-        if not passed and diagnose:
+        # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
+        if not passed and diagnose and not fp8_failed:
             from parity.diagnose import diagnose_pair
 
             try:
