@@ -452,7 +452,8 @@ def diagnose_pair(
 
 def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagnosis:
     """`diagnose_pair` for a run's configuration: the built-in pair of ``config.model`` (unless
-    `pair` is given), on the batch of `step` of the run's data, from the initial weights.
+    `pair` is given), on the batch of `step` of the run's data (``config.data`` at the run's
+    data seed), from the initial weights.
 
     Example:
       >>> diagnose_config(RunConfig(model="resnet", precision="bf16-mixed")).summary()
@@ -461,8 +462,10 @@ def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagn
     if pair is None:
         from parity.models import get_model_pair
 
-        pair = get_model_pair(config.model, seed=config.seed, **config.model_overrides)
-    batch = pair.make_data(config.seed, config.batch_size).batch(step)
+        pair = get_model_pair(
+            config.model, seed=config.seed, data=config.data, **config.model_overrides
+        )
+    batch = pair.make_data(config.stream_seed, config.batch_size).batch(step)
     return diagnose_pair(pair, config, batch)
 
 

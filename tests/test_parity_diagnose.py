@@ -113,3 +113,25 @@ def test_diagnose_config_uses_the_run_batch():
     assert [r["eval output"] for r in from_record.rows] == [
         r["eval output"] for r in diagnosis.rows
     ]
+
+
+@pytest.mark.slow
+def test_diagnose_config_uses_the_run_data(monkeypatch):
+    import parity.models
+
+    built = []
+    original = parity.models.get_model_pair
+
+    def spy(*args, **kwargs):
+        pair = original(*args, **kwargs)
+        built.append((kwargs.get("data"), pair))
+        return pair
+
+    monkeypatch.setattr(parity.models, "get_model_pair", spy)
+    config = RunConfig(model="mlp", data="digits", batch_size=4, model_overrides={"hidden": 8})
+    diagnosis = diagnose_config(config)
+    assert diagnosis.first_failing is None
+    ((data, pair),) = built
+    assert data == "digits"
+    x, _ = pair.make_data(config.stream_seed, 4).batch(0)
+    assert x.shape[1:] == (8, 8, 1)  # the digits images, not the synthetic task's
