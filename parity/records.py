@@ -187,8 +187,9 @@ def run_seed(run: Mapping[str, Any]) -> int:
 def run_key(run: Mapping[str, Any]) -> tuple:
     """Identity of a run inside a results file: writing a run replaces the one with its key.
 
-    ``(model, precision, device, framework, torch mode, data seed, variant)``: the K seeds of
-    seed statistics and the calibration variants live beside the main run.
+    ``(model, precision, device, framework, torch mode, data seed, variant, data)``: the K seeds
+    of seed statistics and the calibration variants live beside the main run, and so do runs on
+    other data (``config.data``; records without it ran on ``"synthetic"``).
     """
     mode = run.get("torch_mode", "") if run["framework"] == "torch" else ""
     return (
@@ -199,6 +200,7 @@ def run_key(run: Mapping[str, Any]) -> tuple:
         mode or "",
         run_seed(run),
         run.get("variant") or "",
+        (run.get("config") or {}).get("data") or "synthetic",
     )
 
 
@@ -213,6 +215,7 @@ def config_run_key(framework: str, config: Any, variant: str = "") -> tuple:
         mode,
         config.stream_seed,
         variant,
+        getattr(config, "data", None) or "synthetic",
     )
 
 

@@ -113,6 +113,19 @@ def test_merge_replaces_same_key_keeps_seeds_and_variants_apart(tmp_path):
     assert records.run_label(_run(variant="noise")) == "torch~noise"
 
 
+def test_runs_on_other_data_live_beside_each_other(tmp_path):
+    digits = RunConfig(model="mlp", data="digits")
+    merge_runs(tmp_path, [_run("jax"), _run("jax", config=digits.to_dict())])
+    assert len(load_results(tmp_path)["runs"]) == 2  # --data digits did not replace synthetic
+    merge_runs(tmp_path, [_run("jax", config=digits.to_dict(), summary={"final_loss": 9.0})])
+    runs = load_results(tmp_path)["runs"]
+    assert sorted(r["summary"]["final_loss"] for r in runs) == [2.1, 9.0]
+    # a matrix resumes by config_run_key: it must match the key of the record the config writes
+    keys = {records.run_key(r) for r in runs}
+    assert records.config_run_key("jax", digits) in keys
+    assert records.config_run_key("jax", RunConfig(model="mlp")) in keys
+
+
 def test_merge_refuses_an_invalid_run_and_leaves_the_file(tmp_path):
     merge_runs(tmp_path, [_run()])
     before = (tmp_path / "results.json").read_bytes()
