@@ -707,8 +707,9 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
                     f"{r['codes_differing']}/{r['codes']} codes differ"
                     + (f", {r['detail']}" if r.get("detail") else "")
                     + ")"
-                    for r in failed
+                    for r in failed[:3]
                 )
+                + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
                 + "; "
                 + detail
             )
