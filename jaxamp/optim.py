@@ -466,7 +466,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
       >>> opt_state = tx.init(params)
       >>> grads = {"w": jnp.array([jnp.nan, 1.0, 1.0])}
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> jaxamp.optim.apply_updates(params, updates, opt_state)["w"]  # skipped: unchanged
+      >>> jaxamp.apply_updates(params, updates, opt_state)["w"]  # skipped: unchanged
       Array([1., 1., 1.], dtype=float32)
     """
     state = _unwrap(_one_state(opt_state, "apply_updates"))

@@ -25,6 +25,7 @@ EXPECTED_ALL = sorted(
         "all_finite",
         "amp_info",
         "amp_states",
+        "apply_updates",
         "autocast",
         "autocast_op_list",
         "autocast_rules",
