@@ -644,8 +644,8 @@ def test_transformer_overrides():
 
 
 def test_bad_names_and_overrides():
-    with pytest.raises(ValueError, match="valid models are mlp, cnn"):
-        get_model_pair("resnet")
+    with pytest.raises(ValueError, match="valid models are mlp, mlp_nnx, cnn"):
+        get_model_pair("resnet50")
     with pytest.raises(ValueError, match=r"unknown override\(s\) \['depth'\]"):
         get_model_pair("mlp", depth=3)
     with pytest.raises(ValueError, match="`hidden` must be a positive integer"):
@@ -695,7 +695,7 @@ def test_losses_and_metrics_agree():
         == torch.float32
     )
     with pytest.raises(ValueError, match="`task` must be one of"):
-        loss_jax("regression", jnp.asarray(logits), jnp.asarray(labels))
+        loss_jax("segmentation", jnp.asarray(logits), jnp.asarray(labels))
 
 
 def test_user_built_pair():
