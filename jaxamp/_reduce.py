@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._autocast.dtypes import over_array_leaves
+
 __all__ = ["reduce_in", "needs_reduce_transform"]
 
 # Ops that only move, pick or repeat elements: a cast commutes with them, so the wide value is
@@ -353,10 +355,6 @@ def _eval_forward(
     return outs, [wide.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.core.Tracer)
-
-
 def needs_reduce_transform(compute_dtype: Any, reduce_dtype: Any) -> bool:
     """Whether gradients of a `compute_dtype` computation need the transform to reduce in `reduce_dtype`."""
     if reduce_dtype is None or compute_dtype is None:
@@ -394,17 +392,7 @@ def reduce_in(fn: Callable, reduce_dtype: Any) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-        def flat_fn(*dyn):
-            full = list(leaves)
-            for i, x in zip(dynamic, dyn, strict=True):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **k)
-
-        dyn_vals = [leaves[i] for i in dynamic]
+        flat_fn, dyn_vals = over_array_leaves(fn, args, kwargs)
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
         wides = [x if _dtype(x) is not None else None for x in dyn_vals]
         outs, _ = _eval_forward(closed.jaxpr, closed.consts, dyn_vals, wides, reduce_dtype)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from jaxamp._autocast import oplists
-from jaxamp._autocast.dtypes import F32, cast, is_array
+from jaxamp._autocast.dtypes import F32, cast, is_array, over_array_leaves
 from jaxamp._autocast.explicit_casts import marking_explicit_casts
 from jaxamp._autocast.interpreter import DtypeRecord, Hook, Interpreter
 from jaxamp._autocast.options import check_device, check_dtype
@@ -19,18 +19,7 @@ __all__ = ["autocast", "autocast_op_list", "autocast_trace", "full_precision"]
 
 
 def _trace_and_eval(fn: Callable, args: tuple, kwargs: dict, interp: Interpreter) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
-
-    # Python scalars, strings and flags stay static, as they would be for a Python call.
-    def flat_fn(*dyn):
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=False):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*a, **k)
-
-    dyn_vals = [leaves[i] for i in dynamic]
+    flat_fn, dyn_vals = over_array_leaves(fn, args, kwargs)
     with marking_explicit_casts():
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
     outs = interp.eval_closed(closed, dyn_vals, None)

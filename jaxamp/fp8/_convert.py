@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from jaxamp._autocast.dtypes import over_array_leaves
 from jaxamp.fp8._dot import (
     DelayedScalingState,
     check_hardware,
@@ -338,17 +339,7 @@ def _is_array(x: Any) -> bool:
 
 def _run(fn, rec, fp8_filter, args, kwargs, state, records, capture=None):
     rewrite = _Rewrite(rec, _selector(fp8_filter), state, records, capture)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-    def flat_fn(*dyn):
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=True):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*a, **k)
-
-    dyn_vals = [leaves[i] for i in dynamic]
+    flat_fn, dyn_vals = over_array_leaves(fn, args, kwargs, is_leaf_array=_is_array)
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
     outs = rewrite.eval(closed.jaxpr, closed.consts, dyn_vals, "", "")
     if state is not None and state is not _COLLECT:
@@ -363,17 +354,10 @@ def _run(fn, rec, fp8_filter, args, kwargs, state, records, capture=None):
 
 def _abstract(f: Callable, args: tuple, kwargs: dict) -> None:
     """Trace ``f(args, kwargs)`` without computing: arrays abstract, other leaves static."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-    def flat(*dyn):
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=True):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        f(a, k)
-
-    jax.eval_shape(flat, *[leaves[i] for i in dynamic])
+    flat, dyn_vals = over_array_leaves(
+        lambda *a, **k: f(a, k), args, kwargs, is_leaf_array=_is_array
+    )
+    jax.eval_shape(flat, *dyn_vals)
 
 
 def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: Any = None):
