@@ -4,13 +4,20 @@ Three variants of one train step (forward, backward, AdamW update) are compiled 
 interleaved, step by step, after warm-up, with `block_until_ready`:
 
 * ``plain``: `optax.adamw` on unscaled gradients (no loss scaling at all);
-* ``loss_scaled``: `jaxamp.loss_scaled(optax.adamw)` with a dynamic loss scale;
+* ``loss_scaled``: `jaxamp.loss_scaled(optax.adamw)` with a dynamic loss scale, stepped with
+  `jaxamp.apply_gradients` (the parameter update inside the skip decision);
+* ``loss_scaled_update``: the same optimizer stepped optax-style, ``tx.update`` then
+  `jaxamp.apply_updates` (the updates are written out and read back);
 * ``naive``: a hand-written wrapper that unscales in a separate pass, checks finiteness in a
   separate pass and selects (`jnp.where`) over updates and the whole inner state;
 * ``flax``: Flax's `DynamicScale.value_and_grad` (unscale, finite check, scale update) and
   `jnp.where` over the new params and optimizer state, as the Flax examples do;
 * ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
   `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
+
+With ``--decompose`` two diagnostic programs (not valid loss scaling) split the fixed cost:
+``decide_only`` takes the skip decision from the loss alone (the cost of deciding before any
+parameter is updated), ``check_only`` adds the inf/NaN check of the gradients but ignores it.
 
 Every variant differentiates the same policy-cast loss; the steps are timed interleaved (the
 order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidence interval
@@ -121,7 +128,8 @@ def _problem(name: str, batch_size: int):
     return params, x, y, loss_fn
 
 
-VARIANTS = ("plain", "loss_scaled", "naive", "flax", "jmp")
+VARIANTS = ("plain", "loss_scaled", "loss_scaled_update", "naive", "flax", "jmp")
+DECOMPOSE = ("decide_only", "check_only")
 
 
 def _make_step(variant: str, loss_fn, policy):
@@ -144,19 +152,62 @@ def _make_step(variant: str, loss_fn, policy):
 
         return base.init, jax.jit(step, donate_argnums=(0, 1))
 
-    if variant in ("loss_scaled", "naive"):
-        tx = jaxamp.loss_scaled(base) if variant == "loss_scaled" else _naive_loss_scaled(base)
+    if variant == "loss_scaled":
+        tx = jaxamp.loss_scaled(base)
+        grad_fn = jaxamp.value_and_grad(compute_loss)
+
+        def step(params, opt_state, x, y):
+            loss, grads = grad_fn(params, x, y, loss_scale=opt_state)
+            params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
+            return params, opt_state, loss
+
+        return tx.init, jax.jit(step, donate_argnums=(0, 1))
+
+    if variant in ("loss_scaled_update", "naive"):
+        tx = (
+            jaxamp.loss_scaled(base)
+            if variant == "loss_scaled_update"
+            else _naive_loss_scaled(base)
+        )
         grad_fn = jaxamp.value_and_grad(compute_loss)
 
         def step(params, opt_state, x, y):
             scale = opt_state[1] if variant == "naive" else opt_state
             loss, grads = grad_fn(params, x, y, loss_scale=scale)
             updates, opt_state = tx.update(grads, opt_state, params)
-            if variant == "loss_scaled":
-                return jaxamp.optim.apply_updates(params, updates, opt_state), opt_state, loss
+            if variant == "loss_scaled_update":
+                return jaxamp.apply_updates(params, updates, opt_state), opt_state, loss
             return optax.apply_updates(params, updates), opt_state, loss
 
         return tx.init, jax.jit(step, donate_argnums=(0, 1))
+
+    if variant in DECOMPOSE:
+        # Diagnostics only: the step branches like `loss_scaled`, on a decision taken from the
+        # loss alone (`decide_only`) or with the gradients' inf/NaN check computed but not
+        # used (`check_only`). Neither is valid loss scaling.
+        grad_fn = jaxamp.value_and_grad(compute_loss)
+
+        def init(params):
+            return base.init(params), jaxamp.DynamicLossScale.create()
+
+        def step(params, state, x, y):
+            opt_state, loss_scale = state
+            loss, grads = grad_fn(params, x, y, loss_scale=loss_scale)
+            decide = jnp.isfinite(loss)
+            if variant == "check_only":
+                checked = jaxamp.all_finite(loss_scale.unscale(grads))
+                decide = decide | (checked & (loss < -1.0))  # loss >= 0: the check is unused
+
+            def apply(operands):
+                params, opt_state = operands
+                # Unscaled inside the branch, as loss_scaled does (never materialised).
+                updates, opt_state = base.update(loss_scale.unscale(grads), opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            params, opt_state = jax.lax.cond(decide, apply, lambda o: o, (params, opt_state))
+            return params, (opt_state, loss_scale), loss
+
+        return init, jax.jit(step, donate_argnums=(0, 1))
 
     if variant == "flax":
 
@@ -216,10 +267,12 @@ def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
     return [float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))]
 
 
-def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> dict:
+def bench(
+    model: str, policy: str, steps: int, warmup: int, batch_size: int, decompose: bool = False
+) -> dict:
     params, x, y, loss_fn = _problem(model, batch_size)
     n_params = sum(p.size for p in jax.tree.leaves(params))
-    variants = VARIANTS
+    variants = VARIANTS + (DECOMPOSE if decompose else ())
     runs = {}
     for variant in variants:
         init, step = _make_step(variant, loss_fn, policy)
@@ -274,6 +327,18 @@ def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> 
     return result
 
 
+def _print_rows(r: dict) -> None:
+    for variant, v in r["variants"].items():
+        iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
+        ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
+        print(
+            f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{variant:>20}"
+            f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
+            f"{v['compile_s']:>11.2f}",
+            flush=True,
+        )
+
+
 def _write_json_atomic(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
@@ -296,32 +361,30 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
+    parser.add_argument(
+        "--decompose",
+        action="store_true",
+        help="also time two diagnostic programs that split loss_scaled's fixed cost",
+    )
     args = parser.parse_args(argv)
     if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
+    load_before = os.getloadavg()
+    header = (
+        f"{'model':<12}{'policy':>11}{'batch':>6}{'variant':>20}{'median ms':>11}"
+        f"{'IQR ms':>17}{'ratio':>8}{'95% CI':>15}{'compile s':>11}"
+    )
+    print(header)
+    print("-" * len(header), flush=True)
     results = []
     for repeat in range(args.repeats):
         for policy in args.policies:
             for model in args.models:
                 for batch_size in args.batch_sizes:
-                    r = bench(model, policy, args.steps, args.warmup, batch_size)
+                    r = bench(model, policy, args.steps, args.warmup, batch_size, args.decompose)
                     r["repeat"] = repeat
                     results.append(r)
-    header = (
-        f"{'model':<12}{'policy':>11}{'batch':>6}{'variant':>13}{'median ms':>11}"
-        f"{'IQR ms':>17}{'ratio':>8}{'95% CI':>15}{'compile s':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        for variant, v in r["variants"].items():
-            iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
-            ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
-            print(
-                f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{variant:>13}"
-                f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
-                f"{v['compile_s']:>11.2f}"
-            )
+                    _print_rows(r)  # as each configuration finishes: long runs show progress
     payload = {
         "benchmark": "loss_scaled_overhead",
         "device": str(jax.devices()[0].device_kind),
@@ -329,6 +392,9 @@ def main(argv=None) -> None:
         "machine": {
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
+            # 1/5/15-minute load averages: a loaded machine widens the spread (compare ratios).
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
         },
         "versions": {
             "jax": jax.__version__,

@@ -31,6 +31,7 @@ from jaxamp.optim import LossScaledState as LossScaledState
 from jaxamp.optim import LossScaledTransformation as LossScaledTransformation
 from jaxamp.optim import amp_info as amp_info
 from jaxamp.optim import amp_states as amp_states
+from jaxamp.optim import apply_gradients as apply_gradients
 from jaxamp.optim import apply_updates as apply_updates
 from jaxamp.optim import get_loss_scale as get_loss_scale
 from jaxamp.optim import loss_scaled as loss_scaled
@@ -57,6 +58,7 @@ __all__ = [
     "all_finite",
     "amp_info",
     "amp_states",
+    "apply_gradients",
     "apply_updates",
     "autocast",
     "autocast_op_list",

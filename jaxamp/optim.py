@@ -29,6 +29,7 @@ __all__ = [
     "LossScaleDivergedError",
     "LossScaledState",
     "amp_info",
+    "apply_gradients",
     "apply_updates",
     "get_loss_scale",
     "loss_scaled",
@@ -290,10 +291,13 @@ def loss_scaled(
             group_applied=group_applied,
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def step(updates, state, params, extra_args, *, apply):
+        # One implementation for `update` (returns the updates) and `apply_gradients`
+        # (returns the new parameters: the skip decision then covers the parameters too).
         if not isinstance(state, LossScaledState):
+            caller = "apply_gradients" if apply else "loss_scaled.update"
             raise TypeError(
-                f"loss_scaled.update(state=...) takes the LossScaledState made by init; got "
+                f"{caller}(state=...) takes the LossScaledState made by init; got "
                 f"{type(state).__name__}. Was this state saved without loss scaling?"
             )
         check_replicas_agree(updates, axis_name, "loss_scaled.update")
@@ -318,6 +322,7 @@ def loss_scaled(
                 params,
                 extra_args,
                 noop=isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)),
+                apply=apply,
             )
         else:
             grads = unscale(updates)
@@ -328,7 +333,12 @@ def loss_scaled(
             group_finite = _finite_per_group(grads, labels, axis_name)
             grads_finite = jnp.stack(list(group_finite.values())).all()
             group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
-            new_updates = skip_updates(group_applied, new_updates)
+            if apply:
+                new_updates = _select_leaves(
+                    group_applied, optax.apply_updates(params, new_updates), params
+                )
+            else:
+                new_updates = skip_updates(group_applied, new_updates)
             new_inner_state = _select_groups(group_finite, new_inner_state, state.inner_state)
         consecutive = jnp.where(
             grads_finite, jnp.zeros((), jnp.int32), optax.safe_increment(state.consecutive_skips)
@@ -352,6 +362,14 @@ def loss_scaled(
         )
         return new_updates, new_state
 
+    def update(updates, state, params=None, **extra_args):
+        return step(updates, state, params, extra_args, apply=False)
+
+    def update_and_apply(grads, state, params, **extra_args):
+        return step(grads, state, params, extra_args, apply=True)
+
+    # `apply_gradients(tx, ...)` finds the fused form here (a NamedTuple takes no new field).
+    update.update_and_apply = update_and_apply
     return LossScaledTransformation(init, update)
 
 
@@ -359,8 +377,14 @@ def _branch_syncs_host() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _skip_if_not(applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop):
+def _skip_if_not(
+    applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop, apply
+):
     """Runs `inner.update` on the unscaled gradients where `applied`, else the identity.
+
+    Returns ``(updates, inner_state)``, or with `apply` ``(new_params, inner_state)``: then
+    the parameter update is inside the decision too, so a skipped step returns `params`
+    itself (bit for bit) and an applied one fuses ``params + updates`` into the update.
 
     Eagerly (a concrete decision) the step runs op by op, exactly as an unwrapped eager step.
     Under `jit` a loss-scaled step branches (`lax.cond`): on CPU the inner update then fuses as
@@ -370,33 +394,44 @@ def _skip_if_not(applied, inner, unscale, scaled_grads, inner_state, params, ext
     steps bit-identical to an unwrapped jitted step (same fusion, no branch). Either form
     computes the same values.
     """
+
+    def run(inner_state, params):
+        updates, new_state = inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
+        return (optax.apply_updates(params, updates) if apply else updates), new_state
+
+    def keep(inner_state, params, out_shapes):
+        return (params if apply else identity_updates(out_shapes)), inner_state
+
     if not isinstance(applied, jax.core.Tracer):
         if bool(applied):
-            return inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
-        shapes = jax.eval_shape(
-            lambda s: inner.update(unscale(scaled_grads), s, params, **extra_args), inner_state
-        )
-        return identity_updates(shapes[0]), inner_state
+            return run(inner_state, params)
+        return keep(inner_state, params, jax.eval_shape(run, inner_state, params)[0])
     # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step),
-    # so there the select is the cheaper form; XLA:CPU turns the branch into a fused select.
-    if noop or _branch_syncs_host():
-        grads = unscale(scaled_grads)
-        new_updates, new_inner_state = inner.update(grads, inner_state, params, **extra_args)
-        return skip_updates(applied, new_updates), select_tree(
-            applied, new_inner_state, inner_state
-        )
+    # so there the select is the cheaper form.
+    def select():
+        out, new_inner_state = run(inner_state, params)
+        out = select_tree(applied, out, params) if apply else skip_updates(applied, out)
+        return out, select_tree(applied, new_inner_state, inner_state)
 
+    if noop or _branch_syncs_host():
+        return select()
     # A branch, not a select: the inner update fuses as in an unwrapped step, and the old
     # state is not read a second time (a select makes XLA copy every donated state buffer).
-    def apply_step(inner_state):
-        return inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
+    out_shapes, state_shapes = jax.eval_shape(run, inner_state, params)
+    if _dtypes(state_shapes) != _dtypes(inner_state):
+        # `inner` changes its state's dtypes (optax's Adam on float32 gradients of float16
+        # parameters): a branch must return one type, a select promotes.
+        return select()
+    return jax.lax.cond(
+        applied,
+        lambda operands: run(*operands),
+        lambda operands: keep(*operands, out_shapes),
+        (inner_state, params),
+    )
 
-    out_shapes = jax.eval_shape(apply_step, inner_state)
 
-    def skip_step(inner_state):
-        return identity_updates(out_shapes[0]), inner_state
-
-    return jax.lax.cond(applied, apply_step, skip_step, inner_state)
+def _dtypes(tree: Any) -> list:
+    return [getattr(x, "dtype", type(x)) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _group_transform(transforms: Any, param_labels: Any) -> optax.GradientTransformation:
@@ -473,12 +508,72 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
     new_params = optax.apply_updates(params, updates)
     if state.group_applied is None:
         return select_tree(state.last_step_finite, new_params, params)
-    return jax.tree_util.tree_map(
-        lambda applied, new, old: jnp.where(applied, new, old),
-        state.group_applied,
-        new_params,
-        params,
-    )
+    return _select_leaves(state.group_applied, new_params, params)
+
+
+def _select_leaves(applied: Any, new: Any, old: Any) -> Any:
+    """Per leaf: `new` where its scalar `applied` is true, else `old` (kept bit for bit)."""
+    return jax.tree_util.tree_map(lambda a, n, o: jnp.where(a, n, o), applied, new, old)
+
+
+def apply_gradients(
+    tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any]:
+    """One optimizer step: ``tx.update`` then `apply_updates`, as one decision.
+
+    For `loss_scaled(...)` the parameter update goes inside the skip decision: under `jit` on
+    CPU it then fuses into the optimizer's update as in a step without loss scaling, where
+    ``update`` followed by `apply_updates` writes the updates out and reads them back (the
+    benchmark MLP: 1.12x a step without scaling instead of 1.21x; BENCHMARKS.md). The values
+    are those of ``update`` + `apply_updates`; a skipped step returns `params` bit for bit.
+    Any other optax transformation gets ``update`` + `apply_updates` when it holds one
+    loss-scaled state (e.g. ``optax.chain(clip, loss_scaled(...))``), else
+    ``update`` + `optax.apply_updates`.
+
+    Args:
+      tx: the optimizer (usually `jaxamp.loss_scaled(...)`).
+      grads: the gradients of the scaled loss (as `jaxamp.value_and_grad` returns them).
+      opt_state: `tx`'s state.
+      params: the parameters the gradients were computed for.
+      **extra_args: extra arguments for ``tx.update`` (e.g. ``value=`` for line searches).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Raises:
+      TypeError: `tx` is not an optax transformation.
+      ValueError: `params` is None.
+
+    Example:
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.5))
+      >>> opt_state = tx.init(params)
+      >>> grads = jaxamp.get_loss_scale(opt_state).scale({"w": jnp.ones(3)})
+      >>> params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
+      >>> params["w"]
+      Array([0.5, 0.5, 0.5], dtype=float32)
+      >>> bad = {"w": jnp.array([jnp.inf, 1.0, 1.0])}
+      >>> jaxamp.apply_gradients(tx, bad, opt_state, params)[0]["w"]  # skipped: unchanged
+      Array([0.5, 0.5, 0.5], dtype=float32)
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"apply_gradients(tx=...) takes an optax GradientTransformation; got "
+            f"{type(tx).__name__} {tx!r}."
+        )
+    if params is None:
+        raise ValueError(
+            "apply_gradients(params=None): the parameters are needed to apply the update; "
+            "pass the parameters the gradients were computed for."
+        )
+    fused = getattr(tx.update, "update_and_apply", None)
+    if isinstance(tx, LossScaledTransformation) and fused is not None:
+        return fused(grads, opt_state, params, **extra_args)
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
+    if len(_find_states(new_opt_state)) == 1:
+        return apply_updates(params, updates, new_opt_state), new_opt_state
+    # No loss scaling, or one per group (each group's skipped updates are -0.0).
+    return optax.apply_updates(params, updates), new_opt_state
 
 
 def _is_variable(x: Any) -> bool:

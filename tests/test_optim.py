@@ -51,7 +51,12 @@ def _leaves_ulp_close(a, b, maxulp=4):
     """Equal up to a few ulps: two different XLA programs may contract a*b+c into an FMA
     differently (seen here even for SGD momentum), which no wrapper can control."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_max_ulp(np.asarray(x), np.asarray(y), maxulp=maxulp)
+        if jnp.dtype(x.dtype) == jnp.bfloat16:  # numpy has no ulp count for bfloat16
+            x32, y32 = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            spacing = float(jnp.finfo(jnp.bfloat16).eps) * np.maximum(abs(x32), abs(y32))
+            np.testing.assert_array_less(abs(x32 - y32), maxulp * spacing + 1e-38)
+        else:
+            np.testing.assert_array_max_ulp(np.asarray(x), np.asarray(y), maxulp=maxulp)
 
 
 def _inject(tree, value=jnp.inf, leaf="w"):
@@ -601,3 +606,146 @@ def test_jitted_train_step_does_not_retrace():
     for x, y in _batches(3):
         params, state, _ = train_step(params, state, x, y)
     assert len(traces) == 1
+
+
+# --- apply_gradients: update + apply as one decision (issue 13 item 8) --------------------------
+
+
+def _apply_both_ways(tx, grads, state, params, maybe_jit):
+    """(apply_gradients, update + apply_updates) results for one step."""
+
+    def fused(grads, state, params):
+        return jaxamp.apply_gradients(tx, grads, state, params)
+
+    def split(grads, state, params):
+        updates, new_state = tx.update(grads, state, params)
+        return jaxamp.apply_updates(params, updates, new_state), new_state
+
+    return maybe_jit(fused)(grads, state, params), maybe_jit(split)(grads, state, params)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_apply_gradients_equals_update_then_apply(name, float_dtype, maybe_jit):
+    params = jax.tree.map(lambda p: p.astype(float_dtype), _params())
+    # A scale at which the float16 loss stays finite: every step here is applied.
+    tx = jaxamp.loss_scaled(OPTIMIZERS[name](), jaxamp.DynamicLossScale.create(init_scale=1024.0))
+    state = tx.init(params)
+    scale = jaxamp.get_loss_scale(state)
+    for x, y in _batches(3, float_dtype):
+        # Gradients of the scaled loss, in the parameters' dtype (as autodiff returns them).
+        grads = jax.grad(lambda p: scale.scale(_loss(p, x, y)).astype(float_dtype))(params)
+        (fused_params, fused_state), (split_params, split_state) = _apply_both_ways(
+            tx, grads, state, params, maybe_jit
+        )
+        if maybe_jit is jax.jit:
+            # Two XLA programs may contract a*b+c into an FMA differently.
+            _leaves_ulp_close(fused_params, split_params)
+            _leaves_ulp_close(fused_state.inner_state, split_state.inner_state)
+        else:
+            _leaves_equal((fused_params, fused_state), (split_params, split_state))
+        for p in jax.tree.leaves(fused_params):
+            assert p.dtype == float_dtype
+        assert bool(fused_state.last_step_finite)
+        _leaves_equal(fused_state.loss_scale, split_state.loss_scale)
+        params, state = fused_params, fused_state
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_apply_gradients_skip_keeps_params_and_state_bitwise(bad, float_dtype, maybe_jit):
+    # -0.0, a float32 subnormal and normal values: a skipped step must not touch any of them.
+    w = jnp.asarray([-0.0, 0.0, 1e-40, -2.5], jnp.float32).astype(float_dtype)
+    params = {"w": w, "b": jnp.ones((2,), float_dtype)}
+    tx = jaxamp.loss_scaled(optax.adam(1e-2))
+    state = tx.init(params)
+    step = maybe_jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p))
+    good = jax.tree.map(lambda p: jnp.full(p.shape, 1024.0, float_dtype), params)
+    params1, state1 = step(good, state, params)
+    bad_grads = {"w": good["w"].at[2].set(bad), "b": good["b"]}
+    params2, state2 = step(bad_grads, state1, params1)
+    for new, old in zip(jax.tree.leaves(params2), jax.tree.leaves(params1), strict=True):
+        assert np.asarray(new).tobytes() == np.asarray(old).tobytes()
+    _leaves_equal(state2.inner_state, state1.inner_state)
+    assert not bool(state2.last_step_finite) and int(state2.skipped_steps) == 1
+    assert float(state2.loss_scale.loss_scale) == float(state1.loss_scale.loss_scale) / 2
+
+
+def test_apply_gradients_select_form_agrees_with_branch(monkeypatch, float_dtype):
+    """The GPU form (a select) gives the CPU form's (a branch) values bit for bit."""
+    import jaxamp.optim
+
+    results = {}
+    for form in ("branch", "select"):
+        monkeypatch.setattr(jaxamp.optim, "_branch_syncs_host", lambda f=form: f == "select")
+        params = {"w": jnp.asarray([1.0, -0.0, 1e-40, 2.0], jnp.float32)}
+        tx = jaxamp.loss_scaled(optax.adamw(1e-2, weight_decay=0.1))
+        state = tx.init(params)
+        step = jax.jit(lambda g, s, p, tx=tx: jaxamp.apply_gradients(tx, g, s, p))
+        good = {"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], float_dtype) * 1024}
+        params1, state1 = step(good, state, params)
+        params2, state2 = step({"w": good["w"].at[1].set(jnp.nan)}, state1, params1)
+        assert np.asarray(params2["w"]).tobytes() == np.asarray(params1["w"]).tobytes()
+        results[form] = (params1, state1, params2, state2)
+    _leaves_equal(results["branch"], results["select"])
+
+
+def test_apply_gradients_per_group_skip():
+    params = {"a": jnp.ones(3), "b": jnp.full(2, 2.0)}
+    labels = {"a": "a", "b": "b"}
+    tx = jaxamp.loss_scaled({"a": optax.sgd(0.5), "b": optax.sgd(0.5)}, param_labels=labels)
+    state = tx.init(params)
+    grads = {"a": jnp.array([jnp.inf, 1.0, 1.0]), "b": jnp.full(2, 65536.0)}
+    for fn in (lambda f: f, jax.jit):
+        new_params, new_state = fn(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p))(
+            grads, state, params
+        )
+        np.testing.assert_array_equal(new_params["a"], params["a"])  # its group skipped
+        np.testing.assert_array_equal(new_params["b"], jnp.full(2, 1.5))  # applied
+        assert float(new_state.loss_scale.loss_scale) == 32768.0
+
+
+def test_apply_gradients_on_other_transformations(maybe_jit):
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.full(3, 2.0)}
+    plain = optax.sgd(0.5)
+    new, _ = maybe_jit(lambda g, s, p: jaxamp.apply_gradients(plain, g, s, p))(
+        grads, plain.init(params), params
+    )
+    np.testing.assert_array_equal(new["w"], jnp.zeros(3))
+    # A loss-scaled optimizer inside a chain: update + apply_updates (skips keep params).
+    chained = optax.chain(optax.identity(), jaxamp.loss_scaled(optax.sgd(0.5)))
+    state = chained.init(params)
+    new, state = maybe_jit(lambda g, s, p: jaxamp.apply_gradients(chained, g, s, p))(
+        {"w": jnp.array([jnp.nan, 1.0, 1.0])}, state, params
+    )
+    np.testing.assert_array_equal(new["w"], params["w"])
+    assert int(jaxamp.amp_info(state).skipped_steps) == 1
+
+
+def test_apply_gradients_bad_arguments():
+    params = {"w": jnp.ones(3)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"apply_gradients\(tx=...\).*GradientTransformation"):
+        jaxamp.apply_gradients(lambda g: g, params, state, params)
+    with pytest.raises(ValueError, match=r"apply_gradients\(params=None\)"):
+        jaxamp.apply_gradients(tx, params, state, None)
+    with pytest.raises(TypeError, match=r"apply_gradients\(state=...\)"):
+        jaxamp.apply_gradients(tx, params, optax.sgd(0.1).init(params), params)
+
+
+def test_apply_gradients_fuses_the_parameter_update():
+    """The jitted program writes no separate updates array: `p + u` fuses into the update
+    inside the branch (XLA:CPU), as in an unwrapped step."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the branch form is XLA:CPU's")
+    params = {"w": jnp.ones((64, 64))}
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    state = tx.init(params)
+    grads = {"w": jnp.ones((64, 64))}
+    fused = jax.jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p), donate_argnums=(1, 2))
+    hlo = fused.lower(grads, state, params).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    # Outside the branch nothing of the parameters' shape is computed any more.
+    outside = [line for line in entry.splitlines() if "f32[64,64]" in line.split("=")[0]]
+    assert not [line for line in outside if " fusion(" in line], outside
+    assert entry.count("conditional(") == 1

@@ -25,6 +25,7 @@ EXPECTED_ALL = sorted(
         "all_finite",
         "amp_info",
         "amp_states",
+        "apply_gradients",
         "apply_updates",
         "autocast",
         "autocast_op_list",

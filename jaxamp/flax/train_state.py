@@ -3,7 +3,8 @@
 Both wrap the optimizer in `jaxamp.loss_scaled`, take gradients of the *scaled* loss and expose
 `amp_info`. The skip decision is `loss_scaled`'s, made once (see its docs per loss-scale type,
 `NoOpLossScale` included): a non-finite step is skipped completely — params (subnormals
-included, via `jaxamp.optim.apply_updates`), optimizer state, `step` and telemetry — or applied
+included: `jaxamp.apply_gradients` for linen, `jaxamp.apply_updates` for NNX, whose
+`update` returns the updates), optimizer state, `step` and telemetry — or applied
 completely; linen and NNX share the code. Params must be in the policy's param dtype (or a
 per-module rule's): float16 master weights under "fp16-mixed" are refused, as torch refuses
 to unscale float16 gradients.
@@ -37,6 +38,7 @@ from jaxamp.optim import (
     AmpInfo,
     LossScaledTransformation,
     amp_info,
+    apply_gradients,
     apply_updates,
     get_loss_scale,
     loss_scaled,
@@ -279,11 +281,11 @@ class TrainState(flax_train_state.TrainState):
           The new state. `step` advances by one on an applied step; on a skipped step only if
           ``count_skipped_steps``.
         """
-        updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
+        new_params, new_opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
         applied = amp_info(new_opt_state).last_step_applied
         return self.replace(
             step=_advance(jnp.asarray(self.step), applied, self.count_skipped_steps),
-            params=apply_updates(self.params, updates, new_opt_state),
+            params=new_params,
             opt_state=new_opt_state,
             **kwargs,
         )

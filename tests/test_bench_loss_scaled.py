@@ -1,0 +1,79 @@
+"""The loss-scaling benchmark compares like with like: every variant trains the same model to
+the same parameters (the benchmark itself is timed by hand, never in a test)."""
+
+import functools
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# optax's own arithmetic is not strict-promotion clean (float ** int32 in bias correction).
+pytestmark = pytest.mark.standard_promotion
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss_scaled.py"
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_loss_scaled", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_loss_scaled", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    # A small MLP: the same code paths as the benchmark's 784-1024-1024-1024-10 one.
+    monkeypatch.setattr(module, "MLP", functools.partial(module.MLP, features=(32, 32)))
+    return module
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed"])
+def test_every_variant_trains_to_the_same_parameters(bench, policy):
+    params, x, y, loss_fn = bench._problem("mlp", 8)
+    results = {}
+    for variant in bench.VARIANTS + bench.DECOMPOSE:
+        init, step = bench._make_step(variant, loss_fn, policy)
+        p = jax.tree.map(jnp.copy, params)
+        s = init(p)
+        for _ in range(3):
+            p, s, loss = step(p, s, x, y)
+        assert np.isfinite(float(loss))
+        results[variant] = p
+    # Same optimizer, same gradients: only XLA's fusion (FMA contraction) and, below float32,
+    # the policy's rounding of the scaled backward pass may differ.
+    rtol = 1e-5 if policy == "fp32" else 1e-2
+    for variant, p in results.items():
+        for a, b in zip(jax.tree.leaves(results["plain"]), jax.tree.leaves(p), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-6, err_msg=variant
+            )
+
+
+def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    bench.main(
+        [
+            "--models",
+            "mlp",
+            "--policies",
+            "fp32",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--smoke",
+            "--out",
+            str(out),
+        ]
+    )
+    payload = json.loads(out.read_text())
+    (result,) = payload["results"]
+    assert set(result["variants"]) == set(bench.VARIANTS)
+    for v in result["variants"].values():
+        lo, hi = v["ratio_ci95"]
+        assert lo <= hi and v["median_s"] > 0
+    assert "loss_scaled_update" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "3", "--out", str(out)])  # too few steps without --smoke
