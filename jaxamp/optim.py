@@ -406,6 +406,7 @@ def _skip_if_not(
         if bool(applied):
             return run(inner_state, params)
         return keep(inner_state, params, jax.eval_shape(run, inner_state, params)[0])
+
     # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step),
     # so there the select is the cheaper form.
     def select():

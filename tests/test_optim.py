@@ -633,7 +633,9 @@ def test_apply_gradients_equals_update_then_apply(name, float_dtype, maybe_jit):
     scale = jaxamp.get_loss_scale(state)
     for x, y in _batches(3, float_dtype):
         # Gradients of the scaled loss, in the parameters' dtype (as autodiff returns them).
-        grads = jax.grad(lambda p: scale.scale(_loss(p, x, y)).astype(float_dtype))(params)
+        grads = jax.grad(lambda p, x=x, y=y: scale.scale(_loss(p, x, y)).astype(float_dtype))(
+            params
+        )
         (fused_params, fused_state), (split_params, split_state) = _apply_both_ways(
             tx, grads, state, params, maybe_jit
         )
