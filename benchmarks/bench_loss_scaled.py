@@ -15,10 +15,6 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
   `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
 
-With ``--decompose`` two diagnostic programs (not valid loss scaling) split the fixed cost:
-``decide_only`` takes the skip decision from the loss alone (the cost of deciding before any
-parameter is updated), ``check_only`` adds the inf/NaN check of the gradients but ignores it.
-
 Every variant differentiates the same policy-cast loss; the steps are timed interleaved (the
 order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidence interval
 (resampling the paired step indices).
@@ -129,7 +125,6 @@ def _problem(name: str, batch_size: int):
 
 
 VARIANTS = ("plain", "loss_scaled", "loss_scaled_update", "naive", "flax", "jmp")
-DECOMPOSE = ("decide_only", "check_only")
 
 
 def _make_step(variant: str, loss_fn, policy):
@@ -180,34 +175,6 @@ def _make_step(variant: str, loss_fn, policy):
             return optax.apply_updates(params, updates), opt_state, loss
 
         return tx.init, jax.jit(step, donate_argnums=(0, 1))
-
-    if variant in DECOMPOSE:
-        # Diagnostics only: the step branches like `loss_scaled`, on a decision taken from the
-        # loss alone (`decide_only`) or with the gradients' inf/NaN check computed but not
-        # used (`check_only`). Neither is valid loss scaling.
-        grad_fn = jaxamp.value_and_grad(compute_loss)
-
-        def init(params):
-            return base.init(params), jaxamp.DynamicLossScale.create()
-
-        def step(params, state, x, y):
-            opt_state, loss_scale = state
-            loss, grads = grad_fn(params, x, y, loss_scale=loss_scale)
-            decide = jnp.isfinite(loss)
-            if variant == "check_only":
-                checked = jaxamp.all_finite(loss_scale.unscale(grads))
-                decide = decide | (checked & (loss < -1.0))  # loss >= 0: the check is unused
-
-            def apply(operands):
-                params, opt_state = operands
-                # Unscaled inside the branch, as loss_scaled does (never materialised).
-                updates, opt_state = base.update(loss_scale.unscale(grads), opt_state, params)
-                return optax.apply_updates(params, updates), opt_state
-
-            params, opt_state = jax.lax.cond(decide, apply, lambda o: o, (params, opt_state))
-            return params, (opt_state, loss_scale), loss
-
-        return init, jax.jit(step, donate_argnums=(0, 1))
 
     if variant == "flax":
 
@@ -267,12 +234,10 @@ def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
     return [float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))]
 
 
-def bench(
-    model: str, policy: str, steps: int, warmup: int, batch_size: int, decompose: bool = False
-) -> dict:
+def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> dict:
     params, x, y, loss_fn = _problem(model, batch_size)
     n_params = sum(p.size for p in jax.tree.leaves(params))
-    variants = VARIANTS + (DECOMPOSE if decompose else ())
+    variants = VARIANTS
     runs = {}
     for variant in variants:
         init, step = _make_step(variant, loss_fn, policy)
@@ -361,11 +326,6 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
-    parser.add_argument(
-        "--decompose",
-        action="store_true",
-        help="also time two diagnostic programs that split loss_scaled's fixed cost",
-    )
     args = parser.parse_args(argv)
     if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
@@ -381,7 +341,7 @@ def main(argv=None) -> None:
         for policy in args.policies:
             for model in args.models:
                 for batch_size in args.batch_sizes:
-                    r = bench(model, policy, args.steps, args.warmup, batch_size, args.decompose)
+                    r = bench(model, policy, args.steps, args.warmup, batch_size)
                     r["repeat"] = repeat
                     results.append(r)
                     _print_rows(r)  # as each configuration finishes: long runs show progress
