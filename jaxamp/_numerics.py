@@ -286,6 +286,12 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return optax.tree_utils.tree_where(pred, on_true, on_false)
 
 
+def select_leaves(applied: Any, new: Any, old: Any) -> Any:
+    """Per leaf: `new` where that leaf's scalar `applied` is true, else `old` (a select: kept bit
+    for bit); `applied` a tree of scalar bools shaped like `new`."""
+    return jax.tree_util.tree_map(lambda a, n, o: jnp.where(a, n, o), applied, new, old)
+
+
 def count_if(pred: jax.Array, count: jax.Array) -> jax.Array:
     """`count + 1` where `pred` (saturating at the dtype's max: `optax.safe_increment`), else
     `count` unchanged."""

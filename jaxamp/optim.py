@@ -18,6 +18,7 @@ from jaxamp._numerics import (
     check_replicas_agree,
     count_if,
     identity_updates,
+    select_leaves,
     select_tree,
     skip_updates,
     unscale_tree,
@@ -294,13 +295,13 @@ def loss_scaled(
     def step(updates, state, params, extra_args, *, apply):
         # One implementation for `update` (returns the updates) and `apply_gradients`
         # (returns the new parameters: the skip decision then covers the parameters too).
+        caller = "apply_gradients" if apply else "loss_scaled.update"
         if not isinstance(state, LossScaledState):
-            caller = "apply_gradients" if apply else "loss_scaled.update"
             raise TypeError(
                 f"{caller}(state=...) takes the LossScaledState made by init; got "
                 f"{type(state).__name__}. Was this state saved without loss scaling?"
             )
-        check_replicas_agree(updates, axis_name, "loss_scaled.update")
+        check_replicas_agree(updates, axis_name, caller)
         current = state.loss_scale
         if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
             unscale = lambda tree: tree  # noqa: E731  (finite steps equal an unwrapped run)
@@ -334,7 +335,7 @@ def loss_scaled(
             grads_finite = jnp.stack(list(group_finite.values())).all()
             group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
             if apply:
-                new_updates = _select_leaves(
+                new_updates = select_leaves(
                     group_applied, optax.apply_updates(params, new_updates), params
                 )
             else:
@@ -509,12 +510,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
     new_params = optax.apply_updates(params, updates)
     if state.group_applied is None:
         return select_tree(state.last_step_finite, new_params, params)
-    return _select_leaves(state.group_applied, new_params, params)
-
-
-def _select_leaves(applied: Any, new: Any, old: Any) -> Any:
-    """Per leaf: `new` where its scalar `applied` is true, else `old` (kept bit for bit)."""
-    return jax.tree_util.tree_map(lambda a, n, o: jnp.where(a, n, o), applied, new, old)
+    return select_leaves(state.group_applied, new_params, params)
 
 
 def apply_gradients(
@@ -526,8 +522,8 @@ def apply_gradients(
     CPU it then fuses into the optimizer's update as in a step without loss scaling, where
     ``update`` followed by `apply_updates` writes the updates out and reads them back (the
     benchmark MLP in float32 at batch 32: 1.15-1.17x a step without scaling instead of
-    1.24-1.28x; BENCHMARKS.md). The values
-    are those of ``update`` + `apply_updates`; a skipped step returns `params` bit for bit.
+    1.24-1.28x; BENCHMARKS.md). The values are those of ``update`` + `apply_updates`; a
+    skipped step returns `params` bit for bit.
     Any other optax transformation gets ``update`` + `apply_updates` when it holds one
     loss-scaled state (e.g. ``optax.chain(clip, loss_scaled(...))``), else
     ``update`` + `optax.apply_updates`.
