@@ -168,14 +168,22 @@ def _transfer(module):
     }
 
 
+def _batches(n, rows=8):
+    """n batches of `rows` six-feature rows with 3-class labels, the same for every test."""
+    rng = np.random.default_rng(0)
+    return [
+        (
+            rng.normal(size=(rows, 6)).astype(np.float32),
+            rng.integers(0, 3, size=(rows,)).astype(np.int32),
+        )
+        for _ in range(n)
+    ]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_compare_models_library_entry(tmp_path, precision):
     torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
-        for _ in range(12)
-    ]
+    batches = _batches(12)
     result = parity.compare_models(
         _TorchNet(),
         _FlaxNet(),
@@ -239,11 +247,7 @@ def test_report_is_written_for_degenerate_runs(tmp_path, case):
 @pytest.mark.parametrize("case", ["nan_batch_0", "all_nan"])
 def test_compare_models_survives_nan_batches(tmp_path, precision, case):
     torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(4, 6)).astype(np.float32), rng.integers(0, 3, size=(4,)).astype(np.int32))
-        for _ in range(4)
-    ]
+    batches = _batches(4, rows=4)
     poisoned = range(len(batches)) if case == "all_nan" else [0]
     for i in poisoned:
         batches[i][0][:] = np.nan
@@ -269,11 +273,7 @@ def test_compare_models_survives_nan_batches(tmp_path, precision, case):
 @pytest.mark.slow
 def test_compare_models_with_noise_calibration(tmp_path):
     torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
-        for _ in range(6)
-    ]
+    batches = _batches(6)
     result = parity.compare_models(
         _TorchNet(), _FlaxNet(), _transfer, batches, noise="both", out_dir=tmp_path, lr=1e-2
     )
