@@ -114,6 +114,60 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
         )
 
 
+def _exactly_finite(leaves: list[Any], fn: Any) -> jax.Array:
+    return jnp.stack([jnp.isfinite(fn(x)).all() for x in leaves]).all()
+
+
+def _sums_finite(x: jax.Array) -> jax.Array:
+    """Whether the sums along the last axis of `x` are finite: true implies `x` is finite.
+
+    inf and NaN absorb every addition (inf + finite = inf, inf - inf = NaN), so a non-finite
+    element always makes its sum non-finite; a finite sum thus proves its elements finite.
+    The converse can fail (finite elements whose sum overflows), which only costs a second,
+    exact look. One read of `x` with no per-element mask written out: on XLA:CPU this is about
+    twice as fast as ``isfinite(x).all()``, which materialises a bool array and reduces it.
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 0 or x.size == 0:
+        return jnp.isfinite(x).all()
+    return jnp.isfinite(jnp.sum(x, axis=-1, dtype=wide_dtype(x.dtype))).all()
+
+
+def finite_after(
+    tree: Any, fn: Any = None, axis_name: AxisName = None, *, fn_keeps_finiteness: Any = True
+) -> jax.Array:
+    """`all_finite(tree_map(fn, tree))`, without materialising the mapped tree.
+
+    `fn` (elementwise, leaf to leaf) is recomputed where it is read. On CPU a quick check
+    first sums each leaf of `tree` along its last axis (`_sums_finite`); every element of
+    `fn(leaf)` is looked at only when that check cannot decide: a sum is not finite, or
+    `fn_keeps_finiteness` (a bool or scalar bool array) is false. It must be true only where
+    `fn` maps finite values to finite ones and inf/NaN to inf/NaN, as unscaling by a scale of
+    at least 1 does (the magnitudes shrink; the factor is positive and finite).
+    """
+    fn = (lambda x: x) if fn is None else fn
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
+    if not leaves:
+        finite = jnp.array(True)
+    elif jax.default_backend() == "cpu":
+        quick = jnp.stack([_sums_finite(x) for x in leaves]).all()
+        quick = jnp.logical_and(jnp.asarray(fn_keeps_finiteness, jnp.bool_), quick)
+        # Both branches return `quick`'s type (under shard_map: the same varying axes).
+        finite = jax.lax.cond(
+            quick,
+            lambda q, ls: q,
+            lambda q, ls: jnp.logical_or(q, _exactly_finite(ls, fn)),
+            quick,
+            leaves,
+        )
+    else:
+        finite = _exactly_finite(leaves, fn)
+    if axis_name is not None and axis_name != ():
+        # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     """A scalar bool array: whether every float or complex leaf of `tree` is finite.
 
@@ -132,15 +186,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf])])), bool(jaxamp.all_finite({}))
       (False, True)
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
-    if not leaves:
-        finite = jnp.array(True)
-    else:
-        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-    if axis_name is not None and axis_name != ():
-        # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite
+    return finite_after(tree, axis_name=axis_name)
 
 
 # --- scaling and exact unscaling -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from jaxamp._numerics import (
     check_axis_name,
     check_replicas_agree,
     count_if,
+    finite_after,
     identity_updates,
     select_leaves,
     select_tree,
@@ -305,14 +306,19 @@ def loss_scaled(
         current = state.loss_scale
         if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
             unscale = lambda tree: tree  # noqa: E731  (finite steps equal an unwrapped run)
+            keeps_finiteness = True
         else:
             scale_value = current.loss_scale
             unscale = lambda tree: unscale_tree(tree, scale_value)  # noqa: E731
+            # Dividing by a scale >= 1 cannot overflow: the scaled gradients then decide.
+            keeps_finiteness = jnp.asarray(scale_value, jnp.float32) >= 1
         if param_labels is None:
             # What reaches `inner` is checked: an overflow while unscaling is caught too. The
             # unscaled gradients are recomputed where they are used (in the check and inside
             # the applied branch) rather than materialised: one read of the gradients each.
-            grads_finite = all_finite(unscale(updates), axis_name=axis_name)
+            grads_finite = finite_after(
+                updates, unscale, axis_name, fn_keeps_finiteness=keeps_finiteness
+            )
             group_applied = None
             new_updates, new_inner_state = _skip_if_not(
                 grads_finite,

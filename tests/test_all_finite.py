@@ -1,12 +1,18 @@
 """all_finite: empty trees, ignored leaves, detection anywhere, mixed dtypes, sharding (FAULTS 6, 7)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxamp
 from jaxamp import DynamicLossScale, StaticLossScale, all_finite
 
 BAD_VALUES = {"inf": np.inf, "-inf": -np.inf, "nan": np.nan}
@@ -183,3 +189,95 @@ def test_axis_name_empty_tree_inside_shard_map(mesh):
         out_specs=P("d"),
     )
     assert np.asarray(fn(np.ones(8, np.float32))).tolist() == [True] * 8
+
+
+# --- the quick check (sums along the last axis) and its exact second look ---------------------
+
+
+def test_finite_rows_whose_sums_overflow_are_finite(float_dtype, maybe_jit):
+    """The quick check's sums overflow here; the exact second look must still say finite."""
+    info = jnp.finfo(float_dtype)
+    rows = jnp.full((3, 4), info.max, float_dtype)
+    _check(maybe_jit(all_finite)({"w": rows}), True)
+    _check(maybe_jit(all_finite)({"w": rows, "b": jnp.full((5,), -info.max, float_dtype)}), True)
+    _check(maybe_jit(all_finite)({"w": rows.at[1, 2].set(jnp.nan)}), False)
+    _check(maybe_jit(all_finite)({"w": rows.at[2, 0].set(-jnp.inf)}), False)
+
+
+def test_infinities_that_cancel_in_a_sum_are_caught(float_dtype, maybe_jit):
+    # inf + (-inf) is NaN and NaN + inf is NaN: no combination sums to a finite number.
+    x = jnp.zeros((2, 4), float_dtype).at[0, 1].set(jnp.inf).at[0, 3].set(-jnp.inf)
+    _check(maybe_jit(all_finite)(x), False)
+    _check(maybe_jit(all_finite)(x.at[0, 0].set(jnp.nan)), False)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 4), (1,), (2, 3, 4, 5)])
+def test_any_rank_and_empty_leaves(shape, maybe_jit):
+    x = jnp.ones(shape, jnp.float32)
+    _check(maybe_jit(all_finite)({"x": x, "s": jnp.float32(2.0)}), True)
+    if x.size:
+        bad = x.reshape(-1).at[x.size // 2].set(jnp.inf).reshape(shape)
+        _check(maybe_jit(all_finite)({"x": bad}), False)
+
+
+def test_complex_non_finite_in_either_part_is_caught(maybe_jit):
+    x = jnp.ones((3, 4), jnp.complex64)
+    _check(maybe_jit(all_finite)(x), True)
+    _check(maybe_jit(all_finite)(x.at[1, 1].set(complex(1.0, np.nan))), False)
+    _check(maybe_jit(all_finite)(x.at[2, 3].set(complex(np.inf, 0.0))), False)
+    huge = jnp.full((2, 3), complex(3e38, -3e38), jnp.complex64)  # sums overflow, finite
+    _check(maybe_jit(all_finite)(huge), True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    magnitude=st.sampled_from([1.0, "max"]),
+    bad=st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from([np.inf, -np.inf, np.nan])),
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_all_finite_equals_numpy(dtype, shape, magnitude, bad, seed):
+    """Eager and jitted, every dtype and rank: the answer is numpy's isfinite(x).all()."""
+    dtype = jnp.dtype(dtype)
+    scale = float(jnp.finfo(dtype).max) if magnitude == "max" else 1.0
+    rng = np.random.default_rng(seed)
+    flat = np.clip(rng.uniform(-1.0, 1.0, size=math.prod(shape)) * scale, -scale, scale)
+    flat = flat.astype(dtype)
+    for index, value in bad:
+        if flat.size:
+            flat[index % flat.size] = value
+    x = flat.reshape(shape)
+    expected = bool(np.isfinite(flat.astype(np.float32)).all())
+    for fn in (all_finite, jax.jit(all_finite)):
+        _check(fn({"x": jnp.asarray(x)}), expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scale=st.sampled_from(
+        [0.25, 0.5, 1.0, 1.5, 2.0**16, 2.0**127, float(np.finfo(np.float32).max)]
+    ),
+    magnitude=st.sampled_from([1.0, 1e30, 3e38]),
+    bad=st.sampled_from([None, np.inf, -np.inf, np.nan]),
+    seed=st.integers(0, 2**16),
+)
+def test_loss_scaled_skips_exactly_when_the_unscaled_gradients_are_not_finite(
+    scale, magnitude, bad, seed
+):
+    """The quick check reads the scaled gradients only where unscaling cannot overflow
+    (scale >= 1); below 1 the unscaled ones decide. Either way: skip iff numpy says so."""
+    rng = np.random.default_rng(seed)
+    g = (rng.uniform(-1.0, 1.0, size=(4, 8)) * magnitude).astype(np.float32)
+    if bad is not None:
+        g[rng.integers(4), rng.integers(8)] = bad
+    tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.StaticLossScale(scale))
+    params = {"w": jnp.zeros((4, 8))}
+    unscaled = np.asarray(jaxamp.StaticLossScale(scale).unscale(jnp.asarray(g)))
+    expected_skip = not np.isfinite(unscaled).all()
+    for step in (tx.update, jax.jit(tx.update)):
+        _, state = step({"w": jnp.asarray(g)}, tx.init(params), params)
+        assert int(jaxamp.amp_info(state).skipped_steps) == int(expected_skip)
