@@ -15,6 +15,12 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
   `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
 
+Opt-in (``--variants ... order_floor``), a diagnostic and not a loss scaler:
+
+* ``order_floor``: `loss_scaled`'s program with the inf/NaN check reduced to one element per
+  gradient leaf. The update still waits for every gradient, as any exact whole-step skip must,
+  but the check costs nothing: its ratio is the floor that ordering alone sets.
+
 Every variant differentiates the same policy-cast loss; the steps are timed interleaved (the
 order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidence interval
 (resampling the paired step indices).
@@ -125,6 +131,7 @@ def _problem(name: str, batch_size: int):
 
 
 VARIANTS = ("plain", "loss_scaled", "loss_scaled_update", "naive", "flax", "jmp")
+DIAGNOSTICS = ("order_floor",)
 
 
 def _make_step(variant: str, loss_fn, policy):
@@ -176,6 +183,30 @@ def _make_step(variant: str, loss_fn, policy):
 
         return tx.init, jax.jit(step, donate_argnums=(0, 1))
 
+    if variant == "order_floor":
+        inner = optax.adamw(1e-4, weight_decay=0.01)
+        grad_fn = jaxamp.value_and_grad(compute_loss)
+
+        def init(params):
+            return inner.init(params), jaxamp.DynamicLossScale.create()
+
+        def step(params, state, x, y):
+            opt_state, loss_scale = state
+            loss, grads = grad_fn(params, x, y, loss_scale=loss_scale)
+            # One element per leaf: the branch depends on every gradient, the check is free.
+            firsts = jnp.stack([g.reshape(-1)[0] for g in jax.tree.leaves(grads)])
+            finite = jnp.isfinite(firsts).all()
+
+            def applied(operands):
+                params, opt_state = operands
+                updates, opt_state = inner.update(loss_scale.unscale(grads), opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            params, opt_state = jax.lax.cond(finite, applied, lambda o: o, (params, opt_state))
+            return params, (opt_state, loss_scale.adjust(finite)), loss
+
+        return init, jax.jit(step, donate_argnums=(0, 1))
+
     if variant == "flax":
 
         def init(params):
@@ -222,7 +253,7 @@ def _make_step(variant: str, loss_fn, policy):
             return new_params, (new_opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
 
         return init, jax.jit(step, donate_argnums=(0, 1))
-    raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    raise ValueError(f"variant must be one of {VARIANTS + DIAGNOSTICS}; got {variant!r}")
 
 
 def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
@@ -234,10 +265,18 @@ def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
     return [float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))]
 
 
-def bench(model: str, policy: str, steps: int, warmup: int, batch_size: int) -> dict:
+def bench(
+    model: str,
+    policy: str,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
+    if not variants or variants[0] != "plain":
+        raise ValueError(f"variants must start with 'plain' (the reference); got {variants!r}")
     params, x, y, loss_fn = _problem(model, batch_size)
     n_params = sum(p.size for p in jax.tree.leaves(params))
-    variants = VARIANTS
     runs = {}
     for variant in variants:
         init, step = _make_step(variant, loss_fn, policy)
@@ -324,11 +363,19 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--batch-size", "--batch-sizes", dest="batch_sizes", type=int, nargs="+", default=[32]
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=list(VARIANTS + DIAGNOSTICS),
+        help="what to time ('plain', the reference, is always timed)",
+    )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
     args = parser.parse_args(argv)
     if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
+    variants = ("plain", *dict.fromkeys(v for v in args.variants if v != "plain"))
     load_before = os.getloadavg()
     header = (
         f"{'model':<12}{'policy':>11}{'batch':>6}{'variant':>20}{'median ms':>11}"
@@ -341,7 +388,7 @@ def main(argv=None) -> None:
         for policy in args.policies:
             for model in args.models:
                 for batch_size in args.batch_sizes:
-                    r = bench(model, policy, args.steps, args.warmup, batch_size)
+                    r = bench(model, policy, args.steps, args.warmup, batch_size, variants)
                     r["repeat"] = repeat
                     results.append(r)
                     _print_rows(r)  # as each configuration finishes: long runs show progress

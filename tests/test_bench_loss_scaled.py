@@ -33,7 +33,7 @@ def bench(monkeypatch):
 def test_every_variant_trains_to_the_same_parameters(bench, policy):
     params, x, y, loss_fn = bench._problem("mlp", 8)
     results = {}
-    for variant in bench.VARIANTS:
+    for variant in bench.VARIANTS + bench.DIAGNOSTICS:
         init, step = bench._make_step(variant, loss_fn, policy)
         p = jax.tree.map(jnp.copy, params)
         s = init(p)
@@ -77,3 +77,17 @@ def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
     assert "loss_scaled_update" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--steps", "3", "--out", str(out)])  # too few steps without --smoke
+
+
+def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
+    out = tmp_path / "r.json"
+    common = ["--models", "mlp", "--policies", "fp32", "--steps", "2", "--smoke"]
+    bench.main(
+        [*common, "--warmup", "1", "--variants", "order_floor", "loss_scaled", "--out", str(out)]
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    assert list(result["variants"]) == ["plain", "order_floor", "loss_scaled"]
+    with pytest.raises(SystemExit):
+        bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
+    with pytest.raises(ValueError, match="must start with 'plain'"):
+        bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
