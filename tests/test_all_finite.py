@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -256,7 +256,11 @@ def test_all_finite_equals_numpy(dtype, shape, magnitude, bad, seed):
         _check(fn({"x": jnp.asarray(x)}), expected)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
+@example(scale=0.25, magnitude=3e38, bad=None, seed=0)  # finite, overflows when unscaled
+@example(scale=0.5, magnitude=1.0, bad=np.nan, seed=1)
+@example(scale=2.0**127, magnitude=3e38, bad=None, seed=2)
+@example(scale=float(np.finfo(np.float32).max), magnitude=1e30, bad=-np.inf, seed=3)
 @given(
     scale=st.sampled_from(
         [0.25, 0.5, 1.0, 1.5, 2.0**16, 2.0**127, float(np.finfo(np.float32).max)]
@@ -281,3 +285,16 @@ def test_loss_scaled_skips_exactly_when_the_unscaled_gradients_are_not_finite(
     for step in (tx.update, jax.jit(tx.update)):
         _, state = step({"w": jnp.asarray(g)}, tx.init(params), params)
         assert int(jaxamp.amp_info(state).skipped_steps) == int(expected_skip)
+
+
+@pytest.mark.parametrize(
+    ("scale", "skipped"), [(0.25, True), (0.5, True), (1.0, False), (2.0**127, False)]
+)
+def test_below_scale_one_the_unscaled_gradients_decide(scale, skipped, maybe_jit):
+    """One large finite gradient whose row sum stays finite: unscaled by a scale below 1 it
+    overflows (the step must skip), by a scale of 1 or more it does not."""
+    g = jnp.zeros((4, 8), jnp.float32).at[1, 2].set(2e38)
+    tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.StaticLossScale(scale))
+    params = {"w": jnp.zeros((4, 8))}
+    _, state = maybe_jit(tx.update)({"w": g}, tx.init(params), params)
+    assert int(jaxamp.amp_info(state).skipped_steps) == int(skipped)
