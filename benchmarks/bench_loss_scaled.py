@@ -184,11 +184,10 @@ def _make_step(variant: str, loss_fn, policy):
         return tx.init, jax.jit(step, donate_argnums=(0, 1))
 
     if variant == "order_floor":
-        inner = optax.adamw(1e-4, weight_decay=0.01)
         grad_fn = jaxamp.value_and_grad(compute_loss)
 
         def init(params):
-            return inner.init(params), jaxamp.DynamicLossScale.create()
+            return base.init(params), jaxamp.DynamicLossScale.create()
 
         def step(params, state, x, y):
             opt_state, loss_scale = state
@@ -199,7 +198,7 @@ def _make_step(variant: str, loss_fn, policy):
 
             def applied(operands):
                 params, opt_state = operands
-                updates, opt_state = inner.update(loss_scale.unscale(grads), opt_state, params)
+                updates, opt_state = base.update(loss_scale.unscale(grads), opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
             params, opt_state = jax.lax.cond(finite, applied, lambda o: o, (params, opt_state))

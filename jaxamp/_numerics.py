@@ -150,8 +150,8 @@ def finite_after(
     if not leaves:
         finite = jnp.array(True)
     elif jax.default_backend() == "cpu" and any(isinstance(x, jax.core.Tracer) for x in leaves):
-        # Under a trace only: run eagerly, a `lax.cond` built anew each call would compile anew
-        # each call (~100 ms), while the per-leaf ops below hit the eager op cache.
+        # Only under a trace: called eagerly, a `lax.cond` built anew on each call compiles anew
+        # on each call (~100 ms); the exact per-leaf check below hits the eager op cache.
         quick = jnp.stack([_sums_finite(x) for x in leaves]).all()
         quick = jnp.logical_and(jnp.asarray(fn_keeps_finiteness, jnp.bool_), quick)
         # Both branches return `quick`'s type (under shard_map: the same varying axes).

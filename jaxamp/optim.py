@@ -527,8 +527,8 @@ def apply_gradients(
     For `loss_scaled(...)` the parameter update goes inside the skip decision: under `jit` on
     CPU it then fuses into the optimizer's update as in a step without loss scaling, where
     ``update`` followed by `apply_updates` writes the updates out and reads them back (the
-    benchmark MLP in float32 at batch 32: 1.15-1.17x a step without scaling instead of
-    1.24-1.28x; BENCHMARKS.md). The values are those of ``update`` + `apply_updates`; a
+    benchmark MLP in float32 at batch 32: 1.07-1.14x a step without scaling instead of
+    1.17-1.23x; BENCHMARKS.md). The values are those of ``update`` + `apply_updates`; a
     skipped step returns `params` bit for bit.
     Any other optax transformation gets ``update`` + `apply_updates` when it holds one
     loss-scaled state (e.g. ``optax.chain(clip, loss_scaled(...))``), else
