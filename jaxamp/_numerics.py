@@ -344,3 +344,31 @@ def count_if(pred: jax.Array, count: jax.Array) -> jax.Array:
     """`count + 1` where `pred` (saturating at the dtype's max: `optax.safe_increment`), else
     `count` unchanged."""
     return jnp.where(pred, optax.safe_increment(count), count)
+
+
+# --- tracing a Python call over its array leaves -------------------------------------------------
+
+
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array leaf (JAX, NumPy, a NumPy scalar or a tracer)."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.core.Tracer)
+
+
+def over_array_leaves(fn, args: tuple, kwargs: dict, is_leaf_array=is_array):
+    """`fn(*args, **kwargs)` as a function of its array leaves alone, and those leaves.
+
+    Python scalars, strings and flags stay static, as they would be for a Python call; trace
+    the returned function with the returned leaves (`jax.make_jaxpr(flat_fn)(*leaves)`). Used by
+    autocast, `reduce_in` and fp8's convert.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if is_leaf_array(x)]
+
+    def flat_fn(*dyn):
+        full = list(leaves)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*a, **k)
+
+    return flat_fn, [leaves[i] for i in dynamic]

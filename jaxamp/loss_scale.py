@@ -34,6 +34,7 @@ __all__ = [
     "StaticLossScale",
     "DynamicLossScale",
     "all_finite",
+    "default_loss_scale",
     "PRESET_NAMES",
 ]
 
@@ -539,6 +540,20 @@ class DynamicLossScale(_ScaleMixin):
             growth_tracker=jnp.asarray(tracker, jnp.int32),
             hysteresis_tracker=jnp.asarray(hysteresis_tracker, jnp.int32),
         )
+
+
+def default_loss_scale(policy: Any) -> LossScale:
+    """The loss scale ``loss_scale="auto"`` picks for a `jaxamp.Policy`: torch's dynamic scale
+    where float16 takes part in the policy, no scaling otherwise (bfloat16 has float32's range).
+
+    Example:
+      >>> from jaxamp.loss_scale import default_loss_scale
+      >>> type(default_loss_scale(jaxamp.get_policy("fp16-mixed"))).__name__
+      'DynamicLossScale'
+      >>> type(default_loss_scale(jaxamp.get_policy("bf16-mixed"))).__name__
+      'NoOpLossScale'
+    """
+    return DynamicLossScale.create() if policy.needs_loss_scaling else NoOpLossScale()
 
 
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
