@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._autocast.dtypes import over_array_leaves
+from jaxamp._numerics import over_array_leaves
 
 __all__ = ["reduce_in", "needs_reduce_transform"]
 

@@ -9,11 +9,15 @@ from typing import Any
 import jax
 
 from jaxamp._autocast import oplists
-from jaxamp._autocast.dtypes import F32, cast, is_array, over_array_leaves
+from jaxamp._autocast.dtypes import F32, cast
 from jaxamp._autocast.explicit_casts import marking_explicit_casts
 from jaxamp._autocast.interpreter import DtypeRecord, Hook, Interpreter
 from jaxamp._autocast.options import check_device, check_dtype
 from jaxamp._autocast.rules import FULL_PRECISION_SCOPE, Rules
+from jaxamp._numerics import is_array, over_array_leaves
+from jaxamp._reduce import reduce_in
+from jaxamp.fp8._convert import autocast_hooks
+from jaxamp.policy import parse_dtype
 
 __all__ = ["autocast", "autocast_op_list", "autocast_trace", "full_precision"]
 
@@ -112,16 +116,11 @@ def autocast(
     """
     hooks = None
     if fp8 is not None:
-        from jaxamp.fp8._convert import autocast_hooks
-
         hooks = autocast_hooks(fp8, fp8_filter)
     elif fp8_filter is not None:
         raise ValueError("autocast: fp8_filter= needs fp8= (a jaxamp.fp8 recipe).")
     out = transform(fn, dtype=dtype, device=device, overrides=overrides, hooks=hooks)
     if reduce_dtype is not None:
-        from jaxamp._reduce import reduce_in
-        from jaxamp.policy import parse_dtype
-
         out = reduce_in(out, parse_dtype(reduce_dtype, where="autocast(reduce_dtype=...)"))
     return out
 

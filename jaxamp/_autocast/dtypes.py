@@ -58,26 +58,3 @@ def promote(dtypes: Sequence[np.dtype], weak: Sequence[bool]) -> np.dtype:
 
 def aval_dtype(atom: Any) -> np.dtype | None:
     return dtype_of(getattr(atom, "aval", None))
-
-
-def is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.core.Tracer)
-
-
-def over_array_leaves(fn, args: tuple, kwargs: dict, is_leaf_array=is_array):
-    """`fn(*args, **kwargs)` as a function of its array leaves alone, and those leaves.
-
-    Python scalars, strings and flags stay static, as they would be for a Python call; trace
-    the returned function with the returned leaves (`jax.make_jaxpr(flat_fn)(*leaves)`).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if is_leaf_array(x)]
-
-    def flat_fn(*dyn):
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=True):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*a, **k)
-
-    return flat_fn, [leaves[i] for i in dynamic]

@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
-from jaxamp._autocast.dtypes import over_array_leaves
+from jaxamp._numerics import over_array_leaves
 from jaxamp.fp8._dot import (
     DelayedScalingState,
     check_hardware,
