@@ -114,60 +114,99 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
         )
 
 
-def _exactly_finite(leaves: list[Any], fn: Any) -> jax.Array:
-    return jnp.stack([jnp.isfinite(fn(x)).all() for x in leaves]).all()
+# The float dtypes with IEEE-754's layout (inf: every exponent bit set, significand zero).
+_IEEE_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
-def _sums_finite(x: jax.Array) -> jax.Array:
-    """Whether the sums along the last axis of `x` are finite: true implies `x` is finite.
+def _bits_dtype(dtype: np.dtype) -> Any:
+    """The unsigned integer dtype as wide as `dtype`, or None for a float without infinities."""
+    dtype = np.dtype(dtype)
+    if dtype not in _IEEE_FLOATS:
+        return None
+    return {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
 
-    inf and NaN absorb every addition (inf + finite = inf, inf - inf = NaN), so a non-finite
-    element always makes its sum non-finite; a finite sum thus proves its elements finite.
-    The converse can fail (finite elements whose sum overflows), which only costs a second,
-    exact look. One read of `x` with no per-element mask written out: on XLA:CPU this is about
-    twice as fast as ``isfinite(x).all()``, which materialises a bool array and reduces it.
+
+def leaf_finite(x: Any) -> jax.Array:
+    """Whether every element of one array is finite, decided element by element on its bits.
+
+    Each element's sign and significand bits are cleared (an integer AND on the bits): what is
+    left, read back as a float, is +inf where the element is inf or NaN and a power of two (or
+    0) otherwise, so the row maximum is +inf exactly when the row holds a non-finite element.
+    Why bits, not a sum: a sum of scaled gradients ``sum(g * scale)`` may legally be computed
+    as ``scale * sum(g)`` under reassociation (XLA:CPU's reductions and fast-math flags allow
+    it), which is finite when one product overflowed. Nothing can be factored out of an
+    integer AND, and a maximum of non-negative floats with no NaN among them has one answer
+    whatever the max's NaN convention or evaluation order. Floats without IEEE infinities
+    (fp8 formats) use `jnp.isfinite` element by element.
     """
     x = jnp.asarray(x)
-    if x.ndim == 0 or x.size == 0:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.logical_and(leaf_finite(x.real), leaf_finite(x.imag))
+    if x.size == 0:
+        return jnp.array(True)
+    bits = _bits_dtype(x.dtype)
+    if bits is None:
         return jnp.isfinite(x).all()
-    return jnp.isfinite(jnp.sum(x, axis=-1, dtype=wide_dtype(x.dtype))).all()
+    exponent_mask = np.array(np.inf, x.dtype).view(bits)
+    exponent = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, bits) & exponent_mask, x.dtype
+    )
+    if x.ndim == 0:
+        return jnp.isfinite(exponent)
+    return jnp.isfinite(jnp.max(exponent, axis=-1)).all()
 
 
 def finite_after(
     tree: Any, fn: Any = None, axis_name: AxisName = None, *, fn_keeps_finiteness: Any = True
 ) -> jax.Array:
-    """`all_finite(tree_map(fn, tree))`, without materialising the mapped tree.
+    """Whether every inexact leaf of `tree`, and of `tree_map(fn, tree)`, is finite.
 
-    `fn` (elementwise, leaf to leaf) is recomputed where it is read. Traced on CPU, a quick check
-    first sums each leaf of `tree` along its last axis (`_sums_finite`); every element of
-    `fn(leaf)` is looked at only when that check cannot decide: a sum is not finite, or
-    `fn_keeps_finiteness` (a bool or scalar bool array) is false. It must be true only where
-    `fn` maps finite values to finite ones and inf/NaN to inf/NaN, as unscaling by a scale of
-    at least 1 does (the magnitudes shrink; the factor is positive and finite).
+    `fn` (elementwise, leaf to leaf: unscaling) is recomputed where it is read, never
+    materialised. Every element of `tree` is checked (`leaf_finite`); the elements of
+    `fn(leaf)` are looked at only where `fn_keeps_finiteness` (a bool or a scalar bool array)
+    is false. It may be true only where `fn` maps finite values to finite ones, as unscaling by
+    a scale of at least 1 does (the magnitudes shrink; the factor is positive and finite).
+
+    `tree` itself is always checked, not only `fn(tree)`: the check must not depend on how
+    `fn(leaf)` is evaluated. Scaled gradients that overflowed are inf as they are stored; a
+    compiler allowed to reassociate (``(g * s) * (1/s)`` as ``g * (s * (1/s))``) would make
+    their unscaled recomputation finite again.
     """
-    fn = (lambda x: x) if fn is None else fn
     leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
     if not leaves:
         finite = jnp.array(True)
-    elif jax.default_backend() == "cpu" and any(isinstance(x, jax.core.Tracer) for x in leaves):
-        # Only under a trace: called eagerly, a `lax.cond` built anew on each call compiles anew
-        # on each call (~100 ms); the exact per-leaf check below hits the eager op cache.
-        quick = jnp.stack([_sums_finite(x) for x in leaves]).all()
-        quick = jnp.logical_and(jnp.asarray(fn_keeps_finiteness, jnp.bool_), quick)
-        # Both branches return `quick`'s type (under shard_map: the same varying axes).
-        finite = jax.lax.cond(
-            quick,
-            lambda q, ls: q,
-            lambda q, ls: jnp.logical_or(q, _exactly_finite(ls, fn)),
-            quick,
-            leaves,
-        )
     else:
-        finite = _exactly_finite(leaves, fn)
+        finite = jnp.stack([leaf_finite(x) for x in leaves]).all()
+        if fn is not None and fn_keeps_finiteness is not True:
+            finite = _and_where_fn_may_overflow(finite, leaves, fn, fn_keeps_finiteness)
     if axis_name is not None and axis_name != ():
         # pmin over a bool is not defined: reduce as int32 (0 = some replica saw inf/nan).
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
     return finite
+
+
+def _and_where_fn_may_overflow(finite: jax.Array, leaves: list, fn: Any, keeps: Any) -> jax.Array:
+    """`finite`, and where `keeps` is false, whether every element of `fn(leaf)` is finite."""
+
+    def look(leaves):
+        return jnp.stack([leaf_finite(fn(x)) for x in leaves]).all()
+
+    keeps = jnp.asarray(keeps, jnp.bool_)
+    traced = any(isinstance(x, jax.core.Tracer) for x in [*leaves, keeps])
+    if not traced:
+        # Eagerly a Python branch: a `lax.cond` built anew on each call compiles anew (~100 ms).
+        return finite if bool(keeps) else jnp.logical_and(finite, look(leaves))
+    if jax.default_backend() != "cpu":
+        # XLA:GPU reads a branch's predicate on the host (a sync per step): compute both.
+        return jnp.logical_and(finite, jnp.logical_or(keeps, look(leaves)))
+    # Both branches return `finite`'s type (under shard_map: the same varying axes).
+    return jax.lax.cond(
+        keeps,
+        lambda f, ls: f,
+        lambda f, ls: jnp.logical_and(f, look(ls)),
+        finite,
+        leaves,
+    )
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -256,7 +295,10 @@ def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     significand = whole + round_up.astype(jnp.float32)  # torch's subnormal / 2**-149
     inv = jnp.where(big, significand * jnp.float32(2.0**-85), normal_inv)
     post = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
-    return inv, post
+    # With a compile-time constant scale both factors are constants, and XLA would fold
+    # ``(x * inv) * post`` into ``x * (inv * post)``: the subnormal this split avoids, flushed
+    # to 0. The barrier hides their values from the simplifier; the multiplies still fuse.
+    return jax.lax.optimization_barrier((inv, post))
 
 
 def unscale_tree(tree: Any, loss_scale: Any) -> Any:

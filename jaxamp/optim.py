@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 
 from jaxamp._numerics import (
+    AxisName,
     all_finite,
     check_axis_name,
     check_replicas_agree,
@@ -24,7 +26,7 @@ from jaxamp._numerics import (
     skip_updates,
     unscale_tree,
 )
-from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jaxamp.loss_scale import PRESET_NAMES, DynamicLossScale, LossScale, NoOpLossScale
 
 __all__ = [
     "AmpInfo",
@@ -109,13 +111,40 @@ class LossScaleDivergedError(RuntimeError):
 
 
 class LossScaledTransformation(optax.GradientTransformationExtraArgs):
-    """The type `loss_scaled` returns (an optax `GradientTransformationExtraArgs`).
+    """The optimizer `loss_scaled` returns: an optax `GradientTransformationExtraArgs` (`init`,
+    `update`) with one more method, `update_and_apply`.
 
     Example:
       >>> tx = jaxamp.loss_scaled(optax.adam(1e-3))
       >>> isinstance(tx, jaxamp.LossScaledTransformation), isinstance(tx, optax.GradientTransformation)
       (True, True)
     """
+
+    def update_and_apply(
+        self, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        """One step returning ``(new_params, new_opt_state)`` instead of updates.
+
+        The values of `update` then `jaxamp.apply_updates`, with the parameter update inside
+        the skip decision: under `jit` on CPU ``params + updates`` fuses into the optimizer's
+        update (no updates array written out and read back), and a skipped step returns
+        `params` bit for bit. `jaxamp.apply_gradients` calls it.
+
+        Example:
+          >>> tx = jaxamp.loss_scaled(optax.sgd(0.5))
+          >>> params = {"w": jnp.ones(2)}
+          >>> opt_state = tx.init(params)
+          >>> grads = jaxamp.get_loss_scale(opt_state).scale({"w": jnp.ones(2)})
+          >>> tx.update_and_apply(grads, opt_state, params)[0]["w"]
+          Array([0.5, 0.5], dtype=float32)
+        """
+        scaler = getattr(self.update, "__self__", None)
+        if not isinstance(scaler, _LossScaler):
+            raise TypeError(
+                "LossScaledTransformation.update_and_apply: this transformation was not built "
+                "by jaxamp.loss_scaled(...); build it with loss_scaled rather than by hand."
+            )
+        return scaler.update_and_apply(grads, opt_state, params, **extra_args)
 
 
 OnMaxSkips = Literal["warn", "raise", "ignore"]
@@ -130,7 +159,7 @@ def _as_loss_scale(loss_scale: Any) -> Any:
         return loss_scale
     raise TypeError(
         "loss_scaled(loss_scale=...) takes None (torch's defaults), a preset name "
-        "('torch', 'jmp', 'flax', 'keras', 'megatron'), a jaxamp loss scale "
+        f"({', '.join(repr(p) for p in PRESET_NAMES)}), a jaxamp loss scale "
         "(DynamicLossScale, StaticLossScale, NoOpLossScale) or a jmp loss scale; got "
         f"{type(loss_scale).__name__} {loss_scale!r}."
     )
@@ -141,10 +170,16 @@ def _is_state(x: Any) -> bool:
 
 
 def _find_states(opt_state: Any) -> list[tuple[str, LossScaledState]]:
+    return [
+        (jax.tree_util.keystr(path), state) for path, state in _find_states_with_keys(opt_state)
+    ]
+
+
+def _find_states_with_keys(opt_state: Any) -> list[tuple[tuple, LossScaledState]]:
     found = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=_is_state):
         if _is_state(leaf):
-            found.append((jax.tree_util.keystr(path), leaf))
+            found.append((path, leaf))
     return found
 
 
@@ -262,16 +297,39 @@ def loss_scaled(
         raise ValueError(
             f"max_consecutive_skips must be None or an int >= 1; got {max_consecutive_skips!r}."
         )
-    if max_consecutive_skips is not None:
-        max_consecutive_skips = int(max_consecutive_skips)
     if on_max_skips not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_max_skips must be 'warn', 'raise' or 'ignore'; got {on_max_skips!r}.")
-    axis_name = check_axis_name(axis_name, "loss_scaled")
-    initial_loss_scale = _as_loss_scale(loss_scale)
-    inner = optax.with_extra_args_support(inner)
+    scaler = _LossScaler(
+        inner=optax.with_extra_args_support(inner),
+        initial_loss_scale=_as_loss_scale(loss_scale),
+        axis_name=check_axis_name(axis_name, "loss_scaled"),
+        max_consecutive_skips=(
+            None if max_consecutive_skips is None else int(max_consecutive_skips)
+        ),
+        on_max_skips=on_max_skips,
+        param_labels=param_labels,
+    )
+    return LossScaledTransformation(scaler.init, scaler.update)
 
-    def init(params):
-        inner_state = inner.init(params)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LossScaler:
+    """`loss_scaled`'s configuration and its step: `init`, `update` and `update_and_apply`.
+
+    A step is: check the state and the mapped axes, unscale, decide and run `inner` (one
+    decision for every leaf, or one per group with `param_labels`), then move the scale and
+    the skip counters (`_next_state`).
+    """
+
+    inner: optax.GradientTransformationExtraArgs
+    initial_loss_scale: Any
+    axis_name: AxisName
+    max_consecutive_skips: int | None
+    on_max_skips: OnMaxSkips
+    param_labels: Any
+
+    def init(self, params: Any) -> LossScaledState:
+        inner_state = self.inner.init(params)
         nested = _find_states(inner_state)
         if nested:
             raise ValueError(
@@ -280,104 +338,120 @@ def loss_scaled(
                 "loss_scaled around the whole optimizer."
             )
         group_applied = None
-        if param_labels is not None:
+        if self.param_labels is not None:
             group_applied = jax.tree_util.tree_map(
-                lambda _: jnp.array(True), _labels_for(param_labels, params)
+                lambda _: jnp.array(True), _labels_for(self.param_labels, params)
             )
         return LossScaledState(
             inner_state=inner_state,
-            loss_scale=initial_loss_scale,
+            loss_scale=self.initial_loss_scale,
             last_step_finite=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             group_applied=group_applied,
         )
 
-    def step(updates, state, params, extra_args, *, apply):
-        # One implementation for `update` (returns the updates) and `apply_gradients`
-        # (returns the new parameters: the skip decision then covers the parameters too).
+    def update(
+        self, updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScaledState]:
+        return self._step(updates, state, params, extra_args, apply=False)
+
+    def update_and_apply(
+        self, grads: Any, state: LossScaledState, params: Any, **extra_args: Any
+    ) -> tuple[Any, LossScaledState]:
+        return self._step(grads, state, params, extra_args, apply=True)
+
+    def _step(self, scaled_grads, state, params, extra_args, *, apply):
+        # `update` returns the updates; `update_and_apply` the new parameters (the skip
+        # decision then covers the parameters too).
         caller = "apply_gradients" if apply else "loss_scaled.update"
         if not isinstance(state, LossScaledState):
             raise TypeError(
                 f"{caller}(state=...) takes the LossScaledState made by init; got "
                 f"{type(state).__name__}. Was this state saved without loss scaling?"
             )
-        check_replicas_agree(updates, axis_name, caller)
-        current = state.loss_scale
-        if isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)):
-            unscale = lambda tree: tree  # noqa: E731  (finite steps equal an unwrapped run)
-            keeps_finiteness = True
+        check_replicas_agree(scaled_grads, self.axis_name, caller)
+        unscale = _unscaler(state.loss_scale)
+        if self.param_labels is None:
+            out, inner_state, grads_finite, group_applied = self._one_decision(
+                scaled_grads, unscale, state, params, extra_args, apply=apply
+            )
         else:
-            scale_value = current.loss_scale
-            unscale = lambda tree: unscale_tree(tree, scale_value)  # noqa: E731
+            out, inner_state, grads_finite, group_applied = self._per_group_decisions(
+                scaled_grads, unscale, state, params, extra_args, apply=apply
+            )
+        return out, self._next_state(state, inner_state, grads_finite, group_applied)
+
+    def _one_decision(self, scaled_grads, unscale, state, params, extra_args, *, apply):
+        """One skip decision for every leaf: torch with one optimizer."""
+        # The scaled gradients are checked element by element, and what reaches `inner` too
+        # where unscaling may overflow (a scale below 1); the unscaled gradients are
+        # recomputed where they are read (the check, the applied branch), not materialised.
+        keeps_finiteness = True
+        if unscale is not None:
             # Dividing by a scale >= 1 cannot overflow: the scaled gradients then decide.
-            keeps_finiteness = jnp.asarray(scale_value, jnp.float32) >= 1
-        if param_labels is None:
-            # What reaches `inner` is checked: an overflow while unscaling is caught too. The
-            # unscaled gradients are recomputed where they are used (in the check and inside
-            # the applied branch) rather than materialised: one read of the gradients each.
-            grads_finite = finite_after(
-                updates, unscale, axis_name, fn_keeps_finiteness=keeps_finiteness
-            )
-            group_applied = None
-            new_updates, new_inner_state = _skip_if_not(
-                grads_finite,
-                inner,
-                unscale,
-                updates,
-                state.inner_state,
-                params,
-                extra_args,
-                noop=isinstance(current, (NoOpLossScale, jmp.NoOpLossScale)),
-                apply=apply,
-            )
+            keeps_finiteness = jnp.asarray(state.loss_scale.loss_scale, jnp.float32) >= 1
+        grads_finite = finite_after(
+            scaled_grads, unscale, self.axis_name, fn_keeps_finiteness=keeps_finiteness
+        )
+        out, inner_state = _skip_if_not(
+            grads_finite,
+            self.inner,
+            unscale,
+            scaled_grads,
+            state.inner_state,
+            params,
+            extra_args,
+            noop=unscale is None,
+            apply=apply,
+        )
+        return out, inner_state, grads_finite, None
+
+    def _per_group_decisions(self, scaled_grads, unscale, state, params, extra_args, *, apply):
+        """A skip decision per `param_labels` group under one shared scale: torch with several
+        optimizers and one `GradScaler`."""
+        grads = scaled_grads if unscale is None else unscale(scaled_grads)
+        updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
+        labels = _labels_for(self.param_labels, grads)
+        group_finite = _finite_per_group(grads, labels, self.axis_name)
+        grads_finite = jnp.stack(list(group_finite.values())).all()
+        group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
+        if apply:
+            out = select_leaves(group_applied, optax.apply_updates(params, updates), params)
         else:
-            grads = unscale(updates)
-            new_updates, new_inner_state = inner.update(
-                grads, state.inner_state, params, **extra_args
-            )
-            labels = _labels_for(param_labels, grads)
-            group_finite = _finite_per_group(grads, labels, axis_name)
-            grads_finite = jnp.stack(list(group_finite.values())).all()
-            group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
-            if apply:
-                new_updates = select_leaves(
-                    group_applied, optax.apply_updates(params, new_updates), params
-                )
-            else:
-                new_updates = skip_updates(group_applied, new_updates)
-            new_inner_state = _select_groups(group_finite, new_inner_state, state.inner_state)
+            out = skip_updates(group_applied, updates)
+        inner_state = _select_groups(group_finite, inner_state, state.inner_state)
+        return out, inner_state, grads_finite, group_applied
+
+    def _next_state(self, state, inner_state, grads_finite, group_applied) -> LossScaledState:
         consecutive = jnp.where(
             grads_finite, jnp.zeros((), jnp.int32), optax.safe_increment(state.consecutive_skips)
         )
-        if max_consecutive_skips is not None and on_max_skips != "ignore":
+        limit = self.max_consecutive_skips
+        if limit is not None and self.on_max_skips != "ignore":
             jax.lax.cond(
-                consecutive == max_consecutive_skips,
-                lambda c: jax.debug.callback(
-                    _report_diverged, c, max_consecutive_skips, on_max_skips
-                ),
+                consecutive == limit,
+                lambda c: jax.debug.callback(_report_diverged, c, limit, self.on_max_skips),
                 lambda c: None,
                 consecutive,
             )
-        new_state = LossScaledState(
-            inner_state=new_inner_state,
-            loss_scale=current.adjust(grads_finite),
+        return LossScaledState(
+            inner_state=inner_state,
+            loss_scale=state.loss_scale.adjust(grads_finite),
             last_step_finite=grads_finite,
             skipped_steps=count_if(~grads_finite, state.skipped_steps),
             consecutive_skips=consecutive,
             group_applied=group_applied,
         )
-        return new_updates, new_state
 
-    def update(updates, state, params=None, **extra_args):
-        return step(updates, state, params, extra_args, apply=False)
 
-    def update_and_apply(grads, state, params, **extra_args):
-        return step(grads, state, params, extra_args, apply=True)
-
-    # `apply_gradients(tx, ...)` finds the fused form here (a NamedTuple takes no new field).
-    update.update_and_apply = update_and_apply
-    return LossScaledTransformation(init, update)
+def _unscaler(loss_scale: Any) -> Any:
+    """The unscaling function for `loss_scale`, or None where nothing is unscaled (NoOp: finite
+    steps then equal an unwrapped run bit for bit)."""
+    if isinstance(loss_scale, (NoOpLossScale, jmp.NoOpLossScale)):
+        return None
+    scale_value = loss_scale.loss_scale
+    return lambda tree: unscale_tree(tree, scale_value)
 
 
 def _branch_syncs_host() -> bool:
@@ -399,25 +473,28 @@ def _skip_if_not(
     benchmark MLP's program, as without scaling), where a select reads the old state twice and
     makes XLA copy every state buffer (21). Without scaling (`noop`) a select keeps finite
     steps bit-identical to an unwrapped jitted step (same fusion, no branch). Either form
-    computes the same values.
+    computes the same values. `applied_step` and `skipped_step` are the two branches: what a
+    skipped step computes (nothing, today) goes into `skipped_step`.
     """
 
-    def run(inner_state, params):
-        updates, new_state = inner.update(unscale(scaled_grads), inner_state, params, **extra_args)
+    def applied_step(inner_state, params):
+        unscaled = scaled_grads if unscale is None else unscale(scaled_grads)
+        updates, new_state = inner.update(unscaled, inner_state, params, **extra_args)
         return (optax.apply_updates(params, updates) if apply else updates), new_state
 
-    def keep(inner_state, params, out_shapes):
+    def skipped_step(inner_state, params, out_shapes):
         return (params if apply else identity_updates(out_shapes)), inner_state
 
     if not isinstance(applied, jax.core.Tracer):
         if bool(applied):
-            return run(inner_state, params)
-        return keep(inner_state, params, jax.eval_shape(run, inner_state, params)[0])
+            return applied_step(inner_state, params)
+        out_shapes = jax.eval_shape(applied_step, inner_state, params)[0]
+        return skipped_step(inner_state, params, out_shapes)
 
     # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step),
     # so there the select is the cheaper form.
     def select():
-        out, new_inner_state = run(inner_state, params)
+        out, new_inner_state = applied_step(inner_state, params)
         out = select_tree(applied, out, params) if apply else skip_updates(applied, out)
         return out, select_tree(applied, new_inner_state, inner_state)
 
@@ -425,15 +502,15 @@ def _skip_if_not(
         return select()
     # A branch, not a select: the inner update fuses as in an unwrapped step, and the old
     # state is not read a second time (a select makes XLA copy every donated state buffer).
-    out_shapes, state_shapes = jax.eval_shape(run, inner_state, params)
+    out_shapes, state_shapes = jax.eval_shape(applied_step, inner_state, params)
     if _dtypes(state_shapes) != _dtypes(inner_state):
         # `inner` changes its state's dtypes (optax's Adam on float32 gradients of float16
         # parameters): a branch must return one type, a select promotes.
         return select()
     return jax.lax.cond(
         applied,
-        lambda operands: run(*operands),
-        lambda operands: keep(*operands, out_shapes),
+        lambda operands: applied_step(*operands),
+        lambda operands: skipped_step(*operands, out_shapes),
         (inner_state, params),
     )
 
@@ -570,9 +647,8 @@ def apply_gradients(
             "apply_gradients(params=None): the parameters are needed to apply the update; "
             "pass the parameters the gradients were computed for."
         )
-    fused = getattr(tx.update, "update_and_apply", None)
-    if isinstance(tx, LossScaledTransformation) and fused is not None:
-        return fused(grads, opt_state, params, **extra_args)
+    if isinstance(tx, LossScaledTransformation):
+        return tx.update_and_apply(grads, opt_state, params, **extra_args)
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
     if len(_find_states(new_opt_state)) == 1:
         return apply_updates(params, updates, new_opt_state), new_opt_state

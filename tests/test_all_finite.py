@@ -191,11 +191,11 @@ def test_axis_name_empty_tree_inside_shard_map(mesh):
     assert np.asarray(fn(np.ones(8, np.float32))).tolist() == [True] * 8
 
 
-# --- the quick check (sums along the last axis) and its exact second look ---------------------
+# --- values a sum-based check would get wrong (overflowing or cancelling sums) -----------------
 
 
 def test_finite_rows_whose_sums_overflow_are_finite(float_dtype, maybe_jit):
-    """The quick check's sums overflow here; the exact second look must still say finite."""
+    """Row sums overflow here: a check that sums would need a second look to say finite."""
     info = jnp.finfo(float_dtype)
     rows = jnp.full((3, 4), info.max, float_dtype)
     _check(maybe_jit(all_finite)({"w": rows}), True)
@@ -272,8 +272,8 @@ def test_all_finite_equals_numpy(dtype, shape, magnitude, bad, seed):
 def test_loss_scaled_skips_exactly_when_the_unscaled_gradients_are_not_finite(
     scale, magnitude, bad, seed
 ):
-    """The quick check reads the scaled gradients only where unscaling cannot overflow
-    (scale >= 1); below 1 the unscaled ones decide. Either way: skip iff numpy says so."""
+    """The scaled gradients are always checked; below a scale of 1 the unscaled ones are too
+    (unscaling can overflow only there). Either way: skip iff numpy says so."""
     rng = np.random.default_rng(seed)
     g = (rng.uniform(-1.0, 1.0, size=(4, 8)) * magnitude).astype(np.float32)
     if bad is not None:

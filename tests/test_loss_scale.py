@@ -279,9 +279,9 @@ def test_torch_collapses_to_zero_ours_keeps_a_floor(torch):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="XLA:CPU flushes float32 subnormals to zero: with min_scale=0.0 our scale reaches 0.0 "
-    "after 143 overflows from 2**16, torch's (which walks through the subnormals) after 166. "
-    "Reported to the lead; not fixable without software subnormal arithmetic.",
+    reason="XLA:CPU flushes float32 subnormals to zero: with min_scale=0.0 jaxamp's scale reaches "
+    "0.0 after 143 overflows from 2**16, torch's (which walks through the subnormals) after 166. "
+    "A documented limitation (DynamicLossScale), not fixable without software subnormal arithmetic.",
 )
 def test_min_scale_zero_collapse_step_count_equals_torch(torch):
     reference = TorchScaler(torch)
