@@ -1,7 +1,8 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast.
 
 The public API is what ``__all__`` lists; ``jaxamp.flax`` (imported as ``jaxamp.flax``) holds the
-Flax integration; ``jaxamp.fp8`` holds fp8 training (torchao's recipes, delayed scaling).
+Flax integration; ``jaxamp.fp8`` holds fp8 training (torchao's recipes, delayed scaling);
+``jaxamp.optim_precision`` holds optimizer precision (low-bit state, bf16 masters).
 
 Example:
   >>> policy = jaxamp.get_policy("bf16-mixed")
@@ -36,6 +37,13 @@ from jaxamp.optim import apply_updates as apply_updates
 from jaxamp.optim import get_loss_scale as get_loss_scale
 from jaxamp.optim import loss_scaled as loss_scaled
 from jaxamp.optim import set_loss_scale as set_loss_scale
+from jaxamp.optim_precision import KahanSummationState as KahanSummationState
+from jaxamp.optim_precision import LowPrecisionState as LowPrecisionState
+from jaxamp.optim_precision import StochasticRoundingState as StochasticRoundingState
+from jaxamp.optim_precision import kahan_summation as kahan_summation
+from jaxamp.optim_precision import low_precision_state as low_precision_state
+from jaxamp.optim_precision import stochastic_round as stochastic_round
+from jaxamp.optim_precision import stochastic_rounding as stochastic_rounding
 from jaxamp.policy import Policy as Policy
 from jaxamp.policy import cast_floating as cast_floating
 from jaxamp.policy import get_policy as get_policy
@@ -47,14 +55,17 @@ __all__ = [
     "AmpInfo",
     "DtypeRecord",
     "DynamicLossScale",
+    "KahanSummationState",
     "LossScale",
     "LossScaleDivergedError",
     "LossScaledState",
     "LossScaledTransformation",
+    "LowPrecisionState",
     "MultiStepsState",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
+    "StochasticRoundingState",
     "all_finite",
     "amp_info",
     "amp_states",
@@ -68,9 +79,13 @@ __all__ = [
     "full_precision",
     "get_loss_scale",
     "get_policy",
+    "kahan_summation",
     "loss_scaled",
+    "low_precision_state",
     "multi_steps",
     "set_loss_scale",
+    "stochastic_round",
+    "stochastic_rounding",
     "value_and_grad",
 ]
 

@@ -1,0 +1,220 @@
+"""Block-wise codes for optimizer state: torchao's 8-bit, 4-bit and fp8 schemes, and bf16.
+
+Every format keeps a float32 value per element as a code and, for the block formats, one float32
+scale per block of `block_size` consecutive elements (row-major over the whole leaf, as torchao
+reshapes to ``(-1, block_size)``):
+
+* ``"8bit"``: ``uint8`` codes into bitsandbytes' dynamic-tree map (signed or unsigned), the
+  elements divided by their block's largest magnitude (torchao ``OptimState8bit``, block 256).
+* ``"4bit"``: two 4-bit codes per ``uint8`` (first element in the high nibble); the signed map
+  is the dynamic map with 3 exponent bits, the unsigned one linear without zero (torchao
+  ``OptimState4bit``, block 128).
+* ``"fp8"``: ``float8_e4m3fn`` codes of the elements divided by ``amax / 448`` (torchao
+  ``OptimStateFp8``, block 256).
+* ``"bf16"``: the leaf stored as bfloat16 (round to nearest even); no scale.
+
+Codes round as torchao's do: the map code at or below the value, or the next one up when the
+value lies at or above the midpoint (``quantize_8bit_with_qmap``); fp8 rounds to nearest even.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp.optim_precision import _qmaps
+
+__all__ = [
+    "BLOCK_FORMATS",
+    "DEFAULT_BLOCK_SIZE",
+    "STATE_FORMATS",
+    "QuantizedArray",
+    "dequantize",
+    "quantize",
+]
+
+# The formats `low_precision_state` takes, and the default block size of each block format
+# (torchao 0.18's AdamW8bit / AdamW4bit / AdamWFp8 defaults).
+DEFAULT_BLOCK_SIZE = {"8bit": 256, "4bit": 128, "fp8": 256}
+BLOCK_FORMATS = tuple(DEFAULT_BLOCK_SIZE)
+STATE_FORMATS = ("bf16", *BLOCK_FORMATS)
+
+_QMAPS = {
+    ("8bit", True): _qmaps.SIGNED_8BIT,
+    ("8bit", False): _qmaps.UNSIGNED_8BIT,
+    ("4bit", True): _qmaps.SIGNED_4BIT,
+    ("4bit", False): _qmaps.UNSIGNED_4BIT,
+}
+_FP8 = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
+# torch's `.clip(1e-12)` on the block amax: an all-zero block divides by this, not by 0.
+_TINY_AMAX = np.float32(1e-12)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """One optimizer-state leaf kept as block-wise codes (see the module docstring).
+
+    Attributes:
+      codes: ``uint8`` of the leaf's shape (``"8bit"``), ``uint8`` of ``(size // 2,)`` with two
+        codes per byte (``"4bit"``), or ``float8_e4m3fn`` of the leaf's shape (``"fp8"``).
+      scale: float32 of shape ``(size // block_size,)``: each block's scale.
+      state_format: ``"8bit"``, ``"4bit"`` or ``"fp8"`` (static).
+      signed: whether the map covers negative values (first moments) or not (second moments;
+        static).
+      shape: the shape of the float32 value (static).
+      block_size: elements per scale (static).
+
+    Example:
+      >>> from jaxamp.optim_precision import quantize, dequantize
+      >>> q = quantize(jnp.linspace(-1.0, 1.0, 256), "8bit", signed=True, block_size=128)
+      >>> q.codes.dtype, q.codes.shape, q.scale.shape
+      (dtype('uint8'), (256,), (2,))
+      >>> bool(jnp.abs(dequantize(q) - jnp.linspace(-1.0, 1.0, 256)).max() < 0.02)
+      True
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    state_format: str = dataclasses.field(metadata={"static": True})
+    signed: bool = dataclasses.field(metadata={"static": True})
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    block_size: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes plus scales (the map is a shared constant)."""
+        return int(self.codes.nbytes) + int(self.scale.nbytes)
+
+
+def _search(x: jax.Array, qmap: jax.Array, bits: int) -> jax.Array:
+    """torchao's branchless binary search: the largest code whose map value is <= x (0 below
+    the map, and for NaN, as torch's comparisons give), then up one where x is at or past the
+    midpoint to the next value."""
+    top = qmap.shape[0] - 1
+    codes = jnp.where(x >= qmap[1 << (bits - 1)], 1 << (bits - 1), 0).astype(jnp.int32)
+    for shift in range(bits - 2, -1, -1):
+        step = 1 << shift
+        codes = codes + jnp.where(x >= jnp.take(qmap, codes + step), step, 0).astype(jnp.int32)
+    codes_up = jnp.minimum(codes + 1, top)
+    value_down = jnp.take(qmap, codes)
+    value_up = jnp.take(qmap, codes_up)
+    round_up = (x - value_down) >= (value_up - value_down) * jnp.float32(0.5)
+    return jnp.where(round_up, codes_up, codes).astype(jnp.uint8)
+
+
+def _blocks(x: jax.Array, block_size: int) -> jax.Array:
+    return x.astype(jnp.float32).reshape(-1, block_size)
+
+
+def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """IEEE division, as torch's. XLA rewrites ``x / broadcast(s)`` (and ``x / constant``) into
+    ``x * (1 / s)``, which rounds twice and moves codes at rounding midpoints; a barrier on the
+    broadcast denominator keeps it a true division."""
+    denominator = jnp.broadcast_to(denominator, numerator.shape)
+    return numerator / jax.lax.optimization_barrier(denominator)
+
+
+def quantize(
+    x: jax.Array, state_format: str, *, signed: bool = True, block_size: int | None = None
+) -> QuantizedArray:
+    """Encodes `x` as block-wise codes, exactly as torchao 0.18 stores an optimizer state.
+
+    Args:
+      x: a floating array (any of float16/bfloat16/float32; computed in float32) whose size is a
+        multiple of `block_size`.
+      state_format: ``"8bit"``, ``"4bit"`` or ``"fp8"``.
+      signed: the signed map (first moments) or the unsigned one (second moments); fp8 ignores
+        it (its codes carry a sign).
+      block_size: elements per scale; default torchao's (256, 128, 256).
+
+    Returns:
+      A `QuantizedArray`; `dequantize` gives float32 back.
+
+    Example:
+      >>> from jaxamp.optim_precision import quantize
+      >>> q = quantize(jnp.arange(512.0), "fp8")
+      >>> q.codes.dtype, q.scale
+      (dtype(float8_e4m3fn), Array([0.5691964, 1.140625 ], dtype=float32))
+    """
+    if state_format not in BLOCK_FORMATS:
+        raise ValueError(_unknown_format("quantize", state_format, BLOCK_FORMATS))
+    block_size = _check_block_size("quantize", state_format, block_size)
+    size = math.prod(x.shape)
+    if size % block_size:
+        raise ValueError(
+            f"quantize(x=...): size {size} (shape {tuple(x.shape)}) is not a multiple of "
+            f"block_size={block_size}; low_precision_state keeps such leaves unquantized."
+        )
+    blocks = _blocks(x, block_size)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    if state_format == "fp8":
+        scale = _divide(jnp.maximum(amax, _TINY_AMAX), jnp.float32(_FP8_MAX))
+        codes = _divide(blocks, scale[:, None]).astype(_FP8).reshape(x.shape)
+        return QuantizedArray(codes, scale, "fp8", bool(signed), tuple(x.shape), block_size)
+    scale = jnp.maximum(amax, _TINY_AMAX)
+    qmap = jnp.asarray(_QMAPS[state_format, bool(signed)])
+    bits = 8 if state_format == "8bit" else 4
+    codes = _search(_divide(blocks, scale[:, None]), qmap, bits)
+    if state_format == "8bit":
+        codes = codes.reshape(x.shape)
+    else:
+        pairs = codes.reshape(-1, 2)
+        codes = (pairs[:, 0] << 4) | pairs[:, 1]
+    return QuantizedArray(codes, scale, state_format, bool(signed), tuple(x.shape), block_size)
+
+
+def dequantize(q: QuantizedArray) -> jax.Array:
+    """The float32 values of `q` (map value times block scale, as torchao's ``dequantize``).
+
+    Example:
+      The signed maps end at 1.0 but start above -1 (-0.8875 for 4 bits, -0.993 for 8), as
+      torchao's: a block's most negative value comes back smaller in magnitude.
+
+      >>> from jaxamp.optim_precision import dequantize, quantize
+      >>> dequantize(quantize(jnp.full(128, -2.0), "4bit", signed=True))[:3]
+      Array([-1.775, -1.775, -1.775], dtype=float32)
+      >>> dequantize(quantize(jnp.full(128, 2.0), "4bit", signed=True))[:3]
+      Array([2., 2., 2.], dtype=float32)
+    """
+    if not isinstance(q, QuantizedArray):
+        raise TypeError(f"dequantize(q=...) takes a QuantizedArray; got {type(q).__name__}.")
+    if q.state_format == "fp8":
+        values = q.codes.astype(jnp.float32).reshape(-1, q.block_size)
+    else:
+        codes = q.codes
+        if q.state_format == "4bit":
+            codes = jnp.stack([codes >> 4, codes & 0b1111], axis=-1)
+        qmap = jnp.asarray(_QMAPS[q.state_format, q.signed])
+        values = jnp.take(qmap, codes.astype(jnp.int32).reshape(-1, q.block_size))
+    return (values * q.scale[:, None]).reshape(q.shape)
+
+
+def _unknown_format(caller: str, value: Any, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=0.4)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"{caller}(state_format={value!r}): unknown format{hint} Formats: {', '.join(allowed)}."
+
+
+def _check_block_size(caller: str, state_format: str, block_size: Any) -> int:
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE[state_format]
+    if (
+        isinstance(block_size, (bool, np.bool_))
+        or not isinstance(block_size, (int, np.integer))
+        or block_size < 1
+        or (state_format == "4bit" and block_size % 2)
+    ):
+        need = "an even int >= 2 (two codes per byte)" if state_format == "4bit" else "an int >= 1"
+        raise ValueError(
+            f"{caller}(block_size={block_size!r}): must be {need} or None (torchao's "
+            f"{DEFAULT_BLOCK_SIZE[state_format]} for {state_format!r})."
+        )
+    return int(block_size)
