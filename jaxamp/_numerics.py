@@ -8,6 +8,7 @@ names are re-exported from `jaxamp.loss_scale` and `jaxamp.optim`.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
@@ -61,15 +62,39 @@ def check_axis_name(axis_name: Any, caller: str) -> AxisName:
     )
 
 
-def _mapped_axes_in_scope() -> tuple[str, ...]:
+def _mapped_axes_in_scope() -> tuple[str, ...] | None:
+    """The names of the mapped axes being traced, or None where JAX cannot tell us."""
     # No public API tells whether we trace inside pmap / a named vmap; guard the private one.
     try:
         from jax._src import core
 
         names = core.unsafe_get_axis_names()
     except Exception:  # pragma: no cover - depends on the JAX version
-        return ()
+        return None
     return tuple(str(n) for n in names)
+
+
+def _check_axes_in_scope(axis_name: str | tuple[str, ...], caller: str) -> None:
+    """Raises, naming the axes in scope, if `axis_name` names an axis that is not mapped here."""
+    in_scope = _mapped_axes_in_scope()
+    if in_scope is None:
+        return
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    for name in names:
+        if name in in_scope:
+            continue
+        shown = [n.replace("_internal_pmap_axis_name", "<pmap axis>") for n in in_scope]
+        if shown:
+            where = f"the mapped axes here are {shown}"
+            close = difflib.get_close_matches(name, in_scope, n=1)
+            hint = f" Did you mean axis_name={close[0]!r}?" if close else ""
+        else:
+            where = "no mapped axis is in scope (not inside shard_map or pmap)"
+            hint = " Leave axis_name=None outside shard_map/pmap."
+        raise ValueError(
+            f"{caller}: axis_name={axis_name!r} names the axis {name!r}, but {where}. Pass the "
+            f"axis name given to shard_map's mesh or pmap(..., axis_name=...).{hint}"
+        )
 
 
 def _varying_axes(tree: Any) -> set[str] | None:
@@ -94,8 +119,9 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
     ``axis_name=()`` says that independent decisions are meant.
     """
     if axis_name is not None:
+        _check_axes_in_scope(axis_name, caller)
         return
-    in_scope = set(_mapped_axes_in_scope())
+    in_scope = set(_mapped_axes_in_scope() or ())
     if not in_scope:
         return
     varying = _varying_axes(tree)
@@ -227,6 +253,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf])])), bool(jaxamp.all_finite({}))
       (False, True)
     """
+    axis_name = check_axis_name(axis_name, "all_finite")
+    if axis_name:
+        _check_axes_in_scope(axis_name, "all_finite")
     return finite_after(tree, axis_name=axis_name)
 
 

@@ -8,6 +8,7 @@ float32), so it cannot decay to 0.0 the way torch's does after ~150 overflows in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 from collections.abc import Mapping
@@ -38,10 +39,7 @@ __all__ = [
     "PRESET_NAMES",
 ]
 
-_F32_TINY = F32_TINY
-_F32_MAX = F32_MAX
-_INT32_MAX = INT32_MAX
-_scale_tree = scale_tree  # kept importable here for jaxamp.grad
+_scale_tree = scale_tree  # until jaxamp.grad imports scale_tree from _numerics (issue 23)
 
 
 @runtime_checkable
@@ -66,12 +64,30 @@ class LossScale(Protocol):
     def adjust(self, grads_finite: jax.Array) -> LossScale: ...
 
 
-def _is_number(value: Any) -> bool:
+def _host_number(name: str, value: Any, allowed: str) -> int | float:
+    """`value` as a Python int or float: a number, or a concrete 0-d NumPy/JAX array of an int
+    or float dtype (jmp's idiom ``jnp.float32(2 ** 15)``). Bools, strings, tracers and arrays of
+    any other shape are refused, naming `name` and what it must be (`allowed`)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number ({allowed}); got a traced value "
+            f"({value.aval.str_short()}). Loss scales hold their settings as Python numbers: "
+            "build them outside jax.jit/vmap/grad, e.g. once before the training loop."
+        )
     if isinstance(value, (bool, np.bool_)):
-        return False
+        raise TypeError(f"{name} must be {allowed}; got the bool {value!r}.")
     if isinstance(value, (int, float, np.integer, np.floating)):
-        return True
-    return isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iuf"
+        return value
+    if isinstance(value, (np.ndarray, jax.Array)):
+        dtype = np.dtype(value.dtype)
+        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        if value.shape != () or not real or dtype == np.bool_:
+            raise TypeError(
+                f"{name} must be {allowed}: a number or a 0-d int/float array; got an array "
+                f"of shape {value.shape} and dtype {dtype.name}."
+            )
+        return int(value) if jnp.issubdtype(dtype, jnp.integer) else float(value)
+    raise TypeError(f"{name} must be {allowed}; got {type(value).__name__} {value!r}.")
 
 
 def _check_scale_value(name: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -80,19 +96,16 @@ def _check_scale_value(name: str, value: Any, *, allow_zero: bool = False) -> fl
     1e-50 is 0.0 in float32 and 1e50 is inf: both would be stored as such, so both are refused.
     """
     allowed = ">= 0" if allow_zero else "> 0"
-    if not _is_number(value):
-        raise TypeError(
-            f"{name} must be a real number (int or float), finite and {allowed} in float32; "
-            f"got {type(value).__name__} {value!r}."
-        )
-    as_float = float(value)
+    as_float = float(
+        _host_number(name, value, f"a real number (int or float), finite and {allowed} in float32")
+    )
     with np.errstate(over="ignore", under="ignore"):
         as_f32 = float(np.float32(as_float)) if math.isfinite(as_float) else as_float
     ok = math.isfinite(as_f32) and (as_f32 >= 0 if allow_zero else as_f32 > 0)
     if not ok or (as_float > 0 and as_f32 == 0 and not allow_zero):
         raise ValueError(
-            f"{name} must be finite and {allowed} in float32 (between {_F32_TINY:.3g} and "
-            f"{_F32_MAX:.4g} for a scale); got {value!r}, which is {as_f32!r} in float32."
+            f"{name} must be finite and {allowed} in float32 (between {F32_TINY:.3g} and "
+            f"{F32_MAX:.4g} for a scale); got {value!r}, which is {as_f32!r} in float32."
         )
     return as_float
 
@@ -108,7 +121,7 @@ class _ScaleMixin:
         Returns float32 for float16/bfloat16/float32 leaves (float64 stays float64): a float16
         loss times 2**16 would overflow, so scaling happens in float32.
         """
-        return _scale_tree(tree, self.loss_scale)
+        return scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: Any) -> Any:
         """Multiplies floating leaves by torch's float32(1/scale); each leaf keeps its dtype.
@@ -156,7 +169,6 @@ class NoOpLossScale(_ScaleMixin):
         return self
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(_ScaleMixin):
     """A constant loss scale (float32). `adjust` returns it unchanged.
@@ -173,42 +185,45 @@ class StaticLossScale(_ScaleMixin):
 
     def __init__(self, loss_scale: Any = 2.0**15):
         """Args:
-          loss_scale: a number (or a scalar numpy array), finite and > 0 in float32.
+          loss_scale: a number or a concrete 0-d array (``jnp.float32(1024)``), finite and > 0
+            in float32.
 
         Raises:
-          TypeError / ValueError: anything else (a string, a bool, a list, None, 0, inf,
-            a negative or non-scalar array).
+          TypeError / ValueError: anything else (a string, a bool, a list, None, a traced
+            value, 0, inf, a negative or non-scalar array).
+
+        Only a user's call validates: JAX rebuilds this pytree (`tree_map`, `vmap`, `pmap`,
+        `flax.jax_utils.replicate`) without calling `__init__`, so stacked or replicated
+        scales (shape ``(n,)``) and tracers pass through.
         """
-        name = "StaticLossScale(loss_scale=...)"
-        if _is_number(loss_scale):
-            loss_scale = jnp.asarray(_check_scale_value(name, loss_scale), jnp.float32)
-        elif isinstance(loss_scale, jax.Array) and not isinstance(loss_scale, jax.core.Tracer):
-            # Concrete JAX arrays also arrive from tree_map/jit rebuilding this pytree: check
-            # the value, convert the dtype.
-            if loss_scale.shape != () or not jnp.issubdtype(loss_scale.dtype, jnp.number):
-                raise TypeError(
-                    f"{name} takes a scalar number; got an array of shape {loss_scale.shape} "
-                    f"dtype {loss_scale.dtype}."
-                )
-            loss_scale = loss_scale.astype(jnp.float32)
-            if loss_scale.is_fully_addressable and not bool(
-                jnp.isfinite(loss_scale) & (loss_scale > 0)
-            ):
-                raise ValueError(f"{name} must be finite and > 0 in float32; got {loss_scale!r}.")
-        elif isinstance(loss_scale, (str, bytes, bool, np.bool_, list, tuple, dict, np.ndarray)):
-            raise TypeError(
-                f"{name} takes a positive finite number; got {type(loss_scale).__name__} "
-                f"{loss_scale!r}."
-            )
-        elif loss_scale is None:
-            raise TypeError(f"{name} takes a positive finite number; got None.")
-        # Anything else is a placeholder JAX puts in while transforming the pytree (a tracer,
-        # an abstract value, a sentinel): store it as is.
-        object.__setattr__(self, "loss_scale", loss_scale)
+        value = _check_scale_value("StaticLossScale(loss_scale=...)", loss_scale)
+        object.__setattr__(self, "loss_scale", jnp.asarray(value, jnp.float32))
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         del grads_finite
         return self
+
+
+_STATIC_FIELDS = tuple(f.name for f in dataclasses.fields(StaticLossScale))
+
+
+def _rebuild_static(aux: tuple, children: Any) -> StaticLossScale:
+    del aux
+    rebuilt = object.__new__(StaticLossScale)  # not __init__: it validates a user's value
+    for name, value in zip(_STATIC_FIELDS, children, strict=True):
+        object.__setattr__(rebuilt, name, value)
+    return rebuilt
+
+
+# Not `register_dataclass`: it rebuilds through `__init__`, which refused the stacked (n,)
+# scales of vmap/pmap. The children are every dataclass field, so none is dropped on a round
+# trip (jmp's hand-written flatten drops `min_loss_scale`).
+jax.tree_util.register_pytree_with_keys(
+    StaticLossScale,
+    lambda s: (tuple((jax.tree_util.GetAttrKey(n), getattr(s, n)) for n in _STATIC_FIELDS), ()),
+    _rebuild_static,
+    lambda s: (tuple(getattr(s, n) for n in _STATIC_FIELDS), ()),
+)
 
 
 GrowthRule = Literal["torch", "flax"]
@@ -274,7 +289,7 @@ class DynamicLossScale(_ScaleMixin):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    min_scale: float = _F32_TINY
+    min_scale: float = F32_TINY
     max_scale: float | None = None
     hysteresis: int = 1
     growth_rule: GrowthRule = "torch"
@@ -286,7 +301,7 @@ class DynamicLossScale(_ScaleMixin):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
-        min_scale: float = _F32_TINY,
+        min_scale: float = F32_TINY,
         max_scale: float | None = None,
         hysteresis: int = 1,
         growth_rule: GrowthRule = "torch",
@@ -323,10 +338,13 @@ class DynamicLossScale(_ScaleMixin):
             max_scale = _check_scale_value("max_scale", max_scale)
             if max_scale < min_scale:
                 raise ValueError(f"max_scale ({max_scale!r}) must be >= min_scale ({min_scale!r}).")
-        if growth_rule not in ("torch", "flax"):
-            raise ValueError(f"growth_rule must be 'torch' or 'flax'; got {growth_rule!r}.")
-        if init_scale > _F32_MAX:
-            raise ValueError(f"init_scale must fit in float32 (<= {_F32_MAX}); got {init_scale!r}.")
+        if not isinstance(growth_rule, str) or growth_rule not in ("torch", "flax"):
+            raise ValueError(
+                f"growth_rule must be 'torch' or 'flax'; got {growth_rule!r}."
+                f"{_did_you_mean(growth_rule, ('torch', 'flax'))}"
+            )
+        if init_scale > F32_MAX:
+            raise ValueError(f"init_scale must fit in float32 (<= {F32_MAX}); got {init_scale!r}.")
         if min_scale > init_scale:
             raise ValueError(
                 f"min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r}): the scale "
@@ -371,7 +389,7 @@ class DynamicLossScale(_ScaleMixin):
         presets: dict[str, dict[str, Any]] = {
             "torch": {},
             "jmp": {"init_scale": 2.0**15, "min_scale": 1.0},
-            "flax": {"growth_rule": "flax", "max_scale": _F32_MAX},
+            "flax": {"growth_rule": "flax", "max_scale": F32_MAX},
             "keras": {"init_scale": 2.0**15},
             "megatron": {
                 "init_scale": 2.0**32,
@@ -380,10 +398,16 @@ class DynamicLossScale(_ScaleMixin):
                 "hysteresis": 2,
             },
         }
+        valid = ", ".join(repr(p) for p in PRESET_NAMES)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"DynamicLossScale.from_preset(name=...) takes a preset name (a str: {valid}); "
+                f"got {type(name).__name__} {name!r}."
+            )
         if name not in presets:
             raise ValueError(
                 f"DynamicLossScale.from_preset(name={name!r}): unknown preset; valid names are "
-                f"{', '.join(repr(p) for p in PRESET_NAMES)}."
+                f"{valid}.{_did_you_mean(name, PRESET_NAMES)}"
             )
         return cls.create(**{**presets[name], **overrides})
 
@@ -418,7 +442,7 @@ class DynamicLossScale(_ScaleMixin):
         finite_hysteresis = jnp.where(grow, self.hysteresis, hysteresis_left)
 
         # Saturate instead of wrapping: the tracker only counts to 0 after enough overflows.
-        overflow_hysteresis = jnp.maximum(hysteresis_left - 1, -_INT32_MAX)
+        overflow_hysteresis = jnp.maximum(hysteresis_left - 1, -INT32_MAX)
         backed_off = jnp.maximum(
             mul_like_torch(scale, self.backoff_factor), jnp.float32(self.min_scale)
         )
@@ -504,10 +528,9 @@ class DynamicLossScale(_ScaleMixin):
         for key in ("growth_factor", "backoff_factor"):
             _check_scale_value(f"from_state_dict: state_dict[{key!r}]", kwargs[key])
         _check_int("from_state_dict: state_dict['growth_interval']", kwargs["growth_interval"])
-        extra = dict(state_dict.get("jaxamp") or {})
+        extra = _jaxamp_settings(state_dict.get("jaxamp"))
         hysteresis_tracker = extra.pop("hysteresis_tracker", None)
         kwargs = {**kwargs, **extra, **overrides}
-        kwargs["init_scale"] = _as_float(kwargs["init_scale"])
         scale = cls.create(**kwargs)
         tracker = _check_int(
             "from_state_dict: state_dict['_growth_tracker']", state_dict["_growth_tracker"], low=0
@@ -528,7 +551,7 @@ class DynamicLossScale(_ScaleMixin):
         hysteresis_tracker = _check_int(
             "from_state_dict: state_dict['jaxamp']['hysteresis_tracker']",
             hysteresis_tracker,
-            low=-_INT32_MAX,
+            low=-INT32_MAX,
         )
         if hysteresis_tracker > scale.hysteresis:
             raise ValueError(
@@ -556,6 +579,34 @@ def default_loss_scale(policy: Any) -> LossScale:
     return DynamicLossScale.create() if policy.needs_loss_scaling else NoOpLossScale()
 
 
+_JAXAMP_SETTINGS = ("min_scale", "max_scale", "hysteresis", "hysteresis_tracker", "growth_rule")
+
+
+def _jaxamp_settings(settings: Any) -> dict[str, Any]:
+    """`state_dict()["jaxamp"]` (jaxamp's settings beyond torch's format) as a dict, checked."""
+    if settings is None:
+        return {}
+    where = "from_state_dict: state_dict['jaxamp']"
+    if not isinstance(settings, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping with keys among {list(_JAXAMP_SETTINGS)} (as "
+            f"DynamicLossScale.state_dict() writes it); got {type(settings).__name__} "
+            f"{settings!r}."
+        )
+    unknown = [k for k in settings if k not in _JAXAMP_SETTINGS]
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown key {unknown[0]!r}; valid keys are {list(_JAXAMP_SETTINGS)}."
+            f"{_did_you_mean(unknown[0], _JAXAMP_SETTINGS)}"
+        )
+    return dict(settings)
+
+
+def _did_you_mean(value: Any, valid: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
     if isinstance(grads_finite, (bool, np.bool_)):
         return jnp.asarray(grads_finite)
@@ -567,13 +618,9 @@ def _check_grads_finite(grads_finite: Any) -> jax.Array:
     )
 
 
-def _as_float(value: Any) -> Any:
-    return float(value) if _is_number(value) else value
-
-
 def _check_int(name: str, value: Any, *, low: int = 1) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int >= {low}; got {type(value).__name__} {value!r}.")
-    if not low <= int(value) <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}]; got {value!r}.")
+    if not low <= int(value) <= INT32_MAX:
+        raise ValueError(f"{name} must be an int in [{low}, {INT32_MAX}]; got {value!r}.")
     return int(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -78,9 +79,12 @@ class AmpInfo(NamedTuple):
 
     Attributes:
       loss_scale: the current loss scale (float32).
-      last_step_finite: whether the last step's gradients were finite.
-      last_step_applied: whether the last step updated the parameters (same as finite: a
-        non-finite step is always skipped; with ``param_labels``, whether every group did).
+      last_step_finite: whether every gradient of the last step was finite (the scale then
+        counts a clean step; otherwise it backs off).
+      last_step_applied: whether the last step updated the parameters. With one decision for
+        every leaf this equals `last_step_finite` (a non-finite step is skipped whole); with
+        ``param_labels`` it is true when at least one group applied its update, while
+        `last_step_finite` is false as soon as one group overflowed.
       skipped_steps: total skipped steps.
       consecutive_skips: skipped steps in a row, ending with the last step.
 
@@ -229,7 +233,9 @@ def loss_scaled(
     Composition:
       * `optax.chain(clip, ...)` *inside* `loss_scaled` clips the unscaled gradients, as
         `GradScaler.unscale_` then `clip_grad_norm_` does; non-finite steps are skipped, not
-        clipped.
+        clipped. The other way round, ``optax.chain(clip, loss_scaled(...))``, the clip sees
+        scaled gradients: `apply_gradients`, `apply_updates` and `get_loss_scale` (so
+        `jaxamp.value_and_grad`) refuse such a state.
       * `loss_scaled(optax.multi_transform(...))` makes one global decision: a non-finite value
         in any group skips every group (torch with one optimizer).
       * `loss_scaled({"a": tx_a, "b": tx_b}, param_labels=labels)` is torch with several
@@ -590,6 +596,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
       Array([1., 1., 1.], dtype=float32)
     """
     state = _unwrap(_one_state(opt_state, "apply_updates"))
+    _check_outermost(opt_state, _find_states_with_keys(opt_state), "apply_updates")
     new_params = optax.apply_updates(params, updates)
     if state.group_applied is None:
         return select_tree(state.last_step_finite, new_params, params)
@@ -599,20 +606,21 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
 def apply_gradients(
     tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
 ) -> tuple[Any, Any]:
-    """One optimizer step: ``tx.update`` then `apply_updates`, as one decision.
+    """One optimizer step of a loss-scaled optimizer: ``tx.update`` then `apply_updates`, as
+    one decision.
 
-    For `loss_scaled(...)` the parameter update goes inside the skip decision: under `jit` on
-    CPU it then fuses into the optimizer's update as in a step without loss scaling, where
-    ``update`` followed by `apply_updates` writes the updates out and reads them back (the
-    benchmark MLP in float32 at batch 32: 1.07-1.14x a step without scaling instead of
-    1.17-1.23x; BENCHMARKS.md). The values are those of ``update`` + `apply_updates`; a
-    skipped step returns `params` bit for bit.
-    Any other optax transformation gets ``update`` + `apply_updates` when it holds one
-    loss-scaled state (e.g. ``optax.chain(clip, loss_scaled(...))``), else
-    ``update`` + `optax.apply_updates`.
+    For `loss_scaled(...)` this is `LossScaledTransformation.update_and_apply`: the parameter
+    update goes inside the skip decision, so under `jit` on CPU it fuses into the optimizer's
+    update as in a step without loss scaling, where ``update`` followed by `apply_updates`
+    writes the updates out and reads them back (BENCHMARKS.md). The values are those of
+    ``update`` + `apply_updates`; a skipped step returns `params` bit for bit.
+    A transformation that wraps one `loss_scaled` whole (`jaxamp.multi_steps`,
+    `optax.inject_hyperparams`, `optax.MultiSteps`) gets ``update`` + `apply_updates`; one
+    with a `loss_scaled` per `optax.multi_transform` group, ``update`` +
+    `optax.apply_updates` (each skipped group's updates are -0.0).
 
     Args:
-      tx: the optimizer (usually `jaxamp.loss_scaled(...)`).
+      tx: the optimizer: `jaxamp.loss_scaled(...)`, or a transformation around it.
       grads: the gradients of the scaled loss (as `jaxamp.value_and_grad` returns them).
       opt_state: `tx`'s state.
       params: the parameters the gradients were computed for.
@@ -622,8 +630,11 @@ def apply_gradients(
       ``(new_params, new_opt_state)``.
 
     Raises:
-      TypeError: `tx` is not an optax transformation.
-      ValueError: `params` is None.
+      TypeError: `tx` is not an optax transformation, or holds no loss scaling (a plain
+        optimizer would apply the gradients still scaled: wrap it in `jaxamp.loss_scaled`).
+      ValueError: `params` is None, or the loss-scaled optimizer is not the outermost
+        transformation (e.g. ``optax.chain(clip, loss_scaled(sgd))``: the clip would see
+        scaled gradients; put the chain inside: ``loss_scaled(optax.chain(clip, sgd))``).
 
     Example:
       >>> params = {"w": jnp.ones(3)}
@@ -649,11 +660,68 @@ def apply_gradients(
         )
     if isinstance(tx, LossScaledTransformation):
         return tx.update_and_apply(grads, opt_state, params, **extra_args)
+    found = _find_states_with_keys(opt_state)
+    if not found:
+        raise TypeError(
+            "apply_gradients(tx=...): tx is not loss-scaled (its state holds no "
+            f"LossScaledState; got {type(opt_state).__name__}), so the gradients of the scaled "
+            "loss would be applied still multiplied by the scale, and an inf/NaN step would "
+            "not be skipped. Wrap the optimizer: tx = jaxamp.loss_scaled(optax.adam(1e-3)) "
+            "(jaxamp.loss_scaled(tx, jaxamp.NoOpLossScale()) where no scaling is meant)."
+        )
+    _check_outermost(opt_state, found, "apply_gradients")
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
-    if len(_find_states(new_opt_state)) == 1:
+    if len(found) == 1:
         return apply_updates(params, updates, new_opt_state), new_opt_state
-    # No loss scaling, or one per group (each group's skipped updates are -0.0).
+    # One loss scale per multi_transform group: each skipped group's updates are -0.0.
     return optax.apply_updates(params, updates), new_opt_state
+
+
+def _check_outermost(opt_state: Any, found: list[tuple[tuple, Any]], caller: str) -> None:
+    """Raises if a loss-scaled state sits in a chain beside other transformations' states.
+
+    `optax.chain`'s state is a plain tuple (`optax.named_chain`'s an OrderedDict), one entry
+    per transformation; `optax.multi_transform` keeps its groups' states in a dict too, but
+    each group sees only its own parameters' gradients, so that one is fine.
+    """
+    for path, _ in found:
+        container, parent = opt_state, None
+        for key in path:
+            chained = (type(container) in (tuple, list)) or (
+                type(container) in (dict, collections.OrderedDict)
+                and not isinstance(parent, optax.MultiTransformState)
+            )
+            if chained and len(container) > 1:
+                where = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"{caller}(opt_state=...): the loss-scaled optimizer's state is at {where}, "
+                    f"beside {len(container) - 1} other transformation(s) in a chain: they see "
+                    "the *scaled* gradients (a clip clips gradients 65536x too large) and keep "
+                    "stepping when loss_scaled skips. Make loss_scaled the outermost "
+                    "transformation: jaxamp.loss_scaled(optax.chain(optax.clip_by_global_norm("
+                    "1.0), optax.sgd(0.1))), not optax.chain(optax.clip_by_global_norm(1.0), "
+                    "jaxamp.loss_scaled(optax.sgd(0.1)))."
+                )
+            child = _child(container, key)
+            if child is _NOT_FOUND:
+                break
+            container, parent = child, container
+
+
+_NOT_FOUND = object()
+
+
+def _child(container: Any, key: Any) -> Any:
+    try:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            return container[key.idx]
+        if isinstance(key, jax.tree_util.DictKey):
+            return container[key.key]
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            return getattr(container, key.name)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        pass
+    return _NOT_FOUND  # a custom node (e.g. a flax.nnx State): stop walking
 
 
 def _is_variable(x: Any) -> bool:
@@ -668,15 +736,17 @@ def _unwrap_variable(x: Any) -> Any:
 def get_loss_scale(opt_state: Any) -> Any:
     """Returns the current loss scale held anywhere inside an optax state.
 
-    Finds the `LossScaledState` of `loss_scaled` inside chains, `multi_transform`, `MultiSteps`,
+    Finds the `LossScaledState` of `loss_scaled` inside `jaxamp.multi_steps`, `MultiSteps`,
     `inject_hyperparams` and other nested states. A loss scale object passed in is returned as is.
 
     Raises:
       ValueError: no loss-scaled state is found, or several are (one per `multi_transform`
-        group): then pick one with `jaxamp.amp_states(opt_state)`.
+        group): then pick one with `jaxamp.amp_states(opt_state)`; or it sits in a chain
+        beside other transformations (they would see scaled gradients: make `loss_scaled`
+        the outermost transformation).
 
     Example:
-      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaled(optax.sgd(0.1)))
+      >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), 4)
       >>> opt_state = tx.init({"w": jnp.ones(2)})
       >>> float(jaxamp.get_loss_scale(opt_state).loss_scale)
       65536.0
@@ -684,6 +754,7 @@ def get_loss_scale(opt_state: Any) -> Any:
     if isinstance(opt_state, LossScale) and not isinstance(opt_state, LossScaledState):
         return opt_state
     loss_scale = _one_state(opt_state, "get_loss_scale").loss_scale
+    _check_outermost(opt_state, _find_states_with_keys(opt_state), "get_loss_scale")
     return jax.tree_util.tree_map(_unwrap_variable, loss_scale, is_leaf=_is_variable)
 
 
@@ -691,9 +762,12 @@ def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
     """Every `LossScaledState` inside `opt_state`, keyed by its path (e.g. ``"[0]"``).
 
     Example:
-      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaled(optax.sgd(0.1)))
-      >>> list(jaxamp.amp_states(tx.init({"w": jnp.ones(2)})))
-      ['[1]']
+      >>> tx = optax.multi_transform(
+      ...     {"a": jaxamp.loss_scaled(optax.sgd(0.1)), "b": jaxamp.loss_scaled(optax.adam(0.1))},
+      ...     {"w": "a", "v": "b"},
+      ... )
+      >>> list(jaxamp.amp_states(tx.init({"w": jnp.ones(2), "v": jnp.ones(2)})))
+      [".inner_states['a'].inner_state", ".inner_states['b'].inner_state"]
     """
     return dict(_find_states(opt_state))
 
@@ -760,7 +834,14 @@ def amp_info(opt_state: Any) -> AmpInfo:
     return AmpInfo(
         loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
         last_step_finite=state.last_step_finite,
-        last_step_applied=state.last_step_finite,
+        last_step_applied=_any_group_applied(state),
         skipped_steps=state.skipped_steps,
         consecutive_skips=state.consecutive_skips,
     )
+
+
+def _any_group_applied(state: LossScaledState) -> jax.Array:
+    groups = jax.tree_util.tree_leaves(state.group_applied)
+    if not groups:  # one decision for every leaf
+        return state.last_step_finite
+    return jnp.stack(groups).any()
