@@ -11,12 +11,13 @@ initialisation per seed, every variant on the same batches:
 * **state**: float32 params and compute; AdamW's moments in float32 against bf16, fp8, 8-bit and
   4-bit states (`jaxamp.low_precision_state`, torchao's schemes).
 
-Per variant: final test accuracy, test loss and the mean training loss of the last 10% of steps, mean and
-sample sd over seeds, and Welch's t-test against the float32 reference (two-sided p); a variant
-"matches" when p > 0.01 or its mean is no worse. Also the fraction of bf16 weights that never
+Per variant: final test accuracy, test loss and the mean training loss of the last 10% of steps,
+mean and sample sd over seeds, Welch's t-test against the float32 reference (two-sided p), and a
+verdict with power (`compare`): equivalent within a margin (1 point of accuracy, 10% of a loss)
+by two one-sided tests, worse or better by more than the margin, or inconclusive. Also the fraction of bf16 weights that never
 moved (round to nearest's stall, measured), and the optimizer-state bytes per parameter of each
 state kind, measured from the state objects (`state_bytes`) for this model and for one
-4096 x 4096 weight. Compile time is reported apart. Writes one JSON record.
+4096 x 4096 weight, and the bytes of the weights themselves. Compile time is reported apart. Writes one JSON record.
 
     .venv/bin/python benchmarks/bench_optim_precision.py [--seeds 6] [--steps 1000]
 """
@@ -168,20 +169,59 @@ def run_study(name, table, data, seeds, steps, batch_size):
     return rows
 
 
+# Equivalence margins: what "as good as the float32 reference" means here. Test accuracy within
+# one percentage point; losses within 10% of the reference mean.
+MARGINS = {
+    "test_accuracy": ("abs", 0.01),
+    "test_loss": ("rel", 0.10),
+    "final_train_loss": ("rel", 0.10),
+}
+ALPHA = 0.05
+
+
+def _welch(a, b, alternative="two-sided") -> float:
+    if a.std() == 0 and b.std() == 0:  # Welch's t is undefined: decide on the means
+        diff = a.mean() - b.mean()
+        hold = {"two-sided": diff != 0, "greater": diff > 0, "less": diff < 0}[alternative]
+        return 0.0 if hold else 1.0
+    return float(stats.ttest_ind(a, b, equal_var=False, alternative=alternative).pvalue)
+
+
 def compare(rows: dict, reference: str) -> None:
+    """Per metric: Welch's two-sided p against the reference, and a verdict that has power:
+    "equivalent" when two one-sided tests (TOST, alpha 0.05) put the difference inside the
+    margin, "worse" when a one-sided test finds it worse by more than the margin (alpha 0.05),
+    "better" likewise, else "inconclusive" (too few seeds for the margin)."""
     ref = rows[reference]
     for row in rows.values():
         for metric, better in (("test_accuracy", 1), ("test_loss", -1), ("final_train_loss", -1)):
             values, base = np.asarray(row[metric]), np.asarray(ref[metric])
-            if values.std() == 0 and base.std() == 0:  # Welch's t is undefined: equal or not
-                p = 1.0 if values.mean() == base.mean() else 0.0
+            kind, size = MARGINS[metric]
+            margin = size if kind == "abs" else size * abs(float(base.mean()))
+            # H1 of each one-sided test, as a shift of `values` against `base`:
+            p_above = _welch(values + margin, base, "greater")  # diff > -margin
+            p_below = _welch(values - margin, base, "less")  # diff < +margin
+            if better > 0:
+                p_worse = _welch(values + margin, base, "less")  # diff < -margin
+                p_better = _welch(values - margin, base, "greater")  # diff > +margin
             else:
-                p = float(stats.ttest_ind(values, base, equal_var=False).pvalue)
-            no_worse = better * (values.mean() - base.mean()) >= 0
+                p_worse = _welch(values - margin, base, "greater")
+                p_better = _welch(values + margin, base, "less")
+            if not np.isfinite(values).all():
+                verdict = "worse"  # a non-finite loss: diverged
+            elif max(p_above, p_below) < ALPHA:
+                verdict = "equivalent"
+            elif p_worse < ALPHA:
+                verdict = "worse"
+            elif p_better < ALPHA:
+                verdict = "better"
+            else:
+                verdict = "inconclusive"
             row[f"{metric}_mean"] = float(values.mean())
             row[f"{metric}_sd"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
-            row[f"{metric}_p_vs_reference"] = p
-            row[f"{metric}_matches_reference"] = bool(p > 0.01 or no_worse)
+            row[f"{metric}_p_vs_reference"] = _welch(values, base)
+            row[f"{metric}_margin"] = margin
+            row[f"{metric}_verdict"] = verdict
 
 
 def bytes_per_param(table) -> dict:
@@ -196,6 +236,7 @@ def bytes_per_param(table) -> dict:
         out[label] = {
             "model": optim_precision.state_bytes(shapes) / n_model,
             "4096x4096 weight": optim_precision.state_bytes(big_shapes) / big["w"].size,
+            "weights": optim_precision.state_bytes(params) / n_model,
         }
     return out
 
@@ -203,20 +244,21 @@ def bytes_per_param(table) -> dict:
 def print_table(title, rows, memory):
     print(f"\n{title}")
     print(
-        f"{'variant':<16} {'test acc':>16} {'p':>6} {'test loss':>17} {'p':>6} "
-        f"{'train loss':>17} {'p':>6} {'unmoved':>8} {'B/param model, 4096²':>21}"
+        f"{'variant':<16} {'test acc':>16} {'p':>6} {'':5} {'test loss':>17} {'p':>6} {'':5} "
+        f"{'train loss':>17} {'p':>6} {'':5} {'unmoved':>8} {'state B/param model, 4096²':>27} "
+        f"{'weights':>7}"
     )
 
     def cell(row, metric):
         mean, sd, p = (row[f"{metric}_{k}"] for k in ("mean", "sd", "p_vs_reference"))
-        return f"{mean:>8.4g} ± {sd:<6.2g} {p:>6.3f}"
+        return f"{mean:>8.4g} ± {sd:<6.2g} {p:>6.3f} {row[f'{metric}_verdict'][:5]:<5}"
 
     for label, row in rows.items():
         mem = memory[label]
         print(
             f"{label:<16} {cell(row, 'test_accuracy')} {cell(row, 'test_loss')} "
             f"{cell(row, 'final_train_loss')} {np.mean(row['weights_never_moved']):>8.3f} "
-            f"{mem['model']:>10.3f}, {mem['4096x4096 weight']:.3f}"
+            f"{mem['model']:>16.3f}, {mem['4096x4096 weight']:.3f} {mem['weights']:>8.0f}"
         )
 
 
