@@ -312,3 +312,19 @@ def test_drifts_like_torchaos_adamw_with_bf16_stochastic_round(monkeypatch):
     assert stats.ttest_ind(theirs, ours, equal_var=False).pvalue > ALPHA
     # The test has power: nearest (1.0 exactly) is many standard errors away.
     assert 1.0 - ours.mean() > 10 * ours.std() / np.sqrt(n)
+
+
+@pytest.mark.parametrize(
+    "name,state_type",
+    [
+        ("bf16-true-sr", jaxamp.StochasticRoundingState),
+        ("bf16-true-kahan", jaxamp.KahanSummationState),
+    ],
+)
+def test_presets_give_bf16_true_and_the_wrapper(name, state_type):
+    policy, tx = optim_precision.preset(name, optax.adamw(1e-4), seed=1)
+    assert policy == jaxamp.get_policy("bf16-true")
+    params = policy.cast_to_param({"w": jnp.ones(4)})
+    assert isinstance(tx.init(params), state_type)
+    with pytest.raises(ValueError, match=r"name='bf16-true-sd'.*did you mean 'bf16-true-sr'"):
+        optim_precision.preset("bf16-true-sd", optax.adamw(1e-4))

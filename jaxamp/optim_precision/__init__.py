@@ -7,9 +7,11 @@ from jaxamp.optim_precision._codecs import STATE_FORMATS as STATE_FORMATS
 from jaxamp.optim_precision._codecs import QuantizedArray as QuantizedArray
 from jaxamp.optim_precision._codecs import dequantize as dequantize
 from jaxamp.optim_precision._codecs import quantize as quantize
+from jaxamp.optim_precision._masters import PRESETS as PRESETS
 from jaxamp.optim_precision._masters import KahanSummationState as KahanSummationState
 from jaxamp.optim_precision._masters import StochasticRoundingState as StochasticRoundingState
 from jaxamp.optim_precision._masters import kahan_summation as kahan_summation
+from jaxamp.optim_precision._masters import preset as preset
 from jaxamp.optim_precision._masters import stochastic_round as stochastic_round
 from jaxamp.optim_precision._masters import stochastic_rounding as stochastic_rounding
 from jaxamp.optim_precision._state import LowPrecisionState as LowPrecisionState
@@ -20,6 +22,7 @@ from jaxamp.optim_precision._state import low_precision_state as low_precision_s
 from jaxamp.optim_precision._state import state_bytes as state_bytes
 
 __all__ = [
+    "PRESETS",
     "STATE_FORMATS",
     "KahanSummationState",
     "LowPrecisionState",
@@ -31,6 +34,7 @@ __all__ = [
     "dequantize",
     "kahan_summation",
     "low_precision_state",
+    "preset",
     "quantize",
     "state_bytes",
     "stochastic_round",

@@ -4,6 +4,7 @@ AnyPrecisionAdamW)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, NamedTuple
 
 import jax
@@ -13,11 +14,14 @@ import optax
 
 from jaxamp.optim import LossScaledTransformation
 from jaxamp.optim_precision._state import _is_float_array, like_stored, to_compute
+from jaxamp.policy import Policy, get_policy
 
 __all__ = [
+    "PRESETS",
     "KahanSummationState",
     "StochasticRoundingState",
     "kahan_summation",
+    "preset",
     "stochastic_round",
     "stochastic_rounding",
 ]
@@ -353,3 +357,55 @@ def _check_inner(caller: str, inner: Any) -> None:
             f"{caller}(inner=loss_scaled(...)): put loss_scaled outside, "
             f"loss_scaled({caller}(...)), so a skipped step keeps this wrapper's state too."
         )
+
+
+# Precision presets that need the optimizer's cooperation: a policy and a wrapping of the
+# optimizer. torchao calls the first `bf16_stochastic_round`, optimi the second `kahan_sum`;
+# the names extend Lightning's "bf16-true".
+PRESETS = {
+    "bf16-true-sr": ("bf16-true", "stochastic_rounding"),
+    "bf16-true-kahan": ("bf16-true", "kahan_summation"),
+}
+
+
+def preset(
+    name: str, inner: optax.GradientTransformation, *, seed: Any = 0
+) -> tuple[Policy, optax.GradientTransformationExtraArgs]:
+    """The policy and the wrapped optimizer of a bf16-true preset whose weights still learn.
+
+    A `Policy` holds dtypes only (jmp's grammar); how the parameters are rounded is the
+    optimizer's part. A precision recipe (the harness's, or a training script's) decodes the name
+    once here and gets both.
+
+    Args:
+      name: ``"bf16-true-sr"`` (bf16 everywhere, `stochastic_rounding`: torchao's
+        ``_AdamW(bf16_stochastic_round=True)``) or ``"bf16-true-kahan"`` (`kahan_summation`:
+        optimi's ``kahan_sum=True``).
+      inner: the optax optimizer to wrap.
+      seed: the stochastic rounding seed (int or PRNG key); ignored by Kahan.
+
+    Returns:
+      ``(policy, tx)``: ``jaxamp.get_policy("bf16-true")`` and the wrapped optimizer.
+
+    Example:
+      >>> policy, tx = jaxamp.optim_precision.preset("bf16-true-sr", optax.adamw(1e-4))
+      >>> str(policy), type(tx.init({"w": jnp.ones(2, jnp.bfloat16)})).__name__
+      ('p=bf16,c=bf16,o=bf16', 'StochasticRoundingState')
+      >>> jaxamp.optim_precision.preset("bf16-sr", optax.adamw(1e-4))
+      Traceback (most recent call last):
+      ...
+      ValueError: preset(name='bf16-sr'): unknown preset; did you mean 'bf16-true-sr'? ...
+    """
+    if name not in PRESETS:
+        close = difflib.get_close_matches(str(name), list(PRESETS), n=1, cutoff=0.4)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise ValueError(
+            f"preset(name={name!r}): unknown preset{hint} Presets: {', '.join(PRESETS)} (plain "
+            "dtype presets such as 'bf16-true' are jaxamp.get_policy's)."
+        )
+    policy_name, wrapper = PRESETS[name]
+    if wrapper == "stochastic_rounding":
+        tx = stochastic_rounding(inner, seed)
+    else:
+        tx = kahan_summation(inner)
+    return get_policy(policy_name), tx
