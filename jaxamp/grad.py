@@ -9,12 +9,45 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxamp._autocast.api import transform
+from jaxamp._numerics import scale_tree
 from jaxamp._reduce import needs_reduce_transform, reduce_in
-from jaxamp.loss_scale import NoOpLossScale, _scale_tree
+from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.optim import get_loss_scale
-from jaxamp.policy import Policy, get_policy, parse_dtype
+from jaxamp.policy import Policy, check_param_dtypes, get_policy, parse_dtype
 
-__all__ = ["value_and_grad"]
+__all__ = ["value_and_grad", "scaled_loss"]
+
+_F16 = jnp.dtype(jnp.float16)
+_FLOATS = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+def scaled_loss(
+    fun: Callable[..., Any], loss_scale: Any, *, has_aux: bool, caller: str
+) -> Callable[..., Any]:
+    """`fun` returning ``(loss * scale, (loss, aux))``, the loss as float32 and scaled in float32.
+
+    The one scaled loss every gradient helper differentiates (`value_and_grad`, the Flax glue's
+    `TrainState.value_and_grad` and `nnx_value_and_grad`). The loss is cast to float32 *before*
+    it is multiplied: a float16 loss times 2**16 is inf in float16, not in float32 (FAULTS 18).
+
+    Args:
+      fun: returns a scalar loss, or ``(loss, aux)`` with `has_aux`.
+      loss_scale: a loss scale object (its `loss_scale` is read when the function runs).
+      has_aux: whether `fun` returns ``(loss, aux)``.
+      caller: named in the error for a loss that is not a scalar.
+    """
+
+    def scaled(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        loss = jnp.asarray(loss)
+        if loss.shape != ():
+            raise TypeError(f"{caller}: fun must return a scalar loss; got shape {loss.shape}.")
+        loss32 = loss.astype(jnp.float32)
+        return scale_tree(loss32, jnp.asarray(loss_scale.loss_scale, jnp.float32)), (loss32, aux)
+
+    return scaled
 
 
 def value_and_grad(
@@ -33,7 +66,14 @@ def value_and_grad(
 
     1. casts the floating leaves of every positional argument (params and inputs) to the
        policy's compute dtype (ints, bools and PRNG keys untouched);
-    2. runs `fun` and casts its loss (and aux) to the policy's output dtype;
+    2. runs `fun` and casts its loss (and aux) to the policy's output dtype; where the
+       compute dtype is float16, `fun` runs under torch.autocast's CUDA op lists
+       (`jaxamp.autocast(device="cuda", dtype=float16)`): losses, softmax, sums, exp/log run in
+       float32, as torch's float16 autocast runs them, so the loss is float32 before it is
+       scaled and the default scale 2**16 (inf in float16) reaches the float16 part of the
+       backward pass already divided by the loss's reductions (FAULTS 35). A loss that is
+       still float16 at the end (a bare ``jnp.mean`` of float16 values, which torch also
+       leaves in float16) overflows at scales above 65504: compute it in float32;
     3. scales the loss in float32 and differentiates that with respect to `args[argnums]`;
     4. where the policy's `reduce_dtype` is wider than its compute dtype (the mixed presets:
        float32), computes the weight gradients with `reduce_dtype` accumulation, so that with a
@@ -49,7 +89,10 @@ def value_and_grad(
 
     Args:
       fun: `fun(params, *inputs, **kwargs) -> loss` or `-> (loss, aux)`.
-      policy: a `Policy` or anything `get_policy` accepts; None casts nothing.
+      policy: a `Policy` or anything `get_policy` accepts; None casts nothing. The
+        differentiated argument's floating leaves must be in its param dtype or wider (float16
+        master weights under "fp16-mixed" raise `TypeError`, as torch refuses to unscale
+        float16 gradients).
       has_aux: whether `fun` returns `(loss, aux)`.
       argnums: which positional argument to differentiate (an int).
       reduce_dtype: the dtype gradients are accumulated and reduced across devices in; default
@@ -80,6 +123,11 @@ def value_and_grad(
     elif policy is not None and needs_reduce_transform(policy.compute_dtype, policy.reduce_dtype):
         reduce_dtype = policy.reduce_dtype
 
+    # Under float16 compute, torch's float16 autocast lists (losses and reductions in float32).
+    forward = fun
+    if policy is not None and policy.compute_dtype == _F16:
+        forward = functools.wraps(fun)(transform(fun, dtype=_F16, device="cuda"))
+
     @functools.wraps(fun)
     def wrapped(*args, loss_scale: Any = None, **kwargs):
         if not -len(args) <= argnums < len(args):
@@ -90,6 +138,16 @@ def value_and_grad(
         scale = NoOpLossScale() if loss_scale is None else get_loss_scale(loss_scale)
         index = argnums % len(args)
         if policy is not None:
+            # Narrower than the policy's param dtype (float16 master weights under
+            # "fp16-mixed") is refused; wider params get wider gradients through the cast.
+            allowed = {
+                d
+                for d in _FLOATS
+                if d == policy.param_dtype or d.itemsize > policy.param_dtype.itemsize
+            }
+            check_param_dtypes(
+                args[index], lambda _: allowed, policy, f"value_and_grad(argnums={argnums})"
+            )
             # Inputs are cast here; the differentiated argument inside, so that the cast is
             # part of the gradient (float32 params get float32 gradients).
             args = tuple(a if i == index else policy.cast_to_compute(a) for i, a in enumerate(args))
@@ -99,27 +157,23 @@ def value_and_grad(
                 diff_arg = policy.cast_to_compute(diff_arg)
             full_args = list(rest)
             full_args.insert(index, diff_arg)
-            out = fun(*full_args, **kw)
-            loss, aux = out if has_aux else (out, None)
+            out = forward(*full_args, **kw)
             if policy is not None:
-                loss, aux = policy.cast_to_output((loss, aux))
-            loss = jnp.asarray(loss)
-            if loss.shape != ():
-                raise TypeError(
-                    f"value_and_grad: fun must return a scalar loss; got shape {loss.shape}."
-                )
-            return loss.astype(jnp.float32), aux
+                out = policy.cast_to_output(out)
+            return out
 
         if reduce_dtype is not None:
             # Weight gradients accumulate, and are summed across devices, in reduce_dtype.
             loss_and_aux = reduce_in(loss_and_aux, reduce_dtype)
+        scaled = scaled_loss(loss_and_aux, scale, has_aux=has_aux, caller="value_and_grad")
 
-        def scaled_loss(diff_arg, *rest):
-            loss32, aux = loss_and_aux(diff_arg, *rest, **kwargs)
-            return _scale_tree(loss32, jnp.asarray(scale.loss_scale, jnp.float32)), (loss32, aux)
+        def scaled_of_rest(diff_arg, *rest):
+            return scaled(diff_arg, *rest, **kwargs)
 
         rest = args[:index] + args[index + 1 :]
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(args[index], *rest)
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled_of_rest, has_aux=True)(
+            args[index], *rest
+        )
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return wrapped

@@ -22,7 +22,8 @@ __all__ = [
     "Policy",
     "auto_policy_name",
     "cast_floating",
-    "dtype_name",
+    "check_param_dtypes",
+    "short_dtype_name",
     "get_policy",
     "parse_dtype",
 ]
@@ -204,10 +205,13 @@ class Policy(jmp.Policy):
 
     def __str__(self) -> str:
         text = "p={},c={},o={}".format(
-            *(_DTYPE_NAMES[d][0] for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
+            *(
+                short_dtype_name(d)
+                for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+            )
         )
         if self.reduce_dtype != self.param_dtype:
-            text += f",r={_DTYPE_NAMES[self.reduce_dtype][0]}"
+            text += f",r={short_dtype_name(self.reduce_dtype)}"
         return text
 
     def __repr__(self) -> str:
@@ -311,15 +315,69 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> np.dtype:
     return dtype
 
 
-def dtype_name(dtype: Any) -> str:
-    """The short name jaxamp prints for a floating dtype (the one `str(policy)` uses).
+def short_dtype_name(dtype: Any) -> str:
+    """The short name jaxamp prints for a dtype: f32, bf16, f16 or f64 (the names `str(policy)`
+    uses); any other dtype keeps its NumPy name.
 
     Example:
-      >>> from jaxamp.policy import dtype_name
-      >>> dtype_name(jnp.bfloat16), dtype_name("float32")
-      ('bf16', 'f32')
+      >>> from jaxamp.policy import short_dtype_name
+      >>> short_dtype_name(jnp.bfloat16), short_dtype_name("float32"), short_dtype_name("int32")
+      ('bf16', 'f32', 'int32')
     """
-    return _DTYPE_NAMES[parse_dtype(dtype)][0]
+    dtype = jnp.dtype(dtype)
+    names = _DTYPE_NAMES.get(dtype)
+    return names[0] if names else dtype.name
+
+
+def leaf_path_name(path: tuple) -> str:
+    """A pytree key path as '/'-joined names (``{"dense": {"kernel": x}}`` -> ``dense/kernel``)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def check_param_dtypes(
+    params: Any, expected: Any, policy: Policy, caller: str, fix: str | None = None
+) -> None:
+    """Raises `TypeError` naming every floating param leaf whose dtype is not allowed.
+
+    torch refuses to unscale float16 gradients (float16 master weights lose small updates and
+    overflow); a policy that says float32 params while the params are float16 would silently
+    train in float16 (FAULTS 27).
+
+    Args:
+      params: the parameter pytree.
+      expected: ``path -> set of allowed dtypes`` (the path '/'-joined).
+      policy: the policy, named in the message.
+      caller: what the user called, named in the message.
+      fix: the sentence that tells the user what to do; default: cast with the policy.
+    """
+    wrong = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        name = leaf_path_name(path)
+        allowed = expected(name)
+        if np.dtype(dtype) not in allowed:
+            wrong.append(
+                f"{name or '<root>'} ({np.dtype(dtype).name}; expected "
+                f"{' or '.join(sorted(d.name for d in allowed))})"
+            )
+    if wrong:
+        shown = ", ".join(wrong[:8]) + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        fix = fix or "Fix: cast them first: policy.cast_to_param(params)."
+        raise TypeError(
+            f"{caller}: {len(wrong)} parameter leaves are not in the policy's param dtype "
+            f"(policy {str(policy)!r}): {shown}. Training them as they are would ignore the "
+            f"policy (torch likewise refuses to unscale float16 gradients). {fix}"
+        )
 
 
 def auto_policy_name(platform: str | None = None, compute_capability: str | None = None) -> str:

@@ -31,7 +31,8 @@ def dtype_of(x: Any) -> np.dtype | None:
     return plain_dtype(getattr(x, "dtype", None))
 
 
-def dtype_name(x: Any) -> str:
+def value_dtype_name(x: Any) -> str:
+    """The dtype name of a value (``"bfloat16"``), as autocast's records print it."""
     return str(x.dtype)
 
 

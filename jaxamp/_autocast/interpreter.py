@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -27,11 +28,11 @@ from jaxamp._autocast.dtypes import (
     F32,
     aval_dtype,
     cast,
-    dtype_name,
     dtype_of,
     is_castable,
     plain_dtype,
     promote,
+    value_dtype_name,
 )
 from jaxamp._autocast.explicit_casts import explicit_cast_p
 from jaxamp._autocast.higher_order import HIGHER_ORDER
@@ -115,6 +116,16 @@ def _explicit_out_dtype(eqn: Any) -> bool:
     # JAX fills preferred_element_type with the input dtype by default: only a different one
     # (e.g. bfloat16 inputs accumulated in float32) is the user's request.
     return bool(in_dtypes) and all(plain_dtype(pet) != d for d in in_dtypes)
+
+
+def _casts_back(eqn: Any, traced: np.dtype | None, actual: np.dtype | None) -> bool:
+    """Whether `eqn` is a library composite casting its result back to the input dtype it was
+    traced with (``jnp.mean`` of float16: float32 sum, then float16), where the input autocast
+    gives the composite is wider than that (float32)."""
+    if traced is None or actual is None or eqn.primitive is not lax.convert_element_type_p:
+        return False
+    new = plain_dtype(eqn.params["new_dtype"])
+    return new == traced and {traced, actual} <= CASTABLE and traced.itemsize < actual.itemsize
 
 
 class Interpreter:
@@ -238,14 +249,17 @@ class Interpreter:
             if reg is not None and reg.cast_outputs_like_input:
                 # The op's input is its first array operand from outside (not a constant).
                 self._note_region_input(eqn, vals, inst, j, producer, region_input)
+            in_region_dtype, _, in_region_shape, traced_in_dtype = (
+                region_input.get(inst[j], (None, None, None, None))
+                if reg is not None and reg.cast_outputs_like_input
+                else (None, None, None, None)
+            )
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-                outs = self._eval_eqn(eqn, vals, reg)
-            in_region_dtype, _, in_region_shape = (
-                region_input.get(inst[j], (None, None, None))
-                if reg is not None and reg.cast_outputs_like_input
-                else (None, None, None)
-            )
+                if _casts_back(eqn, traced_in_dtype, in_region_dtype):
+                    outs = [self._region_cast_back(vals[0], in_region_dtype)]
+                else:
+                    outs = self._eval_eqn(eqn, vals, reg)
             for v, x in zip(eqn.outvars, outs, strict=False):
                 if (
                     in_region_dtype is not None
@@ -256,6 +270,19 @@ class Interpreter:
                     x = cast(x, in_region_dtype)
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
+
+    def _region_cast_back(self, x: Any, dtype: np.dtype) -> Any:
+        """A composite's cast back to the dtype it was traced with, now that its input is wider:
+        the composite returns its input's dtype (as the torch op does), with no round trip
+        through the narrower one (``jnp.mean`` of float32 values stays float32 throughout)."""
+        out = cast(x, dtype)
+        if self.record is not None:
+            self.record.append(
+                DtypeRecord(
+                    "convert_element_type", (value_dtype_name(x),), (value_dtype_name(out),)
+                )
+            )
+        return out
 
     @staticmethod
     def _note_region_input(eqn, vals, inst, j, producer, region_input) -> None:
@@ -269,7 +296,7 @@ class Interpreter:
             if is_castable(x) and not internal:
                 is_array = np.ndim(x) > 0
                 if prev is None or is_array:
-                    region_input[inst[j]] = (dtype_of(x), is_array, np.shape(x))
+                    region_input[inst[j]] = (dtype_of(x), is_array, np.shape(x), aval_dtype(v))
                     return
 
     @staticmethod
@@ -321,6 +348,15 @@ class Interpreter:
             new_vals = [cast(x, target) for x in vals]
             if params.get("preferred_element_type") is not None:
                 params["preferred_element_type"] = target
+            if (
+                target == F32
+                and region is not None
+                and prim is lax.convert_element_type_p
+                and plain_dtype(params["new_dtype"]) in CASTABLE
+            ):
+                # Inside a float32 composite (a loss's logsumexp traced in float16), the
+                # library's casts back to the traced dtype stay float32, as torch's op does.
+                params["new_dtype"] = F32
         else:  # "keep", "promote"
             new_vals = self._promote_groups(eqn, vals)
             pet = params.get("preferred_element_type")
@@ -351,8 +387,8 @@ class Interpreter:
             self.record.append(
                 DtypeRecord(
                     name,
-                    tuple(dtype_name(x) for x in new_vals if hasattr(x, "dtype")),
-                    tuple(dtype_name(x) for x in outs if hasattr(x, "dtype")),
+                    tuple(value_dtype_name(x) for x in new_vals if hasattr(x, "dtype")),
+                    tuple(value_dtype_name(x) for x in outs if hasattr(x, "dtype")),
                 )
             )
         return outs
@@ -375,7 +411,9 @@ class Interpreter:
             return x
         out = cast(x, dtype)
         if self.record is not None and out is not x:
-            self.record.append(DtypeRecord("convert_element_type", (dtype_name(x),), (dtype.name,)))
+            self.record.append(
+                DtypeRecord("convert_element_type", (value_dtype_name(x),), (dtype.name,))
+            )
         return out
 
     @staticmethod

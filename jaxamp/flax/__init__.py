@@ -42,13 +42,13 @@ from jaxamp.flax._rules import PolicyOverride as PolicyOverride
 from jaxamp.flax._rules import UnmatchedRuleWarning as UnmatchedRuleWarning
 from jaxamp.flax._rules import float32_compute as float32_compute
 from jaxamp.flax._rules import override as override
+from jaxamp.flax.nnx_optimizer import Optimizer as Optimizer
+from jaxamp.flax.nnx_optimizer import nnx_value_and_grad as nnx_value_and_grad
 from jaxamp.flax.report import ModuleReport as ModuleReport
 from jaxamp.flax.report import PrecisionReport as PrecisionReport
 from jaxamp.flax.report import precision_report as precision_report
-from jaxamp.flax.train_state import Optimizer as Optimizer
 from jaxamp.flax.train_state import TrainState as TrainState
-from jaxamp.flax.train_state import default_loss_scale as default_loss_scale
-from jaxamp.flax.train_state import nnx_value_and_grad as nnx_value_and_grad
+from jaxamp.loss_scale import default_loss_scale as default_loss_scale
 
 __all__ = [
     "ModuleReport",

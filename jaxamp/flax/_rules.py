@@ -36,7 +36,7 @@ from typing import Any
 import jmp
 import numpy as np
 
-from jaxamp.policy import Policy, dtype_name, get_policy, parse_dtype
+from jaxamp.policy import Policy, get_policy, parse_dtype, short_dtype_name
 
 __all__ = ["override", "PolicyOverride", "Rules", "float32_compute", "resolve", "normalize_rules"]
 
@@ -77,7 +77,7 @@ class PolicyOverride:
 
     def __str__(self) -> str:
         parts = [
-            f"{k}={dtype_name(getattr(self, v))}"
+            f"{k}={short_dtype_name(getattr(self, v))}"
             for k, v in (("p", "param"), ("c", "compute"), ("o", "output"))
             if getattr(self, v) is not None
         ]

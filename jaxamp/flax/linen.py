@@ -45,6 +45,7 @@ from jaxamp.policy import Policy, cast_floating
 
 __all__ = [
     "DEFAULT_RULES",
+    "current_policy",
     "intercept",
     "policy_interceptor",
     "with_policy",
@@ -68,6 +69,27 @@ def _stack() -> list[Policy]:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
+
+
+def current_policy() -> Policy | None:
+    """The effective policy of the innermost linen module now running under `with_policy` (or
+    `policy_interceptor`), or None outside one.
+
+    Example:
+      >>> class Probe(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         self.sow("intermediates", "policy", str(jf.linen.current_policy()))
+      ...         return x
+      >>> apply = jf.linen.with_policy(Probe().apply, "bf16-mixed")
+      >>> _, state = apply({}, jnp.ones(2), mutable=["intermediates"])
+      >>> state["intermediates"]["policy"]
+      ('p=f32,c=bf16,o=f32',)
+      >>> jf.linen.current_policy() is None
+      True
+    """
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 _MISSING = object()

@@ -47,7 +47,10 @@ from jaxamp.policy import Policy, cast_floating
 __all__ = [
     "DEFAULT_RULES",
     "apply_policy",
+    "has_own_call",
     "module_policies",
+    "module_policy",
+    "own_params",
     "remove_policy",
 ]
 
@@ -73,7 +76,13 @@ def _swapped() -> dict[int, tuple[nnx.Param, Any]]:
     return _local.swapped
 
 
-def _direct_params(module: nnx.Module) -> Iterator[nnx.Param]:
+def own_params(module: nnx.Module) -> Iterator[nnx.Param]:
+    """The `nnx.Param`s `module` holds itself (attributes, lists, dicts), not its submodules'.
+
+    Example:
+      >>> [p.get_value().shape for p in jf.nnx.own_params(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))]
+      [(3, 2), (2,)]
+    """
     for value in vars(module).values():
         if isinstance(value, nnx.Param):
             yield value
@@ -91,7 +100,7 @@ def _cast_subtree_params(module: nnx.Module) -> list[int]:
         policy = getattr(sub, _POLICY_ATTR, None)
         if policy is None:
             continue
-        for param in _direct_params(sub):
+        for param in own_params(sub):
             if id(param) in swapped:
                 continue
             original = param.get_value()
@@ -248,7 +257,7 @@ def apply_policy(
     modules, resolved = _resolve_tree(model, policy, rules, defaults)
     for path, module in modules:
         effective = resolved.policies[path]
-        for param in _direct_params(module):
+        for param in own_params(module):
             param.set_value(cast_floating(param.get_value(), effective.param_dtype))
         setattr(module, _POLICY_ATTR, effective)
         setattr(module, _RULE_ATTR, resolved.sources[path])
@@ -259,13 +268,19 @@ def apply_policy(
             and effective.compute_dtype != _F32
         ):
             module.attention_fn = float32_softmax_attention
-        if _is_callable_class(type(module)):
+        if has_own_call(type(module)):
             module.__class__ = _amp_class(type(module))
     return model
 
 
-def _is_callable_class(cls: type) -> bool:
-    # Containers such as nnx.List have no __call__ of their own: nothing to hook.
+def has_own_call(cls: type) -> bool:
+    """Whether a module class defines ``__call__`` (itself or a base other than `object`):
+    the classes `apply_policy` hooks. Containers such as ``nnx.List`` have none.
+
+    Example:
+      >>> jf.nnx.has_own_call(nnx.Linear), jf.nnx.has_own_call(nnx.Module)
+      (True, False)
+    """
     return any("__call__" in vars(base) for base in cls.__mro__ if base is not object)
 
 
@@ -290,6 +305,19 @@ def remove_policy(model: nnx.Module) -> nnx.Module:
         if getattr(module, "attention_fn", None) is float32_softmax_attention:
             module.attention_fn = nnx.dot_product_attention
     return model
+
+
+def module_policy(module: nnx.Module) -> tuple[Policy | None, str | None]:
+    """The policy `apply_policy` gave `module` itself and the rule that chose it, or
+    ``(None, None)`` for a module it did not configure.
+
+    Example:
+      >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16-mixed")
+      >>> policy, rule = jf.nnx.module_policy(model)
+      >>> str(policy), rule
+      ('p=f32,c=bf16,o=f32', 'inherited')
+    """
+    return vars(module).get(_POLICY_ATTR), vars(module).get(_RULE_ATTR)
 
 
 def module_policies(model: nnx.Module) -> dict[str, Policy]:

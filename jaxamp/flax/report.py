@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.flax import _rules
-from jaxamp.policy import Policy
+from jaxamp.policy import Policy, short_dtype_name
 
 __all__ = ["ModuleReport", "PrecisionReport", "precision_report"]
 
@@ -121,11 +121,8 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
-
-
 def _short(name: str | None) -> str:
-    return "-" if name is None else _SHORT.get(name, name)
+    return "-" if name is None else short_dtype_name(name)
 
 
 def _float_dtype(tree: Any) -> str | None:
@@ -245,7 +242,7 @@ def _linen_report(model, inputs, kwargs, policy, rules, variables, defaults, flo
                     if not isinstance(v, Mapping) and hasattr(v, "dtype")
                 }
             )
-            effective = jl._stack()[-1] if config is not None and jl._stack() else None
+            effective = jl.current_policy() if config is not None else None
             rule = None
             if config is not None:
                 matched = _rules.match(config.user_rules, config.default_rules, module, path)
@@ -302,7 +299,7 @@ def _nnx_report(model, inputs, kwargs):
     classes = {}
     for _, module in nnx.iter_modules(model):
         base = getattr(type(module), "__jaxamp_base__", None) or type(module)
-        if jn._is_callable_class(base) and base not in classes:
+        if jn.has_own_call(base) and base not in classes:
             classes[base] = base.__dict__.get("__call__")
     info: dict[int, tuple[str, nnx.Module]] = {}
 
@@ -315,7 +312,7 @@ def _nnx_report(model, inputs, kwargs):
             first = path not in records or "compute" not in records[path]
             out = original(self, *args, **kw)
             if first:
-                policy = vars(self).get(jn._POLICY_ATTR)
+                policy, rule = jn.module_policy(self)
                 stored = records.get(path, {}).get("params", ())
                 compute = _float_dtype(out)
                 records[path] = {
@@ -325,7 +322,7 @@ def _nnx_report(model, inputs, kwargs):
                     "compute": compute,
                     "output": policy.output_dtype.name if policy is not None else compute,
                     "policy": policy,
-                    "rule": vars(self).get(jn._RULE_ATTR),
+                    "rule": rule,
                 }
             return out
 
@@ -338,7 +335,7 @@ def _nnx_report(model, inputs, kwargs):
             if id(module) in info:
                 continue
             info[id(module)] = (key, module)
-            stored = sorted({np.dtype(p.get_value().dtype).name for p in jn._direct_params(module)})
+            stored = sorted({np.dtype(p.get_value().dtype).name for p in jn.own_params(module)})
             records[key] = {"params": tuple(stored)}
         return merged(*inputs, **kwargs)
 
