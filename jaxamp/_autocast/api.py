@@ -16,7 +16,7 @@ from jaxamp._autocast.options import check_device, check_dtype
 from jaxamp._autocast.rules import FULL_PRECISION_SCOPE, Rules
 from jaxamp._numerics import is_array, over_array_leaves
 from jaxamp._reduce import reduce_in
-from jaxamp.fp8._convert import autocast_hooks
+from jaxamp.fp8._convert import AutocastFp8
 from jaxamp.policy import parse_dtype
 
 __all__ = ["autocast", "autocast_op_list", "autocast_trace", "full_precision"]
@@ -96,7 +96,8 @@ def autocast(
         raises. Dynamic recipes; for ``"delayed"`` use ``jaxamp.fp8.convert``. See
         ``jaxamp.fp8.report`` for which matmuls ran in fp8.
       fp8_filter: which matmuls (``jaxamp.fp8.convert``'s ``fp8_filter``): None (every matmul
-        without batch dimensions), path globs, or a callable on `jaxamp.fp8.MatmulInfo`.
+        without batch dimensions), path globs, or a callable on `jaxamp.fp8.MatmulInfo`. A
+        filter that selects no matmul raises ``ValueError`` naming the paths it saw.
 
     Returns:
       A function with ``fn``'s signature. Output dtypes are what the ops produce under autocast
@@ -114,12 +115,20 @@ def autocast(
       >>> jaxamp.autocast(loss_fn, device="cuda", overrides={"dot_general": "fp32"})(w, x).dtype
       dtype('float32')
     """
-    hooks = None
+    fp8_hooks = None
     if fp8 is not None:
-        hooks = autocast_hooks(fp8, fp8_filter)
+        fp8_hooks = AutocastFp8(fp8, fp8_filter)
     elif fp8_filter is not None:
         raise ValueError("autocast: fp8_filter= needs fp8= (a jaxamp.fp8 recipe).")
-    out = transform(fn, dtype=dtype, device=device, overrides=overrides, hooks=hooks)
+    out = transform(
+        fn,
+        dtype=dtype,
+        device=device,
+        overrides=overrides,
+        hooks=None if fp8_hooks is None else fp8_hooks.hooks,
+    )
+    if fp8_hooks is not None:
+        out = functools.wraps(fn)(fp8_hooks.checked(out))
     if reduce_dtype is not None:
         out = reduce_in(out, parse_dtype(reduce_dtype, where="autocast(reduce_dtype=...)"))
     return out

@@ -1,7 +1,9 @@
 """FP8 training for JAX: torchao's recipes and Flax-compatible delayed scaling, as data."""
 
 from jaxamp.fp8._convert import MatmulInfo as MatmulInfo
+from jaxamp.fp8._convert import MatmulOperands as MatmulOperands
 from jaxamp.fp8._convert import MatmulRecord as MatmulRecord
+from jaxamp.fp8._convert import capture_operands as capture_operands
 from jaxamp.fp8._convert import combine_states as combine_states
 from jaxamp.fp8._convert import convert as convert
 from jaxamp.fp8._convert import init_state as init_state
@@ -26,9 +28,11 @@ __all__ = [
     "Cast",
     "DelayedScalingState",
     "MatmulInfo",
+    "MatmulOperands",
     "MatmulRecord",
     "Recipe",
     "amax_to_scale",
+    "capture_operands",
     "check_hardware",
     "combine_states",
     "convert",

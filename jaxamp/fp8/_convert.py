@@ -33,8 +33,11 @@ from jaxamp.fp8._recipes import recipe as _make_recipe
 
 __all__ = [
     "MatmulInfo",
+    "MatmulOperands",
     "MatmulRecord",
+    "AutocastFp8",
     "autocast_hooks",
+    "capture_operands",
     "combine_states",
     "convert",
     "init_state",
@@ -86,6 +89,43 @@ class MatmulRecord:
     def __str__(self) -> str:
         mark = "fp8" if self.fp8 else "hp "
         return f"{mark} {self.name:<40} {self.lhs_shape} x {self.rhs_shape}  {self.how}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulOperands:
+    """The three tensors of one fp8 matmul as it received them (before quantization), 2-D.
+
+    Attributes:
+      input: ``(M, K)``: the input rows (leading dimensions flattened).
+      weight: ``(K, N)``.
+      grad_output: ``(M, N)``: the gradient flowing into the matmul's output.
+    """
+
+    input: jax.Array
+    weight: jax.Array
+    grad_output: jax.Array
+
+
+def _check_selected(records: Sequence[MatmulRecord], fp8_filter: Any, caller: str) -> None:
+    """Raises where an explicit `fp8_filter` selected no matmul: nothing would run in fp8."""
+    if fp8_filter is None or any(r.fp8 for r in records):
+        return
+    if not records:
+        raise ValueError(
+            f"{caller}: fp8_filter={fp8_filter!r} selects nothing: the function has no matmul "
+            "(dot_general) at all. Drop fp8=, or pass the function that holds the linear layers."
+        )
+    seen = sorted({r.path or r.name for r in records})
+    hint = ""
+    if isinstance(fp8_filter, str):
+        close = difflib.get_close_matches(fp8_filter, seen, n=1, cutoff=0.3)
+        hint = f" Closest path: {close[0]!r}." if close else ""
+    raise ValueError(
+        f"{caller}: fp8_filter={fp8_filter!r} selects none of the function's {len(records)} "
+        f"matmuls, so nothing would run in fp8. The matmul paths it saw: {seen}.{hint} Globs "
+        "match a matmul's module path (e.g. 'mlp/Dense_0') or its name (path + '/dot_general'); "
+        "jaxamp.fp8.report lists them."
+    )
 
 
 def _default_filter(info: MatmulInfo) -> bool:
@@ -378,8 +418,9 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
 
     Raises:
       ValueError: at trace time, if a selected matmul cannot run in fp8 (batch dimensions,
-        inside a custom-derivative function) or the hardware has no fp8 matmuls and the recipe
-        does not say ``emulate=True``. Nothing falls back to high precision silently.
+        inside a custom-derivative function), an explicit `fp8_filter` selects no matmul (the
+        error lists the paths seen), or the hardware has no fp8 matmuls and the recipe does not
+        say ``emulate=True``. Nothing falls back to high precision silently.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxamp.fp8
@@ -394,7 +435,10 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
         check_hardware(rec)
         if rec.scaling != "delayed" and fp8_state is not None:
             raise ValueError("jaxamp.fp8: fp8_state is for delayed recipes only.")
-        return _run(fn, rec, fp8_filter, args, kwargs, fp8_state, None)
+        records: list[MatmulRecord] = []
+        out = _run(fn, rec, fp8_filter, args, kwargs, fp8_state, records)
+        _check_selected(records, fp8_filter, "jaxamp.fp8.convert")
+        return out
 
     wrapped.__wrapped__ = fn
     wrapped.fp8_recipe = rec
@@ -460,6 +504,81 @@ def init_state(
     return {n: DelayedScalingState.create(rec.amax_history_length) for n in names}
 
 
+def capture_operands(
+    fn: Callable,
+    *args: Any,
+    recipe: Recipe | str = "tensorwise",
+    fp8_filter: Any = None,
+    fp8_state: dict | None = None,
+    argnums: int = 0,
+    **kwargs: Any,
+) -> dict[str, MatmulOperands]:
+    """The operands every fp8 matmul of ``fn(*args, **kwargs)`` receives, forward and backward.
+
+    Runs ``fn`` (a scalar loss) converted per `recipe` and its gradient with respect to
+    ``args[argnums]``, eagerly, and keeps each selected matmul's input, weight and grad_output
+    as 2-D arrays, before quantization: what a comparison of scales and fp8 codes against
+    another framework (torchao's ``Float8Linear``) needs. Quantize them with
+    `jaxamp.fp8.quantize` and the recipe's casts.
+
+    Args:
+      fn: returns a scalar floating loss.
+      *args, **kwargs: its arguments (concrete arrays: this runs eagerly).
+      recipe, fp8_filter: as for `convert`.
+      fp8_state: a delayed recipe's state (`init_state`); a fresh one if None.
+      argnums: which positional argument the gradient is taken with respect to.
+
+    Returns:
+      ``{matmul name: MatmulOperands}`` for the matmuls that ran in fp8, in program order.
+
+    Raises:
+      ValueError: called under a transformation (``jit``, ``grad``), or `fp8_filter` selects
+        nothing.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp.fp8
+      >>> rec = jaxamp.fp8.recipe("tensorwise", emulate=True)
+      >>> ops = jaxamp.fp8.capture_operands(
+      ...     lambda w, x: jnp.sum(x @ w), jnp.ones((8, 2)), jnp.ones((4, 8)), recipe=rec
+      ... )
+      >>> ops["dot_general"].input.shape, ops["dot_general"].weight.shape
+      ((4, 8), (8, 2))
+      >>> ops["dot_general"].grad_output.shape
+      (4, 2)
+    """
+    rec = _make_recipe(recipe)
+    check_hardware(rec)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        raise ValueError(
+            "jaxamp.fp8.capture_operands runs eagerly and keeps concrete arrays: call it outside "
+            "jit/grad/vmap."
+        )
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise TypeError(f"capture_operands(argnums=...) takes an int; got {argnums!r}.")
+    if not -len(args) <= argnums < len(args):
+        raise ValueError(
+            f"capture_operands: argnums={argnums} but {len(args)} positional arguments given."
+        )
+    if rec.scaling == "delayed" and fp8_state is None:
+        fp8_state = init_state(fn, rec, *args, fp8_filter=fp8_filter, **kwargs)
+    index = argnums % len(args)
+    captured: dict[str, dict] = {}
+    records: list[MatmulRecord] = []
+    _run(fn, rec, fp8_filter, args, kwargs, fp8_state, records, captured)
+    _check_selected(records, fp8_filter, "jaxamp.fp8.capture_operands")
+
+    def loss(diff_arg):
+        full = list(args)
+        full[index] = diff_arg
+        return _run(fn, rec, fp8_filter, tuple(full), kwargs, fp8_state, None, captured)
+
+    jax.grad(loss)(args[index])
+    return {
+        name: MatmulOperands(ops["lhs2d"], ops["rhs2d"], ops["grad_output2d"])
+        for name, ops in captured.items()
+    }
+
+
 def select_state(applied: Any, new: Any, old: Any) -> Any:
     """`new` where the step was `applied`, else `old`: keeps fp8 state on a skipped step.
 
@@ -495,37 +614,66 @@ def combine_states(*states: Any) -> Any:
     return jax.tree_util.tree_map(lambda *xs: jnp.max(jnp.stack(xs), axis=0), *states)
 
 
-def autocast_hooks(
-    recipe: Recipe | str, fp8_filter: Any = None, records: list | None = None
-) -> dict[str, Callable]:
-    """Hooks for autocast's interpreter (``jaxamp.autocast(fn, fp8=..., fp8_filter=...)``).
+class AutocastFp8:
+    """fp8 for one ``jaxamp.autocast(fn, fp8=..., fp8_filter=...)``: the interpreter's hook.
 
     Each selected ``dot_general`` runs through `jaxamp.fp8.dot_general` on the operands autocast
     chose (e.g. bfloat16 under a bfloat16 autocast, as torchao's ``Float8Linear`` takes the
     autocast dtype), with autocast's output dtype. Dynamic recipes only: delayed scaling needs
     explicit state, so compose ``jaxamp.fp8.convert(jaxamp.autocast(fn), delayed_recipe)``.
 
-    Returns:
-      ``{"dot_general": hook}`` for ``jaxamp._autocast`` (see its interpreter's docstring).
+    Args:
+      recipe: a dynamic `Recipe` or its name.
+      fp8_filter: as for `convert`.
+      records: a list to append one `MatmulRecord` per matmul to, or None.
     """
-    rec = _make_recipe(recipe)
-    if rec.scaling == "delayed":
-        raise ValueError(
-            "autocast(fp8=...): delayed scaling carries explicit state; use "
-            "jaxamp.fp8.convert(jaxamp.autocast(fn, ...), recipe, fp8_filter=...) with "
-            "fp8_state= instead."
-        )
-    select = _selector(fp8_filter)
-    counts: dict[str, int] = {}
 
-    def hook(call: Any) -> list | None:
+    def __init__(self, recipe: Recipe | str, fp8_filter: Any = None, records: list | None = None):
+        self.recipe = _make_recipe(recipe)
+        if self.recipe.scaling == "delayed":
+            raise ValueError(
+                "autocast(fp8=...): delayed scaling carries explicit state; use "
+                "jaxamp.fp8.convert(jaxamp.autocast(fn, ...), recipe, fp8_filter=...) with "
+                "fp8_state= instead."
+            )
+        self.fp8_filter = fp8_filter
+        self.select = _selector(fp8_filter)
+        self.records = records
+        self._counts: dict[str, int] = {}
+        self._seen: list[MatmulRecord] = []
+
+    @property
+    def hooks(self) -> dict[str, Callable]:
+        """``{"dot_general": hook}`` for ``jaxamp._autocast`` (see its interpreter's docstring)."""
+        return {"dot_general": self._hook}
+
+    def checked(self, fn: Callable) -> Callable:
+        """`fn` (autocast with these hooks) numbering matmuls afresh per call, and raising where
+        an explicit `fp8_filter` selected none of them (their paths named)."""
+
+        def wrapped(*args, **kwargs):
+            self._counts.clear()
+            self._seen.clear()
+            out = fn(*args, **kwargs)
+            _check_selected(self._seen, self.fp8_filter, "autocast(fp8=...)")
+            return out
+
+        return wrapped
+
+    def _note(self, record: MatmulRecord) -> None:
+        self._seen.append(record)
+        if self.records is not None:
+            self.records.append(record)
+
+    def _hook(self, call: Any) -> list | None:
+        rec = self.recipe
         check_hardware(rec)
         lhs, rhs = call.args
         dn = call.params["dimension_numbers"]
         path = call.name_stack
         base = _join(path, "dot_general")
-        n = counts.get(base, 0)
-        counts[base] = n + 1
+        n = self._counts.get(base, 0)
+        self._counts[base] = n + 1
         info = MatmulInfo(
             name=base if n == 0 else f"{base}#{n}",
             path=path,
@@ -535,18 +683,17 @@ def autocast_hooks(
             dtype=np.dtype(lhs.dtype),
             linear=linear_like(dn, lhs.ndim, rhs.ndim),
         )
-        if not select(info):
-            if records is not None:
-                records.append(
-                    MatmulRecord(
-                        info.name,
-                        path,
-                        info.lhs_shape,
-                        info.rhs_shape,
-                        False,
-                        "not selected by fp8_filter",
-                    )
+        if not self.select(info):
+            self._note(
+                MatmulRecord(
+                    info.name,
+                    path,
+                    info.lhs_shape,
+                    info.rhs_shape,
+                    False,
+                    "not selected by fp8_filter",
                 )
+            )
             return None
         if info.linear is not None or not jnp.issubdtype(info.dtype, jnp.floating):
             raise ValueError(
@@ -556,9 +703,13 @@ def autocast_hooks(
             )
         out_dtype = call.params.get("preferred_element_type") or jnp.result_type(lhs, rhs)
         out = dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec)
-        if records is not None:
-            how = f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}, under autocast"
-            records.append(MatmulRecord(info.name, path, info.lhs_shape, info.rhs_shape, True, how))
+        how = f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}, under autocast"
+        self._note(MatmulRecord(info.name, path, info.lhs_shape, info.rhs_shape, True, how))
         return [out]
 
-    return {"dot_general": hook}
+
+def autocast_hooks(
+    recipe: Recipe | str, fp8_filter: Any = None, records: list | None = None
+) -> dict[str, Callable]:
+    """`AutocastFp8(recipe, fp8_filter, records).hooks`: the interpreter hooks alone."""
+    return AutocastFp8(recipe, fp8_filter, records).hooks

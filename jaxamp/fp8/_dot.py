@@ -289,18 +289,30 @@ class DelayedScalingState:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+# Bounds of the quantization factor (the reciprocal of the stored scale): the scale stays in
+# [2**-126, 2**63], normal in float32 (a subnormal one is flushed to 0 on CPU/TPU), and the
+# product of a matmul's two scales (<= 2**126) stays finite: a scale of 0 or a product of inf
+# makes NaN outputs. Reached only for amaxes above 448 * 2**63 (or margins that push past it).
+_SF_MIN = np.float32(2.0**-63)
+_SF_MAX = np.float32(2.0**126)
+
+
 def _flax_scale(amax, scale, fmax, margin):
-    # Flax compute_scale, step for step (bit-identical): it works on reciprocals.
+    # Flax compute_scale, step for step (bit-identical for amaxes in [1e-12, 448 * 2**63]), on
+    # reciprocals. Flax divides by any positive amax: 448 / 1e-37 is
+    # inf in float32, the scale 1 / inf = 0, and the next outputs NaN. torchao clamps the amax
+    # at 1e-12 (float8_utils.amax_to_scale): so does this, and the factor is clipped to the
+    # scale's safe range (_SF_MIN), so that it stays finite and > 0 for any history (FAULTS 36).
     scale_inv = 1.0 / scale
-    sf = (fmax / amax) / (2**margin)
+    quotient = jnp.where(amax < _EPS32, np.float32(fmax / _EPS), np.float32(fmax) / amax)
+    sf = jnp.clip(quotient / (2**margin), _SF_MIN, _SF_MAX)
     sf = jnp.where(amax > 0.0, sf, scale_inv)
     sf = jnp.where(jnp.isfinite(amax), sf, scale_inv)
     return 1.0 / sf
 
 
 def _delayed_update(x, dtype, scale, history, margin):
-    fmax = jnp.asarray(fp8_max(dtype), jnp.float32)
-    new_scale = _flax_scale(jnp.max(history, axis=0), scale, fmax, margin)
+    new_scale = _flax_scale(jnp.max(history, axis=0), scale, fp8_max(dtype), margin)
     amax = jnp.max(jnp.abs(x)).astype(history.dtype)
     new_history = jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
     return new_scale, new_history

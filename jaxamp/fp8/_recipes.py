@@ -16,6 +16,10 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 _FP8_DTYPES = {"float8_e4m3fn": E4M3, "e4m3": E4M3, "float8_e5m2": E5M2, "e5m2": E5M2}
 GRANULARITIES = ("tensorwise", "rowwise")
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+# Delayed scaling's margin: at log2(fp8_max / smallest subnormal) of e4m3 (the forward operands'
+# dtype), 17.807, the amax quantizes to the smallest subnormal and every smaller value to 0.
+_E4M3_INFO = jnp.finfo(E4M3)
+MAX_MARGIN = float(np.log2(float(_E4M3_INFO.max) / float(_E4M3_INFO.smallest_subnormal)))
 
 
 def _closest(value: Any, allowed) -> str:
@@ -163,8 +167,25 @@ class Recipe:
             raise ValueError(
                 f"Recipe: amax_history_length must be an int >= 1; got {self.amax_history_length!r}."
             )
-        if not isinstance(self.margin, int | float) or not np.isfinite(self.margin):
-            raise ValueError(f"Recipe: margin must be a finite number; got {self.margin!r}.")
+        if isinstance(self.margin, bool | np.bool_) or not isinstance(
+            self.margin, int | float | np.integer | np.floating
+        ):
+            raise TypeError(
+                f"Recipe: margin must be a real number (int or float) in [0, {MAX_MARGIN:.3f}); "
+                f"got {type(self.margin).__name__} {self.margin!r}."
+            )
+        if not 0.0 <= float(self.margin) < MAX_MARGIN:
+            raise ValueError(
+                f"Recipe: margin must be in [0, {MAX_MARGIN:.3f}); got {self.margin!r}. The "
+                "scale is fp8_max / amax / 2**margin: a negative margin scales the amax past "
+                "fp8_max (saturating it); at log2(448 / 2**-9) = 17.807 the amax itself "
+                "quantizes to float8_e4m3fn's smallest subnormal and every smaller value to 0."
+            )
+        object.__setattr__(self, "margin", float(self.margin))
+        if not isinstance(self.power_of_2_scales, bool):
+            raise TypeError(
+                f"Recipe: power_of_2_scales must be a bool; got {self.power_of_2_scales!r}."
+            )
         if self.scaling == "delayed" and (
             self.power_of_2_scales
             or any(
