@@ -319,3 +319,70 @@ def test_corrupted_checkpoint_is_a_value_error_naming_the_file(tmp_path, corrupt
     with pytest.raises(ValueError, match="corrupted") as err:
         ckpt.restore(tmp_path, state)
     assert str(tmp_path / "3" / item) in str(err.value)
+
+
+# --- format versions and foreign checkpoints (FAULTS 37) -------------------------------------------
+
+
+def _set_format(step_dir, value):
+    record = step_dir / "amp" / "metadata"
+    meta = json.loads(record.read_text())
+    if value is _DROP:
+        del meta["format"]
+    else:
+        meta["format"] = value
+    record.write_text(json.dumps(meta))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        (999, "says format 999"),
+        ("two", "says format 'two'"),
+        (True, "says format True"),
+        (_DROP, "has no 'format' field"),
+    ],
+    ids=["999", "two", "bool", "missing"],
+)
+def test_unknown_format_version_is_refused_naming_it(tmp_path, value, found):
+    # On main the format field was written and never read: all of these restored silently.
+    state = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
+    ckpt.save(tmp_path, state, 3)
+    _set_format(tmp_path / "3", value)
+    with pytest.raises(ValueError, match="reads format 1 only") as err:
+        ckpt.restore(tmp_path, state)
+    assert found in str(err.value)
+    assert str(tmp_path / "3" / "amp" / "metadata") in str(err.value)
+
+
+def test_format_1_still_restores(tmp_path):
+    state = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
+    ckpt.save(tmp_path, state, 3)
+    _set_format(tmp_path / "3", 1)
+    restored = ckpt.restore(tmp_path, jax.tree.map(jnp.zeros_like, state))
+    assert bool(jnp.array_equal(restored["w"], state["w"]))
+
+
+@pytest.mark.parametrize("items", [None, ("state",)], ids=["default-item", "state-only"])
+def test_plain_orbax_checkpoint_is_named_not_corrupted(tmp_path, items):
+    # On main a checkpoint orbax wrote without the amp item was reported as "corrupted".
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
+    if items is None:
+        manager = ocp.CheckpointManager(os.fspath(tmp_path))
+        manager.save(2, args=ocp.args.StandardSave(state))
+    else:
+        manager = ocp.CheckpointManager(os.fspath(tmp_path), item_names=items)
+        manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.raises(ValueError, match="no 'amp' item") as err:
+        ckpt.restore(tmp_path, state)
+    message = str(err.value)
+    assert "corrupted" not in message
+    expected = "default" if items is None else "state"
+    assert f"the items ['{expected}']" in message
+    assert "'state' (the arrays) and 'amp'" in message

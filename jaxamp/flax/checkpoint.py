@@ -329,8 +329,9 @@ def restore(
       The restored state (for NNX: `target`, updated in place).
 
     Raises:
-      ValueError: no checkpoint; loss scaling differs (with "error"); leaves are missing,
-        unexpected, or of another shape.
+      ValueError: no checkpoint; a checkpoint `save` did not write (no loss-scaling record:
+        a plain orbax checkpoint) or of another format version; loss scaling differs (with
+        "error"); leaves are missing, unexpected, or of another shape.
 
     Example:
       >>> import os
@@ -357,6 +358,7 @@ def restore(
                 f"restore(step={step}): no such checkpoint in {directory}; saved steps are "
                 f"{sorted(manager.all_steps())}."
             )
+        _check_amp_item(directory, step)
         saved = _read(
             manager, step, ocp.args.Composite(amp=ocp.args.JsonRestore()), "amp", directory
         )
@@ -471,30 +473,70 @@ def _read(manager: Any, step: int, args: Any, item: str, directory: Any) -> Any:
     ) from error
 
 
-def _check_record(saved: Any, directory: Any, step: int) -> None:
-    """The JSON record `save` writes: a dict with the keys `restore` reads."""
-    path = os.path.join(_item_path(directory, step, "amp"), "metadata")
-    problem = None
-    if not isinstance(saved, dict):
-        problem = f"it holds a {type(saved).__name__}, not a JSON object"
-    elif not isinstance(saved.get("leaves"), dict):
-        problem = "its 'leaves' entry is missing or not an object"
-    elif not isinstance(saved.get("loss_scaled"), list) or not all(
-        isinstance(e, dict) and {"path", "type", "config"} <= set(e) for e in saved["loss_scaled"]
-    ):
-        problem = "its 'loss_scaled' entry is missing or malformed"
+def _check_amp_item(directory: Any, step: int) -> None:
+    """Refuses a step folder without the loss-scaling record: a checkpoint `save` did not write."""
+    step_dir = os.path.dirname(_item_path(directory, step, "amp"))
+    if os.path.isdir(os.path.join(step_dir, "amp")):
+        return
+    items = sorted(
+        name
+        for name in (os.listdir(step_dir) if os.path.isdir(step_dir) else [])
+        if os.path.isdir(os.path.join(step_dir, name))
+    )
+    found = f"the items {items}" if items else "no checkpoint items"
+    raise ValueError(
+        f"restore({directory!s}, step={step}): {step_dir} holds {found} and no 'amp' item, so it "
+        "is not a checkpoint jaxamp.flax.checkpoint.save wrote: that writes two items, 'state' "
+        "(the arrays) and 'amp' (the loss-scaling record restore checks the target against). "
+        "Restore a plain orbax checkpoint with orbax itself (ocp.CheckpointManager(...).restore), "
+        "then save it once with jaxamp.flax.checkpoint.save."
+    )
+
+
+def _check_format(saved: dict, path: str, directory: Any, step: int) -> None:
+    """Refuses a record of another format version (or none), naming what it found."""
+    if "format" not in saved:
+        found = "has no 'format' field"
     else:
-        for name, entry in saved["leaves"].items():
-            if not (
-                isinstance(entry, list)
-                and len(entry) == 2
-                and isinstance(entry[0], list)
-                and isinstance(entry[1], str)
-            ):
-                problem = f"leaf {name!r} has no [shape, dtype] record"
-                break
+        version = saved["format"]
+        if isinstance(version, int) and not isinstance(version, bool) and version == _FORMAT:
+            return
+        found = f"says format {version!r}"
+    raise ValueError(
+        f"restore({directory!s}, step={step}): the loss-scaling record {path} {found}; this "
+        f"version of jaxamp reads format {_FORMAT} only (what jaxamp.flax.checkpoint.save "
+        "writes). Restore it with the jaxamp that wrote it, or re-save the state with this one."
+    )
+
+
+def _check_record(saved: Any, directory: Any, step: int) -> None:
+    """The JSON record `save` writes: a dict of a known format with the keys `restore` reads."""
+    path = os.path.join(_item_path(directory, step, "amp"), "metadata")
+    if isinstance(saved, dict):
+        _check_format(saved, path, directory, step)
+    problem = _record_problem(saved)
     if problem is not None:
         raise ValueError(
             f"restore({directory!s}, step={step}): the loss-scaling record {path} is corrupted: "
             f"{problem}. Restore another step or re-save."
         )
+
+
+def _record_problem(saved: Any) -> str | None:
+    if not isinstance(saved, dict):
+        return f"it holds a {type(saved).__name__}, not a JSON object"
+    if not isinstance(saved.get("leaves"), dict):
+        return "its 'leaves' entry is missing or not an object"
+    if not isinstance(saved.get("loss_scaled"), list) or not all(
+        isinstance(e, dict) and {"path", "type", "config"} <= set(e) for e in saved["loss_scaled"]
+    ):
+        return "its 'loss_scaled' entry is missing or malformed"
+    for name, entry in saved["leaves"].items():
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], list)
+            and isinstance(entry[1], str)
+        ):
+            return f"leaf {name!r} has no [shape, dtype] record"
+    return None
