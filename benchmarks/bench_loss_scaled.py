@@ -21,9 +21,15 @@ Opt-in (``--variants ... order_floor``), a diagnostic and not a loss scaler:
   gradient leaf. The update still waits for every gradient, as any exact whole-step skip must,
   but the check costs nothing: its ratio is the floor that ordering alone sets.
 
-Every variant differentiates the same policy-cast loss; the steps are timed interleaved (the
-order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidence interval
-(resampling the paired step indices).
+Every variant differentiates the same policy-cast loss (the casts written out, so that every
+variant computes the same numbers); ``loss_scaled`` is otherwise the README's ``train_step`` as
+users write it (`jaxamp.value_and_grad`, `jaxamp.apply_gradients`, `jaxamp.amp_info` returned;
+under ``fp32`` the casts are no-ops and it is that step exactly). Each variant is jitted twice, with its
+params and optimizer state donated (``donate_argnums=(0, 1)``) and without (as the README's
+step, and many training scripts, are written); ``--donate`` picks which. Every (variant,
+donation) step is timed interleaved with the others (the order rotates); each ratio is to
+``plain`` with the same donation and comes with a bootstrap 95% confidence interval
+(resampling the paired step indices). Compile times are reported apart.
 
     python benchmarks/bench_loss_scaled.py --steps 100 --repeats 2
 """
@@ -31,6 +37,7 @@ order rotates), and each ratio to ``plain`` comes with a bootstrap 95% confidenc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -134,8 +141,11 @@ VARIANTS = ("plain", "loss_scaled", "loss_scaled_update", "naive", "flax", "jmp"
 DIAGNOSTICS = ("order_floor",)
 
 
-def _make_step(variant: str, loss_fn, policy):
-    """(init(params) -> state, jitted step(params, state, x, y) -> (params, state, loss))."""
+def _make_step(variant: str, loss_fn, policy, donate: bool = True):
+    """(init(params) -> state, jitted step(params, state, x, y) -> (params, state, loss, ...)).
+
+    With `donate` the params and optimizer state are donated (updated in place)."""
+    jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     policy = jaxamp.get_policy(policy)
     base = optax.adamw(1e-4, weight_decay=0.01)
 
@@ -152,18 +162,17 @@ def _make_step(variant: str, loss_fn, policy):
             updates, opt_state = base.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        return base.init, jax.jit(step, donate_argnums=(0, 1))
+        return base.init, jit(step)
 
     if variant == "loss_scaled":
         tx = jaxamp.loss_scaled(base)
-        grad_fn = jaxamp.value_and_grad(compute_loss)
 
-        def step(params, opt_state, x, y):
-            loss, grads = grad_fn(params, x, y, loss_scale=opt_state)
+        def step(params, opt_state, x, y):  # the README's train_step
+            loss, grads = jaxamp.value_and_grad(compute_loss)(params, x, y, loss_scale=opt_state)
             params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
-            return params, opt_state, loss
+            return params, opt_state, loss, jaxamp.amp_info(opt_state)
 
-        return tx.init, jax.jit(step, donate_argnums=(0, 1))
+        return tx.init, jit(step)
 
     if variant in ("loss_scaled_update", "naive"):
         tx = (
@@ -181,7 +190,7 @@ def _make_step(variant: str, loss_fn, policy):
                 return jaxamp.apply_updates(params, updates, opt_state), opt_state, loss
             return optax.apply_updates(params, updates), opt_state, loss
 
-        return tx.init, jax.jit(step, donate_argnums=(0, 1))
+        return tx.init, jit(step)
 
     if variant == "order_floor":
         grad_fn = jaxamp.value_and_grad(compute_loss)
@@ -204,7 +213,7 @@ def _make_step(variant: str, loss_fn, policy):
             params, opt_state = jax.lax.cond(finite, applied, lambda o: o, (params, opt_state))
             return params, (opt_state, loss_scale.adjust(finite)), loss
 
-        return init, jax.jit(step, donate_argnums=(0, 1))
+        return init, jit(step)
 
     if variant == "flax":
 
@@ -223,7 +232,7 @@ def _make_step(variant: str, loss_fn, policy):
             new_opt_state = jax.tree.map(select, new_opt_state, opt_state)
             return new_params, (new_opt_state, dynamic_scale), loss
 
-        return init, jax.jit(step, donate_argnums=(0, 1))
+        return init, jit(step)
 
     if variant == "jmp":
         # jmp's loss scale checks its fields when rebuilt, which `jit(...).lower` trips on:
@@ -251,7 +260,7 @@ def _make_step(variant: str, loss_fn, policy):
             )
             return new_params, (new_opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
 
-        return init, jax.jit(step, donate_argnums=(0, 1))
+        return init, jit(step)
     raise ValueError(f"variant must be one of {VARIANTS + DIAGNOSTICS}; got {variant!r}")
 
 
@@ -271,71 +280,85 @@ def bench(
     warmup: int,
     batch_size: int,
     variants: tuple[str, ...] = VARIANTS,
-) -> dict:
+    donate: tuple[bool, ...] = (True, False),
+) -> list[dict]:
+    """One interleaved run of every (variant, donation) step; one result per donation mode."""
     if not variants or variants[0] != "plain":
         raise ValueError(f"variants must start with 'plain' (the reference); got {variants!r}")
+    if not donate:
+        raise ValueError("donate must hold True (donated), False (not donated) or both")
     params, x, y, loss_fn = _problem(model, batch_size)
     n_params = sum(p.size for p in jax.tree.leaves(params))
+    cells = [(variant, d) for d in donate for variant in variants]
     runs = {}
-    for variant in variants:
-        init, step = _make_step(variant, loss_fn, policy)
+    for variant, d in cells:
+        init, step = _make_step(variant, loss_fn, policy, donate=d)
         p = jax.tree.map(jnp.copy, params)
         s = init(p)
         t0 = time.perf_counter()
         compiled = step.lower(p, s, x, y).compile()
         compile_s = time.perf_counter() - t0
-        runs[variant] = {
+        runs[variant, d] = {
             "step": compiled,
             "params": p,
             "state": s,
             "times": [],
             "compile_s": compile_s,
         }
+
+    def run_one(cell):
+        r = runs[cell]
+        out = r["step"](r["params"], r["state"], x, y)
+        r["params"], r["state"] = out[0], out[1]
+        jax.block_until_ready(out)
+        return out
+
     for _ in range(warmup):
-        for variant in variants:
-            r = runs[variant]
-            r["params"], r["state"], loss = r["step"](r["params"], r["state"], x, y)
-            jax.block_until_ready(loss)
+        for cell in cells:
+            run_one(cell)
     for i in range(steps):
-        # Interleave, rotating the order so no variant always runs first after another.
-        shift = i % len(variants)
-        order = variants[shift:] + variants[:shift]
-        for variant in order:
-            r = runs[variant]
+        # Interleave, rotating the order so no step always runs first after another.
+        shift = i % len(cells)
+        for cell in cells[shift:] + cells[:shift]:
             t0 = time.perf_counter()
-            r["params"], r["state"], loss = r["step"](r["params"], r["state"], x, y)
-            jax.block_until_ready((r["params"], loss))
-            r["times"].append(time.perf_counter() - t0)
-    plain = statistics.median(runs["plain"]["times"])
-    result = {
-        "model": model,
-        "policy": policy,
-        "params": int(n_params),
-        "batch_size": batch_size,
-        "steps": steps,
-        "warmup": warmup,
-        "variants": {},
-    }
-    for variant in variants:
-        times = runs[variant]["times"]
-        med = statistics.median(times)
-        q1, _, q3 = statistics.quantiles(times, n=4)
-        result["variants"][variant] = {
-            "median_s": med,
-            "iqr_s": [q1, q3],
-            "ratio_to_plain": med / plain,
-            "ratio_ci95": _bootstrap_ratio_ci(times, runs["plain"]["times"]),
-            "compile_s": runs[variant]["compile_s"],
+            run_one(cell)
+            runs[cell]["times"].append(time.perf_counter() - t0)
+    results = []
+    for d in donate:
+        plain_times = runs["plain", d]["times"]
+        plain = statistics.median(plain_times)
+        result = {
+            "model": model,
+            "policy": policy,
+            "params": int(n_params),
+            "batch_size": batch_size,
+            "donated": d,
+            "steps": steps,
+            "warmup": warmup,
+            "variants": {},
         }
-    return result
+        for variant in variants:
+            times = runs[variant, d]["times"]
+            med = statistics.median(times)
+            q1, _, q3 = statistics.quantiles(times, n=4)
+            result["variants"][variant] = {
+                "median_s": med,
+                "iqr_s": [q1, q3],
+                "ratio_to_plain": med / plain,
+                "ratio_ci95": _bootstrap_ratio_ci(times, plain_times),
+                "compile_s": runs[variant, d]["compile_s"],
+            }
+        results.append(result)
+    return results
 
 
 def _print_rows(r: dict) -> None:
     for variant, v in r["variants"].items():
         iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
         ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
+        donated = "yes" if r["donated"] else "no"
         print(
-            f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{variant:>20}"
+            f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{donated:>8}{variant:>20}"
             f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
             f"{v['compile_s']:>11.2f}",
             flush=True,
@@ -369,15 +392,22 @@ def main(argv=None) -> None:
         choices=list(VARIANTS + DIAGNOSTICS),
         help="what to time ('plain', the reference, is always timed)",
     )
+    parser.add_argument(
+        "--donate",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="jit each step with its params and state donated, without, or both (default)",
+    )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
     args = parser.parse_args(argv)
     if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
     variants = ("plain", *dict.fromkeys(v for v in args.variants if v != "plain"))
+    donate = {"both": (True, False), "yes": (True,), "no": (False,)}[args.donate]
     load_before = os.getloadavg()
     header = (
-        f"{'model':<12}{'policy':>11}{'batch':>6}{'variant':>20}{'median ms':>11}"
+        f"{'model':<12}{'policy':>11}{'batch':>6}{'donated':>8}{'variant':>20}{'median ms':>11}"
         f"{'IQR ms':>17}{'ratio':>8}{'95% CI':>15}{'compile s':>11}"
     )
     print(header)
@@ -387,10 +417,12 @@ def main(argv=None) -> None:
         for policy in args.policies:
             for model in args.models:
                 for batch_size in args.batch_sizes:
-                    r = bench(model, policy, args.steps, args.warmup, batch_size, variants)
-                    r["repeat"] = repeat
-                    results.append(r)
-                    _print_rows(r)  # as each configuration finishes: long runs show progress
+                    for r in bench(
+                        model, policy, args.steps, args.warmup, batch_size, variants, donate
+                    ):
+                        r["repeat"] = repeat
+                        results.append(r)
+                        _print_rows(r)  # as each configuration finishes: long runs show progress
     payload = {
         "benchmark": "loss_scaled_overhead",
         "device": str(jax.devices()[0].device_kind),

@@ -34,18 +34,20 @@ def test_every_variant_trains_to_the_same_parameters(bench, policy):
     params, x, y, loss_fn = bench._problem("mlp", 8)
     results = {}
     for variant in bench.VARIANTS + bench.DIAGNOSTICS:
-        init, step = bench._make_step(variant, loss_fn, policy)
-        p = jax.tree.map(jnp.copy, params)
-        s = init(p)
-        for _ in range(3):
-            p, s, loss = step(p, s, x, y)
-        assert np.isfinite(float(loss))
-        results[variant] = p
+        # Donation changes buffers, not values: both forms once (fp32), donated elsewhere.
+        for donate in (True, False) if policy == "fp32" else (True,):
+            init, step = bench._make_step(variant, loss_fn, policy, donate=donate)
+            p = jax.tree.map(jnp.copy, params)
+            s = init(p)
+            for _ in range(3):
+                p, s, loss = step(p, s, x, y)[:3]
+            assert np.isfinite(float(loss))
+            results[variant, donate] = p
     # Same optimizer, same gradients: only XLA's fusion (FMA contraction) and, below float32,
     # the policy's rounding of the scaled backward pass may differ.
     rtol = 1e-5 if policy == "fp32" else 1e-2
     for variant, p in results.items():
-        for a, b in zip(jax.tree.leaves(results["plain"]), jax.tree.leaves(p), strict=True):
+        for a, b in zip(jax.tree.leaves(results["plain", True]), jax.tree.leaves(p), strict=True):
             np.testing.assert_allclose(
                 np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-6, err_msg=variant
             )
@@ -69,11 +71,13 @@ def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
         ]
     )
     payload = json.loads(out.read_text())
-    (result,) = payload["results"]
-    assert set(result["variants"]) == set(bench.VARIANTS)
-    for v in result["variants"].values():
-        lo, hi = v["ratio_ci95"]
-        assert lo <= hi and v["median_s"] > 0
+    donated, not_donated = payload["results"]
+    assert (donated["donated"], not_donated["donated"]) == (True, False)
+    for result in (donated, not_donated):
+        assert set(result["variants"]) == set(bench.VARIANTS)
+        for v in result["variants"].values():
+            lo, hi = v["ratio_ci95"]
+            assert lo <= hi and v["median_s"] > 0 and v["compile_s"] > 0
     assert "loss_scaled_update" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--steps", "3", "--out", str(out)])  # too few steps without --smoke
@@ -83,10 +87,15 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
     out = tmp_path / "r.json"
     common = ["--models", "mlp", "--policies", "fp32", "--steps", "2", "--smoke"]
     bench.main(
-        [*common, "--warmup", "1", "--variants", "order_floor", "loss_scaled", "--out", str(out)]
+        [
+            *common,
+            *("--warmup", "1", "--donate", "no", "--variants", "order_floor", "loss_scaled"),
+            *("--out", str(out)),
+        ]
     )
     (result,) = json.loads(out.read_text())["results"]
     assert list(result["variants"]) == ["plain", "order_floor", "loss_scaled"]
+    assert result["donated"] is False
     with pytest.raises(SystemExit):
         bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
     with pytest.raises(ValueError, match="must start with 'plain'"):
