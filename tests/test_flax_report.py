@@ -86,3 +86,26 @@ def test_report_names_use_the_policy_grammar():
                 parse_dtype(name)
         if module.policy is not None:
             assert str(get_policy(module.policy)) == module.policy
+
+
+def test_report_reads_only_public_queries_of_the_flax_glue():
+    """The seam (issue 23): report.py asks linen.py / nnx.py through their exported queries
+    (current_policy, module_policy, own_params, has_own_call), never their private names."""
+    import ast
+    import inspect
+
+    from jaxamp.flax import linen as jl
+    from jaxamp.flax import nnx as jn
+    from jaxamp.flax import report
+
+    used = {
+        (node.value.id, node.attr)
+        for node in ast.walk(ast.parse(inspect.getsource(report)))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("jl", "jn")
+    }
+    assert used, "report.py no longer reads the glue through jl/jn: update this test"
+    for module_name, attr in sorted(used):
+        module = {"jl": jl, "jn": jn}[module_name]
+        assert attr in module.__all__, f"report.py reads {module_name}.{attr}, not exported"

@@ -36,7 +36,6 @@ __all__ = [
     "MatmulOperands",
     "MatmulRecord",
     "AutocastFp8",
-    "autocast_hooks",
     "capture_operands",
     "combine_states",
     "convert",
@@ -706,10 +705,3 @@ class AutocastFp8:
         how = f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}, under autocast"
         self._note(MatmulRecord(info.name, path, info.lhs_shape, info.rhs_shape, True, how))
         return [out]
-
-
-def autocast_hooks(
-    recipe: Recipe | str, fp8_filter: Any = None, records: list | None = None
-) -> dict[str, Callable]:
-    """`AutocastFp8(recipe, fp8_filter, records).hooks`: the interpreter hooks alone."""
-    return AutocastFp8(recipe, fp8_filter, records).hooks
