@@ -2,6 +2,8 @@
 compositions it promises (loss_scaled skips, multi_steps, optax.MultiSteps, sharding, jit)."""
 
 import dataclasses
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -283,3 +285,19 @@ def test_other_state_fields_and_small_leaves():
     assert trace["odd"].dtype == jnp.float32  # 300 is not a multiple of the block size
     updates, state = tx.update({"w": -jnp.ones(512), "odd": -jnp.ones(300)}, state, params)
     np.testing.assert_allclose(updates["w"], 0.1, rtol=2.0**-7)
+
+
+def test_readme_snippet_runs():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### Optimizer precision") :]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    assert "low_precision_state" in block and "stochastic_rounding" in block
+    params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
+    opt_state = optim_precision.adamw_8bit().init(params)
+    namespace = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp, "optax": optax, "opt_state": opt_state}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    tx = namespace["tx"]  # the last one: loss-scaled SR around 8-bit state
+    state = tx.init(params)
+    grads = {"w": jnp.full((64, 64), 65536.0, jnp.bfloat16)}
+    updates, state = tx.update(grads, state, params)
+    assert updates["w"].dtype == jnp.bfloat16 and bool(jaxamp.amp_info(state).last_step_applied)
