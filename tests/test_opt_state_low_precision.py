@@ -301,3 +301,26 @@ def test_readme_snippet_runs():
     grads = {"w": jnp.full((64, 64), 65536.0, jnp.bfloat16)}
     updates, state = tx.update(grads, state, params)
     assert updates["w"].dtype == jnp.bfloat16 and bool(jaxamp.amp_info(state).last_step_applied)
+
+
+def test_checkpoint_round_trip_keeps_codes_static_fields_and_key(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
+    for state_format in ALL:
+        tx = jaxamp.stochastic_rounding(
+            jaxamp.low_precision_state(optax.adamw(1e-3), state_format), seed=3
+        )
+        state = tx.init(params)
+        _, state = tx.update({"w": jnp.full((64, 64), 0.5, jnp.bfloat16)}, state, params)
+        path = tmp_path / state_format
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(path, state)
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path, jax.eval_shape(lambda s=state: s))
+        # Same tree (QuantizedArray's static fields included), same dtypes, same bits.
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(
+                np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+            )
