@@ -126,7 +126,7 @@ def value_and_grad(
     # Under float16 compute, torch's float16 autocast lists (losses and reductions in float32).
     forward = fun
     if policy is not None and policy.compute_dtype == _F16:
-        forward = functools.wraps(fun)(transform(fun, dtype=_F16, device="cuda"))
+        forward = transform(fun, dtype=_F16, device="cuda")
 
     @functools.wraps(fun)
     def wrapped(*args, loss_scale: Any = None, **kwargs):
