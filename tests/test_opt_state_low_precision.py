@@ -195,12 +195,13 @@ def test_gradient_accumulation_equals_one_step_on_the_mean(accumulate):
     assert int(jnp.abs(got_mu.codes.astype(jnp.int32) - want_mu.codes.astype(jnp.int32)).max()) <= 1
 
 
-def test_sharded_update_gives_the_unsharded_codes():
+@pytest.mark.parametrize("state_format", ALL)
+def test_sharded_update_gives_the_unsharded_codes(state_format):
     devices = np.array(jax.devices()[:8])
     if devices.size < 2:
         pytest.skip("needs several devices (conftest sets 8 CPU devices)")
     mesh = Mesh(devices, ("data",))
-    tx = jaxamp.low_precision_state(optax.adamw(1e-3), "8bit")
+    tx = jaxamp.low_precision_state(optax.adamw(1e-3), state_format)
     params, grads = _params(), _grads(0)
     state = tx.init(params)
     want_updates, want_state = jax.jit(tx.update)(grads, state, params)
@@ -213,9 +214,16 @@ def test_sharded_update_gives_the_unsharded_codes():
     got_updates, got_state = jax.jit(tx.update)(put(grads), put(state), put(params))
     np.testing.assert_array_equal(got_updates["w"], want_updates["w"])
     for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    codes = got_state.inner_state[0].mu["w"].codes
-    assert codes.shape == (64, 64) and len(codes.sharding.device_set) == devices.size
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(
+            np.asarray(got).reshape(-1).view(np.uint8), np.asarray(want).reshape(-1).view(np.uint8)
+        )
+    mu = got_state.inner_state[0].mu["w"]
+    codes = mu if state_format == "bf16" else mu.codes
+    # Codes of the parameter's shape (8-bit, fp8, bf16) or packed flat (4-bit), spread over
+    # the devices as the inputs were.
+    assert codes.shape == ((2048,) if state_format == "4bit" else (64, 64))
+    assert len(codes.sharding.device_set) == devices.size
 
 
 def test_second_jitted_call_does_not_retrace():
