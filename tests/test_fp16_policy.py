@@ -67,34 +67,45 @@ def test_float16_loss_ops_run_in_float32_under_the_policy(maybe_jit):
     assert bool(jnp.isfinite(grad))
 
 
-@pytest.mark.torch
-def test_fp16_policy_follows_torch_gradscaler_from_the_default_scale(maybe_jit):
-    """torch.autocast("cpu", float16) + GradScaler("cpu") against policy="fp16-mixed" +
-    loss_scaled: no step skipped on either side, the same scale trajectory (growth every 3
-    steps), the same scaled gradients' maxima to float16 rounding and params that agree."""
-    torch = pytest.importorskip("torch")
-    steps, lr = 6, 0.1
+def _torch_run(torch, steps=6, lr=0.1):
+    """torch.autocast("cpu", float16) + GradScaler("cpu", growth_interval=3) on `_problem`."""
     w, b, xs, ys = _problem(steps)
-    torch.set_num_threads(1)
     linear = torch.nn.Linear(8, 4)
     with torch.no_grad():
         linear.weight.copy_(torch.from_numpy(w))
         linear.bias.copy_(torch.from_numpy(b))
     opt = torch.optim.SGD(linear.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", growth_interval=3)
-    torch_scales, torch_gmax = [], []
+    scales, gmax = [], []
     for x, y in zip(xs, ys, strict=True):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(
                 linear(torch.from_numpy(x)), torch.from_numpy(y)
             )
-        assert loss.dtype == torch.float32
+        assert loss.dtype == torch.float32  # torch computes the loss in float32
         scaler.scale(loss).backward()
-        torch_scales.append(scaler.get_scale())
-        torch_gmax.append(float(linear.weight.grad.abs().max()))
+        scales.append(scaler.get_scale())
+        gmax.append(float(linear.weight.grad.abs().max()))
         scaler.step(opt)
         scaler.update()
+    return scales, gmax, linear.weight.detach().numpy()
+
+
+@pytest.mark.torch
+def test_fp16_policy_follows_torch_gradscaler_from_the_default_scale(maybe_jit):
+    """torch.autocast("cpu", float16) + GradScaler("cpu") against policy="fp16-mixed" +
+    loss_scaled: no step skipped on either side, the same scale trajectory (growth every 3
+    steps), the same scaled gradients' maxima to float16 rounding and params that agree."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one reduction order (the float16 weight gradient's sum)
+    try:
+        torch_scales, torch_gmax, torch_weight = _torch_run(torch)
+    finally:
+        torch.set_num_threads(threads)
+    steps, lr = 6, 0.1
+    w, b, xs, ys = _problem(steps)
 
     params = {"w": jnp.asarray(w), "b": jnp.asarray(b)}
     tx = jaxamp.loss_scaled(optax.sgd(lr), jaxamp.DynamicLossScale.create(growth_interval=3))
@@ -128,7 +139,7 @@ def test_fp16_policy_follows_torch_gradscaler_from_the_default_scale(maybe_jit):
         * 2.0**-10
         * max(g / s for g, s in zip(torch_gmax, torch_scales, strict=True))
     )
-    np.testing.assert_allclose(np.asarray(params["w"]), linear.weight.detach().numpy(), atol=atol)
+    np.testing.assert_allclose(np.asarray(params["w"]), torch_weight, atol=atol)
 
 
 def test_float16_master_params_refused(maybe_jit):
