@@ -32,7 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from parity import measure, speed  # noqa: E402
+from parity.cell import run_cell  # noqa: E402
+from parity.cli import CLI_DEFAULTS  # noqa: E402
+from parity.compare import compare_runs  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
+from parity.models import get_model_pair  # noqa: E402
 
 # Batch sizes that give each model a few ms of work per step on a 2-core CPU. torch's float16
 # kernels on CPU are ~200x slower: fp16-mixed runs are tiny and only indicative there.
@@ -48,13 +52,10 @@ def _batch(model: str, precision: str, device: str) -> int:
 
 
 def bench_cell(model, precision, *, device, steps, repeats, warmup, compile_torch, log):
-    """Alternating-block timing of one cell; returns (summary, raw rounds)."""
-    from parity.compare import compare_runs
-    from parity.hardware import unsupported_reason
-    from parity.models import get_model_pair
-    from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
+    """Alternating-block timing of one cell; returns (summary, raw rounds).
 
+    Each framework's run is the harness's own cell (`parity.cell.run_cell`, one framework, no
+    step-0 gate: the verdicts of every round gate the timings instead)."""
     batch = _batch(model, precision, device)
     base = RunConfig(
         model=model,
@@ -62,22 +63,19 @@ def bench_cell(model, precision, *, device, steps, repeats, warmup, compile_torc
         steps=steps,
         batch_size=batch,
         timing_warmup=warmup,
-        lr_warmup_steps=10,  # as the CLI's default (see parity/cli.py)
         eval=False,
         device=device,
+        **CLI_DEFAULTS,
     )
     pair = get_model_pair(model, seed=0)
     cell = {"model": model, "precision": precision, "device": device, "batch_size": batch}
-    reasons = {
-        fw: unsupported_reason(
-            fw, base.policy, pair.torch_model if fw == "torch" else model, device
-        )
-        for fw in ("torch", "jax")
-    }
-    if any(reasons.values()):
-        cell["unsupported"] = "; ".join(f"{fw}: {r}" for fw, r in reasons.items() if r)
-        log(f"  {model} {precision}: not timed ({cell['unsupported']})")
-        return cell, []
+
+    def run(mode):
+        config = base.replace(torch_compile=mode == "torch-compile")
+        framework = "jax" if mode == "jax" else "torch"
+        (record,) = run_cell(config, (framework,), pair=pair, step0_checks=False, echo=False)
+        return record
+
     modes = ["torch", "jax"] + (["torch-compile"] if compile_torch else [])
     rounds, pooled = [], {mode: [] for mode in modes}
     last_runs = {}
@@ -85,10 +83,11 @@ def bench_cell(model, precision, *, device, steps, repeats, warmup, compile_torc
         order = modes[index % len(modes) :] + modes[: index % len(modes)]
         runs = {}
         for mode in order:
-            if mode == "jax":
-                runs[mode] = train_jax(base, pair)
-            else:
-                runs[mode] = train_torch(base.replace(torch_compile=mode == "torch-compile"), pair)
+            runs[mode] = run(mode)
+            if runs[mode].get("status") == "unsupported":  # this machine cannot run the cell
+                cell["unsupported"] = f"{mode}: {runs[mode].get('reason')}"
+                log(f"  {model} {precision}: not timed ({cell['unsupported']})")
+                return cell, []
             pooled[mode].extend(speed.measured_times(runs[mode]))
         verdicts = compare_runs([runs["torch"], runs["jax"]])
         failed = [f"{v.check}: {v.value_text}" for v in verdicts if v.passed is False]

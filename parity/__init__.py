@@ -1,11 +1,13 @@
 """parity: train the same model in PyTorch (torch.amp) and JAX (jaxamp) and compare.
 
 Command line: ``python -m parity run|compare|matrix`` (see `parity.cli`). Library:
-`compare_models` (your own torch module, Flax module and weight transfer).
+`compare_models` (your own torch module, Flax module and weight transfer). The layout and the
+route of one run are drawn in ``parity/README.md``.
 """
 
-from parity.api import ParityResult as ParityResult
-from parity.api import compare_models as compare_models
+import importlib
+from typing import Any
+
 from parity.config import PRECISIONS as PRECISIONS
 from parity.config import RunConfig as RunConfig
 
@@ -15,3 +17,12 @@ __all__ = [
     "RunConfig",
     "compare_models",
 ]
+
+# Loaded on first use: `parity.api` imports torch, and `import parity.train_jax` must not.
+_LAZY = {"ParityResult": "parity.api", "compare_models": "parity.api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parity' has no attribute {name!r}")

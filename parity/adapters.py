@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.mapping import as_variables, flatten_variables
+from parity.variables import as_variables, flatten_variables, nnx_collection
 
 __all__ = [
     "AdapterError",
@@ -214,7 +214,6 @@ def nnx_load(model: Any, variables: Any) -> None:
       >>> float(layer.kernel[...].sum())
       6.0
     """
-    from parity.mapping import _nnx_collection
 
     nnx = _nnx()
     flat = flatten_variables(as_variables(variables))
@@ -222,7 +221,7 @@ def nnx_load(model: Any, variables: Any) -> None:
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         if not isinstance(variable, nnx.Variable):
             continue
-        collection = _nnx_collection(type(variable))
+        collection = nnx_collection(type(variable))
         if collection is None:
             continue
         key = (collection, *map(str, path))

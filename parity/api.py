@@ -19,14 +19,29 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
 
+from parity import adapters
+from parity.cell import NOISE_FRAMEWORKS, run_cell, write_outputs
+from parity.compare import compare_runs
 from parity.config import RunConfig
+from parity.data import BatchStream
+from parity.losses import TASKS
+from parity.mapping import WeightMapping
+from parity.models import ModelPair
+from parity.transfer import auto, validate_variables
+from parity.variables import as_variables
+from parity.verdicts.rows import overall_status
 
 __all__ = ["ParityResult", "compare_models"]
 
@@ -37,8 +52,8 @@ class ParityResult:
 
     Attributes:
       runs: the run records (the ``results.json`` schema), torch first.
-      verdicts: `parity.compare.Verdict` rows (``passed`` is None for informational rows).
-      passed: no verdict failed and at least one passed (`parity.compare.overall_status` is "PASS").
+      verdicts: `parity.verdicts.rows.Verdict` rows (``passed`` is None for informational rows).
+      passed: no verdict failed and at least one passed (`parity.verdicts.rows.overall_status` is "PASS").
       report_path: ``report.md`` when `out_dir` was given, else None.
     """
 
@@ -117,20 +132,7 @@ def prepare_pair(
       >>> [e.transform for e in pair.mapping.entries]
       ['linear', 'identity']
     """
-    import copy
-
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    from parity import adapters
-    from parity.mapping import WeightMapping, as_variables
-    from parity.models import TASKS, ModelPair
-    from parity.transfer import auto, validate_variables
-
     if task not in TASKS:
-        import difflib
-
         close = difflib.get_close_matches(str(task), TASKS, n=1)
         raise ValueError(
             f"`task` must be one of {TASKS}, got {task!r}"
@@ -287,11 +289,6 @@ def compare_models(
     Raises:
       TypeError / ValueError: bad batches or configuration (naming the parameter).
     """
-    from parity.compare import compare_runs, overall_status
-    from parity.data import BatchStream
-    from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
-
     if transfer is not None and not callable(transfer):
         raise TypeError(
             "compare_models(transfer=...) takes a callable torch module -> flax variables, or "
@@ -332,49 +329,23 @@ def compare_models(
         flax_kwargs=flax_kwargs,
         dropout=dropout,
     )
-    from parity.step0 import attach_step0, blocked_records, run_step0
-
+    if noise not in NOISE_FRAMEWORKS:
+        raise ValueError(
+            f"compare_models(noise={noise!r}): must be one of {tuple(NOISE_FRAMEWORKS)}."
+        )
     # Step 0 (outputs and gradients on the first batch) before training; a broken port is not
     # trained: its records are errors naming the worst output, parameter and first bad layer.
-    check = run_step0(run_config, pair, stream, echo=progress) if step0 else None
-    if check is not None and not check.passed:
-        runs = blocked_records(run_config, check)
-    else:
-        runs = attach_step0(
-            [
-                train_torch(run_config, pair, stream, progress=progress),
-                train_jax(run_config, pair, stream, progress=progress),
-            ],
-            check,
-        )
-        noise_frameworks = {"none": (), "torch": ("torch",), "jax": ("jax",)}
-        noise_frameworks["both"] = ("torch", "jax")
-        if noise not in noise_frameworks:
-            raise ValueError(
-                f"compare_models(noise={noise!r}): must be one of {tuple(noise_frameworks)}."
-            )
-        if noise_frameworks[noise]:
-            from parity.calibrate import noise_runs
-
-            runs += noise_runs(
-                run_config, pair, noise_frameworks[noise], stream=stream, progress=progress
-            )
+    runs = run_cell(
+        run_config,
+        pair=pair,
+        stream=stream,
+        progress=progress,
+        step0_checks=step0,
+        echo=progress,
+        noise=noise,
+    )
     verdicts = compare_runs(runs)
-    report_path = None
-    if out_dir is not None:
-        from parity.report import merge_runs, write_json_atomic, write_report
-
-        out = Path(out_dir)
-        data = merge_runs(out, runs)
-        all_verdicts = compare_runs(data["runs"])
-        write_json_atomic(
-            out / "verdicts.json",
-            {
-                "status": overall_status(all_verdicts),
-                "verdicts": [v.to_dict() for v in all_verdicts],
-            },
-        )
-        report_path = write_report(out, data["runs"], all_verdicts)
+    report_path = write_outputs(out_dir, runs)[2] if out_dir is not None else None
     return ParityResult(
         runs=runs,
         verdicts=verdicts,

@@ -22,15 +22,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from parity import layer_entries as layouts
 from parity.mapping import (
     TRANSFORM_OPS,
     MappingEntry,
     MappingError,
     WeightMapping,
-    as_variables,
-    flatten_variables,
+    layer_entries,
     transform_shape,
 )
+from parity.variables import as_variables, flatten_variables
 
 __all__ = ["TransferError", "auto", "validate_variables"]
 
@@ -315,11 +316,9 @@ def _fits(entries: list[MappingEntry], unit: _TorchUnit, node_leaves, node: _Fla
 
 
 def _linear_variants(unit, node):
-    from parity import transfer as _layers  # parity.transfer re-exports this module
-
     module = unit.module
     path = node.path
-    variants = [_layers.linear_entries(unit.name, path, module, input_chw=unit.chw)]
+    variants = [layouts.linear_entries(unit.name, path, module, input_chw=unit.chw)]
     kernel = node.direct.get(("params", "kernel"))
     if kernel is not None and len(kernel) > 2 and unit.chw is None:
         out_f, in_f = module.weight.shape
@@ -338,21 +337,17 @@ def _linear_variants(unit, node):
 
 
 def _layer_entries(unit, path, rows):
-    from parity.mapping import layer_entries
-
     return layer_entries(unit.name, path, rows)
 
 
 def _variants(unit: _TorchUnit, node: _FlaxNode) -> list[list[MappingEntry]]:
-    from parity import transfer as _layers  # parity.transfer re-exports this module
-
     module, path = unit.module, node.path
     if unit.kind == "linear":
         return _linear_variants(unit, node)
     if unit.kind == "conv":
-        return [_layers.conv_entries(unit.name, path, module)]
+        return [layouts.conv_entries(unit.name, path, module)]
     if unit.kind == "conv_transpose":
-        entries = _layers.conv_entries(unit.name, path, module)
+        entries = layouts.conv_entries(unit.name, path, module)
         flipped = [
             dataclasses.replace(e, transform="conv_transpose_t")
             if e.transform == "conv_transpose"
@@ -361,25 +356,25 @@ def _variants(unit: _TorchUnit, node: _FlaxNode) -> list[list[MappingEntry]]:
         ]
         return [entries, flipped]
     if unit.kind in ("norm", "batchnorm"):
-        return [_layers.norm_entries(unit.name, path, module)]
+        return [layouts.norm_entries(unit.name, path, module)]
     if unit.kind == "embedding":
-        return [_layers.embedding_entries(unit.name, path, module)]
+        return [layouts.embedding_entries(unit.name, path, module)]
     if unit.kind == "hf_conv1d":
         rows = [("weight", "kernel", "identity"), ("bias", "bias", "identity")]
         transposed = [("weight", "kernel", "linear"), ("bias", "bias", "identity")]
         return [_layer_entries(unit, path, rows), _layer_entries(unit, path, transposed)]
     if unit.kind == "mha":
-        return [_layers.attention_entries(unit.name, path, module)]
+        return [layouts.attention_entries(unit.name, path, module)]
     if unit.kind == "lstm":
         return [
             _retarget(
-                _layers.torch_lstm_entries(unit.module_name, path, module, layer=unit.layer), unit
+                layouts.torch_lstm_entries(unit.module_name, path, module, layer=unit.layer), unit
             ),
             _retarget(
-                _layers.lstm_cell_entries(unit.module_name, path, module, layer=unit.layer), unit
+                layouts.lstm_cell_entries(unit.module_name, path, module, layer=unit.layer), unit
             ),
             _retarget(
-                _layers.lstm_cell_entries(
+                layouts.lstm_cell_entries(
                     unit.module_name, path, module, layer=unit.layer, forget_name="if_"
                 ),
                 unit,
@@ -388,7 +383,7 @@ def _variants(unit: _TorchUnit, node: _FlaxNode) -> list[list[MappingEntry]]:
     if unit.kind == "gru":
         return [
             _retarget(
-                _layers.gru_cell_entries(unit.module_name, path, module, layer=unit.layer), unit
+                layouts.gru_cell_entries(unit.module_name, path, module, layer=unit.layer), unit
             )
         ]
     # generic: same leaf names (or one tensor <-> one leaf), same shapes, same layout
@@ -727,7 +722,7 @@ def validate_variables(variables: Any, reference: Any, *, check_dtype: bool = Tr
     """Checks a transfer's result against the Flax model's own variables before training.
 
     Args:
-      variables: what the transfer produced (any form `parity.mapping.as_variables` takes).
+      variables: what the transfer produced (any form `parity.variables.as_variables` takes).
       reference: the Flax module's own variables (``module.init`` output, ``jax.eval_shape`` of
         it, or an ``nnx.Module``): the names, shapes and dtypes that must be there.
       check_dtype: also compare dtypes.

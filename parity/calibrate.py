@@ -15,11 +15,12 @@ passed as the trainer's initial variables, and seed runs pass their own batch st
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from parity.precision.trainers import train_framework
 
 __all__ = [
     "PERTURBATION",
@@ -76,27 +77,6 @@ def nudge_flax_variables(variables: dict) -> dict:
     return out
 
 
-def _run(trainer_name: str, framework: str, config, pair, stream, progress, **kwargs):
-    from parity.hardware import UnsupportedHere
-    from parity.records import build_error_record
-
-    try:
-        if trainer_name == "torch":
-            from parity.train_torch import train_torch
-
-            return train_torch(config, pair, stream, progress=progress, **kwargs)
-        from parity.train_jax import train_jax
-
-        return train_jax(config, pair, stream, progress=progress, **kwargs)
-    except UnsupportedHere as e:  # this machine cannot run the cell: reported, not failed
-        from parity.records import build_unsupported_record
-
-        return build_unsupported_record(framework, config, e.reason)
-    except Exception as e:  # recorded and failed by `compare`, like a main run
-        print(f"error: {framework} {config.model} {config.precision}: {e}", file=sys.stderr)
-        return build_error_record(framework, config, e)
-
-
 def noise_runs(
     config: Any,
     pair: Any,
@@ -128,10 +108,12 @@ def noise_runs(
             stream = pair.make_data(config.stream_seed, config.batch_size)
         if framework == "torch":
             nudged = dataclasses.replace(pair, torch_model=nudge_torch_module(pair.torch_model))
-            run = _run("torch", framework, config, nudged, stream, progress)
+            run = train_framework("torch", config, nudged, stream, progress=progress)
         else:
             variables = nudge_flax_variables(pair.torch_to_flax())
-            run = _run("jax", framework, config, pair, stream, progress, variables=variables)
+            run = train_framework(
+                "jax", config, pair, stream, progress=progress, variables=variables
+            )
         run["variant"] = "noise"
         run["perturbation"] = PERTURBATION
         runs.append(run)
@@ -171,5 +153,5 @@ def seed_runs(
         seed_config = config.replace(data_seed=config.stream_seed + k)
         stream = pair.make_data(seed_config.stream_seed, config.batch_size)
         for framework in frameworks:
-            runs.append(_run(framework, framework, seed_config, pair, stream, progress))
+            runs.append(train_framework(framework, seed_config, pair, stream, progress=progress))
     return runs

@@ -48,184 +48,25 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from parity.config import FP8_PRECISIONS
+import jaxamp
+from parity.precision.recipes import get_recipe
 from parity.records import run_label, run_seed, run_status
+from parity.verdicts.rows import (
+    LOSS_UNIT,
+    TOLERANCES,
+    Verdict,
+    final_mean,
+    fmt_value,
+    loss_floor,
+    relative_gaps,
+    run_losses,
+    self_divergence,
+)
 
-__all__ = [
-    "TOLERANCES",
-    "Verdict",
-    "cell_bottom_lines",
-    "compare_runs",
-    "compared_pairs",
-    "format_verdicts",
-    "overall_status",
-    "self_divergence",
-]
-
-TOLERANCES = {
-    "fp32_first": (10, 1e-4),  # (steps, relative tolerance)
-    "fp32_next": (30, 1e-3),
-    "final_loss_rel": 0.05,
-    "final_window": 5,
-    "final_loss_floor_frac": 0.01,  # of the first loss: the relative gap's denominator floor
-    "noise_k": 10.0,  # the cross-framework gap may be k times the self-divergence envelope
-    "noise_floor": 2.0**-24,  # smallest self-divergence credited at step 0 (a float32 half-ulp)
-    "noise_lag": 2,  # steps the envelope is read ahead (see the module docstring)
-    "seed_confidence": 0.95,  # Welch's t-test level
-    "seed_accuracy_floor": 0.01,  # absolute floor for accuracy differences
-}
-
-LOSS_UNIT = "nats"  # mean cross-entropy
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """One check of one torch/JAX pair. `passed` is None for informational rows.
-
-    Attributes:
-      model, precision, device: the cell.
-      check: what was checked, e.g. ``"per-step loss, steps 0-9"``.
-      compared: which runs, e.g. ``"jax vs torch"``.
-      value: the measured figure (relative unless the row says otherwise).
-      tolerance: the bound it was held to.
-      passed: True, False, or None (informational / nothing to judge).
-      detail: the explanation: step-0 gap, first failing step, worst step, absolute values.
-      mode: what decided: ``"fixed bands"``, ``"noise-calibrated"``, ``"seed statistics"``,
-        ``"exact"``, ``"step 0"``, ``"informational"``, ``"unsupported here"``...
-      first_failing_step, worst_step: steps (None where not per-step).
-      step0_gap: relative loss gap at step 0 (None where not measured).
-      absolute: the absolute difference behind `value`, in `unit`.
-      unit: unit of `absolute` (``"nats"`` for losses).
-
-    Example:
-      >>> v = Verdict("mlp", "fp32", "cpu", "per-step loss, steps 0-9", "jax vs torch", 3e-6,
-      ...             1e-4, True)
-      >>> v.value_text, v.tolerance_text
-      ('3e-06', '1e-04')
-    """
-
-    model: str
-    precision: str
-    device: str
-    check: str
-    compared: str
-    value: Any
-    tolerance: Any
-    passed: bool | None
-    detail: str = ""
-    mode: str = ""
-    first_failing_step: int | None = None
-    worst_step: int | None = None
-    step0_gap: float | None = None
-    absolute: float | None = None
-    unit: str = ""
-
-    @property
-    def value_text(self) -> str:
-        if isinstance(self.value, float):
-            return f"{self.value:.3g}"
-        return str(self.value)
-
-    @property
-    def tolerance_text(self) -> str:
-        if isinstance(self.tolerance, float):
-            if not math.isfinite(self.tolerance):
-                return str(self.tolerance)
-            return f"{self.tolerance:.0e}" if self.tolerance < 0.01 else f"{self.tolerance:.0%}"
-        return str(self.tolerance)
-
-    @property
-    def cell(self) -> tuple[str, str, str]:
-        return (self.model, self.precision, self.device)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
-        """Reads `to_dict` output (unknown keys are ignored: rows from newer versions load)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+__all__ = ["compare_runs"]
 
 
 # --- numbers -----------------------------------------------------------------------------------
-
-
-def _losses(run: Mapping[str, Any]) -> list[float | None]:
-    out = []
-    for step in run["steps"]:
-        loss = step.get("loss")
-        out.append(loss if isinstance(loss, int | float) and math.isfinite(loss) else None)
-    return out
-
-
-def _floor(ref_losses: Sequence[float | None]) -> float:
-    first = next((x for x in ref_losses if x is not None), None)
-    return TOLERANCES["final_loss_floor_frac"] * abs(first) if first else 0.0
-
-
-def _gaps(ref: Sequence[float | None], cand: Sequence[float | None], floor: float) -> list[float]:
-    """Per-step relative gaps (inf where either loss is missing)."""
-    out = []
-    for a, b in zip(ref, cand, strict=False):
-        if a is None or b is None:
-            out.append(math.inf)
-        else:
-            out.append(abs(a - b) / max(abs(a), floor, 1e-30))
-    return out
-
-
-def _final(losses: Sequence[float | None], window: int) -> float | None:
-    tail = list(losses[-window:])
-    if not tail or any(x is None for x in tail):
-        return None
-    return sum(tail) / len(tail)
-
-
-def self_divergence(
-    main: Mapping[str, Any], noise_runs: Iterable[Mapping[str, Any]]
-) -> list[float] | None:
-    """The self-divergence envelope: running max over steps of the noise-vs-main relative gap.
-
-    Args:
-      main: the unperturbed run.
-      noise_runs: calibration runs of the same cell (``variant="noise"``), any framework; each
-        is measured against the main run of its own framework by the caller.
-
-    Returns:
-      ``env[s]`` per step (max over calibration runs), or None without a usable calibration run.
-
-    Example:
-      >>> main = {"steps": [{"loss": 2.0}, {"loss": 1.0}]}
-      >>> noisy = {"steps": [{"loss": 2.0}, {"loss": 1.1}]}
-      >>> [round(x, 3) for x in self_divergence(main, [noisy])]
-      [0.0, 0.1]
-    """
-    ref = _losses(main)
-    floor = _floor(ref)
-    envelope = None
-    for run in noise_runs:
-        gaps = _gaps(ref, _losses(run), floor)
-        if not gaps:
-            continue
-        running, acc = [], 0.0
-        for g in gaps:
-            acc = max(acc, g)
-            running.append(acc)
-        if envelope is None:
-            envelope = running
-        else:
-            n = min(len(envelope), len(running))
-            envelope = [max(envelope[i], running[i]) for i in range(n)]
-    return envelope
-
-
-def _fmt(x: float | None, unit: str = "") -> str:
-    if x is None:
-        return "—"
-    if not math.isfinite(x):
-        return "no finite value"
-    return f"{x:.3g}{(' ' + unit) if unit else ''}"
 
 
 # --- one pair ----------------------------------------------------------------------------------
@@ -276,9 +117,9 @@ class _Rows:
 
 
 def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> None:
-    ref_l, cand_l = _losses(ref), _losses(cand)
-    floor = _floor(ref_l)
-    gaps = _gaps(ref_l, cand_l, floor)
+    ref_l, cand_l = run_losses(ref), run_losses(cand)
+    floor = loss_floor(ref_l)
+    gaps = relative_gaps(ref_l, cand_l, floor)
     n = len(gaps)
     step0 = gaps[0] if gaps else None
     k = TOLERANCES["noise_k"]
@@ -330,7 +171,7 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
         mode = "noise-calibrated" if "noise-calibrated" in deciders else "fixed bands"
         a, b = ref_l[worst_step], cand_l[worst_step]
         absolute = abs(a - b) if a is not None and b is not None else None
-        parts = [f"step-0 gap {_fmt(step0)} relative"]
+        parts = [f"step-0 gap {fmt_value(step0)} relative"]
         if failing:
             parts.append(
                 f"first failing step {failing[0]} ({len(failing)} of {stop - start} steps fail)"
@@ -338,15 +179,15 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
         else:
             parts.append("no step fails")
         parts.append(
-            f"worst step {worst_step}: {_fmt(segment[worst_i])} relative ({_fmt(absolute, LOSS_UNIT)}; "
-            f"{run_label(ref)} {_fmt(a)}, {run_label(cand)} {_fmt(b)}) vs tolerance {_fmt(tolerances[worst_i])}"
+            f"worst step {worst_step}: {fmt_value(segment[worst_i])} relative ({fmt_value(absolute, LOSS_UNIT)}; "
+            f"{run_label(ref)} {fmt_value(a)}, {run_label(cand)} {fmt_value(b)}) vs tolerance {fmt_value(tolerances[worst_i])}"
         )
         if envelope is not None:
             s = start + judge_i
             env_s = envelope[min(s + TOLERANCES["noise_lag"], len(envelope) - 1)]
             parts.append(
-                f"self-divergence ({calibrated_by}) by step {s}+{TOLERANCES['noise_lag']}: {_fmt(env_s)}; tolerance at step {s} "
-                f"{_fmt(tolerances[judge_i])} from the {deciders[judge_i]}"
+                f"self-divergence ({calibrated_by}) by step {s}+{TOLERANCES['noise_lag']}: {fmt_value(env_s)}; tolerance at step {s} "
+                f"{fmt_value(tolerances[judge_i])} from the {deciders[judge_i]}"
                 + (
                     f" (k={k:g}, rescaled x{ratio:.3g} to the step-0 gap)"
                     if deciders[judge_i] != "fixed bands"
@@ -426,8 +267,8 @@ FP8_STEP_BAND = 2.0**-4
 
 
 def _fp8_rows(out: _Rows, ref, cand) -> None:
-    ref_l, cand_l = _losses(ref), _losses(cand)
-    gaps = _gaps(ref_l, cand_l, _floor(ref_l))[: TOLERANCES["fp32_first"][0]]
+    ref_l, cand_l = run_losses(ref), run_losses(cand)
+    gaps = relative_gaps(ref_l, cand_l, loss_floor(ref_l))[: TOLERANCES["fp32_first"][0]]
     if not gaps:
         out.add("per-step loss", "no steps on both sides", "at least one step", False)
         return
@@ -437,9 +278,9 @@ def _fp8_rows(out: _Rows, ref, cand) -> None:
     out.add(
         f"per-step loss, steps 0-{len(gaps) - 1} (fp8)",
         gaps[worst],
-        f"{_fmt(_band(0))} at step 0, {_fmt(FP8_STEP_BAND)} after",
+        f"{fmt_value(_band(0))} at step 0, {fmt_value(FP8_STEP_BAND)} after",
         not failing,
-        f"step-0 gap {_fmt(gaps[0])} relative; worst step {worst}"
+        f"step-0 gap {fmt_value(gaps[0])} relative; worst step {worst}"
         + (f"; first failing step {failing[0]}" if failing else ""),
         mode="fixed bands",
         step0_gap=gaps[0],
@@ -449,16 +290,16 @@ def _fp8_rows(out: _Rows, ref, cand) -> None:
 
 def _final_row(out: _Rows, ref, cand, envelope, seeds_decide: bool) -> None:
     window = TOLERANCES["final_window"]
-    ref_l, cand_l = _losses(ref), _losses(cand)
-    a, b = _final(ref_l, window), _final(cand_l, window)
-    floor = _floor(ref_l)
+    ref_l, cand_l = run_losses(ref), run_losses(cand)
+    a, b = final_mean(ref_l, window), final_mean(cand_l, window)
+    floor = loss_floor(ref_l)
     value = math.inf if a is None or b is None else abs(a - b) / max(abs(a), floor, 1e-30)
     tolerance = TOLERANCES["final_loss_rel"]
     mode = "fixed bands"
     detail = (
-        f"{run_label(ref)} {_fmt(a, LOSS_UNIT)}, {run_label(cand)} {_fmt(b, LOSS_UNIT)}; "
-        f"difference {_fmt(None if a is None or b is None else abs(a - b), LOSS_UNIT)}, "
-        f"relative to max(|{run_label(ref)}|, floor {_fmt(floor, LOSS_UNIT)} = 1% of the first loss)"
+        f"{run_label(ref)} {fmt_value(a, LOSS_UNIT)}, {run_label(cand)} {fmt_value(b, LOSS_UNIT)}; "
+        f"difference {fmt_value(None if a is None or b is None else abs(a - b), LOSS_UNIT)}, "
+        f"relative to max(|{run_label(ref)}|, floor {fmt_value(floor, LOSS_UNIT)} = 1% of the first loss)"
     )
     if envelope is not None and envelope:
         env_final = envelope[min(len(envelope), len(ref_l)) - 1]
@@ -466,7 +307,7 @@ def _final_row(out: _Rows, ref, cand, envelope, seeds_decide: bool) -> None:
         if noise > tolerance:
             tolerance, mode = noise, "noise-calibrated"
             detail += (
-                f"; self-divergence at the end {_fmt(env_final)}: tolerance k x envelope "
+                f"; self-divergence at the end {fmt_value(env_final)}: tolerance k x envelope "
                 "(one run cannot tell chaos from a port bug here: use seed statistics)"
             )
     passed: bool | None = value <= tolerance
@@ -532,8 +373,7 @@ def _pair_verdicts(
         )
     calibrated_by = ", ".join(sources)
     policy_compute = _compute(ref)
-    if ref["precision"] in FP8_PRECISIONS:  # torchao's recipes (parity.fp8): own band + final
-        policy_compute = "float8"
+    if policy_compute == "float8":  # torchao's recipes (parity.fp8): own band + final
         _fp8_rows(out, ref, cand)
     if policy_compute == "float32":
         _trajectory_rows(out, ref, cand, envelope, calibrated_by)
@@ -541,7 +381,7 @@ def _pair_verdicts(
         _fp16_rows(out, ref, cand)
     if policy_compute != "float32":
         _final_row(out, ref, cand, envelope, seeds_decide)
-    gaps = _gaps(_losses(ref), _losses(cand), _floor(_losses(ref)))
+    gaps = relative_gaps(run_losses(ref), run_losses(cand), loss_floor(run_losses(ref)))
     if gaps:
         finite = [g for g in gaps if math.isfinite(g)]
         worst = max(finite) if finite else math.inf
@@ -550,8 +390,8 @@ def _pair_verdicts(
             worst,
             "—",
             None,
-            f"step-0 gap {_fmt(gaps[0])}; worst at step {gaps.index(worst) if finite else '—'}"
-            + (f"; self-divergence at the end {_fmt(envelope[-1])}" if envelope else ""),
+            f"step-0 gap {fmt_value(gaps[0])}; worst at step {gaps.index(worst) if finite else '—'}"
+            + (f"; self-divergence at the end {fmt_value(envelope[-1])}" if envelope else ""),
             mode="informational",
             step0_gap=gaps[0],
             worst_step=gaps.index(worst) if finite else None,
@@ -572,14 +412,17 @@ def _pair_verdicts(
 
 
 def _compute(run: Mapping[str, Any]) -> str:
-    """The compute dtype of a run's policy (from the record's policy string)."""
-    import jaxamp
-
+    """The dtype a run's matmuls ran in: its recipe's (``"float8"`` for torchao's recipes), else
+    the compute dtype of the record's policy string."""
+    try:
+        return get_recipe(run["precision"]).compute_dtype_name
+    except ValueError:
+        pass
     spec = run.get("policy") or (run.get("config") or {}).get("policy") or run["precision"]
     try:
         return jaxamp.get_policy(spec).compute_dtype.name
     except (ValueError, TypeError):
-        return {"fp32": "float32", "fp16-mixed": "float16"}.get(run["precision"], "bfloat16")
+        return "bfloat16"
 
 
 # --- seed statistics ---------------------------------------------------------------------------
@@ -594,7 +437,11 @@ def _welch(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, floa
     var_y = sum((y - mean_y) ** 2 for y in ys) / (len(ys) - 1)
     se2 = var_x / len(xs) + var_y / len(ys)
     if se2 == 0:
-        return (0.0 if mean_x == mean_y else math.inf), math.nan, 1.0 if mean_x == mean_y else 0.0
+        return (
+            (0.0 if mean_x == mean_y else math.inf),
+            math.nan,
+            1.0 if mean_x == mean_y else 0.0,
+        )
     result = stats.ttest_ind(xs, ys, equal_var=False)
     df = se2**2 / ((var_x / len(xs)) ** 2 / (len(xs) - 1) + (var_y / len(ys)) ** 2 / (len(ys) - 1))
     return float(result.statistic), float(df), float(result.pvalue)
@@ -607,11 +454,20 @@ def _seed_rows(cell: tuple, ref_runs: list, cand_runs: list) -> list[Verdict]:
     window = TOLERANCES["final_window"]
     alpha = 1 - TOLERANCES["seed_confidence"]
     rows = []
-    first_losses = [_losses(r)[0] for r in ref_runs if r["steps"] and _losses(r)[0] is not None]
+    first_losses = [
+        run_losses(r)[0] for r in ref_runs if r["steps"] and run_losses(r)[0] is not None
+    ]
     loss_floor = TOLERANCES["final_loss_floor_frac"] * (
         sum(abs(x) for x in first_losses) / len(first_losses) if first_losses else 0.0
     )
-    metrics = [("final loss", lambda r: _final(_losses(r), window), loss_floor, LOSS_UNIT)]
+    metrics = [
+        (
+            "final loss",
+            lambda r: final_mean(run_losses(r), window),
+            loss_floor,
+            LOSS_UNIT,
+        )
+    ]
     name = ref_runs[0]["summary"].get("eval_metric_name", "metric")
     metrics.append(
         (
@@ -771,8 +627,14 @@ def compare_runs(
                     verdicts.extend(
                         _seed_rows(
                             key,
-                            sorted((r for r in ref_seeds if run_seed(r) in common), key=run_seed),
-                            sorted((r for r in jax_seeds if run_seed(r) in common), key=run_seed),
+                            sorted(
+                                (r for r in ref_seeds if run_seed(r) in common),
+                                key=run_seed,
+                            ),
+                            sorted(
+                                (r for r in jax_seeds if run_seed(r) in common),
+                                key=run_seed,
+                            ),
                         )
                     )
         if not compared_any and usable:
@@ -793,122 +655,3 @@ def compare_runs(
     cells = set(groups)
     verdicts.extend(v for v in extra if v.cell not in cells)
     return verdicts
-
-
-def compared_pairs(verdicts: Iterable[Verdict]) -> set[tuple[str, str, str, str]]:
-    """The (model, precision, device, compared) pairs that were actually compared."""
-    return {
-        (*v.cell, v.compared)
-        for v in verdicts
-        if v.mode not in ("nothing compared", "unsupported here") and v.check != "pair"
-    }
-
-
-def overall_status(verdicts: Sequence[Verdict]) -> str:
-    """``"FAIL"`` (a verdict failed), ``"NOTHING COMPARED"`` (no torch/JAX pair was compared),
-    else ``"PASS"``.
-
-    Example:
-      >>> overall_status([])
-      'NOTHING COMPARED'
-    """
-    if any(v.passed is False for v in verdicts):
-        return "FAIL"
-    if not any(v.passed is True for v in verdicts):
-        return "NOTHING COMPARED"
-    return "PASS"
-
-
-def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str], str]:
-    """One parity sentence per cell: pass/fail and why.
-
-    Example:
-      >>> cell_bottom_lines([])
-      {}
-    """
-    cells: dict[tuple, list[Verdict]] = {}
-    for v in verdicts:
-        cells.setdefault(v.cell, []).append(v)
-    out = {}
-    for cell, rows in cells.items():
-        failed = [v for v in rows if v.passed is False]
-        passed = [v for v in rows if v.passed is True]
-        if failed:
-            first = failed[0]
-            where = (
-                f" (first failing step {first.first_failing_step})"
-                if first.first_failing_step is not None
-                else ""
-            )
-            out[cell] = (
-                f"parity FAIL: {first.check} — {first.value_text} against {first.tolerance_text}"
-                f"{where}{'; ' + first.mode if first.mode else ''}"
-                + (f"; {len(failed) - 1} more failing check(s)" if len(failed) > 1 else "")
-            )
-        elif passed:
-            modes = sorted({v.mode for v in passed if v.mode and v.mode != "exact"})
-            info = [
-                v
-                for v in rows
-                if v.passed is None and v.mode == "informational" and "scale" in v.check
-            ]
-            text = f"parity PASS: {len(passed)} checks" + (
-                f", decided by {', '.join(modes)}" if modes else ""
-            )
-            if info:
-                text += (
-                    "; the loss-scale trajectory was NOT tested (no skip, no growth: "
-                    "informational, not a pass)"
-                )
-            out[cell] = text
-        else:
-            reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
-            out[cell] = "nothing judged (never a pass): " + "; ".join(reasons)[:300]
-    return out
-
-
-def format_verdicts(verdicts: list[Verdict]) -> str:
-    """A plain-text table for the terminal, then the explanation of every failing row."""
-    rows = [
-        (
-            "model",
-            "precision",
-            "device",
-            "check",
-            "compared",
-            "value",
-            "tolerance",
-            "mode",
-            "verdict",
-        )
-    ]
-    for v in verdicts:
-        mark = {True: "pass", False: "FAIL", None: "info"}[v.passed]
-        rows.append(
-            (
-                v.model,
-                v.precision,
-                v.device,
-                v.check,
-                v.compared,
-                v.value_text,
-                v.tolerance_text,
-                v.mode,
-                mark,
-            )
-        )
-    widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell[:48].ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
-    ]
-    failed = [v for v in verdicts if v.passed is False]
-    passed = sum(v.passed is True for v in verdicts)
-    for v in failed:
-        lines.append(f"FAIL {v.model} {v.precision} {v.check}: {v.detail}")
-    status = overall_status(verdicts)
-    lines.append(f"{passed} passed, {len(failed)} failed: {status}")
-    if status == "NOTHING COMPARED":
-        lines.append(
-            "no torch/JAX pair was compared (need both frameworks with the same data seed)"
-        )
-    return "\n".join(lines)

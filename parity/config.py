@@ -16,14 +16,16 @@ import math
 from typing import Any
 
 import jaxamp
+from parity.data import DataSpec
+from parity.precision.recipes import RECIPES, Recipe, get_recipe, precision_names
 
 __all__ = [
     "DEVICES",
     "FP16_STRESS",
+    "FP8_PRECISIONS",
     "FRAMEWORKS",
     "OPTIMIZERS",
     "PRECISIONS",
-    "PRECISION_POLICIES",
     "SCHEDULES",
     "RunConfig",
     "learning_rate_at",
@@ -31,14 +33,11 @@ __all__ = [
     "torch_device_type",
 ]
 
+# The built-in precision names (from the recipe registry, `parity.precision.recipes`; a recipe
+# registered later is accepted everywhere too: ask `precision_names()`).
+PRECISIONS = precision_names()
 # fp8-*: torchao's float8 training recipes (parity.fp8); float32 outside the fp8 linear layers.
-FP8_PRECISIONS = ("fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", *FP8_PRECISIONS)
-# The jaxamp policy of each precision name (a preset name or jmp's grammar). A precision that
-# is not a jaxamp preset registers its policy here.
-PRECISION_POLICIES: dict[str, str] = {
-    name: "fp32" if name in FP8_PRECISIONS else name for name in PRECISIONS
-}
+FP8_PRECISIONS = tuple(n for n, cls in RECIPES.items() if cls.compute_dtype_name == "float8")
 # fp16 verdicts must see the scaler act: at torch's defaults (2**16, growth every 2000 steps) a
 # short run often has no overflow and no growth, and "identical scale trajectory" compares
 # nothing. At 2**20 the built-in models' scaled float16 gradients overflow in the first steps
@@ -62,7 +61,8 @@ def precision_policy(precision: str) -> jaxamp.Policy:
     """The `jaxamp.Policy` a precision name stands for.
 
     Args:
-      precision: a name from `PRECISIONS` (or registered in `PRECISION_POLICIES`).
+      precision: a registered precision name, or any name ``jaxamp.get_policy`` reads that a
+        recipe runs (``"bf16"``, ``"16-mixed"``).
 
     Returns:
       The policy, e.g. ``p=f32,c=bf16,o=f32`` for ``"bf16-mixed"``.
@@ -71,8 +71,7 @@ def precision_policy(precision: str) -> jaxamp.Policy:
       >>> str(precision_policy("fp16-mixed"))
       'p=f32,c=f16,o=f32'
     """
-    _choice("precision", precision, tuple(PRECISION_POLICIES))
-    return jaxamp.get_policy(PRECISION_POLICIES[precision])
+    return get_recipe(precision).policy
 
 
 def torch_device_type(device: str) -> str:
@@ -110,7 +109,9 @@ class RunConfig:
 
     Attributes:
       model: a name from `parity.models.MODEL_NAMES` (or a user model's name via `parity.api`).
-      precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``.
+      precision: a registered precision (`PRECISIONS`: ``"fp32"``, ``"bf16-mixed"``,
+        ``"fp16-mixed"``, ``"bf16-true"``, ``"fp8-*"``) or a name ``jaxamp.get_policy`` reads
+        for one (``"bf16"`` is ``"bf16-mixed"``); stored as the registered name.
       steps: training steps.
       batch_size: examples per step.
       seed: torch initialisation seed (and data seed unless `data_seed` is given).
@@ -165,7 +166,11 @@ class RunConfig:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"RunConfig: `model` must be a non-empty string; got {self.model!r}.")
-        _choice("precision", self.precision, tuple(PRECISION_POLICIES))
+        try:
+            precision = get_recipe(self.precision).name
+        except ValueError as e:
+            raise ValueError(f"RunConfig: {e}") from None
+        object.__setattr__(self, "precision", precision)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, SCHEDULES)
@@ -191,8 +196,6 @@ class RunConfig:
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         if not isinstance(self.torch_compile, bool) or not isinstance(self.eval, bool):
             raise TypeError("RunConfig: `torch_compile` and `eval` must be bools.")
-        from parity.data import DataSpec
-
         object.__setattr__(self, "data", str(DataSpec.parse(self.data)))
         if not isinstance(self.model_overrides, dict):
             raise TypeError(
@@ -200,9 +203,14 @@ class RunConfig:
             )
 
     @property
+    def recipe(self) -> Recipe:
+        """The precision's recipe (`parity.precision.recipes`): every consumer asks it."""
+        return get_recipe(self.precision)
+
+    @property
     def policy(self) -> jaxamp.Policy:
         """The `jaxamp.Policy` of `precision` (``str()`` gives e.g. ``"p=f32,c=bf16,o=f32"``)."""
-        return precision_policy(self.precision)
+        return self.recipe.policy
 
     @property
     def stream_seed(self) -> int:
@@ -233,8 +241,8 @@ class RunConfig:
 
     @property
     def loss_scaling(self) -> bool:
-        """Dynamic loss scaling is on (float16 compute, as torch.amp recommends)."""
-        return self.policy.compute_dtype.name == "float16"
+        """Dynamic loss scaling is on (the recipe's GradScaler / DynamicLossScale)."""
+        return self.recipe.loss_scaling
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with `changes` applied (validated again)."""

@@ -24,7 +24,7 @@ weights), or `diagnose_config` for a built-in model.
 Example::
 
     from parity.diagnose import diagnose_pair
-    from parity.models import get_model_pair
+    from parity import models
 
     diagnosis = diagnose_pair(get_model_pair("resnet", wrong_port="padding"), "fp32")
     print(diagnosis.first_failing)   # blocks.1.conv1
@@ -43,22 +43,24 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from parity import models
 from parity.config import RunConfig
-from parity.step0 import (
-    _as_config,
-    _jax_side,
-    _program_shapes,
-    _torch_side,
+from parity.verdicts.sides import (
+    as_config,
     flatten,
+    jax_device,
+    jax_side,
+    torch_device,
+    torch_setup,
+    torch_side,
+)
+from parity.verdicts.tolerance import (
     gradient_tolerance,
     group_error,
     group_scale,
-    jax_device,
+    program_shapes,
     relative_error,
-    step0_loss_scale,
     tolerance,
-    torch_device,
-    torch_setup,
 )
 
 __all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "diagnose_run", "module_pairs"]
@@ -203,7 +205,7 @@ def _first_tensor(value: Any) -> Any:
 
 
 def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[str, np.ndarray]:
-    model, x, dtype = torch_setup(pair, inputs, config)
+    model, x = torch_setup(pair, inputs, config)
     captured: dict[str, np.ndarray] = {}
     order: list[str] = []
 
@@ -221,12 +223,7 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
 
     handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
     try:
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                torch_device(config), dtype=dtype or torch.bfloat16, enabled=bool(dtype)
-            ),
-        ):
+        with torch.no_grad(), config.recipe.torch_autocast(torch_device(config)):
             pair.torch_forward(model, x, train=train)
     finally:
         for handle in handles:
@@ -252,11 +249,7 @@ def _linen_module(flax_model: Any) -> tuple[Any, Any]:
 def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dict]:
     """Every Flax module's first output, ``({module path: array}, ...)`` for eval and train mode
     (one compiled program for both)."""
-    import jaxamp
-    from parity.train_jax import autocast_available, autocast_forward
-
-    low = jnp.dtype(config.param_dtype) if config.param_dtype != "float32" else None
-
+    recipe = config.recipe
     module, call_kwargs = _linen_module(pair.flax_model)
 
     def capture(params, stats, x, train):
@@ -270,21 +263,11 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dic
     def forward(params, stats, x):
         return capture(params, stats, x, False), capture(params, stats, x, True)
 
-    if config.mixed and autocast_available():
-        forward = autocast_forward(forward, config)
-    elif config.mixed:
-        policy = config.policy
-        inner = forward
-
-        def forward(params, stats, x):
-            return inner(policy.cast_to_compute(params), stats, policy.cast_to_compute(x))
+    # The forward pass and casts of the trainer: the recipe's.
+    forward = recipe.jax_forward(forward, config.device)
 
     def run(params, stats, x):
-        if low is not None:  # bf16-true
-            params = jaxamp.cast_floating(params, low)
-            stats = jaxamp.cast_floating(stats, low)
-            x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        return forward(params, stats, x)
+        return forward(*recipe.jax_cast((params, stats, x)))
 
     with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
         both = jax.device_get(
@@ -325,10 +308,10 @@ def _stage_rows(
     torch_train = _torch_outputs(pair, names, inputs, config, train=True)
     flax_eval, flax_train = _flax_outputs(pair, variables, inputs, config)
     if sides is None:
-        scale = step0_loss_scale(config)
+        scale = config.recipe.step0_loss_scale(config)
         sides = (
-            _torch_side(pair, inputs, targets, config, scale, trace_flops=False),
-            _jax_side(pair, variables, inputs, targets, config, scale, trace_flops=False),
+            torch_side(pair, inputs, targets, config, scale, trace_flops=False),
+            jax_side(pair, variables, inputs, targets, config, scale, trace_flops=False),
         )
     t, j = sides
     grad_scale, stat_scale = group_scale(t.grads), group_scale(t.stats)
@@ -406,7 +389,7 @@ def diagnose_pair(
       >>> diagnose_pair(get_model_pair("resnet", wrong_port="padding")).first_failing
       'blocks.1.conv1'
     """
-    config = _as_config(pair, config)
+    config = as_config(pair, config)
     if batch is None:
         batch = pair.make_data(config.seed, config.batch_size).batch(0)
     inputs, targets = (np.asarray(b) for b in batch)
@@ -414,7 +397,7 @@ def diagnose_pair(
         variables = pair.torch_to_flax()
     pairs, unmatched = module_pairs(pair, variables)
     if shapes is None:
-        shapes = _program_shapes(pair, variables, inputs, targets)
+        shapes = program_shapes(pair, variables, inputs, targets)
     sides = sides or {}
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
@@ -430,7 +413,7 @@ def diagnose_pair(
             shapes,
             sides.get("fp32"),
         )
-        if config.precision != "fp32":
+        if not config.recipe.baseline:
             rows += _stage_rows(
                 pair,
                 config,
@@ -460,9 +443,7 @@ def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagn
       'per-layer diagnosis: every layer within its band'
     """
     if pair is None:
-        from parity.models import get_model_pair
-
-        pair = get_model_pair(
+        pair = models.get_model_pair(
             config.model, seed=config.seed, data=config.data, **config.model_overrides
         )
     batch = pair.make_data(config.stream_seed, config.batch_size).batch(step)

@@ -24,6 +24,7 @@ __all__ = [
     "diff_dtype_traces",
     "jax_matmul_flops",
     "requested_fraction",
+    "sub_jaxprs",
     "torch_dtype_trace",
     "torch_matmul_flops",
 ]
@@ -246,7 +247,7 @@ def diff_dtype_traces(
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
 
-def _sub_jaxprs(value: Any):
+def sub_jaxprs(value: Any):
     """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
     if hasattr(value, "eqns"):
         yield value
@@ -254,7 +255,7 @@ def _sub_jaxprs(value: Any):
         yield value.jaxpr
     elif isinstance(value, tuple | list):
         for item in value:
-            yield from _sub_jaxprs(item)
+            yield from sub_jaxprs(item)
 
 
 def _jax_op_flops(eqn: Any) -> int:
@@ -304,7 +305,7 @@ def jax_matmul_flops(closed_jaxpr: Any) -> dict[str, int]:
                 times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
             )
             for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
+                for sub in sub_jaxprs(value):
                     visit(sub, inner)
 
     visit(closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr, 1)

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 
 import jaxamp.fp8
+from parity.losses import loss_jax, loss_torch
 
 __all__ = [
     "FP8_PRECISIONS",
     "EXCLUDED_MODULES",
     "convert_torch",
     "fp8_method",
-    "is_fp8",
     "jax_filter",
     "jax_recipe",
     "recipe_name",
@@ -46,11 +46,6 @@ FP8_PRECISIONS: dict[str, str] = {
 # Module names (path components) whose matmuls neither side converts: attention (see the
 # docstring) and recurrent cells (torch's nn.LSTM is not an nn.Linear; the Flax twin's gates are).
 EXCLUDED_MODULES: tuple[str, ...] = ("attn", "lstm")
-
-
-def is_fp8(precision: str) -> bool:
-    """Whether `precision` is one of the fp8 precisions."""
-    return precision in FP8_PRECISIONS
 
 
 def recipe_name(precision: str) -> str:
@@ -142,8 +137,6 @@ def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndar
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    from parity.models import loss_torch
-
     model = copy.deepcopy(pair.torch_model)
     convert_torch(model, precision, "cpu")
     seen: dict[str, dict] = {}
@@ -195,8 +188,6 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
     """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
     import jax
     import jax.numpy as jnp
-
-    from parity.models import loss_jax
 
     rec = jax_recipe(precision, "cpu")
     variables = pair.torch_to_flax()

@@ -31,6 +31,9 @@ from typing import Any
 import numpy as np
 
 from parity import measure, speed
+from parity.hardware import UnsupportedHere, cpu_model_name, hardware_info, unsupported_reason
+from parity.measure import thread_settings, versions
+from parity.records import write_bytes_atomic, write_json_atomic
 
 __all__ = [
     "CPU_FP16_TORCH_MAX",
@@ -189,8 +192,6 @@ def _jax_case(n, dtype, device, a, b):
 
 def _device_name(framework: str, device: str) -> str:
     if device == "cpu":
-        from parity.hardware import cpu_model_name
-
         return cpu_model_name()
     if framework == "torch":
         import torch
@@ -238,7 +239,6 @@ def run_matmul_benchmark(
       >>> record["results"][0]["tflops"] > 0
       True
     """
-    from parity.hardware import UnsupportedHere, hardware_info, unsupported_reason
 
     _check_args(sizes, dtypes, frameworks, device, repeats, warmup)
     frameworks = list(dict.fromkeys(frameworks))
@@ -297,7 +297,6 @@ def run_matmul_benchmark(
                 results.append(row)
                 if progress is not None:
                     progress(_line(row))
-    from parity.measure import thread_settings, versions
 
     return {
         "benchmark": "matmul",
@@ -452,8 +451,6 @@ def plot_matmul(record: dict[str, Any], path: str | Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from parity.records import write_bytes_atomic
-
     rows = [r for r in record["results"] if r["tflops"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = {"torch": "-", "jax": "--"}
@@ -504,8 +501,6 @@ def plot_matmul(record: dict[str, Any], path: str | Path) -> bool:
 
 def main_matmul(args) -> int:
     """``python -m parity matmul``: run, print the table, write matmul.json and matmul.png."""
-    from parity.hardware import UnsupportedHere
-    from parity.records import write_json_atomic
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

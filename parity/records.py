@@ -31,6 +31,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from parity import measure
+from parity.hardware import hardware_info
+from parity.losses import eval_metric_name
+
 __all__ = [
     "RESULTS_FILE",
     "RUN_STATUSES",
@@ -241,24 +245,11 @@ def run_status(run: Mapping[str, Any]) -> str:
 # --- building ----------------------------------------------------------------------------------
 
 
-def _hardware() -> dict[str, Any]:
-    try:
-        from parity.hardware import hardware_info
-    except ImportError:  # older checkouts without parity.hardware: record what measure knows
-        import os as _os
-        import platform
-
-        return {"machine": platform.machine(), "cpu_count": _os.cpu_count()}
-    return hardware_info()
-
-
 def _policy_text(config: Any) -> str:
     return str(config.policy)
 
 
 def _common(framework: str, config: Any, status: str) -> dict[str, Any]:
-    from parity import measure
-
     if framework not in FRAMEWORKS:
         raise ValueError(f"run record: `framework` must be one of {FRAMEWORKS}; got {framework!r}.")
     return {
@@ -271,14 +262,9 @@ def _common(framework: str, config: Any, status: str) -> dict[str, Any]:
         "seed": config.seed,
         "variant": "",
         "versions": measure.versions(),
-        "hardware": _hardware(),
+        "hardware": hardware_info(),
         "config": config.to_dict(),
     }
-
-
-def _eval_metric_name(task: str) -> str:
-    # The same rule as parity.models.eval_metric_name, without importing the models (torch).
-    return "accuracy" if task == "classification" else "loss"
 
 
 def build_run_record(
@@ -322,8 +308,6 @@ def build_run_record(
       >>> # record = build_run_record(framework="jax", config=config, pair=pair, stream=stream,
       >>> #     steps_log=log.steps, timing=timing, ...)
     """
-    from parity import measure
-
     losses = [s["loss"] for s in steps_log]
     nonfinite = [s["step"] for s in steps_log if not s["loss_finite"]]
     median = timing["step_time_median_s"]
@@ -353,7 +337,7 @@ def build_run_record(
         if len(tail) == len(losses[-5:]) and tail
         else None,
         "eval_metric": eval_metric,
-        "eval_metric_name": _eval_metric_name(pair.task),
+        "eval_metric_name": eval_metric_name(pair.task),
         "skipped_steps": sum(1 for s in steps_log if s["skipped"]),
         "steps_completed": len(steps_log),
         "diverged": bool(nonfinite) or stopped_reason is not None,

@@ -26,6 +26,11 @@ from typing import Any
 
 import numpy as np
 
+import jaxamp
+from parity.hardware import hardware_summary
+from parity.precision.recipes import get_recipe
+from parity.records import write_bytes_atomic
+
 __all__ = [
     "CI_WIDTH_LIMIT",
     "SPREAD_LIMIT",
@@ -219,17 +224,13 @@ def cells(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], dict[
 
 
 def _compute_dtype(run: Mapping[str, Any]) -> str:
-    policy = str(run.get("policy") or "")
-    if "c=bf16" in policy:
-        return "bfloat16"
-    if "c=f16" in policy:
-        return "float16"
-    precision = run.get("precision", "")
-    if precision.startswith("bf16"):
-        return "bfloat16"
-    if precision.startswith("fp16"):
-        return "float16"
-    return "float32"
+    """The compute dtype of the run's policy: the record's, else its recipe's."""
+    spec = run.get("policy") or (run.get("config") or {}).get("policy")
+    try:
+        policy = jaxamp.get_policy(spec) if spec else get_recipe(run.get("precision", "")).policy
+    except ValueError:
+        return "float32"
+    return policy.compute_dtype.name
 
 
 def cell_caveats(run: Mapping[str, Any]) -> list[str]:
@@ -434,11 +435,20 @@ def memory_comparability(torch_method: str | None, jax_method: str | None) -> st
     return f"Different methods ({names or 'none recorded'}): not comparable as they stand."
 
 
+def _bf16_mixed(precision: str) -> bool:
+    """float32 params, bfloat16 compute (what the memory note explains)."""
+    try:
+        policy = get_recipe(precision).policy
+    except ValueError:
+        return False
+    return policy.param_dtype.name == "float32" and policy.compute_dtype.name == "bfloat16"
+
+
 def _bf16_memory_note(grouped) -> list[str]:
     """Explains JAX bf16-mixed memory not lower than fp32 on CPU where that is what was measured."""
     notes = []
     for (model, precision, device), members in grouped.items():
-        if precision != "bf16-mixed" or device != "cpu" or "jax" not in members:
+        if device != "cpu" or "jax" not in members or not _bf16_mixed(precision):
             continue
         fp32 = grouped.get((model, "fp32", device), {}).get("jax")
         low = members["jax"]["summary"].get("peak_memory_bytes")
@@ -504,7 +514,6 @@ def hardware_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
       >>> hardware_section([])[0]
       '## Hardware'
     """
-    from parity.hardware import hardware_summary
 
     lines = ["## Hardware", ""]
     seen: dict[str, list[str]] = {}
@@ -535,7 +544,6 @@ def hardware_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _save(fig, path: Path) -> None:
-    from parity.records import write_bytes_atomic
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")

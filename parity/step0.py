@@ -17,34 +17,9 @@ fp8 precisions (whose policy is fp32 outside the converted linear layers) the ru
 are `parity.fp8.step0_fp8`'s instead: every converted layer's scales and fp8 codes of input,
 weight and output gradient, torchao against jaxamp.fp8.
 
-Error measure: for each tensor the normwise relative error ``||jax - torch||_2 / ||torch||_2``
-(`relative_error`). Gradients and running statistics are floored by their group's scale
-(`group_error`): a gradient that is zero up to cancellation (a conv bias before BatchNorm) is
-measured against the largest gradient, not against its own rounding noise.
-
-Tolerance (:func:`tolerance`)::
-
-    band = SAFETY * depth * (sqrt(fan_in) * u(float32) + u(dtype))
-
-where ``u(d) = eps(d) / 2`` is the unit roundoff. Why: a dot product or convolution of length
-``n`` accumulated in a different order (another kernel, another framework) differs by about
-``sqrt(n) * u`` relative (the probabilistic rounding bound; both frameworks accumulate in at
-least float32 on CPU and GPU); storing the result in ``dtype`` adds up to one rounding ``u(dtype)``
-where the two sides round a value near a tie differently. ``depth`` such layers in sequence add
-their relative errors (normalised networks have gain ~1). ``fan_in`` is the longest contraction of
-any matmul/conv in the computation and ``depth`` the number of matmuls/convs, both read from the
-JAX program (``jaxpr``); gradients run the forward and the backward chain, so their depth is twice
-the forward one and their fan-in includes the batch-sized contractions of the weight gradients.
-``SAFETY`` (8) covers the constant of the bound and the cancellation in BatchNorm's backward pass
-(``g - mean(g) - x_hat * mean(g * x_hat)``), which amplifies the rounding of low-precision
-gradients: on the resnet pair (batch 4) bf16-mixed step-0 gradients differ by up to 0.23 between
-the frameworks against a band of 0.62, its outputs by 0.007 against 0.31. In float32 the band is
-~1e-4 for the built-in models, two or more orders of magnitude above what a correct port shows
-(~1e-7..1e-6) and far below what a port bug gives (a shifted padding: ~1; a biased running
-variance: ~1e-3).
-
-Below float32 the gradient band carries an extra factor (`gradient_tolerance`): BatchNorm's
-backward cancellation amplifies low-precision rounding.
+Error measures and bands (normwise relative error, group floors, ``band = SAFETY * depth *
+(sqrt(fan_in) * u(float32) + u(dtype))`` with fan-in and depth read from the JAX program) are
+`parity.verdicts.tolerance`'s, where the reasoning behind them is written down.
 
 A failure names the worst parameter and the worst output, and (``diagnose=True``) the per-layer
 diagnosis of `parity.diagnose` names the first layer whose error exceeds its band.
@@ -62,164 +37,39 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
+import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.compare import Verdict
 from parity.config import RunConfig
-from parity.fp8 import is_fp8
+from parity.diagnose import diagnose_pair
+from parity.dtype_trace import requested_fraction
+from parity.records import build_error_record
+from parity.verdicts.rows import Verdict
+from parity.verdicts.sides import Side, as_config, jax_side, pair_mapping, torch_side
+from parity.verdicts.tolerance import (
+    LOW_PRECISION_GRADIENT_FACTOR,
+    MIN_COMPUTE_FRACTION,
+    SAFETY,
+    gradient_tolerance,
+    group_errors,
+    program_shapes,
+    relative_error,
+    tolerance,
+)
 
 __all__ = [
-    "SAFETY",
     "Step0Failure",
     "Step0Result",
+    "attach_step0",
+    "blocked_records",
     "check_step0",
-    "gradient_tolerance",
-    "program_shape",
-    "relative_error",
-    "tolerance",
-    "unit_roundoff",
+    "run_step0",
 ]
-
-SAFETY = 8.0
-# Extra factor of the gradient band below float32 (BatchNorm's backward cancellation).
-LOW_PRECISION_GRADIENT_FACTOR = 4.0
-# Gradients / statistics below this fraction of their group's largest are compared at that floor.
-FLOOR_FRACTION = 2.0**-10
-# A compute-dtype verdict fails when less than this fraction of the matmul FLOPs ran in the dtype.
-MIN_COMPUTE_FRACTION = 0.5
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def unit_roundoff(dtype: Any) -> float:
-    """``eps / 2`` of a floating dtype (float32: 6.0e-8, bfloat16: 3.9e-3, float16: 4.9e-4).
-
-    Example:
-      >>> unit_roundoff("bfloat16")
-      0.00390625
-    """
-    name = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    if name not in _DTYPES:
-        raise ValueError(f"unit_roundoff: `dtype` must be one of {sorted(_DTYPES)}; got {dtype!r}.")
-    return float(jnp.finfo(_DTYPES[name]).eps) / 2
-
-
-def tolerance(dtype: Any, fan_in: int, depth: int, safety: float = SAFETY) -> float:
-    """The step-0 band: ``safety * depth * (sqrt(fan_in) * u(float32) + u(dtype))``.
-
-    Args:
-      dtype: the dtype results are stored in (float32 for the fp32 check, the compute dtype at the
-        run's precision).
-      fan_in: the longest contraction (dot product length) of any matmul/conv.
-      depth: the number of matmuls/convs in sequence.
-      safety: the constant of the probabilistic bound.
-
-    Returns:
-      The relative tolerance.
-
-    Example:
-      >>> round(tolerance("float32", fan_in=256, depth=10), 7)
-      8.15e-05
-    """
-    if fan_in < 1 or depth < 1:
-        raise ValueError(f"tolerance: `fan_in` and `depth` must be >= 1; got {fan_in}, {depth}.")
-    return safety * depth * (math.sqrt(fan_in) * unit_roundoff("float32") + unit_roundoff(dtype))
-
-
-def gradient_tolerance(dtype: Any, fan_in: int, depth: int) -> float:
-    """The gradient band: `tolerance`, times ``LOW_PRECISION_GRADIENT_FACTOR`` below float32.
-
-    BatchNorm's backward pass (``g - mean(g) - x_hat * mean(g * x_hat)``) cancels, and cancellation
-    amplifies the low-precision rounding of its inputs: measured at step 0 (batch 4), cnn_bn
-    fp16-mixed gradients differ by 0.029 between the frameworks (1.2x the plain band), bf16-mixed
-    by 0.098 (0.5x), resnet bf16-mixed by 0.23 (0.4x); float32 gradients stay at ~1e-6.
-
-    Example:
-      >>> gradient_tolerance("float32", 256, 10) == tolerance("float32", 256, 10)
-      True
-    """
-    factor = (
-        1.0 if unit_roundoff(dtype) <= unit_roundoff("float32") else LOW_PRECISION_GRADIENT_FACTOR
-    )
-    return factor * tolerance(dtype, fan_in, depth)
-
-
-def relative_error(got: Any, expected: Any, floor: float = 0.0) -> float:
-    """Normwise relative error ``||got - expected||_2 / max(||expected||_2, floor * sqrt(size))``
-    in float64; inf on a shape mismatch or where the two sides are non-finite in different places.
-
-    ``floor`` is a per-element scale below which values count as zero (cancellation noise).
-
-    Example:
-      >>> relative_error(np.array([3.0, 4.0]), np.array([3.0, 4.5]))  # 0.5 / 6.02
-      0.0830...
-    """
-    a = np.asarray(got, dtype=np.float64)
-    b = np.asarray(expected, dtype=np.float64)
-    if a.shape != b.shape:
-        return math.inf
-    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(finite_a, finite_b):
-        return math.inf
-    bad = ~finite_b
-    if bad.any() and not np.array_equal(a[bad], b[bad], equal_nan=True):
-        return math.inf
-    a, b = a[finite_b], b[finite_b]
-    if a.size == 0:
-        return 0.0
-    diff = float(np.linalg.norm(a - b))
-    if diff == 0.0:
-        return 0.0
-    scale = max(float(np.linalg.norm(b)), floor * math.sqrt(b.size))
-    return diff / scale if scale > 0 else math.inf
-
-
-def program_shape(closed_jaxpr: Any) -> tuple[int, int]:
-    """``(fan_in, depth)`` of a JAX program: the longest contraction of any ``dot_general`` /
-    ``conv_general_dilated`` and how many there are (sub-jaxprs entered; a scan body counts
-    ``length`` times).
-
-    Example:
-      >>> program_shape(jax.make_jaxpr(lambda x: (x @ x) @ x)(jnp.ones((3, 3))))
-      (3, 2)
-    """
-    from parity.dtype_trace import _sub_jaxprs
-
-    fan_in, depth = 1, 0
-
-    def visit(jaxpr: Any, times: int) -> None:
-        nonlocal fan_in, depth
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if name == "dot_general":
-                lhs = eqn.invars[0].aval
-                (contract, _), _ = eqn.params["dimension_numbers"]
-                fan_in = max(fan_in, int(math.prod(lhs.shape[a] for a in contract)))
-                depth += times
-                continue
-            if name == "conv_general_dilated":
-                rhs = eqn.invars[1].aval
-                spec = eqn.params["dimension_numbers"].rhs_spec
-                fan_in = max(fan_in, int(math.prod(rhs.shape)) // int(rhs.shape[spec[0]]))
-                depth += times
-                continue
-            inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    visit(sub, inner)
-
-    visit(closed_jaxpr.jaxpr, 1)
-    return fan_in, max(depth, 1)
 
 
 class Step0Failure(RuntimeError):
@@ -239,7 +89,7 @@ class Step0Result:
     """What `check_step0` returns.
 
     Attributes:
-      verdicts: `parity.compare.Verdict` rows (check names start with ``"step 0"``).
+      verdicts: `parity.verdicts.rows.Verdict` rows (check names start with ``"step 0"``).
       passed: no verdict failed.
       worst_output: ``(name, relative error)`` of the worst output of the first failing (or
         else the fp32) stage.
@@ -289,202 +139,6 @@ class Step0Result:
 # --- the two sides ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Side:
-    eval_logits: np.ndarray
-    train_logits: np.ndarray
-    loss: float
-    grads: dict[str, np.ndarray]  # "/"-joined Flax param path -> gradient (Flax layout)
-    stats: dict[str, np.ndarray]  # "/"-joined Flax batch_stats path -> value after train forward
-    flops: dict[str, int] | None = None
-
-
-def flatten(tree: Any) -> dict[str, np.ndarray]:
-    """``{"a/b/c": float32 numpy}`` for a nested dict of arrays."""
-    out: dict[str, np.ndarray] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        out[key] = np.asarray(leaf).astype(np.float32)  # host-side: no device op per leaf
-    return out
-
-
-def _mapping(pair: Any) -> Any:
-    mapping = getattr(pair, "mapping", None)
-    return mapping if mapping is not None and hasattr(mapping, "grads_to_flax") else None
-
-
-def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The gradients of ``model`` (after ``backward``) in the Flax layout, flattened by path.
-
-    With the pair's `WeightMapping` this is ``mapping.grads_to_flax``; without one, the pair's
-    weight transfer is applied to a copy of the model whose parameters hold their gradients
-    (layout transforms are linear, so they carry gradients like weights).
-    """
-    named = {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
-        for name, p in model.named_parameters()
-    }
-    mapping = _mapping(pair)
-    if mapping is not None:
-        tree = mapping.grads_to_flax(named)
-        tree = tree.get("params", tree) if isinstance(tree, dict) else tree
-        return flatten(tree)
-    holder = copy.deepcopy(model).float().cpu()
-    with torch.no_grad():
-        for name, p in holder.named_parameters():
-            p.copy_(named[name])
-    return flatten(pair.to_flax(holder)["params"])
-
-
-def torch_device(config: RunConfig) -> str:
-    """torch's device type for the run (``"cuda"`` for ``device="gpu"``)."""
-    return "cuda" if config.device == "gpu" else "cpu"
-
-
-def jax_device(config: RunConfig) -> Any:
-    """The JAX device of the run (``"gpu"``: the first GPU, else the first CPU)."""
-    return jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
-
-
-def torch_setup(pair: Any, inputs: Any, config: RunConfig):
-    """``(model copy, input tensor, autocast dtype or None)`` as `parity.train_torch` sets them up
-    for the run's policy and device (a low param dtype casts the model and the inputs:
-    bf16-true)."""
-    device = torch_device(config)
-    model = copy.deepcopy(pair.torch_model).float().to(device)
-    x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
-    if config.param_dtype != "float32":
-        low = getattr(torch, config.param_dtype)
-        model = model.to(low)
-        x = x.to(low) if x.is_floating_point() else x
-    return model, x, (getattr(torch, config.compute_dtype) if config.mixed else None)
-
-
-def model_off_host(model: torch.nn.Module, config: RunConfig) -> bool:
-    """Whether the transfer needs a float32 CPU copy (bf16-true, or a CUDA model)."""
-    return config.param_dtype != "float32" or torch_device(config) != "cpu"
-
-
-def _torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> _Side:
-    from parity.dtype_trace import torch_matmul_flops
-    from parity.models import loss_torch
-
-    model, x, autocast_dtype = torch_setup(pair, inputs, config)
-    y = torch.from_numpy(np.ascontiguousarray(targets)).to(x.device)
-
-    def autocast():
-        return torch.autocast(
-            torch_device(config),
-            dtype=autocast_dtype or torch.bfloat16,
-            enabled=bool(autocast_dtype),
-        )
-
-    with torch.no_grad(), autocast():
-        eval_logits = pair.torch_forward(model, x, train=False).float().cpu().numpy().copy()
-    out: dict[str, Any] = {}
-
-    def train_step():
-        model.zero_grad(set_to_none=True)
-        with autocast():
-            logits = pair.torch_forward(model, x, train=True)
-            loss = loss_torch(pair.task, logits, y)
-        (loss * loss_scale).backward()
-        out["logits"], out["loss"] = logits.detach().float().cpu().numpy().copy(), loss.item()
-
-    flops = torch_matmul_flops(train_step) if trace_flops else (train_step() or None)
-    if loss_scale != 1.0:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(loss_scale)
-    # The transfer reads float32 weights (a bf16-true model is copied up first).
-    stats_model = copy.deepcopy(model).float().cpu() if model_off_host(model, config) else model
-    stats = flatten(pair.to_flax(stats_model).get("batch_stats", {}))
-    return _Side(
-        eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
-    )
-
-
-def _jax_forward(pair, config: RunConfig) -> Callable:
-    """``forward(params, batch_stats, inputs, train) -> (logits, new_stats)`` at the run's
-    precision, as `parity.train_jax` runs it."""
-    from parity.train_jax import autocast_available, autocast_forward
-
-    def forward(params, batch_stats, inputs, train):
-        variables = {"params": params}
-        if batch_stats is not None:
-            variables["batch_stats"] = batch_stats
-        return pair.flax_apply(variables, inputs, train=train)
-
-    if config.mixed and not autocast_available():
-        policy = config.policy
-        inner = forward
-
-        def forward(params, batch_stats, inputs, train):
-            return inner(
-                policy.cast_to_compute(params), batch_stats, policy.cast_to_compute(inputs), train
-            )
-
-        return forward
-    wrapped = autocast_forward(
-        lambda params, batch_stats, inputs, *, train: forward(params, batch_stats, inputs, train),
-        config,
-    )
-    return lambda params, batch_stats, inputs, train: wrapped(
-        params, batch_stats, inputs, train=train
-    )
-
-
-def _jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops):
-    import jaxamp
-    from parity.dtype_trace import jax_matmul_flops
-    from parity.models import loss_jax
-
-    low = jnp.dtype(config.param_dtype) if config.param_dtype != "float32" else None
-    forward = _jax_forward(pair, config)
-
-    def train_grads(params, batch_stats, x, y):
-        if low is not None:  # bf16-true: params, statistics and inputs in low precision
-            params = jaxamp.cast_floating(params, low)
-            batch_stats = jaxamp.cast_floating(batch_stats, low)
-            x = x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-        def loss_fn(params):
-            logits, new_stats = forward(params, batch_stats, x, True)
-            loss = loss_jax(pair.task, logits.astype(jnp.float32), y)
-            return loss * jnp.float32(loss_scale), (loss, logits, new_stats)
-
-        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
-        return grads, aux, (params, batch_stats, x)
-
-    def run(params, batch_stats, x, y):
-        grads, (loss, logits, new_stats), (params, batch_stats, x) = train_grads(
-            params, batch_stats, x, y
-        )
-        eval_logits, _ = forward(params, batch_stats, x, False)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / jnp.float32(loss_scale), grads)
-        as32 = functools.partial(jax.tree.map, lambda v: v.astype(jnp.float32))
-        return as32(eval_logits), loss, as32(logits), as32(new_stats), grads
-
-    args = (
-        variables["params"],
-        variables.get("batch_stats"),
-        np.asarray(inputs),
-        np.asarray(targets),
-    )
-    with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
-        eval_logits, loss, logits, new_stats, grads = jax.device_get(jax.jit(run)(*args))
-        flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args)) if trace_flops else None
-    return _Side(
-        np.asarray(eval_logits),
-        np.asarray(logits),
-        float(loss),
-        flatten(grads),
-        flatten(new_stats if new_stats is not None else {}),
-        flops,
-    )
-
-
 # --- verdicts -----------------------------------------------------------------------------------
 
 
@@ -495,39 +149,9 @@ def _worst(errors: dict[str, float]) -> tuple[str, float] | None:
     return name, errors[name]
 
 
-def group_scale(tensors: dict[str, np.ndarray]) -> float:
-    """The largest magnitude in a group of tensors (all gradients, or all running statistics)."""
-    return max((float(np.max(np.abs(t))) for t in tensors.values() if t.size), default=0.0)
-
-
-def group_error(got: Any, expected: Any, scale: float) -> float:
-    """`relative_error` of one tensor of a group whose largest magnitude is `scale`.
-
-    A tensor whose root-mean-square is below ``FLOOR_FRACTION * scale`` is zero up to
-    cancellation (the gradient of a conv bias before BatchNorm: the sum of a BatchNorm backward
-    output, exactly zero in exact arithmetic); its error is measured against ``scale``, the scale
-    its rounding noise comes from. Other tensors are floored at ``FLOOR_FRACTION * scale``.
-    """
-    b = np.asarray(expected, dtype=np.float64)
-    finite = b[np.isfinite(b)]
-    rms = float(np.sqrt(np.mean(np.square(finite)))) if finite.size else 0.0
-    floor = scale if rms < FLOOR_FRACTION * scale else FLOOR_FRACTION * scale
-    return relative_error(got, expected, floor)
-
-
-def _group_errors(
-    jax_tensors: dict[str, np.ndarray], torch_tensors: dict[str, np.ndarray]
-) -> tuple[dict[str, float], list[str]]:
-    """Per-tensor errors of a group (`group_error`); and the names present on one side only."""
-    missing = sorted(set(jax_tensors) ^ set(torch_tensors))
-    scale = group_scale(torch_tensors)
-    common = [k for k in torch_tensors if k in jax_tensors]
-    return {k: group_error(jax_tensors[k], torch_tensors[k], scale) for k in common}, missing
-
-
 def _torch_name(pair: Any, flax_key: str) -> str:
     """``"flax/path (torch name)"`` when the mapping knows the torch parameter."""
-    mapping = _mapping(pair)
+    mapping = pair_mapping(pair)
     if mapping is None:
         return flax_key
     for entry in getattr(mapping, "entries", ()):
@@ -540,7 +164,7 @@ def _torch_name(pair: Any, flax_key: str) -> str:
 
 
 def _stage_verdicts(
-    pair, config, stage: str, dtype: str, t: _Side, j: _Side, shapes: dict[str, tuple[int, int]]
+    pair, config, stage: str, dtype: str, t: Side, j: Side, shapes: dict[str, tuple[int, int]]
 ) -> tuple[list[Verdict], tuple[str, float] | None, tuple[str, float] | None]:
     base = {"model": config.model, "precision": config.precision, "device": config.device}
     compared = "jax vs torch, step 0"
@@ -556,7 +180,7 @@ def _stage_verdicts(
         "train logits": relative_error(j.train_logits, t.train_logits),
         "loss": relative_error(j.loss, t.loss),
     }
-    stat_errors, stat_missing = _group_errors(j.stats, t.stats)
+    stat_errors, stat_missing = group_errors(j.stats, t.stats)
     outputs.update({f"running stats {k}": v for k, v in stat_errors.items()})
     if stat_missing:
         outputs.update({f"running stats {k} (only on one side)": math.inf for k in stat_missing})
@@ -579,7 +203,7 @@ def _stage_verdicts(
                 **base,
             )
         )
-    grad_errors, grad_missing = _group_errors(j.grads, t.grads)
+    grad_errors, grad_missing = group_errors(j.grads, t.grads)
     for k in grad_missing:
         grad_errors[k] = math.inf
     worst_param = _worst(grad_errors)
@@ -607,9 +231,7 @@ def _stage_verdicts(
     return rows, worst_output, worst_param
 
 
-def _compute_verdicts(config, t: _Side, j: _Side) -> list[Verdict]:
-    from parity.dtype_trace import requested_fraction
-
+def _compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
     want = config.compute_dtype
     base = {"model": config.model, "precision": config.precision, "device": config.device}
     rows = []
@@ -657,20 +279,18 @@ _FP8_TOLERANCES = {
 }
 
 
-def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
-    """Step-0 rows of an fp8 run: `parity.fp8.step0_fp8` (torchao's scales and fp8 codes against
+def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | None:
+    """Step-0 rows of an fp8 run (None for a recipe without fp8 layers): `parity.fp8.step0_fp8` (torchao's scales and fp8 codes against
     jaxamp.fp8's, every converted layer), one row per tensor (input, weight, grad_output).
 
     The generic run-precision rows would compare two float32 models (an fp8 precision's policy
     is fp32 outside the converted layers, and neither side applies fp8 there), so they say
     nothing about the fp8 recipes. A layer converted on one side only fails the run.
     """
-    from parity.fp8 import step0_fp8
-
     base = {"model": config.model, "precision": config.precision, "device": config.device}
     prefix = f"step 0 {config.precision}"
     try:
-        rows = step0_fp8(pair, config.precision, inputs, targets)
+        rows = config.recipe.fp8_step0(pair, inputs, targets)
     except ValueError as e:  # the two sides convert different layers
         return [
             Verdict(
@@ -684,6 +304,8 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
                 **base,
             )
         ]
+    if rows is None:
+        return None
     verdicts = []
     for tensor, tol in _FP8_TOLERANCES.items():
         group = [r for r in rows if r["tensor"] == tensor]
@@ -728,27 +350,6 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
     return verdicts
 
 
-def step0_loss_scale(config: RunConfig) -> float:
-    """The first loss scale of the step-0 gradients: 1 unless the run scales its loss (fp16), then
-    the run's initial scale capped at torch's default 2**16 (a stress setting such as 2**24 makes
-    step 0 overflow on purpose). Without a scale, fp16 gradients underflow. `check_step0` halves
-    it (GradScaler's back-off) until torch's gradients are finite and gives JAX the same scale."""
-    if not config.loss_scaling:
-        return 1.0
-    return float(min(config.init_scale, 2.0**16))
-
-
-def _as_config(pair: Any, precision_or_config: Any) -> RunConfig:
-    if isinstance(precision_or_config, RunConfig):
-        return precision_or_config
-    if isinstance(precision_or_config, str):
-        return RunConfig(model=pair.name, precision=precision_or_config)
-    raise TypeError(
-        "check_step0: `config` must be a RunConfig or a precision string (e.g. 'bf16-mixed'); "
-        f"got {type(precision_or_config).__name__}."
-    )
-
-
 def check_step0(
     pair: Any,
     config: RunConfig | str = "fp32",
@@ -781,7 +382,7 @@ def check_step0(
       >>> result.passed, result.diagnosis.first_failing
       (False, 'blocks.1.conv1')
     """
-    config = _as_config(pair, config)
+    config = as_config(pair, config)
     if batch is None:
         batch = pair.make_data(config.seed, config.batch_size).batch(0)
     inputs, targets = (np.asarray(b) for b in batch)
@@ -793,28 +394,29 @@ def check_step0(
     torch.backends.cudnn.allow_tf32 = False  # convolutions at full float32 too
     try:
         stages = [("fp32", dataclasses.replace(config, precision="fp32"))]
-        if config.precision != "fp32":
+        if not config.recipe.baseline:
             stages.append((config.precision, config))
         verdicts: list[Verdict] = []
         worst_output = worst_param = None
         flops = None
         failed_stage = None
         fp8_failed = False
-        shapes = _program_shapes(pair, variables, inputs, targets)
-        sides: dict[str, tuple[_Side, _Side]] = {}
+        shapes = program_shapes(pair, variables, inputs, targets)
+        sides: dict[str, tuple[Side, Side]] = {}
         for stage, stage_config in stages:
-            low = stage_config.precision != "fp32"
-            if is_fp8(stage_config.precision):  # fp32 stage passed: compare the fp8 recipes
-                verdicts.extend(_fp8_verdicts(pair, stage_config, inputs, targets))
+            low = not stage_config.recipe.baseline
+            fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets) if low else None
+            if fp8_rows is not None:  # fp32 stage passed: compare the fp8 recipes
+                verdicts.extend(fp8_rows)
                 if any(v.passed is False for v in verdicts):
                     fp8_failed = True
                 break
-            scale = step0_loss_scale(stage_config)
-            t = _torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
+            scale = stage_config.recipe.step0_loss_scale(stage_config)
+            t = torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
             while scale > 1 and not all(np.isfinite(g).all() for g in t.grads.values()):
                 scale /= 2  # GradScaler's back-off, until torch's step 0 would not be skipped
-                t = _torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
-            j = _jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
+                t = torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
+            j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             sides[stage] = (t, j)
             rows, w_out, w_param = _stage_verdicts(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes
@@ -833,8 +435,6 @@ def check_step0(
         result = Step0Result(verdicts, passed, worst_output, worst_param, flops)
         # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
         if not passed and diagnose and not fp8_failed:
-            from parity.diagnose import diagnose_pair
-
             try:
                 result.diagnosis = diagnose_pair(
                     pair,
@@ -850,25 +450,6 @@ def check_step0(
     finally:
         torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
         torch.set_float32_matmul_precision(previous)
-
-
-def _program_shapes(pair, variables, inputs, targets) -> dict[str, tuple[int, int]]:
-    """(fan-in, depth) of the float32 forward pass and of the gradient computation."""
-    from parity.models import loss_jax
-
-    params, stats = variables["params"], variables.get("batch_stats")
-    x, y = jnp.asarray(inputs), jnp.asarray(targets)
-
-    def forward(params):
-        full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
-        return pair.flax_apply(full, x, train=True)[0]
-
-    fwd_fan, fwd_depth = program_shape(jax.make_jaxpr(forward)(params))
-    grad_jaxpr = jax.make_jaxpr(
-        jax.grad(lambda p: loss_jax(pair.task, forward(p).astype(jnp.float32), y))
-    )(params)
-    grad_fan, _ = program_shape(grad_jaxpr)
-    return {"forward": (fwd_fan, fwd_depth), "grad": (max(grad_fan, fwd_fan), 2 * fwd_depth)}
 
 
 # --- the run flow -------------------------------------------------------------------------------
@@ -904,8 +485,6 @@ def run_step0(
       >>> result = run_step0(config, pair)
       >>> if result is not None and not result.passed: runs = blocked_records(config, result)
     """
-    import sys
-
     if set(frameworks) != {"torch", "jax"}:
         return None
     if stream is None:
@@ -944,8 +523,6 @@ def blocked_records(
     Example:
       >>> runs = blocked_records(config, result)   # instead of training
     """
-    from parity.records import build_error_record
-
     return attach_step0(
         [build_error_record(fw, config, Step0Failure(result)) for fw in frameworks], result
     )

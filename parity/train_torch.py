@@ -16,43 +16,33 @@ before the step (what ``LambdaLR`` does, without its warning when GradScaler ski
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from parity import fp8 as parity_fp8
 from parity import measure
 from parity.config import RunConfig, torch_device_type
 from parity.hardware import UnsupportedHere, unsupported_reason
-from parity.records import build_error_record as build_error_record  # the schema lives there
+from parity.losses import eval_metric_torch, loss_torch
+from parity.precision.steps import build_torch_optimizer, torch_train_step
+from parity.progress import progress as progress_lines
 from parity.records import build_run_record
 
-__all__ = [
-    "build_error_record",
-    "build_run_record",
-    "build_torch_optimizer",
-    "torch_device_type",
-    "train_torch",
-]
+__all__ = ["train_torch"]
 
-# A run whose loss stays non-finite this many steps in a row is stopped and reported diverged.
+# Names that lived here before they moved: one deprecation path (`__getattr__`), no re-export.
+_MOVED = {
+    "build_error_record": "parity.records",
+    "build_torch_optimizer": "parity.precision.steps",
+}
 
 
-def build_torch_optimizer(config: RunConfig, params) -> torch.optim.Optimizer:
-    """AdamW or momentum SGD with the run's hyperparameters (foreach off: one code path)."""
-    params = list(params)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
-    return torch.optim.SGD(
-        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'parity.train_torch' has no attribute {name!r}")
 
 
 def _to_device(array: np.ndarray, device: torch.device, float_dtype: torch.dtype | None):
@@ -80,8 +70,6 @@ def train_torch(
     Returns:
       A run record as in DESIGN.md (framework ``"torch"``; ``torch_compile`` in the config).
     """
-    from parity.models import eval_metric_torch, loss_torch
-
     if stream is None:
         stream = pair.make_data(config.stream_seed, config.batch_size)
     # A cell this machine cannot run (no CUDA; no oneDNN kernel for it) is not a failure.
@@ -98,49 +86,27 @@ def train_torch(
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 
-    model = copy.deepcopy(pair.torch_model).to(device)
-    fp8_layers = None
-    if parity_fp8.is_fp8(config.precision):  # torchao Float8Linear swap (see parity.fp8)
-        fp8_layers = parity_fp8.convert_torch(model, config.precision, device)
-    input_dtype = None
-    if config.param_dtype != "float32":  # bf16-true: the whole model in low precision
-        input_dtype = getattr(torch, config.param_dtype)
-        model = model.to(input_dtype)
+    recipe = config.recipe
+    recipe.check_arm("single")
+    model, extras = recipe.torch_convert(copy.deepcopy(pair.torch_model).to(device), device)
+    input_dtype = recipe.torch_input_dtype()
     optimizer = build_torch_optimizer(config, model.parameters())
-    scaler = None
-    if config.loss_scaling:
-        scaler = torch.amp.GradScaler(
-            device_type, init_scale=config.init_scale, growth_interval=config.growth_interval
-        )
+    scaler = recipe.torch_grad_scaler(config, device_type)
     forward_model = torch.compile(model) if config.torch_compile else model
-    autocast_dtype = getattr(torch, config.compute_dtype) if config.mixed else None
     params = [p for p in model.parameters() if p.requires_grad]
 
     def forward_loss(inputs, targets, train):
-        with torch.autocast(
-            device_type, dtype=autocast_dtype or torch.float32, enabled=config.mixed
-        ):
+        with recipe.torch_autocast(device_type):
             logits = pair.torch_forward(forward_model, inputs, train=train)
             return logits, loss_torch(pair.task, logits, targets)
 
-    def train_step(step, inputs, targets):
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr_at(step)
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = forward_loss(inputs, targets, train=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # clip the true gradients
-            if config.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            if config.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-            optimizer.step()
-        return loss
+    train_step = torch_train_step(
+        config,
+        lambda inputs, targets: forward_loss(inputs, targets, True)[1],
+        optimizer,
+        scaler,
+        params,
+    )
 
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -148,8 +114,6 @@ def train_torch(
     scale = float(scaler.get_scale()) if scaler is not None else None
     iterator = range(config.steps)
     if progress:
-        from parity.progress import progress as progress_lines
-
         label = (
             f"torch{'-compile' if config.torch_compile else ''} {config.model} {config.precision}"
         )
@@ -220,13 +184,7 @@ def train_torch(
         stopped_reason=log.stopped_reason,
         extra={
             "torch_mode": "compile" if config.torch_compile else "eager",
-            **(
-                {
-                    "fp8_method": parity_fp8.fp8_method(config.precision, "torch"),
-                    "fp8_layers": fp8_layers,
-                }
-                if fp8_layers is not None
-                else {}
-            ),
+            "mixed_precision_method": recipe.torch_method(),
+            **extras,
         },
     )

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity import cli  # noqa: E402
-from parity.report import load_results, merge_runs, write_json_atomic  # noqa: E402
+from parity import cell, cli  # noqa: E402
+from parity.records import load_results, merge_runs, write_json_atomic  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
@@ -113,7 +113,7 @@ def test_compare_missing_folder_and_bad_model_are_usage_errors(tmp_path, capsys)
 def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
     out = tmp_path / "matrix"
     calls = []
-    real_run_pair = cli.run_pair
+    real_run_pair = cell.run_cell
 
     def interrupted(config, frameworks, *, progress, **kwargs):
         calls.append((config.precision, frameworks))
@@ -121,7 +121,7 @@ def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # the user hits ^C during the second cell
         return real_run_pair(config, frameworks, progress=progress, **kwargs)
 
-    monkeypatch.setattr(cli, "run_pair", interrupted)
+    monkeypatch.setattr(cell, "run_cell", interrupted)
     args = ["matrix", "--out", str(out), "--models", "mlp", "--precisions", "fp32", "bf16-mixed"]
     args += ["--steps", "3", "--batch-size", "4", "--no-eval", "--no-progress", "--warmup", "1"]
     with pytest.raises(KeyboardInterrupt):
@@ -139,7 +139,7 @@ def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
         redo.append(config.precision)
         return real_run_pair(config, frameworks, progress=progress, **kwargs)
 
-    monkeypatch.setattr(cli, "run_pair", counting)
+    monkeypatch.setattr(cell, "run_cell", counting)
     assert cli.main(args) == 0
     assert redo == ["bf16-mixed"]  # the finished fp32 cell is not redone
     assert len(load_results(out)["runs"]) == 4

@@ -13,16 +13,14 @@ torch = pytest.importorskip("torch")
 
 from parity import transfer  # noqa: E402
 from parity.hardware import skip_if_unsupported  # noqa: E402
-from parity.models import (  # noqa: E402
-    MODEL_NAMES,
-    ModelPair,
+from parity.losses import (  # noqa: E402
     eval_metric_jax,
     eval_metric_name,
     eval_metric_torch,
-    get_model_pair,
     loss_jax,
     loss_torch,
 )
+from parity.models import MODEL_NAMES, ModelPair, get_model_pair  # noqa: E402
 from parity.models.layers import TorchBatchNorm, TorchLayerNorm, TorchLSTM  # noqa: E402
 
 pytestmark = pytest.mark.torch

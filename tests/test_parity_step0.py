@@ -27,9 +27,9 @@ from parity.dtype_trace import (
     torch_matmul_flops,
 )
 from parity.models import ModelPair, get_model_pair
-from parity.step0 import (
+from parity.step0 import check_step0
+from parity.verdicts.tolerance import (
     SAFETY,
-    check_step0,
     group_error,
     program_shape,
     relative_error,

@@ -16,13 +16,14 @@ torch = pytest.importorskip("torch")
 from parity.config import PRECISIONS, RunConfig, learning_rate_at  # noqa: E402
 from parity.hardware import skip_if_unsupported  # noqa: E402
 from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
-from parity.train_jax import (  # noqa: E402
+from parity.precision.steps import (  # noqa: E402
     build_jax_optimizer,
+    build_torch_optimizer,
     clip_by_global_norm_torch,
     set_learning_rate,
-    train_jax,
 )
-from parity.train_torch import build_torch_optimizer, train_torch  # noqa: E402
+from parity.train_jax import train_jax  # noqa: E402
+from parity.train_torch import train_torch  # noqa: E402
 
 # optax/flax internals need JAX's standard promotion; torch's profiler and autocast are quiet.
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -282,11 +283,11 @@ def test_learning_rate_schedule():
 
 def test_jax_train_step_compiles_once(monkeypatch):
     """The JAX step is compiled ahead of time and reused: one trace for the whole run."""
-    from parity import train_jax as module
+    import jaxamp as module_jaxamp
 
     config = RunConfig(model="mlp", steps=4, batch_size=4, eval=False, model_overrides=TINY["mlp"])
     traces = []
-    original = module.jaxamp.value_and_grad
+    original = module_jaxamp.value_and_grad
 
     def counting(*args, **kwargs):
         fn = original(*args, **kwargs)
@@ -297,7 +298,7 @@ def test_jax_train_step_compiles_once(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(module.jaxamp, "value_and_grad", counting)
+    monkeypatch.setattr(module_jaxamp, "value_and_grad", counting)
     run = train_jax(config, _pair(config))
     assert len(traces) == 1
     assert len(run["steps"]) == 4

@@ -221,7 +221,7 @@ def test_task_errors_name_the_right_task():
         _pair(torch.nn.Linear(3, 2), fnn.Dense(2), batches, task="regresion")
     targets = [(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))]
     pair = _pair(torch.nn.Linear(3, 2), fnn.Dense(2), targets, task="regression")
-    from parity.models import loss_jax, loss_torch
+    from parity.losses import loss_jax, loss_torch
 
     logits = jnp.ones((4, 2), jnp.bfloat16)
     assert loss_jax("regression", logits, jnp.zeros((4, 2))).dtype == jnp.float32

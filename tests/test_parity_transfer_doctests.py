@@ -10,7 +10,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-_MODULES = ("parity.mapping", "parity.automap", "parity.adapters", "parity.models.nnx_layers")
+_MODULES = (
+    "parity.mapping",
+    "parity.variables",
+    "parity.automap",
+    "parity.adapters",
+    "parity.models.nnx_layers",
+)
 _DATA_NAMES = ("load_digits", "load_text", "text_stream", "DataSpec")
 
 

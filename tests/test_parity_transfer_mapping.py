@@ -57,7 +57,7 @@ def test_mapping_json_round_trip():
 
 def test_grads_to_flax_matches_jax_gradients():
     """Transformer (fused qkv chunks, reshapes): torch grads through the mapping equal JAX's."""
-    from parity.models import loss_jax, loss_torch
+    from parity.losses import loss_jax, loss_torch
 
     pair = get_model_pair("transformer", seed=0, num_layers=1, d_model=32, seq_len=16)
     stream = pair.make_data(seed=0, batch_size=4)
@@ -137,10 +137,10 @@ def test_bad_transform_names_the_closest_op():
 
 def test_summed_biases_split_evenly_and_gradients_are_not_doubled():
     """torch LSTM -> Flax LSTMCell: b_ih + b_hh go to one bias; going back each gets half."""
-    from parity import transfer
+    from parity import layer_entries, transfer
 
     lstm = torch.nn.LSTM(3, 4, batch_first=True)
-    mapping = WeightMapping(tuple(transfer.lstm_cell_entries("", "cell", lstm)))
+    mapping = WeightMapping(tuple(layer_entries.lstm_cell_entries("", "cell", lstm)))
     variables = mapping.to_flax(lstm)
     reference = transfer.lstm_to_flax(lstm)
     for gate in reference:

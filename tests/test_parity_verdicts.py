@@ -7,16 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from parity.compare import (
+from parity.compare import compare_runs
+from parity.records import validate_run
+from parity.verdicts.rows import (
     TOLERANCES,
     Verdict,
     cell_bottom_lines,
-    compare_runs,
     format_verdicts,
     overall_status,
     self_divergence,
 )
-from parity.records import validate_run
 
 
 def _run(

@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from parity import measure
+from parity.compare import compare_runs
 from parity.config import RunConfig
 from parity.distributed.procs import WorkerGroup, free_port
+from parity.hardware import UnsupportedHere
+from parity.models import get_model_pair
+from parity.records import build_run_record, write_json_atomic
+from parity.verdicts.rows import Verdict, format_verdicts, overall_status
 
 __all__ = [
     "JAX_MODES",
@@ -137,7 +145,7 @@ class DistributedResult:
       config, plan: what was run.
       ranks: per-side worker results: ``{"torch": [rank0, ...], "jax:jit": [...], ...}``.
       runs: run records (`parity.records` schema), one per side/mode.
-      verdicts: `parity.compare.Verdict` rows.
+      verdicts: `parity.verdicts.rows.Verdict` rows.
       status: ``"PASS"``, ``"FAIL"`` or ``"NOTHING COMPARED"``.
     """
 
@@ -190,9 +198,6 @@ def _run_group(
 
 
 def _record(side: str, config: RunConfig, pair: Any, stream: Any, rank0: dict, label: str):
-    from parity import measure
-    from parity.records import build_run_record
-
     timing = measure.step_time_summary(rank0["times"], config.timing_warmup)
     return build_run_record(
         framework="torch" if side == "torch" else "jax",
@@ -244,9 +249,6 @@ def run_distributed(
       >>> result.status
       'PASS'
     """
-    from parity.compare import overall_status
-    from parity.records import write_json_atomic
-
     if not isinstance(config, RunConfig):
         raise TypeError(f"run_distributed: `config` must be a RunConfig; got {type(config)}.")
     if not isinstance(plan, DistributedPlan):
@@ -257,7 +259,15 @@ def run_distributed(
                 f"run_distributed: batch_size {config.batch_size} must be divisible by the "
                 f"{what} ({n}): every rank takes an equal slice of the global batch."
             )
-    if plan.inject_overflow is not None and not config.loss_scaling:
+    # A recipe this arm cannot run is refused with the reason; it never runs as another one.
+    recipe = config.recipe
+    recipe.check_arm(plan.strategy)
+    refused = {
+        mode: reason
+        for mode in plan.jax_modes
+        if (reason := recipe.unsupported(plan.strategy, mode)) is not None
+    }
+    if plan.inject_overflow is not None and not config.recipe.loss_scaling:
         raise ValueError(
             "run_distributed: inject_overflow needs a loss-scaled precision (fp16-mixed); "
             f"got {config.precision!r}."
@@ -307,7 +317,7 @@ def run_distributed(
         ]
         ranks["torch"] = _run_group("torch", specs, plan.timeout_s, work)
     if "jax" in frameworks:
-        for mode in plan.jax_modes:
+        for mode in (m for m in plan.jax_modes if m not in refused):
             n_proc = plan.devices if mode == "multiprocess" else 1
             port = free_port() if mode == "multiprocess" else 0
             specs = [
@@ -330,6 +340,11 @@ def run_distributed(
         for side, results in ranks.items()
     }
     verdicts = _verdicts(config, plan, ranks, runs)
+    if "jax" in frameworks:
+        verdicts += [
+            _verdict(config, "JAX mode", f"jax:{mode}", "unsupported here", "-", None, reason)
+            for mode, reason in refused.items()
+        ]
     status = overall_status(verdicts)
     result = DistributedResult(config, plan, ranks, list(runs.values()), verdicts, status)
     write_json_atomic(work / "distributed.json", result.to_dict())
@@ -338,16 +353,12 @@ def run_distributed(
 
 def _pair(config: RunConfig, pair_factory: str | None):
     if pair_factory is None:
-        from parity.models import get_model_pair
-
         return get_model_pair(config.model, seed=config.seed, **config.model_overrides)
     return load_pair_factory(pair_factory)(seed=config.seed)
 
 
 def load_pair_factory(spec: str):
     """Imports ``"package.module:function"`` (a user's `ModelPair` factory)."""
-    import importlib
-
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"pair_factory must be 'package.module:function'; got {spec!r}.")
     module_name, attr = spec.split(":")
@@ -364,8 +375,6 @@ def load_pair_factory(spec: str):
 
 
 def _verdict(config: RunConfig, check: str, compared: str, value, tolerance, passed, detail=""):
-    from parity.compare import Verdict
-
     return Verdict(
         config.model,
         config.precision,
@@ -385,8 +394,6 @@ def _trajectory(result: dict) -> list[tuple]:
 
 
 def _verdicts(config, plan, ranks, runs) -> list[Any]:
-    from parity.compare import compare_runs
-
     rows = []
     policy = config.policy
     # 1. per-step loss: torch vs each JAX mode, the usual bands.
@@ -496,12 +503,8 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
 
 def format_distributed(result: DistributedResult) -> str:
     """A text table of the verdicts plus per-device speed and memory per side."""
-    from parity.compare import format_verdicts
-
     lines = [format_verdicts(result.verdicts), "", "speed and memory per device:"]
     for side, results in result.ranks.items():
-        import statistics
-
         times = results[0]["times"][result.config.timing_warmup :] or results[0]["times"]
         median = statistics.median(times) if times else float("nan")
         mem = results[0].get("peak_memory_bytes")
@@ -515,7 +518,8 @@ def format_distributed(result: DistributedResult) -> str:
 
 
 def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
-    """``python -m parity run --devices N --strategy {ddp,fsdp}``: exit 0 pass, 1 fail."""
+    """``python -m parity run --devices N --strategy {ddp,fsdp}``: exit 0 pass, 1 fail, 2 a
+    recipe this arm cannot run (the reason on stderr)."""
     inject = None
     if args.inject_overflow:
         parts = args.inject_overflow.split(":")
@@ -534,7 +538,11 @@ def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
         torch_backend="nccl" if config.device == "gpu" else "gloo",
         jax_platform="gpu" if config.device == "gpu" else "cpu",
     )
-    result = run_distributed(config, plan, args.out, frameworks=frameworks)
+    try:
+        result = run_distributed(config, plan, args.out, frameworks=frameworks)
+    except UnsupportedHere as e:
+        print(f"error: unsupported here: {e.reason}", file=sys.stderr)
+        return 2
     print(format_distributed(result))
     print(f"results: {(Path(args.out) / 'distributed.json').resolve()}")
     return {"PASS": 0, "FAIL": 1}.get(result.status, 3)

@@ -25,7 +25,31 @@ import time
 import traceback
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
+import torch.distributed as dist
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from parity import measure
+from parity.config import RunConfig
+from parity.distributed.hlo import dump_flags, reduction_collectives, reduction_dtypes
+from parity.distributed.run import load_pair_factory
+from parity.losses import loss_jax, loss_torch
+from parity.models import get_model_pair
+from parity.precision.steps import (
+    build_jax_optimizer,
+    build_torch_optimizer,
+    jax_train_step,
+    scheduled,
+    torch_train_step,
+)
+from parity.records import write_json_atomic
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -34,8 +58,6 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
-    from parity.records import write_json_atomic
-
     write_json_atomic(path, data)
 
 
@@ -72,8 +94,6 @@ def _inject_factor(spec: dict, step: int, global_batch: int) -> np.ndarray:
 
 
 def _torch_poison():
-    import torch
-
     class Poison(torch.autograd.Function):
         """Identity forward; the backward multiplies each example's gradient by its factor."""
 
@@ -91,10 +111,8 @@ def _torch_poison():
     return Poison
 
 
-def _make_pair(spec: dict, config: Any, get_model_pair):
+def _make_pair(spec: dict, config: Any):
     if spec.get("pair_factory"):
-        from parity.distributed.run import load_pair_factory
-
         return load_pair_factory(spec["pair_factory"])(seed=config.seed)
     return get_model_pair(config.model, seed=config.seed, **config.model_overrides)
 
@@ -103,20 +121,18 @@ def _make_pair(spec: dict, config: Any, get_model_pair):
 
 
 def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from parity import measure
-    from parity.config import RunConfig
-    from parity.models import get_model_pair, loss_torch
-    from parity.train_torch import build_torch_optimizer
-
+    """One torch rank: the recipe's model and step (`parity.precision.steps.torch_train_step`)
+    inside DDP or FSDP2."""
     global _TorchPoison
     _TorchPoison = _torch_poison()
     torch.set_num_threads(1)  # N ranks share the machine
     torch.set_float32_matmul_precision("highest")
     config = RunConfig.from_dict(spec["config"])
+    recipe = config.recipe
     rank, world, strategy = spec["rank"], spec["world"], spec["strategy"]
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp'; got {strategy!r}.")
+    recipe.check_arm(strategy)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(spec["port"])
     backend = spec.get("torch_backend", "gloo")
@@ -128,16 +144,15 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     reduce_dtypes: set[str] = set()
     try:
-        pair = _make_pair(spec, config, get_model_pair)
-        model = pair.torch_model.to(device)
-        policy = config.policy
-        compute = getattr(torch, policy.compute_dtype.name)
-        reduce = getattr(torch, policy.reduce_dtype.name)
-        use_autocast = False
+        pair = _make_pair(spec, config)
+        model, _ = recipe.torch_convert(pair.torch_model.to(device), device)
+        input_dtype = recipe.torch_input_dtype()
+        if any(b.numel() for b in model.buffers()):
+            raise ValueError(
+                f"model {config.model!r} has buffers (batch statistics): distributed runs "
+                "support models without BatchNorm (see parity.distributed)."
+            )
         if strategy == "ddp":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            from torch.nn.parallel import DistributedDataParallel
-
             wrapped = DistributedDataParallel(model)
 
             def recording_hook(state, bucket):
@@ -146,22 +161,9 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 return default_hooks.allreduce_hook(state, bucket)
 
             wrapped.register_comm_hook(dist.group.WORLD, recording_hook)
-            use_autocast = config.mixed
-            method = f"DDP ({backend})" + (
-                f" + torch.autocast({device.type}, {policy.compute_dtype.name})"
-                if use_autocast
-                else ""
-            )
-        elif strategy == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = (
-                MixedPrecisionPolicy(
-                    param_dtype=compute, reduce_dtype=reduce, output_dtype=torch.float32
-                )
-                if config.mixed
-                else MixedPrecisionPolicy()
-            )
+            method = f"DDP ({backend}) + {recipe.torch_method('ddp')}"
+        else:
+            mp = recipe.torch_fsdp_policy()
             # One FSDP group per module owning parameters; tied parameters (e.g. a language
             # model's shared embedding/output matrix) stay with the root group.
             owners = collections.Counter(
@@ -181,65 +183,33 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                     return _orig(*args, **kwargs)
 
                 setattr(dist, name, recording)
-            method = (
-                f"FSDP2 fully_shard ({backend}), MixedPrecisionPolicy(param_dtype="
-                f"{policy.compute_dtype.name}, reduce_dtype={policy.reduce_dtype.name})"
-                if config.mixed
-                else f"FSDP2 fully_shard ({backend})"
-            )
-        else:
-            raise ValueError(f"strategy must be 'ddp' or 'fsdp'; got {strategy!r}.")
-        if any(b.numel() for b in model.buffers()):
-            raise ValueError(
-                f"model {config.model!r} has buffers (batch statistics): distributed runs "
-                "support models without BatchNorm (see parity.distributed)."
-            )
+            method = f"FSDP2 fully_shard ({backend}), {recipe.torch_method('fsdp')}"
         optimizer = build_torch_optimizer(config, model.parameters())
-        scaler = None
-        if config.loss_scaling and strategy == "fsdp":
-            # Sharded gradients: each rank sees only its shard, so the found-inf flag must be
-            # all-reduced for every rank to skip together (torch's ShardedGradScaler does).
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = recipe.torch_grad_scaler(config, device.type, sharded=strategy == "fsdp")
+        params = [p for p in model.parameters() if p.requires_grad]
 
-            scaler = ShardedGradScaler(
-                device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
-            )
-        elif config.loss_scaling:
-            scaler = torch.amp.GradScaler(
-                device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
-            )
+        def forward_loss(inputs, targets, factor):
+            with recipe.torch_autocast(device.type, strategy):
+                logits = pair.torch_forward(wrapped, inputs, train=True)
+                logits = _TorchPoison.apply(logits, factor)
+                return loss_torch(pair.task, logits.float(), targets)
+
+        train_step = torch_train_step(config, forward_loss, optimizer, scaler, params)
         stream = pair.make_data(config.stream_seed, config.batch_size)
         rows = config.batch_size // world
-        params = [p for p in model.parameters() if p.requires_grad]
         log = measure.StepLog()
         scale = float(scaler.get_scale()) if scaler is not None else None
         for step in range(config.steps):
             raw_inputs, raw_targets = stream.batch(step)
             sl = slice(rank * rows, (rank + 1) * rows)
             inputs = torch.as_tensor(np.asarray(raw_inputs)[sl]).to(device)
+            if input_dtype is not None and inputs.is_floating_point():
+                inputs = inputs.to(input_dtype)
             targets = torch.as_tensor(np.asarray(raw_targets)[sl]).to(device)
             factor = torch.as_tensor(_inject_factor(spec, step, config.batch_size)[sl]).to(device)
             dist.barrier()
             start = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = config.lr_at(step)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=compute, enabled=use_autocast):
-                logits = pair.torch_forward(wrapped, inputs, train=True)
-                logits = _TorchPoison.apply(logits, factor)
-                loss = loss_torch(pair.task, logits.float(), targets)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                if config.clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if config.clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-                optimizer.step()
+            loss = train_step(step, inputs, targets, factor)
             global_loss = loss.detach().float().clone()
             dist.all_reduce(global_loss)
             loss_value = float(global_loss) / world
@@ -286,16 +256,13 @@ def jax_worker(spec: dict[str, Any]) -> dict[str, Any]:
     world = spec["world"]
     flags = os.environ.get("XLA_FLAGS", "")
     if spec.get("hlo_dump_dir"):
-        from parity.distributed.hlo import dump_flags
-
         flags += " " + dump_flags(spec["hlo_dump_dir"], module_re=".*train_step.*")
     if mode != "multiprocess":
         flags += f" --xla_force_host_platform_device_count={world}"
+    # Read when JAX starts its backends (on first use, after this), not at import.
     os.environ["XLA_FLAGS"] = flags.strip()
     if spec.get("platform", "cpu") == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-
-    import jax
+        jax.config.update("jax_platforms", "cpu")
 
     if mode == "multiprocess":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -306,15 +273,13 @@ def jax_worker(spec: dict[str, Any]) -> dict[str, Any]:
             initialization_timeout=120,
         )
     try:
-        return _jax_train(spec, jax)
+        return _jax_train(spec)
     finally:
         if mode == "multiprocess":
             jax.distributed.shutdown()
 
 
 def _fsdp_spec(leaf, world: int):
-    from jax.sharding import PartitionSpec as P
-
     shape = np.shape(leaf)
     for axis, size in enumerate(shape):
         if size % world == 0 and size >= world:
@@ -322,45 +287,29 @@ def _fsdp_spec(leaf, world: int):
     return P()
 
 
-def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxamp
-    from parity import measure
-    from parity.config import RunConfig, torch_device_type
-    from parity.distributed.hlo import reduction_collectives, reduction_dtypes
-    from parity.models import get_model_pair, loss_jax
-    from parity.train_jax import build_jax_optimizer, set_learning_rate
-
+def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
+    """The JAX side on a mesh: the recipe's forward, gradient function and optimizer, the
+    README's step (`parity.precision.steps.jax_train_step`) under ``jit`` or ``shard_map``."""
     config = RunConfig.from_dict(spec["config"])
+    recipe = config.recipe
     world, mode, strategy = spec["world"], spec["mode"], spec["strategy"]
+    recipe.check_arm(strategy, mode)
     devices = jax.devices()
     if len(devices) < world:
         raise ValueError(f"JAX sees {len(devices)} devices; the run needs {world}.")
     mesh = Mesh(np.array(devices[:world]), ("data",))
     multiprocess = mode == "multiprocess"
-    pair = _make_pair(spec, config, get_model_pair)
+    pair = _make_pair(spec, config)
     variables = pair.torch_to_flax()
     if "batch_stats" in variables:
         raise ValueError(
             f"model {config.model!r} has batch statistics: distributed runs support models "
             "without BatchNorm (see parity.distributed)."
         )
-    params = jax.tree_util.tree_map(np.asarray, variables["params"])
-    policy = config.policy
-    if config.loss_scaling and mode == "shard_map":
-        # Inside shard_map the skip decision is taken per device: loss_scaled is told the axis
-        # (the gradients are already summed over it, so every device decides the same).
-        inner = build_jax_optimizer(config.replace(precision="fp32"))
-        scale = jaxamp.DynamicLossScale.from_preset(
-            "torch", init_scale=config.init_scale, growth_interval=config.growth_interval
-        )
-        tx = jaxamp.loss_scaled(inner, scale, axis_name="data")
-    else:
-        tx = build_jax_optimizer(config)
+    params = jax.tree_util.tree_map(np.asarray, recipe.jax_cast(variables["params"]))
+    # Inside shard_map the skip decision is taken per device: loss_scaled is told the axis (the
+    # gradients are already summed over it, so every device decides the same).
+    tx = build_jax_optimizer(config, axis_name="data" if mode == "shard_map" else None)
 
     if strategy == "fsdp" and mode != "shard_map":
         param_specs = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, world), params)
@@ -383,12 +332,8 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
         logits, _ = pair.flax_apply({"params": params}, inputs, train=True)
         return logits
 
-    # DDP twin: torch.autocast's per-op rules; FSDP2 twin: the policy casts every param and input.
-    use_autocast = config.mixed and strategy == "ddp"
-    if use_autocast:
-        forward = jaxamp.autocast(
-            forward, dtype=policy.compute_dtype, device=torch_device_type(config.device)
-        )
+    # DDP twin: torch.autocast's per-op rules; FSDP2 twin: the policy casts params and inputs.
+    forward = recipe.jax_forward(forward, config.device, strategy)
 
     @jax.custom_vjp
     def poison(logits, factor):
@@ -405,64 +350,30 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
 
     def loss_fn(params, inputs, targets, factor):
         logits = poison(forward(params, inputs), factor)
-        return loss_jax(pair.task, logits.astype(jnp.float32), targets)
+        return loss_jax(pair.task, logits.astype(jnp.float32), targets), None
 
-    if not config.mixed:
-        grad_fn = jaxamp.value_and_grad(loss_fn)
-        method = "float32"
-    elif use_autocast:
-        grad_fn = jaxamp.value_and_grad(loss_fn, reduce_dtype=policy.reduce_dtype)
-        method = f"jaxamp.autocast + value_and_grad(reduce_dtype={policy.reduce_dtype.name})"
-    else:
-        grad_fn = jaxamp.value_and_grad(loss_fn, policy=policy)
-        method = f"jaxamp policy {policy}"
-    method = f"{mode} over {world} devices ({strategy}), {method}"
-
-    def step_body(params, opt_state, inputs, targets, factor, learning_rate, scale_divisor):
-        opt_state = set_learning_rate(opt_state, learning_rate)
-        scale_used = (
-            jaxamp.get_loss_scale(opt_state).loss_scale
-            if config.loss_scaling
-            else jnp.float32(jnp.nan)
-        )
-        loss, grads = grad_fn(
-            params,
-            inputs,
-            targets,
-            factor,
-            loss_scale=opt_state if config.loss_scaling else None,
-        )
-        if scale_divisor != 1:
-            loss = loss / scale_divisor
-            grads = jax.tree_util.tree_map(lambda g: g / scale_divisor, grads)
-        return loss, grads, opt_state, scale_used
-
-    def finish(params, opt_state, grads, loss, scale_used):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        if config.loss_scaling:
-            skipped = jnp.logical_not(jaxamp.amp_info(opt_state).last_step_finite)
-        else:
-            skipped = jnp.bool_(False)
-        metrics = {
-            "loss": loss,
-            "loss_scale": jnp.asarray(scale_used, jnp.float32),
-            "skipped": skipped,
-        }
-        return params, opt_state, metrics
+    grad_fn = recipe.jax_value_and_grad(loss_fn, strategy)
+    method = (
+        f"{mode} over {world} devices ({strategy}), {recipe.jax_method(config.device, strategy)}"
+    )
 
     if mode == "shard_map":
         # Explicit SPMD: each device's local mean loss / N; the transpose of the replicated
         # params' use sums the per-device gradients (psum) into the global mean gradient.
-        def local(params, opt_state, inputs, targets, factor, learning_rate):
-            loss, grads, opt_state, scale_used = step_body(
-                params, opt_state, inputs, targets, factor, learning_rate, world
-            )
-            loss = jax.lax.psum(loss, "data")
-            params, opt_state, metrics = finish(params, opt_state, grads, loss, scale_used)
-            return params, opt_state, metrics
+        def local_grad_fn(params, *batch, loss_scale):
+            (loss, aux), grads = grad_fn(params, *batch, loss_scale=loss_scale)
+            grads = jax.tree_util.tree_map(lambda g: g / world, grads)
+            return (jax.lax.psum(loss / world, "data"), aux), grads
+
+        step = scheduled(jax_train_step(local_grad_fn, tx))
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
+            def local(params, opt_state, inputs, targets, factor, learning_rate):
+                params, opt_state, (loss, _), metrics = step(
+                    params, opt_state, learning_rate, inputs, targets, factor
+                )
+                return params, opt_state, {"loss": loss, **metrics}
+
             return jax.shard_map(
                 local,
                 mesh=mesh,
@@ -471,20 +382,22 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
             )(params, opt_state, inputs, targets, factor, learning_rate)
 
     else:
+        step = scheduled(jax_train_step(grad_fn, tx))
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
-            loss, grads, opt_state, scale_used = step_body(
-                params, opt_state, inputs, targets, factor, learning_rate, 1
+            params, opt_state, (loss, _), metrics = step(
+                params, opt_state, learning_rate, inputs, targets, factor
             )
-            return finish(params, opt_state, grads, loss, scale_used)
+            return params, opt_state, {"loss": loss, **metrics}
 
     stream = pair.make_data(config.stream_seed, config.batch_size)
 
     def host_batch(step):
         raw_inputs, raw_targets = stream.batch(step)
+        inputs = np.asarray(recipe.jax_cast(np.asarray(raw_inputs)))
         factor = _inject_factor(spec, step, config.batch_size)
         return tuple(
-            to_global(np.asarray(x), batch_sharding) for x in (raw_inputs, raw_targets, factor)
+            to_global(np.asarray(x), batch_sharding) for x in (inputs, raw_targets, factor)
         )
 
     inputs, targets, factor = host_batch(0)
@@ -509,7 +422,7 @@ def _jax_train(spec: dict[str, Any], jax) -> dict[str, Any]:
         jax.block_until_ready((params, opt_state, metrics))
         elapsed = time.perf_counter() - start
         host = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)), metrics)
-        loss_scale = float(host["loss_scale"]) if config.loss_scaling else None
+        loss_scale = recipe.logged_scale(host["loss_scale"])
         if log.record(step, float(host["loss"]), loss_scale, bool(host["skipped"]), elapsed):
             break
 

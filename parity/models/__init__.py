@@ -28,23 +28,17 @@ import numpy as np
 import torch
 
 from parity.adapters import FlaxModel, output_logits
+from parity.automap import auto
 from parity.data import BatchStream, DataSpec, text_stream
+from parity.losses import check_task
 from parity.mapping import WeightMapping
 from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
 
 __all__ = [
     "MODEL_NAMES",
-    "TASKS",
     "ModelPair",
-    "eval_metric_jax",
-    "eval_metric_name",
-    "eval_metric_torch",
     "get_model_pair",
-    "loss_jax",
-    "loss_torch",
 ]
-
-TASKS = ("classification", "lm", "regression")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +105,7 @@ class ModelPair:
     mapping: WeightMapping | None = dataclasses.field(repr=False, default=None)
 
     def __post_init__(self):
-        _check_task(self.task)
+        check_task(self.task)
         if self.to_flax is None or self.from_flax is None:
             raise TypeError(
                 f"ModelPair {self.name!r}: `to_flax` and `from_flax` must be callables (weight "
@@ -199,11 +193,6 @@ def _check_override(name: str, key: str, value: Any, default: Any) -> Any:
     if not ok:
         raise ValueError(f"get_model_pair({name!r}): `{key}` must be {allowed}, got {value!r}.")
     return value
-
-
-def _check_task(task: Any) -> None:
-    if task not in TASKS:
-        raise ValueError(f"`task` must be one of {TASKS}, got {task!r}.")
 
 
 def get_model_pair(
@@ -327,8 +316,6 @@ def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapp
     if hasattr(spec.module, "mapping"):
         return spec.module.mapping(torch_model, config)
     # No hand-written mapping: match the pair's own transfer automatically, tracing one example.
-    from parity.transfer import auto
-
     inputs, _ = spec.module.make_data(config, 0, 2).batch(0)
     example = torch.as_tensor(np.asarray(inputs))
     if example.is_floating_point():
@@ -337,53 +324,3 @@ def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapp
     else:
         example = example.long()
     return auto(torch_model, spec.module.to_flax(torch_model, config), example_inputs=example)
-
-
-# --- losses and metrics -----------------------------------------------------------------------
-
-
-def loss_torch(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in float32 (LM: over all tokens); regression: mean squared error in
-    float32. Returns a float32 scalar."""
-    _check_task(task)
-    logits = logits.float()
-    if task == "regression":
-        return torch.mean(torch.square(logits - targets.float()))
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()
-    )
-
-
-def loss_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy in float32 (LM: over all tokens); regression: mean squared error in
-    float32. Returns a float32 scalar."""
-    _check_task(task)
-    if task == "regression":
-        return jnp.mean(jnp.square(logits.astype(jnp.float32) - targets.astype(jnp.float32)))
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets.astype(jnp.int32)[..., None], axis=-1)
-    return -jnp.mean(picked)
-
-
-def eval_metric_name(task: str) -> str:
-    """``"accuracy"`` (higher is better) for classification, ``"loss"`` (lower) for lm and
-    regression (mean squared error)."""
-    _check_task(task)
-    return "accuracy" if task == "classification" else "loss"
-
-
-def eval_metric_torch(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Accuracy (classification) or mean cross-entropy (lm) of one batch, float32 scalar."""
-    _check_task(task)
-    if task == "classification":
-        return (logits.argmax(dim=-1) == targets.long()).float().mean()
-    return loss_torch(task, logits, targets)
-
-
-def eval_metric_jax(task: str, logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Accuracy (classification) or mean cross-entropy (lm) of one batch, float32 scalar."""
-    _check_task(task)
-    if task == "classification":
-        hits = jnp.argmax(logits, axis=-1).astype(jnp.int32) == targets.astype(jnp.int32)
-        return jnp.mean(hits.astype(jnp.float32))
-    return loss_jax(task, logits, targets)

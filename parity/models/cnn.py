@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import transfer
+from parity import layer_entries, transfer
 from parity.data import synthetic_images
 from parity.mapping import WeightMapping
 from parity.models.layers import TorchBatchNorm
@@ -135,11 +135,11 @@ def from_flax(variables, model: TorchCNN, config) -> None:
 def mapping(model: TorchCNN, config) -> WeightMapping:
     entries = []
     for index, name in enumerate(_CONVS):
-        entries += transfer.conv_entries(name, name, getattr(model, name))
+        entries += layer_entries.conv_entries(name, name, getattr(model, name))
         if config["batch_norm"]:
             norm = _NORMS[index]
-            entries += transfer.norm_entries(norm, norm, getattr(model, norm))
-    entries += transfer.linear_entries("fc", "fc", model.fc, input_chw=_feature_chw(config))
+            entries += layer_entries.norm_entries(norm, norm, getattr(model, norm))
+    entries += layer_entries.linear_entries("fc", "fc", model.fc, input_chw=_feature_chw(config))
     return WeightMapping(tuple(entries))
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import torch
 from torch.func import functional_call
 
-from parity import transfer
+from parity import layer_entries, transfer
 from parity.data import synthetic_tokens
 from parity.mapping import WeightMapping
 from parity.models.layers import TorchLSTM
@@ -113,9 +113,9 @@ def from_flax(variables, model: TorchLSTMClassifier, config) -> None:
 
 
 def mapping(model: TorchLSTMClassifier, config) -> WeightMapping:
-    entries = transfer.embedding_entries("embed", "embed", model.embed)
-    entries += transfer.torch_lstm_entries("lstm", "lstm", model.lstm)
-    entries += transfer.linear_entries("head", "head", model.head)
+    entries = layer_entries.embedding_entries("embed", "embed", model.embed)
+    entries += layer_entries.torch_lstm_entries("lstm", "lstm", model.lstm)
+    entries += layer_entries.linear_entries("head", "head", model.head)
     return WeightMapping(tuple(entries))
 
 

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import transfer
+from parity import layer_entries, transfer
 from parity.data import synthetic_images
 from parity.mapping import WeightMapping
 
@@ -74,7 +74,7 @@ def from_flax(variables, model: TorchMLP, config) -> None:
 def mapping(model: TorchMLP, config) -> WeightMapping:
     entries = []
     for name in ("fc1", "fc2", "fc3"):
-        entries += transfer.linear_entries(name, name, getattr(model, name))
+        entries += layer_entries.linear_entries(name, name, getattr(model, name))
     return WeightMapping(tuple(entries))
 
 

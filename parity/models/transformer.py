@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import transfer
+from parity import layer_entries, transfer
 from parity.data import synthetic_tokens
 from parity.mapping import WeightMapping
 from parity.models.layers import TorchLayerNorm
@@ -173,17 +173,17 @@ def from_flax(variables, model: TorchTransformerLM, config) -> None:
 
 
 def mapping(model: TorchTransformerLM, config) -> WeightMapping:
-    entries = transfer.embedding_entries("tok_embed", "tok_embed", model.tok_embed)
-    entries += transfer.embedding_entries("pos_embed", "pos_embed", model.pos_embed)
+    entries = layer_entries.embedding_entries("tok_embed", "tok_embed", model.tok_embed)
+    entries += layer_entries.embedding_entries("pos_embed", "pos_embed", model.pos_embed)
     for index, block in enumerate(model.blocks):
         prefix, flax = f"blocks.{index}", f"blocks_{index}"
-        entries += transfer.norm_entries(f"{prefix}.ln1", f"{flax}/ln1", block.ln1)
-        entries += transfer.attention_entries(f"{prefix}.attn", f"{flax}/attn", block.attn)
-        entries += transfer.norm_entries(f"{prefix}.ln2", f"{flax}/ln2", block.ln2)
-        entries += transfer.linear_entries(f"{prefix}.fc1", f"{flax}/fc1", block.fc1)
-        entries += transfer.linear_entries(f"{prefix}.fc2", f"{flax}/fc2", block.fc2)
-    entries += transfer.norm_entries("ln_f", "ln_f", model.ln_f)
-    entries += transfer.linear_entries("head", "head", model.head)
+        entries += layer_entries.norm_entries(f"{prefix}.ln1", f"{flax}/ln1", block.ln1)
+        entries += layer_entries.attention_entries(f"{prefix}.attn", f"{flax}/attn", block.attn)
+        entries += layer_entries.norm_entries(f"{prefix}.ln2", f"{flax}/ln2", block.ln2)
+        entries += layer_entries.linear_entries(f"{prefix}.fc1", f"{flax}/fc1", block.fc1)
+        entries += layer_entries.linear_entries(f"{prefix}.fc2", f"{flax}/fc2", block.fc2)
+    entries += layer_entries.norm_entries("ln_f", "ln_f", model.ln_f)
+    entries += layer_entries.linear_entries("head", "head", model.head)
     return WeightMapping(tuple(entries))
 
 

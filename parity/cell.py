@@ -1,0 +1,186 @@
+"""One cell of a parity run (a model pair at one precision), and the one writer of its outputs.
+
+`run_cell` is the pipeline every entry point runs: ``python -m parity run`` and ``matrix``,
+`parity.compare_models`, ``benchmarks/bench_parity.py``. In order: the pair (built in, or the
+caller's), the step-0 gate (`parity.step0`: outputs and gradients before any training; a broken
+port is not trained), each framework's training run (`parity.precision.trainers`), then the
+calibration runs (`calibration_runs`: 1-ulp-nudged weights, extra data seeds). It returns run
+records; `write_outputs` merges them into ``results.json`` and writes ``verdicts.json`` and
+``report.md`` from everything the folder holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parity import models
+from parity.calibrate import noise_runs, seed_runs
+from parity.compare import compare_runs
+from parity.config import RunConfig
+from parity.hardware import unsupported_reason
+from parity.precision.trainers import train_framework
+from parity.records import (
+    build_unsupported_record,
+    config_run_key,
+    load_results,
+    merge_runs,
+    write_json_atomic,
+)
+from parity.report import write_report
+from parity.step0 import attach_step0, blocked_records, run_step0
+from parity.verdicts.rows import format_verdicts, overall_status
+
+__all__ = ["NOISE_FRAMEWORKS", "calibration_runs", "run_cell", "write_outputs"]
+
+# --noise: which frameworks get a 1-ulp-nudged calibration run.
+NOISE_FRAMEWORKS = {"none": (), "torch": ("torch",), "jax": ("jax",), "both": ("torch", "jax")}
+
+
+def builtin_pair(config: RunConfig) -> Any:
+    """The built-in pair of ``config.model`` with the run's seed, data and overrides."""
+    return models.get_model_pair(
+        config.model, seed=config.seed, data=config.data, **config.model_overrides
+    )
+
+
+def run_cell(
+    config: RunConfig,
+    frameworks: Sequence[str] = ("torch", "jax"),
+    *,
+    pair: Any = None,
+    stream: Any = None,
+    progress: bool = False,
+    step0_checks: bool = True,
+    echo: bool = True,
+    noise: str = "none",
+    seeds: int = 1,
+    skip_keys: set | frozenset = frozenset(),
+) -> list[dict[str, Any]]:
+    """Runs one cell; returns its run records (main runs, then calibration runs).
+
+    Args:
+      config: the cell's configuration (model, recipe, data, seeds...).
+      frameworks: which frameworks train (``()``: calibration runs only, for a resumed matrix).
+      pair: the model pair (default: the built-in pair of ``config.model``).
+      stream: the batches (default: the pair's data at the run's data seed).
+      progress: report progress.
+      step0_checks: run the step-0 gate first when both frameworks train.
+      echo: print the step-0 outcome to stderr.
+      noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: 1-ulp-nudged calibration runs.
+      seeds: data seeds per framework in all (>= 2: seed statistics).
+      skip_keys: `parity.records.run_key`s already done (calibration runs are not redone).
+    """
+    if pair is None and frameworks:
+        pair = builtin_pair(config)
+    # A cell this hardware cannot run (no GPU; no oneDNN kernel) is recorded, not failed.
+    runs: list[dict[str, Any]] = []
+    for framework in frameworks:
+        model = pair.torch_model if framework == "torch" else config.model
+        reason = unsupported_reason(framework, config.policy, model, config.device)
+        if reason is not None:
+            runs.append(build_unsupported_record(framework, config, reason))
+    frameworks = tuple(fw for fw in frameworks if fw not in {r["framework"] for r in runs})
+    if frameworks:
+        step0 = (
+            run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
+            if step0_checks
+            else None
+        )
+        if step0 is not None and not step0.passed:
+            return runs + blocked_records(config, step0, frameworks)
+        trained = [
+            train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
+        ]
+        runs += attach_step0(trained, step0)
+    return runs + calibration_runs(
+        config,
+        pair,
+        stream=stream,
+        noise=noise,
+        seeds=seeds,
+        progress=progress,
+        skip_keys=skip_keys,
+    )
+
+
+def calibration_runs(
+    config: RunConfig,
+    pair: Any = None,
+    *,
+    stream: Any = None,
+    noise: str = "none",
+    seeds: int = 1,
+    progress: bool = False,
+    skip_keys: set | frozenset = frozenset(),
+) -> list[dict[str, Any]]:
+    """The calibration runs of a cell: 1-ulp-nudged runs (`noise`) and extra data seeds.
+
+    Args:
+      config: the cell's configuration (the main runs').
+      pair: the model pair (default: the built-in pair, built only when a run is missing).
+      stream: the main runs' batches (nudged runs reuse them).
+      noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: which frameworks get a noise run.
+      seeds: data seeds per framework in all (the main run is the first).
+      progress: report progress.
+      skip_keys: `parity.records.run_key`s already done (a resumed matrix).
+
+    Returns:
+      Run records (``variant="noise"`` or another ``data_seed``), for `parity.compare`.
+    """
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be an integer >= 1; got {seeds!r}.")
+    if noise not in NOISE_FRAMEWORKS:
+        raise ValueError(f"--noise must be one of {tuple(NOISE_FRAMEWORKS)}; got {noise!r}.")
+    wanted_noise = tuple(
+        fw for fw in NOISE_FRAMEWORKS[noise] if config_run_key(fw, config, "noise") not in skip_keys
+    )
+    seed_configs = [config.replace(data_seed=config.stream_seed + k) for k in range(1, seeds)]
+    missing_seeds = [
+        c
+        for c in seed_configs
+        if any(config_run_key(fw, c) not in skip_keys for fw in ("torch", "jax"))
+    ]
+    if not wanted_noise and not missing_seeds:
+        return []
+    if pair is None:
+        pair = builtin_pair(config)
+    runs = (
+        noise_runs(config, pair, wanted_noise, stream=stream, progress=progress)
+        if wanted_noise
+        else []
+    )
+    if missing_seeds:
+        runs += seed_runs(config, pair, seeds, progress=progress)
+    return runs
+
+
+def write_outputs(
+    out_dir: str | os.PathLike,
+    runs: list[dict[str, Any]] | None = None,
+    *,
+    skipped_cells: list[dict[str, str]] | None = None,
+    echo: bool = False,
+) -> tuple[str, list[Any], Path]:
+    """Merges `runs` into ``DIR/results.json`` (None: reads it as it is), then writes
+    ``verdicts.json`` and ``report.md`` for every run the folder holds.
+
+    Returns:
+      ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"`` or what
+      `parity.verdicts.rows.overall_status` says when nothing was compared.
+    """
+    out = Path(out_dir)
+    data = merge_runs(out, runs) if runs is not None else load_results(out)
+    verdicts = compare_runs(data["runs"])
+    status = overall_status(verdicts)
+    if echo:
+        print(format_verdicts(verdicts))
+    write_json_atomic(
+        out / "verdicts.json", {"status": status, "verdicts": [v.to_dict() for v in verdicts]}
+    )
+    path = write_report(out, data["runs"], verdicts, skipped_cells=skipped_cells)
+    if echo:
+        print(f"report: {path.resolve()}")
+    return status, verdicts, path

@@ -1,0 +1,225 @@
+"""One training step per framework, built from a precision recipe.
+
+- `jax_train_step` is the README's step ("Mixed precision in four lines"): the gradient function
+  (``jaxamp.value_and_grad``, made by the recipe), ``jaxamp.apply_gradients``,
+  ``jaxamp.amp_info``. `tests/test_parity_steps.py` checks it against the README's code.
+- `torch_train_step` is torch.amp's recipe: autocast forward and loss, ``GradScaler`` scale /
+  unscale / clip / step / update where the recipe has a scaler, else backward / clip / step.
+
+The single-device trainers and the distributed workers call these; a worker only adds process
+groups or sharding around them. The optimizers are built here once for both sides
+(`build_torch_optimizer`, `build_jax_optimizer`) from one `RunConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxamp
+
+__all__ = [
+    "build_jax_optimizer",
+    "build_torch_optimizer",
+    "clip_by_global_norm_torch",
+    "jax_forward",
+    "jax_train_step",
+    "scheduled",
+    "set_learning_rate",
+    "torch_train_step",
+]
+
+
+# -- JAX -----------------------------------------------------------------------------------------
+
+
+def jax_train_step(grad_fn: Callable, tx: optax.GradientTransformation) -> Callable:
+    """The README's train step with `grad_fn` for ``jaxamp.value_and_grad(loss_fn, ...)``.
+
+    Args:
+      grad_fn: the recipe's gradient function (`Recipe.jax_value_and_grad`): called with the
+        params, the batch and ``loss_scale=opt_state``.
+      tx: the recipe's optimizer (`Recipe.jax_optimizer`: ``jaxamp.loss_scaled(...)``).
+
+    Returns:
+      ``train_step(params, opt_state, *batch) -> (params, opt_state, loss, amp_info)``.
+    """
+
+    def train_step(params, opt_state, *batch):
+        loss, grads = grad_fn(params, *batch, loss_scale=opt_state)
+        params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
+        return params, opt_state, loss, jaxamp.amp_info(opt_state)
+
+    return train_step
+
+
+def scheduled(train_step: Callable) -> Callable:
+    """`train_step` (`jax_train_step`'s) with the iteration's learning rate fed in and the loss
+    scale it used logged: ``step(params, opt_state, learning_rate, *batch) -> (params,
+    opt_state, loss, metrics)``, metrics ``{"loss_scale", "skipped"}`` as arrays."""
+
+    def step(params, opt_state, learning_rate, *batch):
+        opt_state = set_learning_rate(opt_state, learning_rate)
+        scale_used = jaxamp.amp_info(opt_state).loss_scale
+        params, opt_state, loss, info = train_step(params, opt_state, *batch)
+        metrics = {"loss_scale": scale_used, "skipped": jnp.logical_not(info.last_step_applied)}
+        return params, opt_state, loss, metrics
+
+    return step
+
+
+def jax_forward(pair: Any, recipe: Any, device: str, *, train: bool, arm: str = "single"):
+    """``forward(params, batch_stats, inputs) -> (logits, new_stats)`` of `pair`'s Flax model at
+    the recipe's precision (the one JAX forward of the harness; the loss stays outside)."""
+
+    def forward(params, batch_stats, inputs):
+        variables = {"params": params}
+        if batch_stats is not None:
+            variables["batch_stats"] = batch_stats
+        return pair.flax_apply(variables, inputs, train=train)
+
+    return recipe.jax_forward(forward, device, arm)
+
+
+class ClipState(NamedTuple):
+    """Stateless."""
+
+
+def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping with torch's exact formula.
+
+    ``torch.nn.utils.clip_grad_norm_`` multiplies by ``min(max_norm / (norm + 1e-6), 1)``;
+    ``optax.clip_by_global_norm`` has no 1e-6, which would move fp32 runs apart by ~1e-6 per step.
+    """
+
+    def init(params):
+        del params
+        return ClipState()
+
+    def update(updates, state, params=None):
+        del params
+        leaves = jax.tree_util.tree_leaves(updates)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+        coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
+        return jax.tree_util.tree_map(lambda x: (x * coef).astype(x.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _sgd(learning_rate, momentum, weight_decay):
+    # torch.optim.SGD's weight_decay is L2 added to the gradient before momentum.
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay),
+        optax.sgd(learning_rate, momentum=momentum),
+    )
+
+
+def build_jax_optimizer(config: Any, axis_name: str | None = None) -> optax.GradientTransformation:
+    """The optax twin of `build_torch_optimizer`, clipped, wrapped by the recipe
+    (``jaxamp.loss_scaled``; `axis_name` for a step inside ``shard_map``).
+
+    The learning rate is injected (``optax.inject_hyperparams``) so the host-computed rate of
+    each iteration is fed in; the other hyperparameters stay static Python floats (as float32
+    arrays they would promote bf16-true optimizer state to float32).
+    """
+    if config.optimizer == "adamw":
+        inner = optax.inject_hyperparams(
+            optax.adamw,
+            static_args=("b1", "b2", "eps", "weight_decay"),
+            hyperparam_dtype=jnp.float32,
+        )(
+            learning_rate=config.lr,
+            b1=config.betas[0],
+            b2=config.betas[1],
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+    else:
+        inner = optax.inject_hyperparams(
+            _sgd, static_args=("momentum", "weight_decay"), hyperparam_dtype=jnp.float32
+        )(learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.clip_norm is not None:
+        inner = optax.chain(clip_by_global_norm_torch(config.clip_norm), inner)
+    return config.recipe.jax_optimizer(inner, config, axis_name)
+
+
+def _is_inject_state(x) -> bool:
+    return isinstance(x, optax.InjectStatefulHyperparamsState | optax.InjectHyperparamsState)
+
+
+def set_learning_rate(opt_state, learning_rate):
+    """`opt_state` with the injected learning rate replaced (in-graph; no retrace)."""
+
+    def replace(x):
+        if _is_inject_state(x):
+            hyper = dict(x.hyperparams)
+            hyper["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
+            return x._replace(hyperparams=hyper)
+        return x
+
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_inject_state)
+
+
+# -- torch ---------------------------------------------------------------------------------------
+
+
+def build_torch_optimizer(config: Any, params) -> Any:
+    """AdamW or momentum SGD with the run's hyperparameters (foreach off: one code path)."""
+    import torch  # torch: optional for JAX users (the JAX trainer never imports it)
+
+    params = list(params)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+    return torch.optim.SGD(
+        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def torch_train_step(
+    config: Any, forward_loss: Callable, optimizer: Any, scaler: Any, params: list
+) -> Callable:
+    """torch.amp's step: ``step(index, *batch) -> loss``.
+
+    Args:
+      config: the run (learning rate schedule, clipping).
+      forward_loss: ``forward_loss(*batch) -> loss``, run inside the recipe's autocast.
+      optimizer: `build_torch_optimizer`'s optimizer.
+      scaler: the recipe's ``GradScaler`` (`Recipe.torch_grad_scaler`) or None.
+      params: the parameters clipped (``clip_grad_norm_`` after ``unscale_``).
+    """
+    import torch  # torch: optional for JAX users (the JAX trainer never imports it)
+
+    def clip():
+        if config.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+
+    def step(index, *batch):
+        # The rate of every iteration (what LambdaLR does, without its warning when GradScaler
+        # skips step 0).
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(index)
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_loss(*batch)
+        if scaler is None:
+            loss.backward()
+            clip()
+            optimizer.step()
+            return loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # clip the true gradients
+        clip()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    return step

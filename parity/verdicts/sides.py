@@ -1,0 +1,211 @@
+"""Step 0's two sides: what torch and JAX compute on one batch from the same weights.
+
+`torch_side` and `jax_side` run the model at the run's precision exactly as the trainers do (the
+recipe converts the model, casts, wraps the forward pass) and return a `Side`: eval-mode and
+train-mode logits, the loss, the gradients in the Flax layout (`torch_grads_to_flax`) and the
+running statistics a train-mode pass leaves behind. `parity.step0` judges them;
+`parity.diagnose` reuses them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from parity.config import RunConfig
+from parity.dtype_trace import jax_matmul_flops, torch_matmul_flops
+from parity.losses import loss_jax, loss_torch
+from parity.precision.steps import jax_forward
+
+__all__ = [
+    "Side",
+    "as_config",
+    "flatten",
+    "jax_device",
+    "jax_side",
+    "model_off_host",
+    "pair_mapping",
+    "torch_device",
+    "torch_grads_to_flax",
+    "torch_setup",
+    "torch_side",
+]
+
+
+@dataclasses.dataclass
+class Side:
+    """One framework's step-0 numbers (`torch_side`, `jax_side`)."""
+
+    eval_logits: np.ndarray
+    train_logits: np.ndarray
+    loss: float
+    grads: dict[str, np.ndarray]  # "/"-joined Flax param path -> gradient (Flax layout)
+    stats: dict[str, np.ndarray]  # "/"-joined Flax batch_stats path -> value after train forward
+    flops: dict[str, int] | None = None
+
+
+def flatten(tree: Any) -> dict[str, np.ndarray]:
+    """``{"a/b/c": float32 numpy}`` for a nested dict of arrays."""
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        out[key] = np.asarray(leaf).astype(np.float32)  # host-side: no device op per leaf
+    return out
+
+
+def pair_mapping(pair: Any) -> Any:
+    """The pair's `WeightMapping`, or None when it has none that maps gradients."""
+    mapping = getattr(pair, "mapping", None)
+    return mapping if mapping is not None and hasattr(mapping, "grads_to_flax") else None
+
+
+def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The gradients of ``model`` (after ``backward``) in the Flax layout, flattened by path.
+
+    With the pair's `WeightMapping` this is ``mapping.grads_to_flax``; without one, the pair's
+    weight transfer is applied to a copy of the model whose parameters hold their gradients
+    (layout transforms are linear, so they carry gradients like weights).
+    """
+    named = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+        for name, p in model.named_parameters()
+    }
+    mapping = pair_mapping(pair)
+    if mapping is not None:
+        tree = mapping.grads_to_flax(named)
+        tree = tree.get("params", tree) if isinstance(tree, dict) else tree
+        return flatten(tree)
+    holder = copy.deepcopy(model).float().cpu()
+    with torch.no_grad():
+        for name, p in holder.named_parameters():
+            p.copy_(named[name])
+    return flatten(pair.to_flax(holder)["params"])
+
+
+def torch_device(config: RunConfig) -> str:
+    """torch's device type for the run (``"cuda"`` for ``device="gpu"``)."""
+    return "cuda" if config.device == "gpu" else "cpu"
+
+
+def jax_device(config: RunConfig) -> Any:
+    """The JAX device of the run (``"gpu"``: the first GPU, else the first CPU)."""
+    return jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
+
+
+def torch_setup(pair: Any, inputs: Any, config: RunConfig):
+    """``(model copy, input tensor)`` as `parity.train_torch` sets them up: the recipe converts
+    the model (bf16-true: ``model.to(torch.bfloat16)``) and casts floating inputs."""
+    recipe = config.recipe
+    device = torch_device(config)
+    model, _ = recipe.torch_convert(copy.deepcopy(pair.torch_model).float().to(device), device)
+    x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
+    low = recipe.torch_input_dtype()
+    if low is not None and x.is_floating_point():
+        x = x.to(low)
+    return model, x
+
+
+def model_off_host(model: torch.nn.Module) -> bool:
+    """Whether the transfer needs a float32 CPU copy (low-precision params, or a CUDA model)."""
+    first = next(model.parameters(), None)
+    return first is not None and (first.dtype != torch.float32 or first.device.type != "cpu")
+
+
+def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
+    """Torch's step-0 numbers at the run's precision (eval and train logits, loss, gradients of
+    ``loss * loss_scale`` divided back, running statistics; matmul FLOPs by dtype)."""
+    model, x = torch_setup(pair, inputs, config)
+    y = torch.from_numpy(np.ascontiguousarray(targets)).to(x.device)
+    recipe = config.recipe
+    device_type = torch_device(config)
+
+    with torch.no_grad(), recipe.torch_autocast(device_type):
+        eval_logits = pair.torch_forward(model, x, train=False).float().cpu().numpy().copy()
+    out: dict[str, Any] = {}
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        with recipe.torch_autocast(device_type):
+            logits = pair.torch_forward(model, x, train=True)
+            loss = loss_torch(pair.task, logits, y)
+        (loss * loss_scale).backward()
+        out["logits"], out["loss"] = logits.detach().float().cpu().numpy().copy(), loss.item()
+
+    flops = torch_matmul_flops(train_step) if trace_flops else (train_step() or None)
+    if loss_scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(loss_scale)
+    # The transfer reads float32 weights (a bf16-true model is copied up first).
+    stats_model = copy.deepcopy(model).float().cpu() if model_off_host(model) else model
+    stats = flatten(pair.to_flax(stats_model).get("batch_stats", {}))
+    return Side(
+        eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
+    )
+
+
+def jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops) -> Side:
+    """JAX's step-0 numbers at the run's precision, from the same forward pass the trainer runs
+    (`parity.precision.steps.jax_forward`) and the recipe's casts."""
+    recipe = config.recipe
+    forward_train = jax_forward(pair, recipe, config.device, train=True)
+    forward_eval = jax_forward(pair, recipe, config.device, train=False)
+
+    def train_grads(params, batch_stats, x, y):
+        # bf16-true: params, statistics and inputs in low precision (else unchanged)
+        params, batch_stats, x = recipe.jax_cast((params, batch_stats, x))
+
+        def loss_fn(params):
+            logits, new_stats = forward_train(params, batch_stats, x)
+            loss = loss_jax(pair.task, logits.astype(jnp.float32), y)
+            return loss * jnp.float32(loss_scale), (loss, logits, new_stats)
+
+        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
+        return grads, aux, (params, batch_stats, x)
+
+    def run(params, batch_stats, x, y):
+        grads, (loss, logits, new_stats), (params, batch_stats, x) = train_grads(
+            params, batch_stats, x, y
+        )
+        eval_logits, _ = forward_eval(params, batch_stats, x)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / jnp.float32(loss_scale), grads)
+        as32 = functools.partial(jax.tree.map, lambda v: v.astype(jnp.float32))
+        return as32(eval_logits), loss, as32(logits), as32(new_stats), grads
+
+    args = (
+        variables["params"],
+        variables.get("batch_stats"),
+        np.asarray(inputs),
+        np.asarray(targets),
+    )
+    with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
+        eval_logits, loss, logits, new_stats, grads = jax.device_get(jax.jit(run)(*args))
+        flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args)) if trace_flops else None
+    return Side(
+        np.asarray(eval_logits),
+        np.asarray(logits),
+        float(loss),
+        flatten(grads),
+        flatten(new_stats if new_stats is not None else {}),
+        flops,
+    )
+
+
+def as_config(pair: Any, precision_or_config: Any) -> RunConfig:
+    """A `RunConfig` (returned as is) or a precision name (the pair's default run at it)."""
+    if isinstance(precision_or_config, RunConfig):
+        return precision_or_config
+    if isinstance(precision_or_config, str):
+        return RunConfig(model=pair.name, precision=precision_or_config)
+    raise TypeError(
+        "check_step0: `config` must be a RunConfig or a precision string (e.g. 'bf16-mixed'); "
+        f"got {type(precision_or_config).__name__}."
+    )
