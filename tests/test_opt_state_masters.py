@@ -328,3 +328,43 @@ def test_presets_give_bf16_true_and_the_wrapper(name, state_type):
     assert isinstance(tx.init(params), state_type)
     with pytest.raises(ValueError, match=r"name='bf16-true-sd'.*did you mean 'bf16-true-sr'"):
         optim_precision.preset("bf16-true-sd", optax.adamw(1e-4))
+
+
+@pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
+def test_apply_gradients_lands_on_the_same_parameters_as_update(wrapper):
+    """`jaxamp.apply_gradients` (the update inside loss_scaled's decision) gives the parameters
+    `update` + `optax.apply_updates` give: the bf16 update `new_p - p` lands exactly."""
+    tx = jaxamp.loss_scaled(getattr(jaxamp, wrapper)(optax.adamw(1e-4, weight_decay=0.1)))
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 32)).astype(jnp.bfloat16)}
+    grads = {"w": jax.random.normal(jax.random.key(1), (32, 32)).astype(jnp.bfloat16) * 65536}
+    state = tx.init(params)
+    via_update, _ = jax.jit(tx.update)(grads, state, params)
+    via_update = optax.apply_updates(params, via_update)
+    via_apply, _ = jax.jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p))(
+        grads, state, params
+    )
+    np.testing.assert_array_equal(np.asarray(via_apply["w"]), np.asarray(via_update["w"]))
+    assert bool((via_apply["w"] != params["w"]).any())
+
+
+def test_applied_parameters_are_a_neighbour_of_the_float32_result():
+    """`optax.apply_updates` with the returned bf16 updates lands on one of the two bf16 values
+    around p + u (u: the float32 AdamW update) for stochastic rounding, and on the nearest for
+    Kahan's first step (compensation 0): what the wrappers round is what the parameters get."""
+    inner = optax.adamw(1e-4, weight_decay=0.1)
+    params = {"w": jax.random.normal(jax.random.key(0), (4096,)).astype(jnp.bfloat16)}
+    grads = {"w": jax.random.normal(jax.random.key(1), (4096,)).astype(jnp.bfloat16)}
+    p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    u32, _ = inner.update(
+        jax.tree.map(lambda g: g.astype(jnp.float32), grads), inner.init(p32), p32
+    )
+    target = np.asarray(p32["w"] + u32["w"], np.float32)
+    lo, hi, _ = _neighbours_array(target, jnp.bfloat16)
+    for wrapper in (jaxamp.stochastic_rounding(inner), jaxamp.kahan_summation(inner)):
+        updates, _ = jax.jit(wrapper.update)(grads, wrapper.init(params), params)
+        got = np.asarray(optax.apply_updates(params, updates)["w"].astype(jnp.float32))
+        if isinstance(wrapper.init(params), jaxamp.StochasticRoundingState):
+            assert ((got == lo) | (got == hi)).all()
+            assert 0 < (got == hi).mean() < 1  # both neighbours occur
+        else:
+            np.testing.assert_array_equal(got, target.astype(jnp.bfloat16).astype(np.float32))
