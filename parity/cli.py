@@ -27,7 +27,7 @@ from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
 from parity.hardware import unsupported_reason
 from parity.matmul import add_matmul_parser, main_matmul
 from parity.measure import set_threads
-from parity.models import MODEL_NAMES
+from parity.models import MODEL_NAMES, calibration_prescribed
 from parity.precision.recipes import get_recipe, precision_names, resolve_precision
 from parity.progress import progress as progress_lines
 from parity.records import config_run_key, load_results, merge_runs, run_key
@@ -133,18 +133,28 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         help="fp16: init scale 2**20 and growth interval 5, so the run has skips and growths "
         "(the matrix always uses it)",
     )
+    # The matrix's default is each model's prescription (parity.models.calibration_prescribed).
     parser.add_argument(
         "--noise",
         choices=("none", "torch", "jax", "both"),
-        default="none",
-        help="calibration runs from 1-ulp-nudged weights (noise-calibrated verdicts; default none)",
+        default=None if matrix else "none",
+        help="calibration runs from 1-ulp-nudged weights (noise-calibrated verdicts; "
+        + (
+            "default: the model's prescription, resnet torch, others none)"
+            if matrix
+            else "default none)"
+        ),
     )
     parser.add_argument(
         "--seeds",
         type=int,
-        default=1,
+        default=None if matrix else 1,
         help="data seeds per framework, same initial weights; >= 2 judges final loss and eval "
-        "by Welch's t-test (default 1)",
+        + (
+            "by Welch's t-test (default: the model's prescription, resnet 3, others 1)"
+            if matrix
+            else "by Welch's t-test (default 1)"
+        ),
     )
     parser.add_argument(
         "--no-step0",
@@ -346,6 +356,9 @@ def _cmd_matrix(args) -> int:
         iterator = progress_lines(cells, "matrix", unit="cell", leave=True)
     for model, precision in iterator:
         config = _config_from_args(args, model, precision, matrix_plan(precision))
+        prescribed = calibration_prescribed(model)  # the README's per-model calibration
+        options["noise"] = prescribed["noise"] if args.noise is None else args.noise
+        options["seeds"] = prescribed["seeds"] if args.seeds is None else args.seeds
         keys = {fw: config_run_key(fw, config) for fw in ("torch", "jax")}
         # Cells finished in an earlier (possibly interrupted) invocation are not run again.
         todo = tuple(

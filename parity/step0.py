@@ -272,10 +272,14 @@ def _compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
     return rows
 
 
+_DOWNSTREAM = (
+    "after a flipped code: codes within 1 fp8 step of the row's largest, scales within 1 step"
+)
 _FP8_TOLERANCES = {
-    "weight": "scales and codes equal",
-    "input": "scales within 8 float32 eps, codes within 1 fp8 step",
-    "grad_output": "scales within 8 float32 eps, codes within 1 fp8 step of the row's largest",
+    "weight": "quantizer exact; scales and codes equal",
+    "input": f"quantizer exact; scales within 8 float32 eps, codes within 1 fp8 step ({_DOWNSTREAM})",
+    "grad_output": "quantizer exact; scales within 8 float32 eps, codes within 1 fp8 step of the "
+    f"row's largest ({_DOWNSTREAM})",
 }
 
 
@@ -316,16 +320,20 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | N
         rel = max(r["scale_max_rel_diff"] for r in group)
         differing = sum(r["codes_differing"] for r in group)
         total = sum(r["codes"] for r in group)
+        downstream = [r["torch_module"] for r in group if r["downstream_of_flip"]]
         detail = (
             f"{len(group)} layers ({', '.join(r['torch_module'] for r in group)}); "
             f"scales max rel diff {rel:.3g}; {differing}/{total} codes differ, "
             f"by at most {steps} fp8 steps"
+            + (f"; after a flipped code: {', '.join(downstream)}" if downstream else "")
         )
         if failed:
             detail = (
                 "failing layers: "
                 + ", ".join(
-                    f"{r['torch_module']} (scale rel diff {r['scale_max_rel_diff']:.3g}, "
+                    f"{r['torch_module']} ("
+                    + ("" if r["quantizer_exact"] else "quantizer not exact on torch's tensor, ")
+                    + f"scale rel diff {r['scale_max_rel_diff']:.3g}, "
                     f"{r['codes_differing']}/{r['codes']} codes differ"
                     + (f", {r['detail']}" if r.get("detail") else "")
                     + ")"

@@ -41,6 +41,8 @@ def _batch(pair):
         ("mlp", "fp8-rowwise-gw-hp"),
         ("transformer", "fp8-tensorwise"),
         ("transformer", "fp8-rowwise-gw-hp"),
+        ("cnn", "fp8-tensorwise"),  # the fc's input features are permuted (NCHW vs NHWC flatten)
+        ("mlp_nnx", "fp8-tensorwise"),  # flax.nnx pushes no name scope: layers found by weight
     ],
 )
 def test_step0_scales_and_fp8_codes_match_torchao(model, precision):
@@ -49,18 +51,57 @@ def test_step0_scales_and_fp8_codes_match_torchao(model, precision):
     rows = pf.step0_fp8(pair, precision, x, y)
     failed = [r for r in rows if not r["passed"]]
     assert not failed, failed
+    # the quantizer itself is exact on identical tensors, every layer and tensor
+    assert all(r["quantizer_exact"] for r in rows)
     # every converted layer was compared, input, weight and gradient each
     torch_layers = {r["torch_module"] for r in rows}
     assert len(rows) == 3 * len(torch_layers)
-    want = {"mlp": {"fc1", "fc2", "fc3"}, "transformer": None}[model]
+    want = {
+        "mlp": {"fc1", "fc2", "fc3"},
+        "mlp_nnx": {"fc1", "fc2", "fc3"},
+        "cnn": {"fc"},
+        "transformer": None,
+    }[model]
     if want:
         assert torch_layers == want
     else:  # attention stays out on both sides (MultiheadAttention never calls out_proj.forward)
         assert all("attn" not in name for name in torch_layers) and "head" in torch_layers
     weights = [r for r in rows if r["tensor"] == "weight"]
     assert all(r["scales_equal"] and r["codes_differing"] == 0 for r in weights)
-    if model == "mlp":  # no float32 reordering upstream of a Linear's input that matters here
+    if model in ("mlp", "mlp_nnx", "cnn"):  # no float32 reordering that matters upstream here
         assert all(r["max_code_steps"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_step0_transformer_at_the_matrix_batch_judges_flips_downstream():
+    # Batch 16 (the matrix's): a one-step flip at a rounding boundary in blocks.0.fc2's input
+    # moves later layers' values near zero by tens of fp8 steps; those tensors are judged as
+    # downstream of a flip, the quantizer stays exact on every tensor, and the first layer and
+    # every weight stay exact.
+    pair = get_model_pair("transformer", seed=0)
+    x, y = pair.make_data(0, 16).batch(0)
+    rows = pf.step0_fp8(pair, "fp8-tensorwise", x, y)
+    assert all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+    assert all(r["quantizer_exact"] for r in rows)
+    first = [r for r in rows if r["torch_module"] == "blocks.0.fc1" and r["tensor"] == "input"]
+    assert first[0]["codes_differing"] == 0 and not first[0]["downstream_of_flip"]
+    assert all(r["codes_differing"] == 0 for r in rows if r["tensor"] == "weight")
+    assert any(r["downstream_of_flip"] and r["max_code_steps"] > 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_step0_catches_misaligned_features(monkeypatch):
+    # Without the mapping's feature order the cnn's fc codes are compared in two orders: fails.
+    pair = get_model_pair("cnn", seed=0)
+    x, y = _batch(pair)
+    monkeypatch.setattr(
+        pf,
+        "_feature_orders",
+        lambda pair, module, shape: (np.arange(shape[0]), np.arange(shape[1])),
+    )
+    rows = pf.step0_fp8(pair, "fp8-tensorwise", x, y)
+    weight = [r for r in rows if r["tensor"] == "weight"]
+    assert weight and not any(r["passed"] for r in weight)
 
 
 @pytest.mark.slow

@@ -149,6 +149,26 @@ def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
     assert (out / "report.md").exists()
 
 
+def test_matrix_applies_each_models_prescribed_calibration(tmp_path, monkeypatch):
+    from parity.models import calibration_prescribed
+
+    asked = []
+
+    def fake_run_cell(config, frameworks, *, noise, seeds, **kwargs):
+        asked.append((config.model, noise, seeds))
+        return []
+
+    monkeypatch.setattr(cell, "run_cell", fake_run_cell)
+    monkeypatch.setattr(cell, "write_outputs", lambda out, runs=None, **kw: ("PASS", [], None))
+    args = ["matrix", "--out", str(tmp_path), "--models", "mlp", "resnet", "--precisions", "fp32"]
+    assert cli.main(args + ["--no-progress"]) == 0
+    assert asked == [("mlp", "none", 1), ("resnet", "torch", 3)]
+    assert calibration_prescribed("resnet") == {"noise": "torch", "seeds": 3}
+    asked.clear()  # an explicit option wins over the prescription
+    assert cli.main(args + ["--no-progress", "--noise", "none", "--seeds", "1"]) == 0
+    assert asked == [("mlp", "none", 1), ("resnet", "none", 1)]
+
+
 def test_results_are_written_atomically(tmp_path):
     merge_runs(tmp_path, [_fake_run("torch")])
     before = (tmp_path / "results.json").read_text()

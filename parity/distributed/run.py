@@ -33,6 +33,7 @@ from parity.distributed.procs import WorkerGroup, free_port
 from parity.hardware import UnsupportedHere
 from parity.models import get_model_pair
 from parity.records import build_run_record, write_json_atomic
+from parity.step0 import run_step0
 from parity.verdicts.rows import Verdict, format_verdicts, overall_status
 
 __all__ = [
@@ -227,6 +228,7 @@ def run_distributed(
     *,
     frameworks: tuple[str, ...] = ("torch", "jax"),
     pair_factory: str | None = None,
+    step0_checks: bool = True,
 ) -> DistributedResult:
     """Runs the torch side and every JAX mode of `plan` on `config`; returns verdicts.
 
@@ -239,6 +241,8 @@ def run_distributed(
       frameworks: ``("torch", "jax")`` or one of them.
       pair_factory: ``"package.module:function"`` returning a `parity.models.ModelPair` (called
         with ``seed=`` in every worker): a user's own pair. Default: ``config.model`` built in.
+      step0_checks: the step-0 gate of every cell (`parity.step0.run_step0`) before any worker
+        starts: a port that fails it is not trained (its verdicts are the result).
 
     Returns:
       A `DistributedResult`.
@@ -285,6 +289,12 @@ def run_distributed(
             "JAX's jit synchronises them over the global batch)."
         )
     stream = pair.make_data(config.stream_seed, config.batch_size)
+    # The gate of every cell (parity.cell.run_cell runs the same): a broken port is not trained.
+    step0 = run_step0(config, pair, stream, frameworks=frameworks) if step0_checks else None
+    if step0 is not None and not step0.passed:
+        result = DistributedResult(config, plan, {}, [], step0.verdicts, "FAIL")
+        write_json_atomic(work / "distributed.json", result.to_dict())
+        return result
     base = {
         "config": config.to_dict(),
         "strategy": plan.strategy,
@@ -539,7 +549,9 @@ def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
         jax_platform="gpu" if config.device == "gpu" else "cpu",
     )
     try:
-        result = run_distributed(config, plan, args.out, frameworks=frameworks)
+        result = run_distributed(
+            config, plan, args.out, frameworks=frameworks, step0_checks=not args.no_step0
+        )
     except UnsupportedHere as e:
         print(f"error: unsupported here: {e.reason}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
 __all__ = [
     "MODEL_NAMES",
     "ModelPair",
+    "calibration_prescribed",
     "get_model_pair",
 ]
 
@@ -47,6 +48,8 @@ class _Spec:
     task: str
     defaults: dict[str, Any]
     torch_channels_first: bool  # torch model takes NCHW images
+    # What the README prescribes for the model's verdicts (`calibration_prescribed`).
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _SPECS: dict[str, _Spec] = {
@@ -56,9 +59,28 @@ _SPECS: dict[str, _Spec] = {
     "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True),
     "lstm": _Spec(lstm, "classification", lstm.DEFAULTS, False),
     "transformer": _Spec(transformer, "lm", transformer.DEFAULTS, False),
-    "resnet": _Spec(resnet, "classification", resnet.DEFAULTS, True),
+    # chaotic (BatchNorm, AdamW): the README's calibrated verdicts, `--noise torch --seeds 3`
+    "resnet": _Spec(
+        resnet, "classification", resnet.DEFAULTS, True, {"noise": "torch", "seeds": 3}
+    ),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+def calibration_prescribed(name: str) -> dict[str, Any]:
+    """The calibration runs the README prescribes for model `name`: ``{"noise", "seeds"}``.
+
+    ``{"noise": "none", "seeds": 1}`` for models judged by the fixed bands; ``resnet`` (chaotic)
+    gets a noise run of torch and three data seeds. The matrix applies it to every cell of the
+    model unless ``--noise`` / ``--seeds`` say otherwise.
+
+    Example:
+      >>> calibration_prescribed("resnet")
+      {'noise': 'torch', 'seeds': 3}
+    """
+    if name not in _SPECS:
+        raise ValueError(f"Unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}.")
+    return {"noise": "none", "seeds": 1, **_SPECS[name].calibration}
 
 
 @dataclasses.dataclass
