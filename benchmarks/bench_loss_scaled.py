@@ -6,6 +6,8 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``plain``: `optax.adamw` on unscaled gradients (no loss scaling at all);
 * ``loss_scaled``: `jaxamp.loss_scaled(optax.adamw)` with a dynamic loss scale, stepped with
   `jaxamp.apply_gradients` (the parameter update inside the skip decision);
+* ``loss_scaled_in_place``: the same with ``loss_scaled(..., in_place=True)``, the form meant
+  for steps that donate params and state (timed both ways all the same);
 * ``loss_scaled_update``: the same optimizer stepped optax-style, ``tx.update`` then
   `jaxamp.apply_updates` (the updates are written out and read back);
 * ``naive``: a hand-written wrapper that unscales in a separate pass, checks finiteness in a
@@ -137,7 +139,15 @@ def _problem(name: str, batch_size: int):
     return params, x, y, loss_fn
 
 
-VARIANTS = ("plain", "loss_scaled", "loss_scaled_update", "naive", "flax", "jmp")
+VARIANTS = (
+    "plain",
+    "loss_scaled",
+    "loss_scaled_in_place",
+    "loss_scaled_update",
+    "naive",
+    "flax",
+    "jmp",
+)
 DIAGNOSTICS = ("order_floor",)
 
 
@@ -164,8 +174,8 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
 
         return base.init, jit(step)
 
-    if variant == "loss_scaled":
-        tx = jaxamp.loss_scaled(base)
+    if variant in ("loss_scaled", "loss_scaled_in_place"):
+        tx = jaxamp.loss_scaled(base, in_place=variant == "loss_scaled_in_place")
 
         def step(params, opt_state, x, y):  # the README's train_step
             loss, grads = jaxamp.value_and_grad(compute_loss)(params, x, y, loss_scale=opt_state)

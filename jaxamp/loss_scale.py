@@ -39,8 +39,6 @@ __all__ = [
     "PRESET_NAMES",
 ]
 
-_scale_tree = scale_tree  # until jaxamp.grad imports scale_tree from _numerics (issue 23)
-
 
 @runtime_checkable
 class LossScale(Protocol):

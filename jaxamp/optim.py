@@ -28,6 +28,7 @@ from jaxamp._numerics import (
     unscale_tree,
 )
 from jaxamp.loss_scale import PRESET_NAMES, DynamicLossScale, LossScale, NoOpLossScale
+from jaxamp.policy import Policy, check_param_dtypes, get_policy
 
 __all__ = [
     "AmpInfo",
@@ -207,6 +208,7 @@ def loss_scaled(
     max_consecutive_skips: int | None = None,
     on_max_skips: OnMaxSkips = "warn",
     param_labels: Any = None,
+    in_place: bool = False,
 ) -> LossScaledTransformation:
     """Wraps an optax optimizer for loss-scaled gradients, as `torch.amp.GradScaler` does.
 
@@ -264,6 +266,13 @@ def loss_scaled(
       param_labels: a pytree of group labels shaped like the parameters, or a function of the
         parameters returning one (as `optax.multi_transform`): switches on a skip decision
         per group under one shared loss scale.
+      in_place: True where the jitted step donates the parameters and the optimizer state
+        (``jax.jit(step, donate_argnums=...)``): XLA then updates them in place and a step
+        costs what an unscaled step costs plus the check. False (the default, for steps that
+        do not donate, as the README's) keeps every buffer copy out of applied steps. A wrong
+        setting costs speed, never values (both forms compute the same bits): ``in_place=True``
+        without donation copies every parameter and state buffer on every step; False with
+        donation copies about as many as Flax's and jmp's selects do.
 
     Returns:
       A `GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -305,6 +314,11 @@ def loss_scaled(
         )
     if on_max_skips not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_max_skips must be 'warn', 'raise' or 'ignore'; got {on_max_skips!r}.")
+    if not isinstance(in_place, (bool, np.bool_)):
+        raise TypeError(
+            f"loss_scaled(in_place=...) takes a bool (True where the step donates params and "
+            f"optimizer state); got {type(in_place).__name__} {in_place!r}."
+        )
     scaler = _LossScaler(
         inner=optax.with_extra_args_support(inner),
         initial_loss_scale=_as_loss_scale(loss_scale),
@@ -314,6 +328,7 @@ def loss_scaled(
         ),
         on_max_skips=on_max_skips,
         param_labels=param_labels,
+        in_place=bool(in_place),
     )
     return LossScaledTransformation(scaler.init, scaler.update)
 
@@ -333,6 +348,7 @@ class _LossScaler:
     max_consecutive_skips: int | None
     on_max_skips: OnMaxSkips
     param_labels: Any
+    in_place: bool = False
 
     def init(self, params: Any) -> LossScaledState:
         inner_state = self.inner.init(params)
@@ -410,6 +426,7 @@ class _LossScaler:
             extra_args,
             noop=unscale is None,
             apply=apply,
+            in_place=self.in_place,
         )
         return out, inner_state, grads_finite, None
 
@@ -465,7 +482,7 @@ def _branch_syncs_host() -> bool:
 
 
 def _skip_if_not(
-    applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop, apply
+    applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop, apply, in_place
 ):
     """Runs `inner.update` on the unscaled gradients where `applied`, else the identity.
 
@@ -474,13 +491,18 @@ def _skip_if_not(
     itself (bit for bit) and an applied one fuses ``params + updates`` into the update.
 
     Eagerly (a concrete decision) the step runs op by op, exactly as an unwrapped eager step.
-    Under `jit` a loss-scaled step branches (`lax.cond`): on CPU the inner update then fuses as
-    in an unwrapped step and the donated state is updated in place (4 buffer copies in the
-    benchmark MLP's program, as without scaling), where a select reads the old state twice and
-    makes XLA copy every state buffer (21). Without scaling (`noop`) a select keeps finite
-    steps bit-identical to an unwrapped jitted step (same fusion, no branch). Either form
-    computes the same values. `applied_step` and `skipped_step` are the two branches: what a
-    skipped step computes (nothing, today) goes into `skipped_step`.
+    Under `jit`, a select (the default): the new values where `applied`, the old ones kept bit
+    for bit elsewhere. Without donation its outputs are fresh buffers, as an unscaled step's
+    are (6 scalar copies in the benchmark MLP's program, none of a parameter or state buffer).
+    With `in_place` (the step donates params and state) a branch (`lax.cond`) on CPU: the
+    skipped branch passes the donated buffers through, so the applied one updates them in
+    place (11 copies, against 27 for the select and 19-20 for Flax's and jmp's selects); but a
+    branch output that may be an argument makes XLA copy every parameter and state buffer on
+    every step when they are not donated (31 copies). Without scaling (`noop`) a select keeps
+    finite steps bit-identical to an unwrapped jitted step. Every form computes the same
+    values. `applied_step` and `skipped_step` say what each decision computes: a diagnostic
+    only a skipped step needs goes into `skipped_step` (eagerly) and into a `lax.cond` on
+    `applied` with small outputs (under `jit`), which costs nothing on applied steps.
     """
 
     def applied_step(inner_state, params):
@@ -497,17 +519,14 @@ def _skip_if_not(
         out_shapes = jax.eval_shape(applied_step, inner_state, params)[0]
         return skipped_step(inner_state, params, out_shapes)
 
-    # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step),
-    # so there the select is the cheaper form.
     def select():
         out, new_inner_state = applied_step(inner_state, params)
         out = select_tree(applied, out, params) if apply else skip_updates(applied, out)
         return out, select_tree(applied, new_inner_state, inner_state)
 
-    if noop or _branch_syncs_host():
+    # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step).
+    if noop or not in_place or _branch_syncs_host():
         return select()
-    # A branch, not a select: the inner update fuses as in an unwrapped step, and the old
-    # state is not read a second time (a select makes XLA copy every donated state buffer).
     out_shapes, state_shapes = jax.eval_shape(applied_step, inner_state, params)
     if _dtypes(state_shapes) != _dtypes(inner_state):
         # `inner` changes its state's dtypes (optax's Adam on float32 gradients of float16
@@ -604,7 +623,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
 
 
 def apply_gradients(
-    tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+    tx: Any, grads: Any, opt_state: Any, params: Any, *, policy: Any = None, **extra_args: Any
 ) -> tuple[Any, Any]:
     """One optimizer step of a loss-scaled optimizer: ``tx.update`` then `apply_updates`, as
     one decision.
@@ -624,6 +643,10 @@ def apply_gradients(
       grads: the gradients of the scaled loss (as `jaxamp.value_and_grad` returns them).
       opt_state: `tx`'s state.
       params: the parameters the gradients were computed for.
+      policy: the step's `jaxamp.Policy` (or a name), as given to `jaxamp.value_and_grad`:
+        parameters narrower than its param dtype are refused (float16 master weights under
+        "fp16-mixed": small updates vanish in float16, and torch refuses to unscale float16
+        gradients). None checks nothing (pure float16 training, "fp16-true", is legitimate).
       **extra_args: extra arguments for ``tx.update`` (e.g. ``value=`` for line searches).
 
     Returns:
@@ -631,7 +654,8 @@ def apply_gradients(
 
     Raises:
       TypeError: `tx` is not an optax transformation, or holds no loss scaling (a plain
-        optimizer would apply the gradients still scaled: wrap it in `jaxamp.loss_scaled`).
+        optimizer would apply the gradients still scaled: wrap it in `jaxamp.loss_scaled`);
+        a parameter is narrower than `policy`'s param dtype.
       ValueError: `params` is None, or the loss-scaled optimizer is not the outermost
         transformation (e.g. ``optax.chain(clip, loss_scaled(sgd))``: the clip would see
         scaled gradients; put the chain inside: ``loss_scaled(optax.chain(clip, sgd))``).
@@ -658,6 +682,8 @@ def apply_gradients(
             "apply_gradients(params=None): the parameters are needed to apply the update; "
             "pass the parameters the gradients were computed for."
         )
+    if policy is not None:
+        _check_param_dtypes(params, get_policy(policy))
     if isinstance(tx, LossScaledTransformation):
         return tx.update_and_apply(grads, opt_state, params, **extra_args)
     found = _find_states_with_keys(opt_state)
@@ -675,6 +701,27 @@ def apply_gradients(
         return apply_updates(params, updates, new_opt_state), new_opt_state
     # One loss scale per multi_transform group: each skipped group's updates are -0.0.
     return optax.apply_updates(params, updates), new_opt_state
+
+
+_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+def _check_param_dtypes(params: Any, policy: Policy) -> None:
+    # The rule `jaxamp.value_and_grad` applies: the policy's param dtype or wider.
+    allowed = {
+        d
+        for d in _FLOATS
+        if d == policy.param_dtype or d.itemsize > np.dtype(policy.param_dtype).itemsize
+    }
+    check_param_dtypes(
+        params,
+        lambda _: allowed,
+        policy,
+        "apply_gradients(params=...)",
+        fix="Fix: keep float32 master weights and let the policy cast them for compute "
+        "(jaxamp.value_and_grad(loss_fn, policy=...)), or cast them: "
+        "policy.cast_to_param(params).",
+    )
 
 
 def _check_outermost(opt_state: Any, found: list[tuple[tuple, Any]], caller: str) -> None:

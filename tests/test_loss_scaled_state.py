@@ -4,6 +4,8 @@ that name the parameter, the value and the closest valid name; misplaced loss sc
 
 from __future__ import annotations
 
+import re
+
 import flax.jax_utils
 import jax
 import jax.numpy as jnp
@@ -309,3 +311,61 @@ def test_last_step_applied_and_finite_differ_when_one_group_skips(maybe_jit):
     _, state = maybe_jit(tx.update)(all_bad, state, params)
     info = jaxamp.amp_info(state)
     assert not bool(info.last_step_finite) and not bool(info.last_step_applied)
+
+
+# --- item 10: no parameter or state buffer copied on every step, donated or not -----------------
+
+
+def _big_copies(tx, donate: bool) -> list[str]:
+    params = {"w": jnp.ones((64, 32)), "v": jnp.ones((32, 16))}
+    state = tx.init(params)
+
+    def step(params, opt_state, grads):
+        return jaxamp.apply_gradients(tx, grads, opt_state, params)
+
+    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    hlo = jitted.lower(params, state, params).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    # Copies in the entry computation run on every step (inside a branch: on a skip only).
+    return [line for line in entry.splitlines() if re.search(r"= f32\[\d+,\d+\]\S* copy\(", line)]
+
+
+@pytest.mark.standard_promotion  # optax's Adam computes float ** int32
+def test_applied_steps_copy_no_parameter_or_state_buffer():
+    """The README's step (no donation) with the default form, and a donating step with
+    ``in_place=True``: XLA copies no parameter or optimizer-state buffer on every step (the
+    branch form without donation copied all of them: the overhead the issue measured)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA:CPU's program")
+    assert _big_copies(jaxamp.loss_scaled(optax.adam(1e-3)), donate=False) == []
+    assert _big_copies(jaxamp.loss_scaled(optax.adam(1e-3), in_place=True), donate=True) == []
+    # What in_place=True costs without donation: every buffer copied (so it is opt-in).
+    assert len(_big_copies(jaxamp.loss_scaled(optax.adam(1e-3), in_place=True), False)) >= 6
+
+
+def test_in_place_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"loss_scaled\(in_place=...\) takes a bool"):
+        jaxamp.loss_scaled(optax.sgd(0.1), in_place="yes")
+
+
+def test_float16_master_weights_refused_by_apply_gradients_under_a_policy(maybe_jit):
+    """FAULTS 27 for the bare step: the policy named, the leaf named, the fix named."""
+    half = jax.tree.map(lambda p: p.astype(jnp.float16), _params())
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    state = tx.init(half)
+
+    def step(policy):
+        return maybe_jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p, policy=policy))(
+            half, state, half
+        )
+
+    with pytest.raises(TypeError, match=r"b \(float16; expected float32 or float64\)") as err:
+        step("fp16-mixed")
+    assert "keep float32 master weights" in str(err.value)
+    new, _ = step("fp16-true")  # pure float16 training, named as such
+    assert jax.tree.map(lambda p: p.dtype, new) == jax.tree.map(lambda p: p.dtype, half)
+    float32 = _params()
+    new, _ = maybe_jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p, policy="fp16-mixed"))(
+        float32, tx.init(float32), float32
+    )
+    assert new["w"].dtype == jnp.float32
