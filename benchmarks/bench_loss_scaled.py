@@ -368,7 +368,7 @@ def _print_rows(r: dict) -> None:
         ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
         donated = "yes" if r["donated"] else "no"
         print(
-            f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{donated:>8}{variant:>20}"
+            f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{donated:>8}{variant:>22}"
             f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
             f"{v['compile_s']:>11.2f}",
             flush=True,
@@ -417,7 +417,7 @@ def main(argv=None) -> None:
     donate = {"both": (True, False), "yes": (True,), "no": (False,)}[args.donate]
     load_before = os.getloadavg()
     header = (
-        f"{'model':<12}{'policy':>11}{'batch':>6}{'donated':>8}{'variant':>20}{'median ms':>11}"
+        f"{'model':<12}{'policy':>11}{'batch':>6}{'donated':>8}{'variant':>22}{'median ms':>11}"
         f"{'IQR ms':>17}{'ratio':>8}{'95% CI':>15}{'compile s':>11}"
     )
     print(header)
