@@ -16,7 +16,6 @@ import optax
 
 from jaxamp._numerics import (
     AxisName,
-    all_finite,
     check_axis_name,
     check_replicas_agree,
     count_if,
@@ -409,12 +408,11 @@ class _LossScaler:
         # The scaled gradients are checked element by element, and what reaches `inner` too
         # where unscaling may overflow (a scale below 1); the unscaled gradients are
         # recomputed where they are read (the check, the applied branch), not materialised.
-        keeps_finiteness = True
-        if unscale is not None:
-            # Dividing by a scale >= 1 cannot overflow: the scaled gradients then decide.
-            keeps_finiteness = jnp.asarray(state.loss_scale.loss_scale, jnp.float32) >= 1
         grads_finite = finite_after(
-            scaled_grads, unscale, self.axis_name, fn_keeps_finiteness=keeps_finiteness
+            scaled_grads,
+            unscale,
+            self.axis_name,
+            fn_keeps_finiteness=_unscaling_keeps_finiteness(state, unscale),
         )
         out, inner_state = _skip_if_not(
             grads_finite,
@@ -436,7 +434,15 @@ class _LossScaler:
         grads = scaled_grads if unscale is None else unscale(scaled_grads)
         updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
         labels = _labels_for(self.param_labels, grads)
-        group_finite = _finite_per_group(grads, labels, self.axis_name)
+        # As `_one_decision`'s check: the scaled gradients element by element, the unscaled
+        # ones too where unscaling may overflow.
+        keeps_finiteness = _unscaling_keeps_finiteness(state, unscale)
+        group_finite = {
+            label: finite_after(
+                leaves, unscale, self.axis_name, fn_keeps_finiteness=keeps_finiteness
+            )
+            for label, leaves in _leaves_per_group(scaled_grads, labels).items()
+        }
         grads_finite = jnp.stack(list(group_finite.values())).all()
         group_applied = jax.tree_util.tree_map(lambda label: group_finite[label], labels)
         if apply:
@@ -566,7 +572,14 @@ def _labels_for(param_labels: Any, tree: Any) -> Any:
     return param_labels(tree) if callable(param_labels) else param_labels
 
 
-def _finite_per_group(grads: Any, labels: Any, axis_name: Any) -> dict[Any, jax.Array]:
+def _unscaling_keeps_finiteness(state: LossScaledState, unscale: Any) -> Any:
+    """True (or a traced bool) where unscaling cannot overflow: a scale >= 1 (or none)."""
+    if unscale is None:
+        return True
+    return jnp.asarray(state.loss_scale.loss_scale, jnp.float32) >= 1
+
+
+def _leaves_per_group(grads: Any, labels: Any) -> dict[Any, list]:
     grad_leaves = jax.tree_util.tree_leaves(grads)
     label_leaves = jax.tree_util.tree_leaves(labels)
     if len(grad_leaves) != len(label_leaves):
@@ -577,7 +590,7 @@ def _finite_per_group(grads: Any, labels: Any, axis_name: Any) -> dict[Any, jax.
     groups: dict[Any, list] = {}
     for label, leaf in zip(label_leaves, grad_leaves, strict=True):
         groups.setdefault(label, []).append(leaf)
-    return {label: all_finite(leaves, axis_name=axis_name) for label, leaves in groups.items()}
+    return groups
 
 
 def _select_groups(group_finite: dict, new_state: Any, old_state: Any) -> Any:

@@ -260,3 +260,28 @@ def test_the_issues_unscale_is_one_half():
     out = jax.jit(lambda t: loss_scale.unscale(t))(jnp.float32(2.0**126))
     assert float(out) == 0.5
     assert float(loss_scale.unscale(jnp.float32(2.0**126))) == 0.5
+
+
+def test_per_group_decisions_see_the_overflow_at_float32_max(maybe_jit):
+    """With ``param_labels`` each group is checked as the whole step is: the group whose
+    scaled gradient overflowed skips, the other applies."""
+    x = _overflowing_row(F32_MAX, above=True)
+    loss_scale = jaxamp.DynamicLossScale.from_preset("flax", init_scale=F32_MAX)
+    tx = jaxamp.loss_scaled(
+        {"a": optax.sgd(1e-3), "b": optax.sgd(1e-3)},
+        loss_scale,
+        param_labels={"bad": "a", "good": "b"},
+    )
+    params = {"bad": jnp.zeros(4), "good": jnp.zeros(4)}
+    inputs = {"bad": jnp.asarray(x), "good": jnp.asarray(_overflowing_row(F32_MAX, above=False))}
+
+    def step(params, opt_state, inputs):
+        _, grads = jaxamp.value_and_grad(lambda p, x: sum(jnp.sum(p[k] * x[k]) for k in p))(
+            params, inputs, loss_scale=opt_state
+        )
+        return jaxamp.apply_gradients(tx, grads, opt_state, params)
+
+    new, state = maybe_jit(step)(params, tx.init(params), inputs)
+    assert np.asarray(new["bad"]).tobytes() == np.asarray(params["bad"]).tobytes()
+    assert bool(jnp.all(jnp.isfinite(new["good"]))) and bool(jnp.any(new["good"] != 0))
+    assert not bool(state.last_step_finite) and bool(jaxamp.amp_info(state).last_step_applied)
