@@ -14,11 +14,14 @@ passed as the trainer's initial variables, and seed runs pass their own batch st
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+import torch
 
 from parity.precision.trainers import train_framework
 
@@ -43,10 +46,6 @@ def nudge_torch_module(module: Any) -> Any:
       >>> bool((nudge_torch_module(m).weight > m.weight).all())
       True
     """
-    import copy
-
-    import torch
-
     nudged = copy.deepcopy(module)
     with torch.no_grad():
         for param in nudged.parameters():
@@ -64,7 +63,6 @@ def nudge_flax_variables(variables: dict) -> dict:
       >>> bool((v["params"]["w"] > 1).all())
       True
     """
-    import jax
 
     def nudge(x):
         x = np.asarray(x)

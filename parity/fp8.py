@@ -14,11 +14,15 @@ This module never imports torch at import time (``parity.train_jax`` uses it).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fnmatch
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxamp.fp8
@@ -91,7 +95,7 @@ def wrap_jax_forward(forward: Callable, precision: str, device: str | None = Non
 
 def torch_emulate(device: Any) -> bool:
     """torchao's ``emulate``: True unless `device` is a CUDA GPU with fp8 matmuls (sm89+)."""
-    import torch
+    import torch  # torch: optional for JAX users (parity.train_jax imports this module)
 
     device = torch.device(device)
     if device.type != "cuda":
@@ -101,9 +105,7 @@ def torch_emulate(device: Any) -> bool:
 
 def convert_torch(model: Any, precision: str, device: Any) -> list[str]:
     """Swaps `model`'s linear layers for torchao ``Float8Linear`` in place; returns their names."""
-    import dataclasses
-
-    import torch
+    import torch  # torch: optional for JAX users (parity.train_jax imports this module)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe_name(precision))
@@ -132,9 +134,7 @@ def fp8_method(precision: str, framework: str, device: str | None = None) -> str
 
 def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
     """Per converted layer: torchao's own scales and fp8 codes of input, weight and grad_output."""
-    import copy
-
-    import torch
+    import torch  # torch: optional for JAX users (parity.train_jax imports this module)
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
@@ -189,9 +189,6 @@ def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndar
 
 def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
     """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
-    import jax
-    import jax.numpy as jnp
-
     rec = jax_recipe(precision, "cpu")
     variables = pair.torch_to_flax()
     captured: dict[str, dict] = {}

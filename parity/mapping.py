@@ -40,12 +40,14 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from parity.variables import as_variables, flatten_variables, unflatten_variables
@@ -402,7 +404,7 @@ def _state_dict_of(torch_module_or_state_dict: Any) -> Mapping[str, Any]:
 
 def _to_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):
-        import torch
+        import torch  # torch: optional for JAX users (parity.train_jax imports this module)
 
         value = value.detach()
         if value.dtype in (torch.bfloat16, torch.float16):
@@ -515,8 +517,6 @@ class WeightMapping:
           dtype: the leaves' dtype (float32 by default; None keeps the torch dtype, bf16/f16 come
             out as float32 exactly).
         """
-        import jax.numpy as jnp
-
         tensors = _state_dict_of(torch_module_or_state_dict)
         flat = self._flax_arrays(tensors, average=False, dtype=dtype)
         return unflatten_variables({path: jnp.asarray(value) for path, value in flat.items()})
@@ -566,7 +566,7 @@ class WeightMapping:
     def to_torch(self, variables: Any, torch_module: Any) -> None:
         """Copies Flax `variables` (any float dtype) into `torch_module` in place, under no_grad,
         keeping each torch tensor's dtype and device."""
-        import torch
+        import torch  # torch: optional for JAX users (parity.train_jax imports this module)
 
         flat = flatten_variables(as_variables(variables))
         missing = [path for path in self.flax_paths() if path not in flat]
@@ -626,9 +626,7 @@ class WeightMapping:
           >>> pair = get_model_pair("lstm", seed=0)
           >>> pair.mapping.check_round_trip(pair.torch_model)
         """
-        import copy
-
-        import torch
+        import torch  # torch: optional for JAX users (parity.train_jax imports this module)
 
         variables = self.to_flax(torch_module, dtype=None)
         clone = copy.deepcopy(torch_module)
@@ -712,7 +710,7 @@ def _overlapping(group: list[MappingEntry], torch_module: Any) -> bool:
 
 
 def _bit_equal(a, b) -> bool:
-    import torch
+    import torch  # torch: optional for JAX users (parity.train_jax imports this module)
 
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
