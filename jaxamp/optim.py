@@ -647,7 +647,7 @@ def apply_gradients(
     writes the updates out and reads them back (BENCHMARKS.md). The values are those of
     ``update`` + `apply_updates`; a skipped step returns `params` bit for bit.
     A transformation that wraps one `loss_scaled` whole (`jaxamp.multi_steps`,
-    `optax.inject_hyperparams`, `optax.MultiSteps`) gets ``update`` + `apply_updates`; one
+    `optax.inject_hyperparams`) gets ``update`` + `apply_updates`; one
     with a `loss_scaled` per `optax.multi_transform` group, ``update`` +
     `optax.apply_updates` (each skipped group's updates are -0.0).
 
