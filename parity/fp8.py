@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -191,7 +190,6 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
     """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
     rec = jax_recipe(precision, "cpu")
     variables = pair.torch_to_flax()
-    captured: dict[str, dict] = {}
 
     def forward(params, x):
         full = dict(variables)
@@ -199,12 +197,8 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
         logits = pair.flax_apply(full, x, train=True)[0]
         return loss_jax(pair.task, logits.astype(jnp.float32), jnp.asarray(targets))
 
-    from jaxamp.fp8._convert import _run
-
-    x = jnp.asarray(inputs)
-    _run(forward, rec, jax_filter, (variables["params"], x), {}, None, None, captured)
-    jax.grad(lambda p: _run(forward, rec, jax_filter, (p, x), {}, None, None, captured))(
-        variables["params"]
+    captured = jaxamp.fp8.capture_operands(
+        forward, variables["params"], jnp.asarray(inputs), recipe=rec, fp8_filter=jax_filter
     )
     weights = {
         "/".join(path[1:-1]): np.asarray(leaf)
@@ -212,12 +206,11 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
     }
     out = {}
     for name, ops in captured.items():
-        lhs, rhs, g = ops["lhs2d"], ops["rhs2d"], ops["grad_output2d"]
-        entry = {"module": _module_path(name, np.asarray(rhs), weights)}
+        entry = {"module": _module_path(name, np.asarray(ops.weight), weights)}
         for key, value, cast, axis in (
-            ("input", lhs, rec.input, -1),
-            ("weight", rhs, rec.weight, 0),
-            ("grad_output", g, rec.grad_output, -1),
+            ("input", ops.input, rec.input, -1),
+            ("weight", ops.weight, rec.weight, 0),
+            ("grad_output", ops.grad_output, rec.grad_output, -1),
         ):
             q, s = jaxamp.fp8.quantize(value, cast, axis, rec.power_of_2_scales)
             entry[key] = (np.asarray(s), np.asarray(q).view(np.uint8))
