@@ -173,6 +173,12 @@ class RunConfig:
         object.__setattr__(self, "precision", precision)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer not in get_recipe(precision).optimizers:
+            raise ValueError(
+                f"RunConfig: precision {precision!r} runs its own optimizer, "
+                f"{' or '.join(get_recipe(precision).optimizers)}; got `optimizer` "
+                f"{self.optimizer!r} (use optimizer='adamw' or another precision)."
+            )
         _choice("schedule", self.schedule, SCHEDULES)
         _positive_int("steps", self.steps)
         _positive_int("batch_size", self.batch_size)

@@ -37,6 +37,7 @@ __all__ = [
     "MEMORY_METHODS",
     "jax_cpu_memory",
     "jax_gpu_peak_memory",
+    "jax_optimizer_state",
     "load_average",
     "set_threads",
     "thread_settings",
@@ -46,6 +47,8 @@ __all__ = [
     "tensor_bytes",
     "torch_cpu_step_memory",
     "torch_gpu_peak_memory",
+    "torch_optimizer_state",
+    "torch_state_tensors",
     "torch_sync",
 ]
 
@@ -156,6 +159,73 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def torch_state_tensors(optimizer: Any) -> list[Any]:
+    """The plain tensors `optimizer`'s state holds: a tensor subclass (torchao's
+    ``OptimState8bit`` / ``4bit`` / ``Fp8``) is taken apart into its inner tensors (codes,
+    scales, quantization map), recursively."""
+    import torch  # torch: optional for JAX users
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out: list[Any] = []
+
+    def add(tensor):
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                add(getattr(tensor, name))
+        else:
+            out.append(tensor)
+
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+    return out
+
+
+def _state_figures(state_bytes: int, params: int, method: str) -> dict[str, Any]:
+    return {
+        "optimizer_state_bytes": int(state_bytes),
+        "param_count": int(params),
+        "optimizer_state_bytes_per_param": state_bytes / params if params else None,
+        "optimizer_state_method": method,
+    }
+
+
+def torch_optimizer_state(optimizer: Any, params: Iterable[Any]) -> dict[str, Any]:
+    """Bytes of the optimizer state (`torch_state_tensors`: distinct storages, quantized
+    subclasses' codes, scales and maps included) and per trainable parameter.
+
+    Example:
+      >>> # torch_optimizer_state(torchao.optim.AdamW8bit(model.parameters()), params)
+    """
+    count = sum(int(p.numel()) for p in params)
+    method = "sum of optimizer.state tensor storages (tensor subclasses: their inner tensors)"
+    return _state_figures(tensor_bytes(torch_state_tensors(optimizer)), count, method)
+
+
+def jax_optimizer_state(opt_state: Any, params: Any) -> dict[str, Any]:
+    """Bytes of the optimizer state inside ``jaxamp.loss_scaled`` (its `inner_state`: what
+    torch's ``optimizer.state`` holds; the loss scale is not optimizer state) by
+    ``jaxamp.optim_precision.state_bytes`` (codes and scales included), and per parameter.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> params = {"w": jnp.zeros((64, 64))}
+      >>> state = jaxamp.loss_scaled(optax.adam(1e-3)).init(params)
+      >>> jax_optimizer_state(state, params)["optimizer_state_bytes"]  # mu, nu and the count
+      32772
+    """
+    import jax  # JAX: this module serves the torch trainer too
+
+    import jaxamp
+
+    inner = opt_state.inner_state if isinstance(opt_state, jaxamp.LossScaledState) else opt_state
+    count = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+    method = "jaxamp.optim_precision.state_bytes of the loss-scaled state's inner_state"
+    return _state_figures(jaxamp.optim_precision.state_bytes(inner), count, method)
 
 
 # kineto (torch's profiler backend) prints "USDT:... profiler_start" / "profiler_stop" (and

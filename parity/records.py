@@ -283,6 +283,7 @@ def build_run_record(
     stopped_reason: str | None,
     extra: dict[str, Any] | None = None,
     memory_detail: dict[str, Any] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record of a completed (possibly diverged) run; both trainers call it.
 
@@ -299,6 +300,9 @@ def build_run_record(
       stopped_reason: why the run stopped early (divergence guard), or None.
       extra: framework-specific top-level fields (``torch_mode``, ``mixed_precision_method``...).
       memory_detail: XLA's memory analysis fields, if any.
+      optimizer_state: ``optimizer_state_bytes``, ``param_count``,
+        ``optimizer_state_bytes_per_param`` and ``optimizer_state_method``
+        (`parity.measure.torch_optimizer_state` / `jax_optimizer_state`), into the summary.
 
     Returns:
       The run record (see the module docstring); `validate_run` accepts it.
@@ -346,6 +350,7 @@ def build_run_record(
     }
     if memory_detail:
         summary["peak_memory_detail"] = memory_detail
+    summary.update(optimizer_state or {})
     run = _common(framework, config, "completed")
     run["model_config"] = {
         k: list(v) if isinstance(v, tuple) else v for k, v in dict(pair.config).items()
@@ -444,6 +449,8 @@ _SUMMARY_NUMBERS = (
     "step_time_median_s",
     "compile_time_s",
     "peak_memory_bytes",
+    "optimizer_state_bytes",
+    "optimizer_state_bytes_per_param",
 )
 
 

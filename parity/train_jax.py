@@ -151,6 +151,7 @@ def train_jax(
         peak_memory = memory_detail["peak_bytes"] if memory_detail else None
         memory_method = "xla_memory_analysis"
     timing = measure.step_time_summary(log.times, config.timing_warmup)
+    optimizer_state = measure.jax_optimizer_state(opt_state, params)
     return build_run_record(
         framework="jax",
         config=config,
@@ -166,6 +167,7 @@ def train_jax(
         stopped_reason=log.stopped_reason,
         extra={"mixed_precision_method": config.recipe.jax_method(config.device)},
         memory_detail=memory_detail,
+        optimizer_state=optimizer_state,
     )
 
 

@@ -159,14 +159,14 @@ def train_torch(
         targets = _to_device(raw_targets, device, None)
         optimizer.zero_grad(set_to_none=True)
         live = list(model.parameters()) + list(model.buffers()) + [inputs, targets]
-        for state in optimizer.state.values():
-            live.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        live.extend(measure.torch_state_tensors(optimizer))
         peak_memory = measure.torch_cpu_step_memory(
             lambda: train_step(max(len(log.steps) - 1, 0), inputs, targets), live
         )
         memory_method = "torch_profiler_cpu_allocations"
 
     timing = measure.step_time_summary(log.times, config.timing_warmup)
+    optimizer_state = measure.torch_optimizer_state(optimizer, params)
     return build_run_record(
         framework="torch",
         config=config,
@@ -182,6 +182,7 @@ def train_torch(
         memory_method=memory_method,
         eval_metric=eval_metric,
         stopped_reason=log.stopped_reason,
+        optimizer_state=optimizer_state,
         extra={
             "torch_mode": "compile" if config.torch_compile else "eager",
             "mixed_precision_method": recipe.torch_method(),

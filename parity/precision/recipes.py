@@ -10,6 +10,13 @@ A recipe is an object with two faces, built once per run from its name:
   (`Recipe.jax_value_and_grad`), the optimizer wrapping (`Recipe.jax_optimizer`: always
   ``jaxamp.loss_scaled``, so every run takes the README's step) and the method it reports.
 
+A precision can also be the optimizer's: ``adamw-8bit``, ``adamw-4bit`` and ``adamw-fp8`` keep
+AdamW's moments as torchao's block-wise codes (``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
+``AdamWFp8`` against ``jaxamp.low_precision_state``) with float32 compute; ``bf16-true-sr`` is
+``bf16-true`` whose weights are rounded stochastically (torchao's
+``_AdamW(bf16_stochastic_round=True)`` against ``jaxamp.optim_precision.preset``). Their torch
+face replaces the run's optimizer (`Recipe.torch_optimizer`); they run AdamW only.
+
 Trainers, step 0, the diagnosis, the distributed workers, speed and compare ask the recipe; none
 reads the precision string. An arm (``"single"``, ``"ddp"``, ``"fsdp"``) that cannot run a recipe
 raises `UnsupportedHere` with the reason (`Recipe.unsupported`); nothing runs as another precision.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -64,6 +72,11 @@ class Recipe:
       compute_dtype_name: the dtype the matmuls of the recipe run in (report and verdicts).
       matrix_plan: the matrix's steps/batch size (and loss-scale settings) for this precision.
       baseline: the float32 reference itself (step 0 checks it first, then the run's recipe).
+      optimizers: the `RunConfig.optimizer` values the recipe runs (its own optimizer, where
+        `torch_optimizer` replaces the run's, runs one kind only).
+      first_distinct_step: the first step whose loss differs from the float32 run's when the
+        recipe runs as itself: 0 where the forward pass changes; 2 where only the optimizer's
+        stored state does (the first update is computed from exact moments on both sides).
     """
 
     name: ClassVar[str] = ""
@@ -73,6 +86,8 @@ class Recipe:
     loss_scaling: ClassVar[bool] = False
     compute_dtype_name: ClassVar[str] = "float32"
     matrix_plan: ClassVar[dict[str, Any]] = {"steps": 30, "batch_size": 16}
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
+    first_distinct_step: ClassVar[int] = 0
 
     @property
     def policy(self) -> jaxamp.Policy:
@@ -127,6 +142,12 @@ class Recipe:
     def torch_grad_scaler(self, config: Any, device_type: str, *, sharded: bool = False) -> Any:
         """``torch.amp.GradScaler`` (``ShardedGradScaler`` for FSDP2) or None."""
         del config, device_type, sharded
+        return None
+
+    def torch_optimizer(self, config: Any, params: list) -> Any:
+        """The recipe's own torch optimizer over `params`, or None: the run's
+        (`parity.precision.steps.build_torch_optimizer`: torch.optim.AdamW or SGD)."""
+        del config, params
         return None
 
     def torch_fsdp_policy(self) -> Any:
@@ -401,6 +422,166 @@ class Fp8RowwiseGwHp(_Fp8):
     name = "fp8-rowwise-gw-hp"
 
 
+def _torchao_step(optimizer: Any, compiled: bool) -> Any:
+    """`optimizer` (a torchao optimizer) whose ``step`` runs eagerly unless `compiled`.
+
+    torchao's ``step`` wraps its update in ``torch.compile``; the harness's torch side is eager
+    unless the run says ``torch_compile`` (then torchao runs as it ships).
+    ``torch.compiler.set_stance("force_eager")`` runs the same Python update without compiling
+    it (torchao's tests compare its eager and compiled steps: bit-identical on a first step).
+    """
+    if compiled:
+        return optimizer
+    import torch  # torch: optional for JAX users
+
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def eager_step(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return step(*args, **kwargs)
+
+    optimizer.step = eager_step
+    return optimizer
+
+
+def _torchao_adamw_kwargs(config: Any) -> dict[str, Any]:
+    # The run's AdamW hyperparameters (what torch.optim.AdamW and optax.adamw get in the other
+    # recipes), not torchao's own defaults.
+    return {
+        "lr": config.lr,
+        "betas": config.betas,
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+    }
+
+
+class _LowBitAdamW(Fp32):
+    """float32 compute; AdamW's two moments stored as block-wise codes: torchao's optimizer on
+    the torch side, ``jaxamp.low_precision_state`` around the run's optax AdamW on the JAX side
+    (torchao's maps, block sizes and 4096-element minimum: smaller leaves stay float32)."""
+
+    baseline = False
+    claims_policy = False
+    optimizers = ("adamw",)
+    first_distinct_step = 2
+    state_format: ClassVar[str] = ""
+    torchao_class: ClassVar[str] = ""
+
+    def unsupported(self, arm: str, mode: str | None = None) -> str | None:
+        super().unsupported(arm, mode)
+        if arm == "fsdp":
+            return (
+                f"FSDP2 shards each state: torchao's {self.torchao_class} quantizes every rank's "
+                "local shard (its 4096-element minimum and its blocks per shard), "
+                "jaxamp.low_precision_state the global array, so the two hold different codes"
+            )
+        if arm == "ddp":
+            return (
+                "the distributed workers measure no optimizer state and their torch and JAX "
+                f"twins of {self.torchao_class} are not checked against each other; run it on "
+                "one device"
+            )
+        return None
+
+    def torch_optimizer(self, config: Any, params: list) -> Any:
+        import torchao.optim  # torch: optional for JAX users
+
+        optimizer = getattr(torchao.optim, self.torchao_class)
+        return _torchao_step(
+            optimizer(list(params), **_torchao_adamw_kwargs(config)), config.torch_compile
+        )
+
+    def torch_method(self, arm: str = "single") -> str:
+        del arm
+        return f"float32, torchao.optim.{self.torchao_class}"
+
+    def jax_optimizer(
+        self, inner: optax.GradientTransformation, config: Any, axis_name: str | None = None
+    ) -> optax.GradientTransformation:
+        low = jaxamp.low_precision_state(inner, self.state_format)
+        return jaxamp.loss_scaled(low, self.jax_loss_scale(config), axis_name=axis_name)
+
+    def jax_method(self, device: str, arm: str = "single") -> str:
+        del device, arm
+        return f"float32, jaxamp.low_precision_state(adamw, {self.state_format!r})"
+
+
+class AdamW8bit(_LowBitAdamW):
+    """AdamW with 8-bit moments (bitsandbytes' dynamic-tree maps, blocks of 256)."""
+
+    name = "adamw-8bit"
+    state_format = "8bit"
+    torchao_class = "AdamW8bit"
+
+
+class AdamW4bit(_LowBitAdamW):
+    """AdamW with 4-bit moments (torchao's 4-bit maps, blocks of 128)."""
+
+    name = "adamw-4bit"
+    state_format = "4bit"
+    torchao_class = "AdamW4bit"
+
+
+class AdamWFp8(_LowBitAdamW):
+    """AdamW with float8 (e4m3) moments, one scale per 256 elements."""
+
+    name = "adamw-fp8"
+    state_format = "fp8"
+    torchao_class = "AdamWFp8"
+
+
+class Bf16TrueSR(Bf16True):
+    """``bf16-true`` whose weights still learn: each new weight rounded stochastically to
+    bfloat16 (torchao ``_AdamW(bf16_stochastic_round=True)`` on a bfloat16 model against
+    ``jaxamp.optim_precision.preset("bf16-true-sr", ...)``). The random bits come from torch's
+    generator on one side and from the key in the optax state on the other: the two runs round
+    differently from the first step, as two seeds of one framework do."""
+
+    name = "bf16-true-sr"
+    claims_policy = False
+    optimizers = ("adamw",)
+
+    def unsupported(self, arm: str, mode: str | None = None) -> str | None:
+        super().unsupported(arm, mode)
+        if arm in ("ddp", "fsdp"):
+            return (
+                "torchao draws the rounding bits from each rank's torch generator (per local "
+                "shard under FSDP2), the JAX side from one key in the optimizer state; the "
+                "workers do not align the ranks' generators, so replicas could round apart"
+            )
+        return None
+
+    def torch_optimizer(self, config: Any, params: list) -> Any:
+        import torch  # torch: optional for JAX users
+        from torchao.optim import _AdamW
+
+        # torchao draws the rounding bits from torch's default generator: seeded from the run's
+        # seed, so a torch run reproduces as the JAX one does from its key.
+        torch.manual_seed(config.seed)
+        optimizer = _AdamW(
+            list(params), **_torchao_adamw_kwargs(config), bf16_stochastic_round=True
+        )
+        return _torchao_step(optimizer, config.torch_compile)
+
+    def torch_method(self, arm: str = "single") -> str:
+        return f"{super().torch_method(arm)}, torchao _AdamW(bf16_stochastic_round=True)"
+
+    def jax_optimizer(
+        self, inner: optax.GradientTransformation, config: Any, axis_name: str | None = None
+    ) -> optax.GradientTransformation:
+        policy, tx = jaxamp.optim_precision.preset(self.name, inner, seed=config.seed)
+        if policy != self.policy:  # the preset and the recipe name one precision
+            raise ValueError(
+                f"{self.name}: jaxamp's preset is the policy {str(policy)!r}, the recipe "
+                f"{str(self.policy)!r}."
+            )
+        return jaxamp.loss_scaled(tx, self.jax_loss_scale(config), axis_name=axis_name)
+
+    def jax_method(self, device: str, arm: str = "single") -> str:
+        return f"{super().jax_method(device, arm)}, optim_precision.preset({self.name!r})"
+
+
 RECIPES: dict[str, type[Recipe]] = {}
 
 
@@ -421,6 +602,10 @@ register(Bf16True)
 register(Fp8Tensorwise)
 register(Fp8Rowwise)
 register(Fp8RowwiseGwHp)
+register(Bf16TrueSR)
+register(AdamW8bit)
+register(AdamW4bit)
+register(AdamWFp8)
 
 
 def precision_names() -> tuple[str, ...]:

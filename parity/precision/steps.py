@@ -168,10 +168,14 @@ def set_learning_rate(opt_state, learning_rate):
 
 
 def build_torch_optimizer(config: Any, params) -> Any:
-    """AdamW or momentum SGD with the run's hyperparameters (foreach off: one code path)."""
+    """AdamW or momentum SGD with the run's hyperparameters (foreach off: one code path), or the
+    recipe's own optimizer (`Recipe.torch_optimizer`: torchao's low-bit AdamW...)."""
     import torch  # torch: optional for JAX users (the JAX trainer never imports it)
 
     params = list(params)
+    own = config.recipe.torch_optimizer(config, params)
+    if own is not None:
+        return own
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
             params,
@@ -207,7 +211,10 @@ def torch_train_step(
         # The rate of every iteration (what LambdaLR does, without its warning when GradScaler
         # skips step 0).
         for group in optimizer.param_groups:
-            group["lr"] = config.lr_at(index)
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor (in place)
+                group["lr"].fill_(config.lr_at(index))
+            else:
+                group["lr"] = config.lr_at(index)
         optimizer.zero_grad(set_to_none=True)
         loss = forward_loss(*batch)
         if scaler is None:
