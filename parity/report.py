@@ -364,6 +364,35 @@ def _runs_table(runs) -> list[str]:
     return lines
 
 
+def _optimizer_state_table(runs) -> list[str]:
+    """Optimizer-state bytes per trainable parameter of each run, measured from its state
+    objects (`parity.measure.torch_optimizer_state` / `jax_optimizer_state`)."""
+    measured = [r for r in runs if r["summary"].get("optimizer_state_bytes") is not None]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## Optimizer state",
+        "",
+        "Bytes held by the optimizer's state (moments, codes, block scales, quantization maps, "
+        "step counters; the loss scale is not optimizer state), measured from the state objects "
+        "after the run, and per trainable parameter.",
+        "",
+        "| model | precision | run | seed | state bytes | bytes/param | parameters | how measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in sorted(
+        measured, key=lambda r: (r["model"], r["precision"], run_label(r), run_seed(r))
+    ):
+        s = run["summary"]
+        lines.append(
+            f"| {run['model']} | {run['precision']} | {run_label(run)} | {run_seed(run)} "
+            f"| {s['optimizer_state_bytes']:,} | {_fmt(s.get('optimizer_state_bytes_per_param'), '.3f')} "
+            f"| {s.get('param_count', 0):,} | {s.get('optimizer_state_method') or '—'} |"
+        )
+    return lines
+
+
 def _cannot_show(runs, notes) -> list[str]:
     """Runs and plots with nothing to draw."""
     lines: list[str] = []
@@ -500,6 +529,7 @@ def write_report(
         *_detail_sections(runs),
         *_verdict_table(verdicts),
         *_runs_table(runs),
+        *_optimizer_state_table(runs),
         *_cannot_show(runs, notes),
         *_problem_sections(runs, groups, skipped_cells),
         *_speed_sections(runs),
