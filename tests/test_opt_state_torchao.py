@@ -158,6 +158,29 @@ def test_first_step_parameters_match_torchao_within_rounding(state_format):
 
 @pytest.mark.usefixtures("eager_torchao")
 @pytest.mark.parametrize("state_format", sorted(OPTIMIZERS))
+def test_initial_state_is_torchaos_zeros_and_bends_no_small_gradient(state_format, maybe_jit):
+    """torchao starts each state from ``zeros`` (scales 0: exactly zero). Quantizing zeros
+    instead clips the scales to 1e-12, and the 4-bit unsigned map holds no zero: the second
+    moment would start at 6.25e-14 and move the first update of a 1e-6-sized gradient by ~1e-5
+    relative. With exact zeros both sides take the float32 first step."""
+    torch_cls, factory = OPTIMIZERS[state_format]
+    params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
+    state = maybe_jit(factory().init)(params)
+    for field in ("mu", "nu"):
+        stored = getattr(state.inner_state[0], field)["w"]
+        assert isinstance(stored, optim_precision.QuantizedArray)
+        np.testing.assert_array_equal(np.asarray(stored.scale), 0.0)
+        np.testing.assert_array_equal(np.asarray(optim_precision.dequantize(stored)), 0.0)
+    grads = {k: v * np.float32(1e-6) for k, v in _grads(2).items()}
+    theirs = _torch_step(torch_cls, torch.float32, grads)
+    updates, _ = _jax_step(factory, jnp.float32, grads, maybe_jit)
+    np.testing.assert_allclose(
+        1.0 + np.asarray(updates["w"]), theirs["params"][0], rtol=0, atol=8 * 2.0**-23
+    )
+
+
+@pytest.mark.usefixtures("eager_torchao")
+@pytest.mark.parametrize("state_format", sorted(OPTIMIZERS))
 def test_second_step_from_torchaos_state_is_within_one_code(state_format):
     """From torchao's own step-1 state, one more step on both sides. optax's EMA
     ``(1 - b) * g + b * m`` and torch's ``lerp`` round differently in the last float32 bit,

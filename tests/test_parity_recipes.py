@@ -3,6 +3,7 @@
 every arm run as itself or refused, and a new precision added with one class and one line."""
 
 import ast
+import dataclasses
 import json
 import math
 import re
@@ -228,6 +229,37 @@ def _runs_as_itself(recipe, loss, reference):
         assert loss != reference
 
 
+# Big enough for one quantized state leaf (48 x 128 = 6144 >= torchao's 4096-element minimum).
+QUANTIZED = {"image_shape": (4, 4, 3), "hidden": 128}
+
+
+def _optimizer_recipe_runs_as_itself(recipe):
+    """A recipe of the optimizer's state only: until `first_distinct_step` each side's losses are
+    float32's to rounding (the first update comes from exact moments); from it they are not."""
+    pair = get_model_pair("mlp", seed=0, **QUANTIZED)
+    steps = recipe.first_distinct_step + 1
+    config = RunConfig(
+        model="mlp",
+        precision=recipe.name,
+        steps=steps,
+        batch_size=4,
+        eval=False,
+        model_overrides=QUANTIZED,
+    )
+    reference = dataclasses.replace(config, precision="fp32")
+    for train in (train_torch, train_jax):
+        run, fp32 = train(config, pair), train(reference, pair)
+        assert run["mixed_precision_method"] == (
+            recipe.torch_method() if train is train_torch else recipe.jax_method("cpu")
+        )
+        losses = [step["loss"] for step in run["steps"]]
+        exact = [step["loss"] for step in fp32["steps"]]
+        # torchao's update is arranged differently from torch.optim.AdamW's: float32 rounding
+        assert losses[:-1] == pytest.approx(exact[:-1], rel=1e-6)
+        assert math.isfinite(losses[-1])
+        assert abs(losses[-1] - exact[-1]) > 1e-5 * abs(exact[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch.distributed / autocast on CPU
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -235,14 +267,17 @@ def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
     precision, fp32_losses, monkeypatch
 ):
     recipe = get_recipe(precision)
-    pair = get_model_pair("mlp", seed=0, **TINY)
-    config = _config(precision)
     # single device
-    torch_run, jax_run = train_torch(config, pair), train_jax(config, pair)
-    assert torch_run["mixed_precision_method"] == recipe.torch_method()
-    assert jax_run["mixed_precision_method"] == recipe.jax_method("cpu")
-    _runs_as_itself(recipe, torch_run["steps"][0]["loss"], fp32_losses["torch"])
-    _runs_as_itself(recipe, jax_run["steps"][0]["loss"], fp32_losses["jax"])
+    if recipe.first_distinct_step:
+        _optimizer_recipe_runs_as_itself(recipe)
+    else:
+        pair = get_model_pair("mlp", seed=0, **TINY)
+        config = _config(precision)
+        torch_run, jax_run = train_torch(config, pair), train_jax(config, pair)
+        assert torch_run["mixed_precision_method"] == recipe.torch_method()
+        assert jax_run["mixed_precision_method"] == recipe.jax_method("cpu")
+        _runs_as_itself(recipe, torch_run["steps"][0]["loss"], fp32_losses["torch"])
+        _runs_as_itself(recipe, jax_run["steps"][0]["loss"], fp32_losses["jax"])
     # torch DDP / FSDP2 ranks, and their JAX twins on a mesh of 2 devices (jit and shard_map)
     for strategy in ("ddp", "fsdp"):
         reason = recipe.unsupported(strategy)

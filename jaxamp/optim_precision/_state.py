@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Iterable
@@ -201,6 +202,16 @@ def low_precision_state(
             leaf, state_format, signed=chosen[-1] not in unsigned, block_size=block_size
         )
 
+    def encode_initial(path, leaf):
+        # torchao starts a state from `zeros` (codes 0, scales 0: exactly zero), not from
+        # quantizing zeros (scales clipped to 1e-12: the 4-bit unsigned map holds no zero, so
+        # the second moment would start at 1/16 * 1e-12 and bend the first update).
+        stored = encode(path, leaf)
+        if not isinstance(stored, QuantizedArray):
+            return stored
+        zero = jnp.all(leaf.reshape(-1, stored.block_size) == 0, axis=-1)
+        return dataclasses.replace(stored, scale=jnp.where(zero, 0.0, stored.scale))
+
     def init(params):
         inner_state = inner.init(params)
         present = {
@@ -215,7 +226,7 @@ def low_precision_state(
                 f"low_precision_state(fields={fields!r}): no such field in the wrapped "
                 f"optimizer's state; its fields are {sorted(present)}.{hint}"
             )
-        return LowPrecisionState(jax.tree_util.tree_map_with_path(encode, inner_state))
+        return LowPrecisionState(jax.tree_util.tree_map_with_path(encode_initial, inner_state))
 
     def update(updates, state, params=None, **extra_args):
         if not isinstance(state, LowPrecisionState):

@@ -74,9 +74,9 @@ class Recipe:
       baseline: the float32 reference itself (step 0 checks it first, then the run's recipe).
       optimizers: the `RunConfig.optimizer` values the recipe runs (its own optimizer, where
         `torch_optimizer` replaces the run's, runs one kind only).
-      first_distinct_step: the first step whose loss differs from the float32 run's when the
-        recipe runs as itself: 0 where the forward pass changes; 2 where only the optimizer's
-        stored state does (the first update is computed from exact moments on both sides).
+      first_distinct_step: the first step whose loss differs from the float32 run's beyond float32
+        rounding when the recipe runs as itself: 0 where the forward pass changes; 2 where only
+        the optimizer's stored state does (the first update is computed from exact moments).
     """
 
     name: ClassVar[str] = ""
