@@ -1,0 +1,91 @@
+"""Optimizer-state bytes in the harness, measured from the state objects on both sides: torchao's
+quantized tensor subclasses taken apart into their codes, scales and maps; jaxamp's
+``low_precision_state`` through ``state_bytes``. The two agree to what each side keeps elsewhere."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchao.optim")
+
+import jaxamp  # noqa: E402
+from parity import cell, measure  # noqa: E402
+from parity.config import RunConfig  # noqa: E402
+from parity.precision.recipes import get_recipe  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax.adamw's bias correction
+
+# torchao's per-tensor map (float32 entries), which jaxamp keeps as a constant of the program.
+QMAP_ENTRIES = {"adamw-8bit": 256, "adamw-4bit": 16, "adamw-fp8": 0}
+
+
+@pytest.fixture(autouse=True)
+def _eager_torch_compile():
+    with torch.compiler.set_stance("force_eager"):  # torchao's step without compiling it
+        yield
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torchao's caching hint
+@pytest.mark.parametrize("precision", sorted(QMAP_ENTRIES))
+def test_state_bytes_per_parameter_agree_to_what_each_side_keeps_elsewhere(precision):
+    recipe = get_recipe(precision)
+    config = RunConfig(model="mlp", precision=precision)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
+    optimizer = recipe.torch_optimizer(config, list(model.parameters()))
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    theirs = measure.torch_optimizer_state(optimizer, model.parameters())
+
+    params = {str(i): jnp.zeros(tuple(p.shape)) for i, p in enumerate(model.parameters())}
+    tx = recipe.jax_optimizer(optax.adamw(config.lr, weight_decay=config.weight_decay), config)
+    ours = measure.jax_optimizer_state(tx.init(params), params)
+
+    assert theirs["param_count"] == ours["param_count"] == 64 * 128 + 128 + 128 * 10 + 10
+    quantized = 2  # the 8192-element weight's two moments (the rest is under 4096 elements)
+    tensors = len(params)
+    # torch: a float32 step per parameter tensor and a map per quantized moment;
+    # jaxamp: one int32 count.
+    extra = 4 * tensors + 4 * QMAP_ENTRIES[precision] * quantized - 4
+    assert theirs["optimizer_state_bytes"] - ours["optimizer_state_bytes"] == extra
+    # 8192 codes of 1 byte (8-bit, fp8) or half a byte (4-bit), float32 scales per block
+    codes = {"adamw-8bit": 8192 + 4 * 32, "adamw-4bit": 4096 + 4 * 64, "adamw-fp8": 8192 + 4 * 32}
+    plain = 4 * (128 + 128 * 10 + 10)  # float32 moments of the small tensors
+    assert ours["optimizer_state_bytes"] == 2 * (codes[precision] + plain) + 4
+
+
+def test_plain_adamw_state_is_eight_bytes_per_parameter_on_both_sides():
+    model = torch.nn.Linear(256, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    theirs = measure.torch_optimizer_state(optimizer, model.parameters())
+    params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}
+    ours = measure.jax_optimizer_state(jaxamp.loss_scaled(optax.adamw(1e-3)).init(params), params)
+    # two float32 moments per parameter; torch adds a float32 step per tensor, optax one count
+    assert theirs["optimizer_state_bytes"] == 8 * theirs["param_count"] + 4 * 2
+    assert ours["optimizer_state_bytes"] == 8 * ours["param_count"] + 4
+    assert np.isclose(theirs["optimizer_state_bytes_per_param"], 8.0, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_report_shows_each_sides_state_bytes_per_parameter(tmp_path):
+    overrides = {"image_shape": (4, 4, 3), "hidden": 128}  # 6144 elements: one quantized leaf
+    config = RunConfig(
+        model="mlp",
+        precision="adamw-8bit",
+        steps=2,
+        batch_size=4,
+        eval=False,
+        model_overrides=overrides,
+    )
+    runs = cell.run_cell(config, step0_checks=False, echo=False)
+    per_param = {r["framework"]: r["summary"]["optimizer_state_bytes_per_param"] for r in runs}
+    assert set(per_param) == {"torch", "jax"}
+    assert 2.0 < per_param["jax"] < per_param["torch"] < 8.0  # codes, not float32 moments
+    _, _, report_path = cell.write_outputs(tmp_path, runs, echo=False)
+    report = report_path.read_text()
+    section = report.split("## Optimizer state", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| mlp | adamw-8bit")]
+    assert len(rows) == 2 and f"{per_param['torch']:.3f}" in section
