@@ -51,8 +51,6 @@ from parity.verdicts.sides import (
     jax_device,
     jax_side,
     torch_device,
-    torch_setup,
-    torch_side,
 )
 from parity.verdicts.tolerance import (
     gradient_tolerance,
@@ -62,6 +60,7 @@ from parity.verdicts.tolerance import (
     relative_error,
     tolerance,
 )
+from parity.verdicts.torch_side import torch_setup, torch_side
 
 __all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "diagnose_run", "module_pairs"]
 

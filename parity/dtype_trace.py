@@ -9,7 +9,6 @@ casts included). :func:`diff_dtype_traces` lines the two up through the op count
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +21,6 @@ from jaxamp import DtypeRecord, autocast_op_list
 __all__ = [
     "DtypeRecord",
     "diff_dtype_traces",
-    "jax_matmul_flops",
-    "requested_fraction",
-    "sub_jaxprs",
     "torch_dtype_trace",
     "torch_matmul_flops",
 ]
@@ -242,74 +238,7 @@ def diff_dtype_traces(
     return problems
 
 
-# --- compute dtype: which dtype the matmul/conv FLOPs ran in ----------------------------------
-
-_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
-
-
-def sub_jaxprs(value: Any):
-    """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from sub_jaxprs(item)
-
-
-def _jax_op_flops(eqn: Any) -> int:
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
-    out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
-        # 2 * (every output element) * (contraction length).
-        (contract_lhs, _), _ = eqn.params["dimension_numbers"]
-        contraction = 1
-        for axis in contract_lhs:
-            contraction *= int(lhs.shape[axis])
-        return 2 * int(math.prod(out.shape)) * contraction
-    # conv: 2 * (every output element) * (kernel window x input features per group).
-    rhs_spec = eqn.params["dimension_numbers"].rhs_spec
-    per_output = int(math.prod(rhs.shape)) // int(rhs.shape[rhs_spec[0]])
-    return 2 * int(math.prod(out.shape)) * per_output
-
-
-def jax_matmul_flops(closed_jaxpr: Any) -> dict[str, int]:
-    """FLOPs of every ``dot_general`` / ``conv_general_dilated`` in a jaxpr, by operand dtype.
-
-    Sub-jaxprs (``jit``, ``custom_jvp``/``custom_vjp`` calls, ``remat``, ``cond`` branches,
-    ``while`` bodies) are entered; a ``scan`` body counts ``length`` times (a ``while`` body once:
-    its trip count is not static). An op whose two operands differ in dtype is filed under
-    ``"lhs/rhs"``.
-
-    Args:
-      closed_jaxpr: from ``jax.make_jaxpr(fn)(*args)``.
-
-    Returns:
-      ``{dtype name: FLOPs}`` (multiply-add = 2 FLOPs).
-
-    Examples:
-      >>> jax_matmul_flops(jax.make_jaxpr(jnp.matmul)(jnp.ones((2, 3)), jnp.ones((3, 4))))
-      {'float32': 48}
-    """
-    totals: dict[str, int] = {}
-
-    def visit(jaxpr: Any, times: int) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in _MATMUL_PRIMITIVES:
-                dtypes = [str(v.aval.dtype) for v in eqn.invars[:2]]
-                key = dtypes[0] if dtypes[0] == dtypes[1] else "/".join(dtypes)
-                totals[key] = totals.get(key, 0) + times * _jax_op_flops(eqn)
-                continue
-            inner = (
-                times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
-            )
-            for value in eqn.params.values():
-                for sub in sub_jaxprs(value):
-                    visit(sub, inner)
-
-    visit(closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr, 1)
-    return totals
+# --- compute dtype: torch's matmul/conv FLOPs by dtype (JAX's: `parity.flops`) ----------
 
 
 class _FlopRecorder(TorchDispatchMode):
@@ -364,12 +293,3 @@ def torch_matmul_flops(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int
     with recorder:
         fn(*args, **kwargs)
     return recorder.totals
-
-
-def requested_fraction(flops: dict[str, int], dtype: str) -> float | None:
-    """The fraction of ``flops`` (from :func:`jax_matmul_flops` / :func:`torch_matmul_flops`)
-    whose operands were all ``dtype``; None when there were no matmul FLOPs."""
-    total = sum(flops.values())
-    if total == 0:
-        return None
-    return flops.get(dtype, 0) / total

@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from typing import Any
 
@@ -47,20 +46,14 @@ import torch
 
 from parity.config import RunConfig
 from parity.diagnose import diagnose_pair
-from parity.dtype_trace import requested_fraction
 from parity.records import build_error_record
 from parity.verdicts.rows import Verdict
-from parity.verdicts.sides import Side, as_config, jax_side, pair_mapping, torch_side
+from parity.verdicts.sides import Side, as_config, jax_side
+from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
 from parity.verdicts.tolerance import (
-    LOW_PRECISION_GRADIENT_FACTOR,
-    MIN_COMPUTE_FRACTION,
-    SAFETY,
-    gradient_tolerance,
-    group_errors,
     program_shapes,
-    relative_error,
-    tolerance,
 )
+from parity.verdicts.torch_side import torch_side
 
 __all__ = [
     "Step0Failure",
@@ -134,142 +127,6 @@ class Step0Result:
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "diagnosis_error": self.diagnosis_error,
         }
-
-
-# --- the two sides ------------------------------------------------------------------------------
-
-
-# --- verdicts -----------------------------------------------------------------------------------
-
-
-def _worst(errors: dict[str, float]) -> tuple[str, float] | None:
-    if not errors:
-        return None
-    name = max(errors, key=lambda k: errors[k])
-    return name, errors[name]
-
-
-def _torch_name(pair: Any, flax_key: str) -> str:
-    """``"flax/path (torch name)"`` when the mapping knows the torch parameter."""
-    mapping = pair_mapping(pair)
-    if mapping is None:
-        return flax_key
-    for entry in getattr(mapping, "entries", ()):
-        path = tuple(entry.flax_path)
-        if path and path[0] in ("params", "batch_stats"):
-            path = path[1:]
-        if "/".join(path) == flax_key:
-            return f"{entry.torch_name} (flax {flax_key})"
-    return flax_key
-
-
-def _stage_verdicts(
-    pair, config, stage: str, dtype: str, t: Side, j: Side, shapes: dict[str, tuple[int, int]]
-) -> tuple[list[Verdict], tuple[str, float] | None, tuple[str, float] | None]:
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
-    compared = "jax vs torch, step 0"
-    rows: list[Verdict] = []
-    fwd_fan, fwd_depth = shapes["forward"]
-    grad_fan, grad_depth = shapes["grad"]
-    out_tol = tolerance(dtype, fwd_fan, fwd_depth)
-    grad_tol = gradient_tolerance(dtype, grad_fan, grad_depth)
-    formula = f"band = {SAFETY:g} x depth x (sqrt(fan-in) x u(float32) + u({dtype}))"
-
-    outputs = {
-        "eval logits": relative_error(j.eval_logits, t.eval_logits),
-        "train logits": relative_error(j.train_logits, t.train_logits),
-        "loss": relative_error(j.loss, t.loss),
-    }
-    stat_errors, stat_missing = group_errors(j.stats, t.stats)
-    outputs.update({f"running stats {k}": v for k, v in stat_errors.items()})
-    if stat_missing:
-        outputs.update({f"running stats {k} (only on one side)": math.inf for k in stat_missing})
-    worst_output = _worst(outputs)
-    for check, keys in (
-        ("eval-mode output", ["eval logits"]),
-        ("train-mode output", [k for k in outputs if k != "eval logits"]),
-    ):
-        errs = {k: outputs[k] for k in keys}
-        name, value = _worst(errs)
-        rows.append(
-            Verdict(
-                check=f"step 0 {stage}: {check}",
-                compared=compared,
-                value=value,
-                tolerance=out_tol,
-                passed=bool(value <= out_tol),
-                detail=f"worst: {name} (||jax - torch|| / ||torch||); fan-in {fwd_fan}, depth "
-                f"{fwd_depth}; {formula}",
-                **base,
-            )
-        )
-    grad_errors, grad_missing = group_errors(j.grads, t.grads)
-    for k in grad_missing:
-        grad_errors[k] = math.inf
-    worst_param = _worst(grad_errors)
-    if worst_param is not None:
-        name, value = worst_param
-        rows.append(
-            Verdict(
-                check=f"step 0 {stage}: gradients",
-                compared=compared,
-                value=value,
-                tolerance=grad_tol,
-                passed=bool(value <= grad_tol),
-                detail=f"worst parameter: {_torch_name(pair, name)} of {len(grad_errors)}"
-                + (f"; missing on one side: {grad_missing}" if grad_missing else "")
-                + f"; fan-in {grad_fan}, depth {grad_depth}; {formula}"
-                + (
-                    f", x {LOW_PRECISION_GRADIENT_FACTOR:g} for gradients below float32"
-                    if grad_tol != tolerance(dtype, grad_fan, grad_depth)
-                    else ""
-                ),
-                **base,
-            )
-        )
-        worst_param = (_torch_name(pair, name), value)
-    return rows, worst_output, worst_param
-
-
-def _compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
-    want = config.compute_dtype
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
-    rows = []
-    for framework, flops in (("torch", t.flops), ("jax", j.flops)):
-        fraction = requested_fraction(flops or {}, want)
-        total = sum((flops or {}).values())
-        by_dtype = ", ".join(
-            f"{d} {n / max(total, 1):.0%}" for d, n in sorted((flops or {}).items())
-        )
-        if fraction is None:
-            rows.append(
-                Verdict(
-                    check=f"compute dtype ({framework})",
-                    compared=f"{framework} step 0 matmul/conv FLOPs",
-                    value="no matmul/conv FLOPs",
-                    tolerance=f">= {MIN_COMPUTE_FRACTION:.0%} in {want}",
-                    passed=None,
-                    detail="nothing to judge",
-                    **base,
-                )
-            )
-            continue
-        passed = fraction >= MIN_COMPUTE_FRACTION
-        detail = f"{total / 1e6:.3g} MFLOP forward+backward: {by_dtype}"
-        if not passed:
-            detail += f"; the run asked for {want} but its matmuls ran mostly in other dtypes"
-        rows.append(
-            Verdict(
-                check=f"compute dtype ({framework})",
-                compared=f"{framework} step 0 matmul/conv FLOPs in {want}",
-                value=fraction,
-                tolerance=MIN_COMPUTE_FRACTION,
-                passed=passed,
-                detail=detail,
-                **base,
-            )
-        )
-    return rows
 
 
 _DOWNSTREAM = (
@@ -426,12 +283,12 @@ def check_step0(
                 t = torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
             j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             sides[stage] = (t, j)
-            rows, w_out, w_param = _stage_verdicts(
+            rows, w_out, w_param = stage_verdicts(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes
             )
             verdicts.extend(rows)
             if low:
-                verdicts.extend(_compute_verdicts(stage_config, t, j))
+                verdicts.extend(compute_verdicts(stage_config, t, j))
                 flops = {"torch": t.flops or {}, "jax": j.flops or {}}
             stage_failed = any(v.passed is False for v in verdicts)
             if worst_output is None or (stage_failed and failed_stage is None):

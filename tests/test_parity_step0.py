@@ -19,13 +19,8 @@ import torch
 import jaxamp
 import parity
 from parity.config import RunConfig
-from parity.dtype_trace import (
-    diff_dtype_traces,
-    jax_matmul_flops,
-    requested_fraction,
-    torch_dtype_trace,
-    torch_matmul_flops,
-)
+from parity.dtype_trace import diff_dtype_traces, torch_dtype_trace, torch_matmul_flops
+from parity.flops import jax_matmul_flops, requested_fraction
 from parity.models import ModelPair, get_model_pair
 from parity.step0 import check_step0
 from parity.verdicts.tolerance import (

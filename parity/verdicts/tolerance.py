@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.dtype_trace import sub_jaxprs
+from parity.flops import sub_jaxprs
 from parity.losses import loss_jax
 
 __all__ = [
