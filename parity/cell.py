@@ -31,6 +31,7 @@ from parity.records import (
 )
 from parity.report import write_report
 from parity.step0 import attach_step0, blocked_records, run_step0
+from parity.verdicts.power import judge
 from parity.verdicts.rows import format_verdicts, overall_status
 
 __all__ = ["NOISE_FRAMEWORKS", "calibration_runs", "run_cell", "write_outputs"]
@@ -168,12 +169,13 @@ def write_outputs(
     ``verdicts.json`` and ``report.md`` for every run the folder holds.
 
     Returns:
-      ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"`` or what
-      `parity.verdicts.rows.overall_status` says when nothing was compared.
+      ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"``
+      or ``"NOTHING COMPARED"`` (`parity.verdicts.rows.overall_status`); the rows are
+      `parity.compare.compare_runs`'s with power (`parity.verdicts.power.judge`).
     """
     out = Path(out_dir)
     data = merge_runs(out, runs) if runs is not None else load_results(out)
-    verdicts = compare_runs(data["runs"])
+    verdicts = judge(data["runs"], compare_runs(data["runs"]))
     status = overall_status(verdicts)
     if echo:
         print(format_verdicts(verdicts))

@@ -15,22 +15,29 @@ __all__ = [
     "LOSS_UNIT",
     "TOLERANCES",
     "Verdict",
+    "DECIDING_SEEDS",
+    "POWER_BOUNDS",
+    "WEAK_CHECKS",
     "cell_bottom_lines",
     "compared_pairs",
+    "deciding_command",
     "final_mean",
     "fmt_value",
     "format_verdicts",
+    "is_decisive",
     "loss_floor",
     "overall_status",
+    "power_bound",
     "relative_gaps",
     "run_losses",
     "self_divergence",
+    "verdict_mark",
 ]
 
 
 TOLERANCES = {
     "fp32_first": (10, 1e-4),  # (steps, relative tolerance)
-    "fp32_next": (30, 1e-3),
+    "fp32_next": (30, 1e-3),  # and 1e-3 after step 29 (`parity.verdicts.power.judge`)
     "final_loss_rel": 0.05,
     "final_window": 5,
     "final_loss_floor_frac": 0.01,  # of the first loss: the relative gap's denominator floor
@@ -40,6 +47,21 @@ TOLERANCES = {
     "seed_confidence": 0.95,  # Welch's t-test level
     "seed_accuracy_floor": 0.01,  # absolute floor for accuracy differences
 }
+
+
+# The largest tolerance a check may have and still decide (`Verdict.power` above it: the row is
+# inconclusive, never a pass). Gradients and outputs, compared normwise: a relative error of 1 is
+# what an all-zero result scores, so a band at or above 1 passes a model that computes nothing.
+# Losses, relative: the built-in pairs' losses fall by 30-60% over a 30-40 step run (cross-entropy
+# from ~ln(classes)), so a check blind to 20% cannot tell a model that trains from one that
+# barely does; 20% is also 4x the final-loss band (5%) a correct port is held to.
+POWER_BOUNDS = {"loss": 0.2, "relative error": 1.0}
+
+# Checks that can pass a wrong port whatever their figures: they never make a cell PASS.
+WEAK_CHECKS = ("no divergence", "run completed")
+
+# Data seeds the bottom line asks for when a cell is inconclusive.
+DECIDING_SEEDS = 5
 
 
 LOSS_UNIT = "nats"  # mean cross-entropy
@@ -63,6 +85,11 @@ class Verdict:
       step0_gap: relative loss gap at step 0 (None where not measured).
       absolute: the absolute difference behind `value`, in `unit`.
       unit: unit of `absolute` (``"nats"`` for losses).
+      power: the smallest relative difference the check could have detected (its tolerance for
+        a band, 0 for an exact comparison, the equivalence margin for seed statistics); None
+        where it cannot be stated. A row that would pass with a power above its bound
+        (`POWER_BOUNDS`, `power_bound`) is made inconclusive when built: ``passed`` None, mode
+        ``"inconclusive"``, the reason in `detail`.
 
     Example:
       >>> v = Verdict("mlp", "fp32", "cpu", "per-step loss, steps 0-9", "jax vs torch", 3e-6,
@@ -86,6 +113,28 @@ class Verdict:
     step0_gap: float | None = None
     absolute: float | None = None
     unit: str = ""
+    power: float | None = None
+
+    def __post_init__(self) -> None:
+        # Every row states its power; a pass that could not have failed is no pass (STYLE 18).
+        power = self.power
+        if power is None and isinstance(self.tolerance, int | float):
+            power = float(self.tolerance)
+        elif power is None and self.mode == "exact":
+            power = 0.0
+        object.__setattr__(self, "power", power)
+        bound = power_bound(self.check)
+        if self.passed is True and power is not None and bound is not None and not power <= bound:
+            object.__setattr__(self, "passed", None)
+            object.__setattr__(self, "mode", "inconclusive")
+            object.__setattr__(
+                self,
+                "detail",
+                (self.detail + "; " if self.detail else "")
+                + f"no power: the tolerance {fmt_value(power)} exceeds the bound "
+                f"{fmt_value(bound)} for a {_quantity(self.check)} (a difference up to "
+                f"{fmt_value(power)} would pass), so this row decides nothing",
+            )
 
     @property
     def value_text(self) -> str:
@@ -113,6 +162,51 @@ class Verdict:
         """Reads `to_dict` output (unknown keys are ignored: rows from newer versions load)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _quantity(check: str) -> str:
+    return "loss" if "loss" in check and "loss scale" not in check else "relative error"
+
+
+def power_bound(check: str) -> float | None:
+    """The largest tolerance a check named `check` may have and still decide (`POWER_BOUNDS`):
+    a loss check's (``"loss"`` in its name) 20%, any other relative check's 1.
+
+    Example:
+      >>> power_bound("final loss (mean of last 5)"), power_bound("step 0 fp32: gradients")
+      (0.2, 1.0)
+    """
+    return POWER_BOUNDS[_quantity(check)]
+
+
+def is_decisive(v: Verdict) -> bool:
+    """A passing row that could have failed and looks past step 0: what a PASS needs.
+
+    Step-0 rows (the gate, compute dtype), the weak checks (`WEAK_CHECKS`) and informational
+    rows do not count; neither does a row whose power is above its bound (those are made
+    inconclusive when built).
+    """
+    if v.passed is not True or v.check in WEAK_CHECKS:
+        return False
+    if v.mode == "step 0" or v.check.startswith(("step 0", "compute dtype")):
+        return False
+    return v.power is None or v.power <= (power_bound(v.check) or math.inf)
+
+
+def deciding_command(cell: tuple[str, str, str]) -> str:
+    """The command that decides an inconclusive cell: seed statistics (an equivalence test)
+    and 1-ulp calibration runs, for a built-in model or through `parity.compare_models`.
+
+    Example:
+      >>> deciding_command(("resnet", "fp32", "cpu"))[:60]
+      'python -m parity run --model resnet --precision fp32 --devic'
+    """
+    model, precision, device = cell
+    return (
+        f"python -m parity run --model {model} --precision {precision} --device {device} "
+        f"--noise torch --seeds {DECIDING_SEEDS} --out runs/{model}-{precision}-seeds "
+        f"(your own pair: compare_models(..., noise='torch', seeds={DECIDING_SEEDS}))"
+    )
 
 
 def run_losses(run: Mapping[str, Any]) -> list[float | None]:
@@ -204,8 +298,15 @@ def compared_pairs(verdicts: Iterable[Verdict]) -> set[tuple[str, str, str, str]
 
 
 def overall_status(verdicts: Sequence[Verdict]) -> str:
-    """``"FAIL"`` (a verdict failed), ``"NOTHING COMPARED"`` (no torch/JAX pair was compared),
-    else ``"PASS"``.
+    """The outcome of a set of rows, one of four:
+
+    - ``"FAIL"``: a verdict failed;
+    - ``"NOTHING COMPARED"``: no torch/JAX pair was compared;
+    - ``"PASS"``: nothing failed and every compared cell has a decisive check (`is_decisive`:
+      a pass with power, past step 0);
+    - ``"INCONCLUSIVE"``: nothing failed, but some compared cell has no decisive check (only
+      step 0, rows without power, informational rows): see `cell_bottom_lines` for the
+      command that would decide.
 
     Example:
       >>> overall_status([])
@@ -213,13 +314,31 @@ def overall_status(verdicts: Sequence[Verdict]) -> str:
     """
     if any(v.passed is False for v in verdicts):
         return "FAIL"
-    if not any(v.passed is True for v in verdicts):
-        return "NOTHING COMPARED"
-    return "PASS"
+    compared = {v.cell for v in verdicts if v.mode not in _NOT_COMPARED}
+    if not compared or not any(v.passed is True for v in verdicts):
+        return "NOTHING COMPARED" if not _judged(verdicts) else "INCONCLUSIVE"
+    decided = {v.cell for v in verdicts if is_decisive(v)}
+    return "PASS" if compared <= decided else "INCONCLUSIVE"
+
+
+_NOT_COMPARED = ("nothing compared", "unsupported here")
+
+
+def _judged(verdicts: Sequence[Verdict]) -> bool:
+    """Something was compared and judged, passing or not (inconclusive rows count)."""
+    return any(v.mode == "inconclusive" for v in verdicts)
+
+
+def _why_inconclusive(v: Verdict) -> str:
+    bound = power_bound(v.check)
+    if v.power is not None and bound is not None and v.power > bound:
+        return f"{v.check}: tolerance {fmt_value(v.power)} above the bound {fmt_value(bound)}"
+    return f"{v.check}: undecided"
 
 
 def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str], str]:
-    """One parity sentence per cell: pass/fail and why.
+    """One parity sentence per cell: PASS naming its decisive check, FAIL naming the first
+    failing one, or INCONCLUSIVE naming what lacked power and the command that would decide.
 
     Example:
       >>> cell_bottom_lines([])
@@ -232,6 +351,8 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
     for cell, rows in cells.items():
         failed = [v for v in rows if v.passed is False]
         passed = [v for v in rows if v.passed is True]
+        decisive = [v for v in rows if is_decisive(v)]
+        inconclusive = [v for v in rows if v.mode == "inconclusive"]
         if failed:
             first = failed[0]
             where = (
@@ -244,26 +365,50 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
                 f"{where}{'; ' + first.mode if first.mode else ''}"
                 + (f"; {len(failed) - 1} more failing check(s)" if len(failed) > 1 else "")
             )
-        elif passed:
+        elif decisive:
             modes = sorted({v.mode for v in passed if v.mode and v.mode != "exact"})
+            best = min(decisive, key=lambda v: math.inf if v.power is None else v.power)
             info = [
                 v
                 for v in rows
                 if v.passed is None and v.mode == "informational" and "scale" in v.check
             ]
-            text = f"parity PASS: {len(passed)} checks" + (
-                f", decided by {', '.join(modes)}" if modes else ""
+            text = (
+                f"parity PASS: {len(passed)} checks"
+                + (f", decided by {', '.join(modes)}" if modes else "")
+                + f"; decisive after step 0: {best.check}"
+                + (
+                    f" (could detect a relative difference of {fmt_value(best.power)})"
+                    if best.power is not None
+                    else ""
+                )
             )
+            if inconclusive:
+                text += f"; {len(inconclusive)} check(s) inconclusive (no power)"
             if info:
                 text += (
                     "; the loss-scale trajectory was NOT tested (no skip, no growth: "
                     "informational, not a pass)"
                 )
             out[cell] = text
+        elif passed or inconclusive:
+            lacking = "; ".join(_why_inconclusive(v) for v in inconclusive[:3])
+            out[cell] = (
+                "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
+                + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
+                + f"; to decide: {deciding_command(cell)}"
+            )
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
             out[cell] = "nothing judged (never a pass): " + "; ".join(reasons)[:300]
     return out
+
+
+def verdict_mark(v: Verdict) -> str:
+    """``"pass"``, ``"FAIL"``, ``"inconclusive"`` (no power) or ``"info"``."""
+    if v.passed is None:
+        return "inconclusive" if v.mode == "inconclusive" else "info"
+    return "pass" if v.passed else "FAIL"
 
 
 def format_verdicts(verdicts: list[Verdict]) -> str:
@@ -282,7 +427,6 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
         )
     ]
     for v in verdicts:
-        mark = {True: "pass", False: "FAIL", None: "info"}[v.passed]
         rows.append(
             (
                 v.model,
@@ -293,7 +437,7 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
                 v.value_text,
                 v.tolerance_text,
                 v.mode,
-                mark,
+                verdict_mark(v),
             )
         )
     widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]))]
@@ -305,7 +449,12 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
     for v in failed:
         lines.append(f"FAIL {v.model} {v.precision} {v.check}: {v.detail}")
     status = overall_status(verdicts)
-    lines.append(f"{passed} passed, {len(failed)} failed: {status}")
+    inconclusive = sum(v.mode == "inconclusive" for v in verdicts)
+    lines.append(f"{passed} passed, {len(failed)} failed, {inconclusive} inconclusive: {status}")
+    if status == "INCONCLUSIVE":
+        for cell, text in cell_bottom_lines(verdicts).items():
+            if text.startswith("parity INCONCLUSIVE"):
+                lines.append(f"{' '.join(cell)}: {text}")
     if status == "NOTHING COMPARED":
         lines.append(
             "no torch/JAX pair was compared (need both frameworks with the same data seed)"

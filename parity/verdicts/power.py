@@ -1,0 +1,547 @@
+"""Verdicts with power: what `parity.compare`'s rows could have detected, and what decides
+where they could not.
+
+`judge(runs, verdicts)` takes `parity.compare.compare_runs`'s rows and the run records and
+returns the rows the outputs are written from:
+
+- **Every step judged.** An fp32 run longer than the fixed bands' 30 steps gets a row for the
+  steps after them, at the last band (1e-3), when no calibrated row covers them.
+- **The horizon.** A noise-calibrated per-step row whose tolerance climbs above the loss bound
+  (`parity.verdicts.rows.POWER_BOUNDS`: 20%) is split: the steps up to the horizon (tolerance
+  within the bound) decide; the steps after it are inconclusive, never a pass. The tolerance of
+  each step is `step_tolerances` (the calibrated formula of `parity.compare`).
+- **Seed statistics as an equivalence test.** With K >= 2 data seeds per framework, final loss
+  and the eval metric are decided by a two one-sided tests procedure (TOST, Welch's t,
+  ``alpha = 5%``): PASS when the 90% confidence interval of the difference lies within the
+  margin (`SEED_MARGINS`), FAIL when it lies wholly outside, else INCONCLUSIVE with the number
+  of seeds that would decide. Welch's test of a difference stays as an informational row: not
+  rejecting "equal means" with three seeds proves nothing.
+- **Gradient norm and update norm** (run records' ``grad_norm`` / ``update_norm`` per step,
+  `parity.precision.steps`): judged step by step like the loss, at `SIGNAL_FACTOR` times the
+  loss tolerance of the step, up to the same horizon; an fp16 run's largest |scaled gradient|
+  per parameter names, where skip decisions differ, the parameter that overflowed on each side
+  (`fp16_skip_rows`).
+
+Rows are `parity.verdicts.rows.Verdict`; a row that would pass with a tolerance above its bound
+is made inconclusive where it is built (``Verdict.__post_init__``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from parity.precision.recipes import get_recipe
+from parity.records import run_label, run_seed, run_status
+from parity.verdicts.rows import (
+    LOSS_UNIT,
+    POWER_BOUNDS,
+    TOLERANCES,
+    Verdict,
+    final_mean,
+    fmt_value,
+    loss_floor,
+    relative_gaps,
+    run_losses,
+    self_divergence,
+)
+
+__all__ = [
+    "FP16_FLIP_ULPS",
+    "SEED_MARGINS",
+    "SIGNAL_FACTOR",
+    "equivalence",
+    "fp16_skip_rows",
+    "judge",
+    "step_tolerances",
+]
+
+# Equivalence margins of the seed statistics: final loss relative to the torch mean (the
+# final-loss band a single run is held to), accuracy absolute (2 points: what 5 seeds of the
+# built-in models' synthetic sets resolve; a port that loses 2 points is not equivalent).
+SEED_MARGINS = {"loss": TOLERANCES["final_loss_rel"], "accuracy": 0.02}
+
+# Gradient and update norms move with the loss but amplify rounding more (a norm over every
+# parameter's gradient, each a difference of large terms under BatchNorm): they are held to
+# this many times the loss tolerance of the same step.
+SIGNAL_FACTOR = 10.0
+
+# A skip decision that differs because both sides sat within this many float16 ulps of
+# float16's largest value is a rounding flip, not a port difference.
+FP16_FLIP_ULPS = 4
+FP16_MAX = 65504.0
+
+_STEPS = re.compile(r"^per-step loss, steps (\d+)-(\d+)$")
+
+
+def _band(step: int) -> float:
+    first_stop, first_tol = TOLERANCES["fp32_first"]
+    return first_tol if step < first_stop else TOLERANCES["fp32_next"][1]
+
+
+def step_tolerances(gaps: Sequence[float], envelope: Sequence[float] | None) -> list[float]:
+    """The per-step loss tolerance of `parity.compare`'s trajectory rows: the fixed band of each
+    step, or with a self-divergence `envelope` ``max(band(s), k * min(r * env(s + lag),
+    max env))`` from step 1 on (``r`` rescales the envelope to the step-0 gap).
+
+    Example:
+      >>> step_tolerances([0.0, 0.0], None)
+      [0.0001, 0.0001]
+    """
+    out = []
+    k, lag = TOLERANCES["noise_k"], TOLERANCES["noise_lag"]
+    ratio, saturation = 1.0, 0.0
+    if envelope:
+        env0 = max(envelope[0], TOLERANCES["noise_floor"])
+        saturation = max((e for e in envelope if math.isfinite(e)), default=0.0)
+        step0 = gaps[0] if gaps else None
+        if step0 is not None and math.isfinite(step0) and step0 <= _band(0):
+            ratio = max(1.0, step0 / env0)
+    for s in range(len(gaps)):
+        noise = 0.0
+        if envelope and s > 0:
+            noise = k * min(ratio * envelope[min(s + lag, len(envelope) - 1)], saturation)
+        out.append(max(_band(s), noise))
+    return out
+
+
+def equivalence(
+    xs: Sequence[float], ys: Sequence[float], margin: float, alpha: float = 0.05
+) -> tuple[bool | None, float, float]:
+    """Two one-sided tests (Welch) of ``|mean(ys) - mean(xs)| < margin`` at level `alpha`.
+
+    Returns ``(decision, low, high)``: the ``1 - 2 alpha`` confidence interval of
+    ``mean(ys) - mean(xs)``, and True (inside the margin: equivalent), False (wholly outside:
+    different) or None (undecided: more seeds).
+
+    Example:
+      >>> equivalence([1.0, 1.01, 0.99], [1.0, 1.02, 0.98], margin=0.1)[0]
+      True
+    """
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    if x.std() == 0 and y.std() == 0:
+        low = high = float(y.mean() - x.mean())
+    else:
+        interval = stats.ttest_ind(y, x, equal_var=False).confidence_interval(1 - 2 * alpha)
+        low, high = float(interval.low), float(interval.high)
+    if -margin < low and high < margin:
+        return True, low, high
+    if low >= margin or high <= -margin:
+        return False, low, high
+    return None, low, high
+
+
+def _seeds_needed(xs, ys, margin, alpha=0.05) -> int:
+    """Seeds per framework at which the observed spread and difference would decide."""
+    spread = max(float(np.std(xs, ddof=1)), float(np.std(ys, ddof=1)), 1e-12)
+    room = abs(margin - abs(float(np.mean(ys) - np.mean(xs))))
+    z = stats.norm.ppf(1 - alpha)
+    return max(len(xs) + 1, math.ceil(2 * (z * spread / max(room, 1e-12)) ** 2))
+
+
+def _pairs(runs):
+    """(cell, ref, cand, noise runs, mains, seed groups) as `parity.compare` pairs them."""
+    groups: dict[tuple, list] = {}
+    for run in runs:
+        if run_status(run) in ("unsupported", "error"):
+            continue
+        groups.setdefault((run["model"], run["precision"], run["device"]), []).append(run)
+    for cell, members in sorted(groups.items()):
+        main = [r for r in members if not r.get("variant")]
+        jax_main = [r for r in main if r["framework"] == "jax"]
+        for label in sorted({run_label(r) for r in main if r["framework"] == "torch"}):
+            refs = [r for r in main if run_label(r) == label]
+            seeds = sorted({run_seed(r) for r in refs} & {run_seed(r) for r in jax_main})
+            if not seeds:
+                continue
+            seed = seeds[0]
+            ref = next(r for r in refs if run_seed(r) == seed)
+            cand = next(r for r in jax_main if run_seed(r) == seed)
+            noise = [r for r in members if r.get("variant") == "noise" and run_seed(r) == seed]
+            by_seed = (
+                [next(r for r in refs if run_seed(r) == s) for s in seeds],
+                [next(r for r in jax_main if run_seed(r) == s) for s in seeds],
+            )
+            yield cell, ref, cand, noise, {"torch": ref, "jax": cand}, by_seed
+
+
+def _envelope(noise, mains):
+    envelope = None
+    for run in noise:
+        main = mains.get(run["framework"])
+        env = self_divergence(main, [run]) if main is not None else None
+        if env is None:
+            continue
+        envelope = (
+            env if envelope is None else [max(a, b) for a, b in zip(envelope, env, strict=False)]
+        )
+    return envelope
+
+
+def _base(ref, cand) -> dict[str, Any]:
+    return {
+        "model": ref["model"],
+        "precision": ref["precision"],
+        "device": ref["device"],
+        "compared": f"{run_label(cand)} vs {run_label(ref)}",
+    }
+
+
+def _window_row(base, check, gaps, tolerances, start, stop, bound, what, detail_extra=""):
+    """A per-step row over steps [start, stop): decisive where every tolerance is within
+    `bound`; otherwise the caller splits at the horizon first."""
+    segment = gaps[start:stop]
+    tols = tolerances[start:stop]
+    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    worst = max(range(len(segment)), key=lambda i: (segment[i] / tols[i], segment[i]))
+    judge_i = failing[0] - start if failing else worst
+    return Verdict(
+        check=check,
+        value=segment[judge_i],
+        tolerance=max(tols),
+        passed=not failing,
+        detail=(
+            f"{what}: "
+            + (
+                f"first failing step {failing[0]} ({len(failing)} of {stop - start} fail); "
+                if failing
+                else "no step fails; "
+            )
+            + f"worst step {start + worst}: {fmt_value(segment[worst])} relative against "
+            f"{fmt_value(tols[worst])}; could detect a relative difference of "
+            f"{fmt_value(min(tols))} at its most sensitive step, {fmt_value(max(tols))} at every "
+            f"step (bound {fmt_value(bound)})" + detail_extra
+        ),
+        mode="noise-calibrated" if max(tols) > _band(stop - 1) else "fixed bands",
+        first_failing_step=failing[0] if failing else None,
+        worst_step=start + worst,
+        power=max(tols),
+        **base,
+    )
+
+
+def _beyond_row(base, check, gaps, tolerances, start, stop, bound, what) -> Verdict:
+    segment, tols = gaps[start:stop], tolerances[start:stop]
+    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    return Verdict(
+        check=check,
+        value=max(segment),
+        tolerance=max(tols),
+        passed=False if failing else None,
+        detail=(
+            f"{what} beyond the horizon: the model's own divergence makes the tolerance "
+            f"{fmt_value(min(tols))}-{fmt_value(max(tols))}, above the bound {fmt_value(bound)}"
+            + (
+                f"; yet step {failing[0]} exceeds even that"
+                if failing
+                else ": these steps could not have failed a port bug and decide nothing "
+                "(inconclusive; seed statistics decide: --seeds)"
+            )
+        ),
+        mode="noise-calibrated" if failing else "inconclusive",
+        first_failing_step=failing[0] if failing else None,
+        power=max(tols),
+        **base,
+    )
+
+
+def _trajectory(base, prefix, gaps, tolerances, start, stop, bound, what) -> list[Verdict]:
+    """Rows for steps [start, stop): split at the horizon (the last step whose tolerance is
+    within `bound`, counting from `start`)."""
+    if start >= stop:
+        return []
+    horizon = start
+    while horizon < stop and tolerances[horizon] <= bound:
+        horizon += 1
+    rows = []
+    if horizon > start:
+        label = f"{prefix}, steps {start}-{horizon - 1}"
+        if horizon < stop:
+            label += " (horizon)"
+        rows.append(_window_row(base, label, gaps, tolerances, start, horizon, bound, what))
+    if horizon < stop:
+        rows.append(
+            _beyond_row(
+                base,
+                f"{prefix}, steps {horizon}-{stop - 1} (beyond the horizon)",
+                gaps,
+                tolerances,
+                horizon,
+                stop,
+                bound,
+                what,
+            )
+        )
+    return rows
+
+
+def _signal_gaps(ref, cand, field) -> list[float] | None:
+    a = [s.get(field) for s in ref["steps"]]
+    b = [s.get(field) for s in cand["steps"]]
+    if not any(isinstance(x, int | float) for x in a) or not any(
+        isinstance(x, int | float) for x in b
+    ):
+        return None
+    out = []
+    for x, y, ra, rb in zip(a, b, ref["steps"], cand["steps"], strict=False):
+        if ra.get("skipped") or rb.get("skipped"):
+            out.append(0.0 if ra.get("skipped") == rb.get("skipped") else math.inf)
+        elif x is None or y is None:
+            out.append(math.inf)
+        else:
+            out.append(abs(x - y) / max(abs(x), 1e-30))
+    return out
+
+
+def _is_fp32(run) -> bool:
+    try:
+        return get_recipe(run["precision"]).compute_dtype_name == "float32"
+    except ValueError:
+        return "c=f32" in (run.get("policy") or "")
+
+
+def _trajectory_rows(verdicts, ref, cand, noise, mains):
+    """New per-step rows for one pair; the names of compare's rows they replace; the power
+    (largest tolerance) of compare's per-step rows that stay."""
+    base = _base(ref, cand)
+    bound = POWER_BOUNDS["loss"]
+    ref_l, cand_l = run_losses(ref), run_losses(cand)
+    gaps = relative_gaps(ref_l, cand_l, loss_floor(ref_l))
+    n = len(gaps)
+    envelope = _envelope(noise, mains)
+    tolerances = step_tolerances(gaps, envelope)
+    mine = [
+        v
+        for v in verdicts
+        if v.cell == (base["model"], base["precision"], base["device"])
+        and v.compared == base["compared"]
+    ]
+    rows: list[Verdict] = []
+    replaced: set[str] = set()
+    powered: dict[str, float] = {}
+    covered = -1
+    if _is_fp32(ref) and n:
+        for v in mine:
+            match = _STEPS.match(v.check)
+            if not match:
+                continue
+            start, stop = int(match.group(1)), int(match.group(2)) + 1
+            covered = max(covered, stop - 1)
+            power = max(tolerances[start:stop], default=None)
+            if v.passed is True and power is not None and power > bound:
+                replaced.add(v.check)
+                rows += _trajectory(
+                    base, "per-step loss", gaps, tolerances, start, stop, bound, "loss"
+                )
+            elif v.power is None and power is not None:
+                powered[v.check] = power
+        if covered < n - 1:
+            rows += _trajectory(
+                base, "per-step loss", gaps, tolerances, covered + 1, n, bound, "loss"
+            )
+    for field, name in (("grad_norm", "gradient norm"), ("update_norm", "update norm")):
+        signal = _signal_gaps(ref, cand, field)
+        if signal is None or not n:
+            continue
+        m = min(len(signal), n)
+        if _is_fp32(ref):
+            tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
+        else:  # mixed precision: the final-loss band per step, as a rounding-level check
+            tols = [SIGNAL_FACTOR * TOLERANCES["final_loss_rel"]] * m
+        rows += _trajectory(
+            base,
+            f"per-step {name}",
+            signal[:m],
+            tols,
+            0,
+            m,
+            POWER_BOUNDS["relative error"],
+            f"{name} (unscaled, before clipping; {SIGNAL_FACTOR:g} x the loss tolerance)"
+            if field == "grad_norm"
+            else f"{name} (||params after - params before||)",
+        )
+    return rows, replaced, powered
+
+
+def _seed_rows(cell, refs, cands) -> list[Verdict]:
+    base = {
+        "model": cell[0],
+        "precision": cell[1],
+        "device": cell[2],
+        "compared": f"{run_label(cands[0])} vs {run_label(refs[0])}, "
+        f"{len(refs)}+{len(cands)} seeds",
+    }
+    window = TOLERANCES["final_window"]
+    name = refs[0]["summary"].get("eval_metric_name", "metric")
+    rows = []
+    for label, get, kind in (
+        ("final loss", lambda r: final_mean(run_losses(r), window), "loss"),
+        (f"eval {name}", lambda r: r["summary"].get("eval_metric"), name),
+    ):
+        xs, ys = [get(r) for r in refs], [get(r) for r in cands]
+        if any(v is None for v in xs + ys):
+            continue  # compare's Welch row already says which value is missing
+        if kind == "accuracy":
+            margin, relative = SEED_MARGINS["accuracy"], None
+        else:
+            scale = abs(float(np.mean(xs))) or 1.0
+            relative = SEED_MARGINS["loss"]
+            margin = relative * scale
+        decision, low, high = equivalence(xs, ys, margin)
+        unit = "" if kind == "accuracy" else f" {LOSS_UNIT}"
+        detail = (
+            f"TOST (two one-sided Welch tests, alpha 5%): the 90% interval of the difference "
+            f"is [{low:.3g}, {high:.3g}]{unit} against the margin +-{margin:.3g}{unit}"
+            + (f" ({relative:.0%} of the torch mean)" if relative is not None else " (absolute)")
+            + f"; torch {np.mean(xs):.4g}, jax {np.mean(ys):.4g} over {len(xs)} seeds"
+        )
+        if decision is None:
+            detail += (
+                f"; undecided: about {_seeds_needed(xs, ys, margin)} seeds per framework "
+                "would decide at this spread (--seeds N)"
+            )
+        elif decision is False:
+            detail += "; the frameworks differ by more than the margin"
+        rows.append(
+            Verdict(
+                check=f"{label} over seeds (equivalence)",
+                value=max(abs(low), abs(high)),
+                tolerance=f"+-{margin:.3g}{unit}"
+                + (f" ({relative:.0%} of torch's mean)" if relative is not None else ""),
+                passed=decision,
+                detail=detail,
+                mode="seed statistics" if decision is not None else "inconclusive",
+                absolute=abs(float(np.mean(ys) - np.mean(xs))),
+                unit=unit.strip(),
+                power=relative if relative is not None else margin,
+                **base,
+            )
+        )
+    return rows
+
+
+def fp16_skip_rows(ref, cand) -> list[Verdict]:
+    """Where two fp16 runs' skip decisions first differ: the parameter that overflowed on the
+    skipping side, the other side's largest |scaled gradient| of it against float16's maximum,
+    and whether that is a rounding flip (within `FP16_FLIP_ULPS` ulps of the maximum).
+
+    Needs the runs' per-step ``max_scaled_grad`` ({parameter: largest |scaled gradient|},
+    null where non-finite); [] without it or without a difference.
+    """
+    n = min(len(ref["steps"]), len(cand["steps"]))
+    rows = []
+    for i in range(n):
+        a, b = ref["steps"][i], cand["steps"][i]
+        if bool(a.get("skipped")) == bool(b.get("skipped")):
+            continue
+        skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
+        maxima_s = skipper["steps"][i].get("max_scaled_grad")
+        maxima_o = other["steps"][i].get("max_scaled_grad")
+        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
+            return rows
+        overflowed = sorted(k for k, v in maxima_s.items() if v is None)
+        largest = max(
+            (v for v in maxima_o.values() if isinstance(v, int | float)), default=math.nan
+        )
+        threshold = FP16_MAX * (1 - FP16_FLIP_ULPS * 2.0**-11)
+        flip = math.isfinite(largest) and largest >= threshold
+        rows.append(
+            Verdict(
+                check=f"fp16 skip at step {i}",
+                value=largest / FP16_MAX if math.isfinite(largest) else math.inf,
+                tolerance=f">= 1 - {FP16_FLIP_ULPS} ulps of float16 max",
+                passed=None,
+                detail=(
+                    f"{run_label(skipper)} skipped: non-finite gradient of "
+                    f"{', '.join(overflowed[:3]) or 'no parameter (an intermediate overflowed)'}; "
+                    f"{run_label(other)} applied the step, its largest |scaled gradient| "
+                    f"{fmt_value(largest)} = {fmt_value(largest / FP16_MAX)} of float16's max"
+                    + (
+                        ": a rounding flip (both sides at the threshold), not a port difference"
+                        if flip
+                        else ": not at the threshold, so the sides' gradients differ"
+                    )
+                ),
+                mode="informational" if flip else "exact",
+                first_failing_step=i,
+                power=0.0,
+                **_base(ref, cand),
+            )
+        )
+        break
+    return rows
+
+
+def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """`parity.compare.compare_runs`'s rows with power: the horizon split, every step covered,
+    seed equivalence, gradient/update norms and fp16 skip explanations (module docstring).
+
+    Example:
+      >>> judge([], [])
+      []
+    """
+    out = list(verdicts)
+    for cell, ref, cand, noise, mains, (refs, cands) in _pairs(runs):
+        if ref["summary"].get("error") or cand["summary"].get("error"):
+            continue
+        new, replaced, powered = _trajectory_rows(out, ref, cand, noise, mains)
+        compared = f"{run_label(cand)} vs {run_label(ref)}"
+        out = [
+            dataclasses.replace(v, power=powered[v.check])
+            if v.cell == cell and v.compared == compared and v.check in powered
+            else v
+            for v in out
+        ]
+        if len(refs) >= 2:
+            seed_compared = f"{compared}, {len(refs)}+{len(cands)} seeds"
+            out = [
+                dataclasses.replace(
+                    v,
+                    passed=None,
+                    mode="informational",
+                    detail=v.detail + "; a difference test that does not reject proves "
+                    "nothing: the equivalence row decides",
+                )
+                if v.cell == cell and v.compared == seed_compared and "Welch" in v.check
+                else v
+                for v in out
+            ]
+            new += _seed_rows(cell, refs, cands)
+        explained = fp16_skip_rows(ref, cand)
+        new += explained
+        if explained and explained[0].mode == "informational":  # a rounding flip
+            flip = explained[0].first_failing_step
+            out = [
+                dataclasses.replace(
+                    v,
+                    passed=None,
+                    mode="informational",
+                    detail=f"{v.detail}; explained: a rounding flip at step {flip} (both sides "
+                    "at float16's threshold); the scales part there, and the final-loss row "
+                    "decides",
+                )
+                if v.cell == cell
+                and v.compared == compared
+                and v.check in ("loss-scale trajectory", "skip decisions")
+                and v.first_failing_step == flip
+                else v
+                for v in out
+            ]
+        kept = [
+            v
+            for v in out
+            if not (v.cell == cell and v.compared == compared and v.check in replaced)
+        ]
+        # New rows go after the pair's last row.
+        last = max(
+            (i for i, v in enumerate(kept) if v.cell == cell and v.compared.startswith(compared)),
+            default=len(kept) - 1,
+        )
+        out = kept[: last + 1] + new + kept[last + 1 :]
+    return out
