@@ -399,6 +399,14 @@ class FlaxModel:
         stats = _nnx_stats(model) if train and "batch_stats" in variables else None
         return output_logits(out, "flax"), stats
 
+    def call_kwargs(self, inputs: Any, train: bool) -> dict[str, Any]:
+        """The keyword arguments `apply` passes to the module's ``__call__`` besides the inputs
+        (train flags, masks, positions, ``flax_kwargs``): for callers that run the module
+        themselves (the automatic mapping records which layers it calls)."""
+        if self.kind == "nnx":
+            return self._kwargs_nnx(self.module, inputs, train)
+        return self._kwargs(inputs, train)
+
     def _kwargs_nnx(self, model, inputs, train):
         extra = self._extra(inputs)
         parameters = _call_parameters(type(model).__call__)

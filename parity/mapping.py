@@ -372,6 +372,9 @@ class MappingEntry:
         gradients alike.
       torch_module: the owning torch module, e.g. ``"blocks.0.attn.c_attn"``.
       flax_module: the owning Flax module path without the collection.
+      decided_by: how the automatic mapping paired the layers (``"name"``, ``"execution
+        order"``, ``"function"``, ``"only candidate"``, ``"rule"``); ``""`` for a mapping
+        written by hand.
     """
 
     torch_name: str
@@ -379,16 +382,20 @@ class MappingEntry:
     transform: str
     torch_module: str
     flax_module: tuple[str, ...]
+    decided_by: str = ""
 
     def to_dict(self) -> dict:
         """JSON-able form."""
-        return {
+        out = {
             "torch_name": self.torch_name,
             "flax_path": list(self.flax_path),
             "transform": self.transform,
             "torch_module": self.torch_module,
             "flax_module": list(self.flax_module),
         }
+        if self.decided_by:
+            out["decided_by"] = self.decided_by
+        return out
 
 
 def _state_dict_of(torch_module_or_state_dict: Any) -> Mapping[str, Any]:
@@ -688,6 +695,7 @@ class WeightMapping:
                         transform=str(row["transform"]),
                         torch_module=str(row.get("torch_module", "")),
                         flax_module=tuple(str(p) for p in row.get("flax_module", ())),
+                        decided_by=str(row.get("decided_by", "")),
                     )
                 )
             except (KeyError, TypeError) as e:

@@ -53,12 +53,13 @@ from torch import nn
 
 # The automatic mapping is part of this module's public face (`parity.transfer.auto`); it lives in
 # parity.automap, beside the layer layouts it builds on (parity.layer_entries).
-from parity.automap import TransferError, auto, validate_variables
+from parity.automap import TransferError, auto, explain, validate_variables
 from parity.layer_entries import LSTM_GATES
 
 __all__ = [
     "TransferError",
     "auto",
+    "explain",
     "validate_variables",
     "attention_from_flax",
     "attention_to_flax",

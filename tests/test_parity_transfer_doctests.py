@@ -13,7 +13,9 @@ pytest.importorskip("torch")
 _MODULES = (
     "parity.mapping",
     "parity.variables",
-    "parity.automap",
+    "parity.automap.core",
+    "parity.automap.explain",
+    "parity.automap.validate",
     "parity.adapters",
     "parity.models.nnx_layers",
 )

@@ -1,12 +1,10 @@
-"""Automatic weight mapping: a torch module's ``state_dict`` onto a Flax variable tree.
+"""The pieces the automatic mapping matches: torch layer units, Flax module nodes, and the
+entries a unit would give on a node.
 
-`auto` matches torch layers to Flax modules by module structure and names, then by layer type,
-shape and order, with the layouts of `parity.transfer` (Linear, ConvNd incl. grouped and
-transposed, LayerNorm, RMSNorm, GroupNorm, BatchNorm with running statistics, Embedding,
-LSTM/GRU gates, multi-head attention with fused or separate q/k/v, Hugging Face's ``Conv1D``),
-tied weights (mapped once) and buffers. It returns a `parity.mapping.WeightMapping` and checks
-that torch -> Flax -> torch gives every tensor back bit for bit. `validate_variables` checks a
-transfer's result against the Flax module's own initialisation before any training step.
+A torch *unit* is one layer with weights (a Linear, a Conv, a BatchNorm with its running
+statistics, one layer of an LSTM/GRU, a MultiheadAttention); a Flax *node* is one module path of
+the variable tree. `propose` says whether a unit fits a node (same leaves, same shapes through
+the layouts of `parity.layer_entries`) and with which `parity.mapping.MappingEntry` rows.
 """
 
 from __future__ import annotations
@@ -24,16 +22,24 @@ from torch import nn
 
 from parity import layer_entries as layouts
 from parity.mapping import (
-    TRANSFORM_OPS,
     MappingEntry,
     MappingError,
-    WeightMapping,
     layer_entries,
     transform_shape,
 )
-from parity.variables import as_variables, flatten_variables
 
-__all__ = ["TransferError", "auto", "validate_variables"]
+__all__ = [
+    "FlaxNode",
+    "TorchUnit",
+    "TransferError",
+    "canonical",
+    "flax_nodes",
+    "natural_key",
+    "parse_rule",
+    "propose",
+    "torch_units",
+    "trace_flatten",
+]
 
 
 class TransferError(MappingError):
@@ -43,7 +49,7 @@ class TransferError(MappingError):
 # --- names ------------------------------------------------------------------------------------
 
 
-def _canonical(parts) -> tuple[str, ...]:
+def canonical(parts) -> tuple[str, ...]:
     """``blocks_0`` / ``blocks.0`` / ``("blocks", 0)`` -> ``("blocks", "0")``; lowercase."""
     out: list[str] = []
     for part in parts:
@@ -58,7 +64,7 @@ def _canonical(parts) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _natural_key(path: tuple[str, ...]):
+def natural_key(path: tuple[str, ...]):
     return [[int(t) if t.isdigit() else t for t in re.split(r"(\d+)", part)] for part in path]
 
 
@@ -66,7 +72,7 @@ def _natural_key(path: tuple[str, ...]):
 
 
 @dataclasses.dataclass
-class _TorchUnit:
+class TorchUnit:
     name: str  # torch module name (virtual "name.l{k}" for stacked LSTM/GRU layers)
     kind: str
     module: nn.Module
@@ -113,7 +119,7 @@ def _kind(module: nn.Module) -> str:
     return "generic"
 
 
-def _torch_units(model: nn.Module) -> tuple[list[_TorchUnit], dict[str, str]]:
+def torch_units(model: nn.Module) -> tuple[list[TorchUnit], dict[str, str]]:
     """Layer units in registration order, and aliases (tied tensors: alias key -> canonical key)."""
     state = model.state_dict(keep_vars=True)
     seen: dict[int, str] = {}
@@ -123,7 +129,7 @@ def _torch_units(model: nn.Module) -> tuple[list[_TorchUnit], dict[str, str]]:
             aliases[key] = seen[id(tensor)]
         else:
             seen[id(tensor)] = key
-    units: list[_TorchUnit] = []
+    units: list[TorchUnit] = []
     claimed: set[str] = set()
     for name, module in model.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed):
@@ -156,11 +162,11 @@ def _torch_units(model: nn.Module) -> tuple[list[_TorchUnit], dict[str, str]]:
                     }
                     unit_name = name if module.num_layers == 1 else f"{name}.{layer}"
                     units.append(
-                        _TorchUnit(unit_name, kind, module, tensors, layer, module_name=name)
+                        TorchUnit(unit_name, kind, module, tensors, layer, module_name=name)
                     )
                 continue
         units.append(
-            _TorchUnit(
+            TorchUnit(
                 name, kind, module, {k: tuple(v.shape) for k, v in local.items()}, module_name=name
             )
         )
@@ -212,7 +218,7 @@ def _flattened_shape(x: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
-def _trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int, ...]]:
+def trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int, ...]]:
     """Linear layers fed by ``flatten`` of a channels-first map: name -> (C, *spatial)."""
     last: dict[str, Any] = {}
     found: dict[str, tuple[int, ...]] = {}
@@ -271,7 +277,7 @@ def _trace_flatten(model: nn.Module, example_inputs: Any) -> dict[str, tuple[int
 
 
 @dataclasses.dataclass
-class _FlaxNode:
+class FlaxNode:
     path: tuple[str, ...]  # module path, no collection
     direct: dict[tuple[str, ...], tuple[int, ...]]  # (collection, leaf) -> shape
     subtree: dict[tuple[str, ...], tuple[int, ...]]  # (collection, *relative path) -> shape
@@ -282,24 +288,24 @@ class _FlaxNode:
         return f"{'/'.join(self.path) or '<root>'}: {shapes}"
 
 
-def _flax_nodes(flat: Mapping[tuple[str, ...], Any]) -> dict[tuple[str, ...], _FlaxNode]:
-    nodes: dict[tuple[str, ...], _FlaxNode] = {}
+def flax_nodes(flat: Mapping[tuple[str, ...], Any]) -> dict[tuple[str, ...], FlaxNode]:
+    nodes: dict[tuple[str, ...], FlaxNode] = {}
     for full, value in flat.items():
         collection, *rest = full
         module, leaf = tuple(rest[:-1]), rest[-1]
         shape = tuple(int(d) for d in np.shape(value))
         for depth in range(len(module) + 1):
             path = module[:depth]
-            node = nodes.setdefault(path, _FlaxNode(path, {}, {}))
+            node = nodes.setdefault(path, FlaxNode(path, {}, {}))
             node.subtree[(collection, *module[depth:], leaf)] = shape
         nodes[module].direct[(collection, leaf)] = shape
-    return dict(sorted(nodes.items(), key=lambda item: _natural_key(item[0])))
+    return dict(sorted(nodes.items(), key=lambda item: natural_key(item[0])))
 
 
 # --- proposals: the entries a torch unit would give on a Flax node ----------------------------
 
 
-def _fits(entries: list[MappingEntry], unit: _TorchUnit, node_leaves, node: _FlaxNode) -> bool:
+def _fits(entries: list[MappingEntry], unit: TorchUnit, node_leaves, node: FlaxNode) -> bool:
     produced: dict[tuple[str, ...], tuple[int, ...]] = {}
     for entry in entries:
         if entry.torch_name not in unit.tensors:
@@ -340,7 +346,7 @@ def _layer_entries(unit, path, rows):
     return layer_entries(unit.name, path, rows)
 
 
-def _variants(unit: _TorchUnit, node: _FlaxNode) -> list[list[MappingEntry]]:
+def _variants(unit: TorchUnit, node: FlaxNode) -> list[list[MappingEntry]]:
     module, path = unit.module, node.path
     if unit.kind == "linear":
         return _linear_variants(unit, node)
@@ -408,22 +414,22 @@ def _retarget(entries, unit):
     return [dataclasses.replace(e, torch_module=unit.name) for e in entries]
 
 
-def _leaves(node: _FlaxNode):
+def _leaves(node: FlaxNode):
     """A module with leaves of its own is a layer; one without, a composite (MHA, LSTM cell)."""
     return node.direct if node.direct else node.subtree
 
 
-def _signature(node: _FlaxNode):
+def _signature(node: FlaxNode):
     return tuple(sorted(_leaves(node).items()))
 
 
-def _allowed(unit: _TorchUnit, node: _FlaxNode) -> bool:
+def _allowed(unit: TorchUnit, node: FlaxNode) -> bool:
     if node.direct:
         return unit.kind not in ("mha", "gru")
     return unit.kind in ("mha", "lstm", "gru")
 
 
-def _propose(unit: _TorchUnit, node: _FlaxNode) -> list[MappingEntry] | None:
+def propose(unit: TorchUnit, node: FlaxNode) -> list[MappingEntry] | None:
     leaves = _leaves(node)
     if not leaves or not _allowed(unit, node):
         return None
@@ -443,7 +449,7 @@ def _propose(unit: _TorchUnit, node: _FlaxNode) -> list[MappingEntry] | None:
 # --- rules ------------------------------------------------------------------------------------
 
 
-def _parse_rule(key, value, flat) -> MappingEntry | None:
+def parse_rule(key, value, flat) -> MappingEntry | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -469,314 +475,3 @@ def _parse_rule(key, value, flat) -> MappingEntry | None:
         transform = "identity"
     module = key.rsplit(".", 1)[0] if "." in key else ""
     return MappingEntry(key, parts, transform, module, parts[1:-1])
-
-
-# --- auto -------------------------------------------------------------------------------------
-
-
-def auto(
-    torch_module: nn.Module,
-    flax_variables: Any,
-    *,
-    rules: Mapping[str, Any] | None = None,
-    example_inputs: Any = None,
-    check: bool = True,
-) -> WeightMapping:
-    """Maps a torch module's ``state_dict`` onto a Flax variable tree, layer by layer.
-
-    Matching, in this order: explicit `rules`; layers whose names agree (``blocks.0.fc`` =
-    ``blocks_0/fc`` = NNX ``blocks/0/fc``; a common prefix such as ``model.`` may be missing on
-    one side); then the rest by layer type, shape and order (torch registration order, Flax
-    module paths in natural order). Every torch parameter, every BatchNorm running statistic and
-    every Flax leaf must be matched exactly once; other torch buffers (masks, counters) are left
-    out. Tied torch weights (one tensor under two names) map once.
-
-    Args:
-      torch_module: the torch model.
-      flax_variables: linen variables (``{"params": ..., "batch_stats": ...}``), a bare params
-        dict, an ``nnx.Module`` / ``nnx.State``, or a Hugging Face Flax model.
-      rules: explicit entries, ``{"torch.state_dict.key": ("flax/path/leaf", "transform")}``
-        (the collection may be omitted for ``params``; a bare ``"flax/path"`` means
-        ``"identity"``; ``None`` leaves that torch tensor out). Transforms: see
-        `parity.mapping` (``identity``, ``linear``, ``conv``, ``chunk(0,1,3)|linear`` ...).
-      example_inputs: torch-side inputs (a tensor, tuple or kwargs dict). With convolutions
-        followed by a Linear they are needed to see whether the Linear reads a flattened
-        NCHW map (its rows are then permuted to the NHWC order Flax flattens in).
-      check: run the torch -> Flax -> torch round-trip check (bit-exact).
-
-    Returns:
-      A `parity.mapping.WeightMapping`.
-
-    Raises:
-      TransferError: unmatched or ambiguous tensors/leaves, listed with shapes, and how to pass
-        rules for them.
-
-    Example:
-      >>> import flax.linen as fnn, jax, jax.numpy as jnp
-      >>> t = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-      >>> class F(fnn.Module):
-      ...     @fnn.compact
-      ...     def __call__(self, x):
-      ...         hidden = fnn.relu(fnn.Dense(8)(x))  # Dense_0
-      ...         return fnn.Dense(2)(hidden)  # Dense_1
-      >>> variables = F().init(jax.random.key(0), jnp.zeros((1, 4)))
-      >>> mapping = auto(t, variables)
-      >>> [(e.torch_name, "/".join(e.flax_path), e.transform) for e in mapping.entries][:2]
-      [('0.weight', 'params/Dense_0/kernel', 'linear'), ('0.bias', 'params/Dense_0/bias', 'identity')]
-    """
-    if not isinstance(torch_module, nn.Module):
-        raise TypeError(
-            f"auto: `torch_module` must be a torch.nn.Module, got {type(torch_module).__name__}."
-        )
-    variables = as_variables(flax_variables)
-    flat = flatten_variables(variables)
-    units, aliases = _torch_units(torch_module)
-    state_keys = set(torch_module.state_dict(keep_vars=True))
-
-    entries: list[MappingEntry] = []
-    used_leaves: set[tuple[str, ...]] = set()
-    ruled: set[str] = set()
-    for key, value in dict(rules or {}).items():
-        if key not in state_keys:
-            close = difflib.get_close_matches(key, sorted(state_keys), n=1)
-            raise TransferError(
-                f"rules: {key!r} is not a key of the torch state_dict"
-                + (f"; closest: {close[0]!r}" if close else "")
-                + "."
-            )
-        ruled.add(aliases.get(key, key))
-        entry = _parse_rule(key, value, flat)
-        if entry is not None:
-            transform_shape(entry.transform, tuple(torch_module.state_dict()[key].shape))
-            entries.append(entry)
-            used_leaves.add(entry.flax_path)
-
-    # Units fully covered by rules drop out; partially covered keep their other tensors.
-    remaining_units = []
-    for unit in units:
-        unit.tensors = {k: v for k, v in unit.tensors.items() if k not in ruled}
-        if unit.tensors:
-            remaining_units.append(unit)
-    units = remaining_units
-    free_flat = {k: v for k, v in flat.items() if k not in used_leaves}
-    nodes = _flax_nodes(free_flat)
-
-    # Linear after flatten of a channels-first map: permuted rows.
-    has_maps = any(
-        u.kind in ("conv", "conv_transpose") and u.module.weight.dim() >= 4 for u in units
-    )
-    if example_inputs is not None:
-        for name, chw in _trace_flatten(torch_module, example_inputs).items():
-            for unit in units:
-                if unit.kind == "linear" and unit.name == name:
-                    unit.chw = chw
-    elif has_maps:
-        suspects = [
-            u.name
-            for u in units
-            if u.kind == "linear"
-            and any(
-                c.kind == "conv"
-                and u.module.in_features % c.module.out_channels == 0
-                and u.module.in_features > c.module.out_channels
-                for c in units
-            )
-        ]
-        if suspects:
-            raise TransferError(
-                f"auto: the torch model has convolutions and Linear layer(s) {suspects} that may read "
-                "a flattened NCHW feature map (Flax flattens NHWC: the rows must be permuted). "
-                "Pass `example_inputs=` (a torch-layout batch) so auto can trace it, or a rule such "
-                f"as rules={{'{suspects[0]}.weight': ('<flax path>/kernel', 'linear|chw(C,H,W)')}}."
-            )
-
-    matched: dict[int, list[MappingEntry]] = {}
-    taken: set[tuple[str, ...]] = set()
-
-    def free(node: _FlaxNode) -> bool:
-        path = node.path
-        if any(path[: len(t)] == t for t in taken):  # taken itself or inside a taken module
-            return False
-        return bool(node.direct) or not any(t[: len(path)] == path for t in taken)
-
-    def take(index: int, unit: _TorchUnit, node: _FlaxNode, proposal) -> None:
-        matched[index] = proposal
-        taken.add(node.path)
-
-    canon_nodes: dict[tuple[str, ...], list[_FlaxNode]] = {}
-    for node in nodes.values():
-        canon_nodes.setdefault(_canonical(node.path), []).append(node)
-
-    # 1. names equal; 2. one name a suffix of the other (a wrapper prefix on one side)
-    for suffix in (False, True):
-        for index, unit in enumerate(units):
-            if index in matched:
-                continue
-            name = _canonical([unit.name])
-            candidates = []
-            for canon, group in canon_nodes.items():
-                same = canon == name
-                if suffix and not same and canon and name:
-                    short, long = sorted((canon, name), key=len)
-                    # A bare index ("0") is no name: leave it to type, shape and order.
-                    named = any(not part.isdigit() for part in short)
-                    same = named and long[len(long) - len(short) :] == short
-                if same:
-                    candidates += group
-            fits = []
-            for node in candidates:
-                if not free(node):
-                    continue
-                proposal = _propose(unit, node)
-                if proposal is not None:
-                    fits.append((node, proposal))
-            if len(fits) == 1:
-                take(index, unit, *fits[0])
-
-    # 3. type, shape, order
-    ambiguous: list[str] = []
-    for index, unit in enumerate(units):
-        if index in matched:
-            continue
-        options = [
-            (node, proposal)
-            for node in nodes.values()
-            if free(node) and (proposal := _propose(unit, node)) is not None
-        ]
-        if not options:
-            continue
-        first = options[0][0]
-        signature = _signature(first)
-        same_nodes = [n for n in nodes.values() if free(n) and _signature(n) == signature]
-        rivals = [j for j, other in enumerate(units) if j not in matched and _propose(other, first)]
-        if len(rivals) != len(same_nodes):
-            ambiguous.append(
-                f"{unit.describe()}: {len(rivals)} torch layer(s) of this type and shape but "
-                f"{len(same_nodes)} Flax module(s) ({', '.join('/'.join(n.path) for n in same_nodes[:4])})"
-            )
-            continue
-        take(index, unit, *options[0])
-
-    # Hugging Face Conv1D with a square weight: orientation from the model's other Conv1D layers.
-    orientations = {
-        e.transform
-        for index, proposal in matched.items()
-        if units[index].kind == "hf_conv1d"
-        for e in proposal
-        if e.torch_name.endswith("weight") and e.transform in ("identity", "linear")
-    }
-    for index, proposal in list(matched.items()):
-        if any(e.transform == "?conv1d" for e in proposal):
-            if len(orientations) != 1:
-                ambiguous.append(
-                    f"{units[index].describe()}: square Conv1D weight and no non-square Conv1D "
-                    "to tell whether the Flax kernel is (in, out) or transposed"
-                )
-                del matched[index]
-                continue
-            (orientation,) = orientations
-            matched[index] = [
-                dataclasses.replace(e, transform=orientation) if e.transform == "?conv1d" else e
-                for e in proposal
-            ]
-
-    for index in sorted(matched):
-        entries += matched[index]
-    covered_leaves = {e.flax_path for e in entries}
-    unmatched_torch = [u for i, u in enumerate(units) if i not in matched]
-    unmatched_flax = [path for path in flat if path not in covered_leaves]
-    if unmatched_torch or unmatched_flax or ambiguous:
-        raise TransferError(_report(unmatched_torch, unmatched_flax, flat, ambiguous))
-    mapping = WeightMapping(tuple(entries))
-    if check:
-        mapping.check_round_trip(torch_module)
-    return mapping
-
-
-def _report(unmatched_torch, unmatched_flax, flat, ambiguous) -> str:
-    lines = ["auto: the torch state_dict and the Flax variables do not match one to one."]
-    if unmatched_torch:
-        lines.append("Unmatched torch layers (state_dict key shape):")
-        lines += [f"  {u.describe()}" for u in unmatched_torch]
-    if unmatched_flax:
-        lines.append("Unmatched Flax leaves (path shape):")
-        lines += [f"  {'/'.join(p)} {tuple(np.shape(flat[p]))}" for p in unmatched_flax]
-    if ambiguous:
-        lines.append("Ambiguous:")
-        lines += [f"  {a}" for a in ambiguous]
-    example_torch = next(iter(unmatched_torch[0].tensors)) if unmatched_torch else "layer.weight"
-    example_flax = "/".join(unmatched_flax[0]) if unmatched_flax else "params/Dense_0/kernel"
-    lines.append(
-        "Fix: make the layer names or shapes agree, or pass explicit rules, e.g. "
-        f"auto(model, variables, rules={{{example_torch!r}: ({example_flax!r}, 'linear')}}) "
-        f"(transforms: {', '.join(sorted(TRANSFORM_OPS))}; ops join with '|'; a rule value None "
-        "leaves a torch tensor out)."
-    )
-    return "\n".join(lines)
-
-
-# --- validation -------------------------------------------------------------------------------
-
-
-def validate_variables(variables: Any, reference: Any, *, check_dtype: bool = True) -> None:
-    """Checks a transfer's result against the Flax model's own variables before training.
-
-    Args:
-      variables: what the transfer produced (any form `parity.variables.as_variables` takes).
-      reference: the Flax module's own variables (``module.init`` output, ``jax.eval_shape`` of
-        it, or an ``nnx.Module``): the names, shapes and dtypes that must be there.
-      check_dtype: also compare dtypes.
-
-    Raises:
-      TransferError: every missing, extra, mis-shaped or mis-typed leaf, named, with the fix.
-
-    Example:
-      >>> validate_variables({"params": {"fc": {"kernel": np.zeros((2, 3), np.float32)}}},
-      ...                    {"params": {"fc": {"kernel": np.zeros((2, 3), np.float32)}}})
-    """
-    got = flatten_variables(as_variables(variables))
-    want = flatten_variables(as_variables(reference))
-    problems = []
-    missing = [p for p in want if p not in got]
-    extra = [p for p in got if p not in want]
-    missing_collections = sorted({p[0] for p in missing} - {p[0] for p in got})
-    for collection in missing_collections:
-        hint = (
-            " (BatchNorm running statistics: the transfer must return them too, e.g. "
-            "batchnorm_to_flax's second value, or use parity.transfer.auto)"
-            if collection == "batch_stats"
-            else ""
-        )
-        problems.append(f"collection {collection!r} is missing{hint}")
-    for path in missing:
-        if path[0] in missing_collections:
-            continue
-        close = difflib.get_close_matches("/".join(path), ["/".join(p) for p in extra], n=1)
-        problems.append(
-            f"missing {'/'.join(path)} {tuple(np.shape(want[path]))}"
-            + (f" (the transfer has {close[0]!r})" if close else "")
-        )
-    for path in extra:
-        problems.append(
-            f"extra {'/'.join(path)} {tuple(np.shape(got[path]))} (not in the Flax model)"
-        )
-    for path in want:
-        if path not in got:
-            continue
-        have, need = tuple(np.shape(got[path])), tuple(np.shape(want[path]))
-        if have != need:
-            problems.append(f"shape of {'/'.join(path)}: {have}, the Flax model has {need}")
-        elif check_dtype:
-            have_dtype = np.dtype(getattr(got[path], "dtype", np.asarray(got[path]).dtype))
-            need_dtype = np.dtype(getattr(want[path], "dtype", np.asarray(want[path]).dtype))
-            if have_dtype != need_dtype:
-                problems.append(
-                    f"dtype of {'/'.join(path)}: {have_dtype}, the Flax model has {need_dtype}"
-                )
-    if problems:
-        raise TransferError(
-            "the transferred variables do not fit the Flax model:\n  "
-            + "\n  ".join(problems)
-            + "\nFix the transfer (or pass none: compare_models then maps the weights with "
-            "parity.transfer.auto)."
-        )
