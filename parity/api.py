@@ -32,15 +32,18 @@ import numpy as np
 import torch
 
 from parity import adapters
+from parity.calibrate import seed_runs
 from parity.cell import NOISE_FRAMEWORKS, run_cell, write_outputs
 from parity.compare import compare_runs
-from parity.config import RunConfig
+from parity.config import FP16_STRESS, RunConfig
 from parity.data import BatchStream
 from parity.losses import TASKS
 from parity.mapping import WeightMapping
+from parity.measure import set_threads
 from parity.models import ModelPair
 from parity.transfer import auto, validate_variables
 from parity.variables import as_variables
+from parity.verdicts.power import judge
 from parity.verdicts.rows import overall_status
 
 __all__ = ["ParityResult", "compare_models"]
@@ -55,12 +58,15 @@ class ParityResult:
       verdicts: `parity.verdicts.rows.Verdict` rows (``passed`` is None for informational rows).
       passed: no verdict failed and at least one passed (`parity.verdicts.rows.overall_status` is "PASS").
       report_path: ``report.md`` when `out_dir` was given, else None.
+      status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` (nothing failed, no check could have:
+        the report's bottom line gives what would decide) or ``"NOTHING COMPARED"``.
     """
 
     runs: list[dict[str, Any]]
     verdicts: list[Any]
     passed: bool
     report_path: Path | None
+    status: str = ""
 
 
 class _UserBatches:
@@ -166,14 +172,7 @@ def prepare_pair(
     reference = flax.init_variables(jnp.asarray(inputs))
     mapping = None
     if transfer is None:
-        mapping = auto(
-            model,
-            reference,
-            rules=rules,
-            example_inputs=example,
-            flax_model=flax,
-            flax_inputs=jnp.asarray(inputs),
-        )
+        mapping = auto(model, reference, rules=rules, example_inputs=example)
         to_flax, from_flax = mapping.to_flax, mapping.to_torch
     else:
         to_flax, from_flax = (lambda m: as_variables(transfer(m))), _no_reverse_transfer
@@ -245,6 +244,10 @@ def compare_models(
     progress: bool = False,
     step0: bool = True,
     noise: str = "none",
+    seeds: int = 1,
+    threads: int | None = None,
+    fp16_stress: bool = False,
+    budget: int | None = None,
     **config: Any,
 ) -> ParityResult:
     """Trains `torch_module` under torch.amp and `flax_module` under jaxamp, and compares them.
@@ -287,15 +290,37 @@ def compare_models(
       noise: ``"none"`` (default), ``"torch"``, ``"jax"`` or ``"both"``: calibration runs from
         weights nudged by one ulp (`parity.calibrate.noise_runs`), so a chaotic model's per-step
         gap is judged against its own self-divergence (`parity.compare`, noise-calibrated mode).
+      seeds: data orders per framework (``--seeds``); >= 2 decides final loss and eval metric
+        by an equivalence test (`parity.verdicts.power`). Other orders of user batches are
+        seeded permutations of them (a BatchStream: its own stream at the next seeds).
+      threads: intra-op CPU threads for torch and XLA alike (``--threads``,
+        `parity.measure.set_threads`; call before JAX has started for XLA's count to apply).
+      fp16_stress: fp16 initial scale 2**20 and growth interval 5 (``--fp16-stress``), so the
+        loss-scale trajectory has events to compare.
+      budget: escalation. When the verdict is INCONCLUSIVE, train one more data order per
+        framework at a time, up to `budget` orders in all, until the equivalence test decides
+        (None: no escalation).
       **config: any other `RunConfig` field (``optimizer``, ``lr``, ``clip_norm``, ``device``,
         ``init_scale``, ``growth_interval``, ...).
 
     Returns:
-      A `ParityResult`.
+      A `ParityResult`; ``status`` says PASS, FAIL, INCONCLUSIVE or NOTHING COMPARED.
 
     Raises:
       TypeError / ValueError: bad batches or configuration (naming the parameter).
     """
+    for option, value, low in (("seeds", seeds, 1), ("budget", budget, 1)):
+        if value is None and option == "budget":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(
+                f"compare_models({option}={value!r}): must be an integer >= {low}"
+                + (" (None: no escalation)." if option == "budget" else ".")
+            )
+    if threads is not None:
+        set_threads(threads)
+    if fp16_stress:
+        config = {**FP16_STRESS, **config}
     if transfer is not None and not callable(transfer):
         raise TypeError(
             "compare_models(transfer=...) takes a callable torch module -> flax variables, or "
@@ -342,6 +367,7 @@ def compare_models(
         )
     # Step 0 (outputs and gradients on the first batch) before training; a broken port is not
     # trained: its records are errors naming the worst output, parameter and first bad layer.
+    pair = dataclasses.replace(pair, data=_seeded_streams(stream, run_config.stream_seed))
     runs = run_cell(
         run_config,
         pair=pair,
@@ -350,12 +376,44 @@ def compare_models(
         step0_checks=step0,
         echo=progress,
         noise=noise,
+        seeds=seeds,
     )
-    verdicts = compare_runs(runs)
+    verdicts = judge(runs, compare_runs(runs))
+    done = seeds
+    # Escalation: one more data order per framework until the equivalence test decides.
+    while budget is not None and done < budget and overall_status(verdicts) == "INCONCLUSIVE":
+        runs += seed_runs(run_config, pair, done + 1, first=done, progress=progress)
+        done += 1
+        verdicts = judge(runs, compare_runs(runs))
     report_path = write_outputs(out_dir, runs)[2] if out_dir is not None else None
+    status = overall_status(verdicts)
     return ParityResult(
         runs=runs,
         verdicts=verdicts,
-        passed=overall_status(verdicts) == "PASS",
+        passed=status == "PASS",
         report_path=report_path,
+        status=status,
     )
+
+
+def _seeded_streams(stream: Any, main_seed: int) -> Callable[[int, int], Any]:
+    """``(seed, batch_size) -> stream`` for seed statistics: the main seed's is `stream`; a
+    BatchStream gives its own batches at another seed; user batches come in a seeded
+    permutation of their order (the same batches, another data order)."""
+
+    def make(seed: int, batch_size: int) -> Any:
+        if seed == main_seed:
+            return stream
+        if isinstance(stream, BatchStream):
+            other = copy.copy(stream)
+            other.seed = seed
+            return other
+        count = stream._count
+        if count is None:  # a callable: steps are reordered within the first 1,000
+            count = 1000
+        order = np.random.default_rng(seed).permutation(count)
+        other = copy.copy(stream)
+        other._get = lambda step, get=stream._get: get(int(order[step % count]))
+        return other
+
+    return make

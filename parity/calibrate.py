@@ -6,7 +6,7 @@
   cross-framework gap against it (noise-calibrated mode). Records get ``variant="noise"`` and a
   ``perturbation`` text.
 - `seed_runs`: K data seeds per framework, same initial weights (``RunConfig.data_seed``), for the
-  seed statistics of `parity.compare` (Welch's t-test of final loss and eval metric).
+  seed statistics (`parity.verdicts.power`: an equivalence test of final loss and eval metric).
 
 Neither changes the trainers: a perturbed torch model is a copy, perturbed Flax variables are
 passed as the trainer's initial variables, and seed runs pass their own batch stream.
@@ -125,6 +125,7 @@ def seed_runs(
     frameworks: Sequence[str] = ("torch", "jax"),
     *,
     progress: bool = False,
+    first: int = 1,
 ) -> list[dict[str, Any]]:
     """The extra data seeds of seed statistics: ``seeds - 1`` runs per framework.
 
@@ -137,6 +138,8 @@ def seed_runs(
       seeds: K, the total number of data seeds per framework (>= 2 for statistics).
       frameworks: which frameworks to run.
       progress: tqdm bars.
+      first: the first extra seed to train (``first - 1`` are done already: escalation adds
+        one order at a time, `parity.compare_models(budget=...)`).
 
     Returns:
       Run records, one per (extra seed, framework).
@@ -146,8 +149,10 @@ def seed_runs(
     """
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seed_runs: `seeds` must be an integer >= 1; got {seeds!r}.")
+    if isinstance(first, bool) or not isinstance(first, int) or first < 1:
+        raise ValueError(f"seed_runs: `first` must be an integer >= 1; got {first!r}.")
     runs = []
-    for k in range(1, seeds):
+    for k in range(first, seeds):
         seed_config = config.replace(data_seed=config.stream_seed + k)
         stream = pair.make_data(seed_config.stream_seed, config.batch_size)
         for framework in frameworks:

@@ -264,7 +264,10 @@ def _trajectory(base, prefix, gaps, tolerances, start, stop, bound, what) -> lis
         label = f"{prefix}, steps {start}-{horizon - 1}"
         if horizon < stop:
             label += " (horizon)"
-        rows.append(_window_row(base, label, gaps, tolerances, start, horizon, bound, what))
+        row = _window_row(base, label, gaps, tolerances, start, horizon, bound, what)
+        if horizon == 1:  # step 0 alone: the gate's business, never what makes a PASS
+            row = dataclasses.replace(row, mode="step 0")
+        rows.append(row)
     if horizon < stop:
         rows.append(
             _beyond_row(

@@ -1,0 +1,306 @@
+"""Verdicts with power (parity.verdicts.power, parity.verdicts.rows): a check whose tolerance is
+above its bound decides nothing, PASS needs a decisive check past step 0, every step is judged,
+chaotic trajectories stop at their horizon, seed statistics decide by equivalence, and
+compare_models takes the command line's options."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import flax.linen as fnn
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]  # optax/flax internals train
+
+import parity  # noqa: E402
+from parity import cli  # noqa: E402
+from parity.compare import compare_runs  # noqa: E402
+from parity.records import run_seed, validate_run  # noqa: E402
+from parity.verdicts.power import (  # noqa: E402
+    equivalence,
+    fp16_skip_rows,
+    judge,
+    step_tolerances,
+)
+from parity.verdicts.rows import (  # noqa: E402
+    POWER_BOUNDS,
+    Verdict,
+    cell_bottom_lines,
+    format_verdicts,
+    overall_status,
+)
+
+CELL = ("m", "fp32", "cpu")
+
+
+def _run(framework, losses, precision="fp32", *, variant="", data_seed=0, steps_extra=None):
+    policy = {
+        "fp32": "p=f32,c=f32,o=f32",
+        "bf16-mixed": "p=f32,c=bf16,o=f32",
+        "fp16-mixed": "p=f32,c=f16,o=f32",
+    }[precision]
+    steps = []
+    for i, loss in enumerate(losses):
+        step = {
+            "step": i,
+            "loss": float(loss),
+            "loss_finite": True,
+            "loss_scale": None,
+            "skipped": False,
+            "time_s": 0.01,
+        }
+        step.update((steps_extra or {}).get(i, {}))
+        steps.append(step)
+    run = {
+        "framework": framework,
+        "model": "m",
+        "precision": precision,
+        "policy": policy,
+        "device": "cpu",
+        "status": "completed",
+        "seed": 0,
+        "variant": variant,
+        "config": {"seed": 0, "data_seed": data_seed},
+        "steps": steps,
+        "summary": {
+            "final_loss": steps[-1]["loss"],
+            "eval_metric": None,
+            "eval_metric_name": "accuracy",
+            "skipped_steps": 0,
+            "diverged": False,
+        },
+    }
+    if framework == "torch":
+        run["torch_mode"] = "eager"
+    validate_run(run)
+    return run
+
+
+def _judged(runs):
+    return judge(runs, compare_runs(runs))
+
+
+def _chaos(n, start_gap, seed, rate=1.6):
+    rng = np.random.default_rng(seed)
+    base = 2.0 * np.exp(-np.arange(n) / 40) + 0.3
+    gap = np.minimum(start_gap * rate ** np.arange(n), 0.3)
+    return base, base * (1 + rng.choice([-1, 1], n) * gap)
+
+
+def _row(check, tolerance, passed=True, **fields):
+    return Verdict(*CELL, check, "jax vs torch", 0.0, tolerance, passed, **fields)
+
+
+# --- power ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "check, tolerance, decides",
+    [
+        ("step 0 bf16-mixed: gradients", 3.25, False),  # an all-zero gradient scores 1
+        ("step 0 bf16-mixed: gradients", 0.9, True),
+        ("final loss (mean of last 5)", 21.23, False),  # the ResNet bf16 2,123%
+        ("final loss (mean of last 5)", 0.05, True),
+    ],
+)
+def test_a_pass_above_the_bound_is_inconclusive_never_a_pass(check, tolerance, decides):
+    row = _row(check, tolerance, detail="measured")
+    assert row.power == tolerance
+    if decides:
+        assert row.passed is True and row.mode != "inconclusive"
+    else:
+        assert row.passed is None and row.mode == "inconclusive"
+        assert "no power" in row.detail and "measured" in row.detail
+    # A failing row stays a failure whatever its power.
+    assert _row(check, tolerance, passed=False).passed is False
+
+
+def test_three_outcomes_and_their_exit_codes():
+    step0 = _row("step 0 fp32: gradients", 1e-4, mode="step 0")
+    blind = _row("per-step loss, steps 10-29", 1.22)  # resnet's calibrated 122%
+    decisive = _row("per-step loss, steps 0-9", 1e-4, mode="fixed bands")
+    failing = _row("per-step loss, steps 10-29", 1e-3, passed=False)
+
+    only_step0 = [step0, blind]
+    assert overall_status(only_step0) == "INCONCLUSIVE"
+    line = cell_bottom_lines(only_step0)[CELL]
+    assert line.startswith("parity INCONCLUSIVE") and "--seeds 5" in line
+    assert "above the bound" in line and "INCONCLUSIVE" in format_verdicts(only_step0)
+
+    passing = [step0, decisive, blind]
+    assert overall_status(passing) == "PASS"
+    line = cell_bottom_lines(passing)[CELL]
+    assert "decisive after step 0: per-step loss, steps 0-9" in line and "0.0001" in line
+
+    assert overall_status([*passing, failing]) == "FAIL"
+    assert [cli._exit_code(s) for s in ("PASS", "FAIL", "NOTHING COMPARED", "INCONCLUSIVE")] == [
+        0,
+        1,
+        3,
+        4,
+    ]
+
+
+# --- every step judged, chaos stops at its horizon ---------------------------------------------
+
+
+def test_every_step_of_a_long_fp32_run_is_judged():
+    base = np.linspace(2.3, 1.0, 40)
+    cand = base * (1 + 3e-5)
+    cand[35] = base[35] * (1 + 5e-3)  # past the fixed bands' 30 steps
+    assert overall_status(compare_runs([_run("torch", base), _run("jax", cand)])) == "PASS"
+    judged = _judged([_run("torch", base), _run("jax", cand)])
+    (late,) = [v for v in judged if v.check == "per-step loss, steps 30-39"]
+    assert late.passed is False and late.first_failing_step == 35
+    assert overall_status(judged) == "FAIL"
+
+
+def test_a_chaotic_trajectory_decides_up_to_its_horizon_only():
+    n = 40
+    base, noisy = _chaos(n, 1e-7, seed=1)
+    _, jax = _chaos(n, 2e-6, seed=2)
+    runs = [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+    judged = _judged(runs)
+    per_step = [v for v in judged if v.check.startswith("per-step loss")]
+    bound = POWER_BOUNDS["loss"]
+    # No row passes with a tolerance above the bound; the blind steps are inconclusive.
+    assert all(v.power is not None and v.power <= bound for v in per_step if v.passed)
+    beyond = [v for v in per_step if "beyond the horizon" in v.check]
+    assert beyond and all(v.passed is None and v.mode == "inconclusive" for v in beyond)
+    # Every step 0..n-1 is in exactly one row.
+    covered = []
+    for v in per_step:
+        first, last = v.check.split("steps ")[1].split(" ")[0].split("-")
+        covered += range(int(first), int(last) + 1)
+    assert sorted(covered) == list(range(n))
+    # The decisive steps are those whose calibrated tolerance is within the bound.
+    tolerances = step_tolerances(
+        [abs(a - b) / a for a, b in zip(base, jax, strict=True)],
+        [
+            max(abs(a - b) / a for a, b in zip(base[: s + 1], noisy[: s + 1], strict=True))
+            for s in range(n)
+        ],
+    )
+    horizon = next(s for s, t in enumerate(tolerances) if s >= 10 and t > bound)
+    assert any(v.check == f"per-step loss, steps 10-{horizon - 1} (horizon)" for v in per_step)
+    line = cell_bottom_lines(judged)[CELL]
+    assert line.startswith("parity PASS") and "inconclusive" in line
+
+
+def test_a_chaotic_run_with_nothing_decisive_is_inconclusive_not_pass():
+    # A gap that saturates at once: the calibrated tolerance is above the bound from step 1.
+    n = 12
+    base, noisy = _chaos(n, 0.05, seed=1, rate=3.0)
+    _, jax = _chaos(n, 0.05, seed=2, rate=3.0)
+    jax[0] = base[0] * (1 + 1e-6)
+    noisy[0] = base[0]
+    runs = [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+    raw = compare_runs(runs)
+    judged = judge(runs, raw)
+    assert overall_status(judged) == "INCONCLUSIVE"
+    assert cli._exit_code(overall_status(judged)) == 4
+    assert "--noise torch --seeds 5" in cell_bottom_lines(judged)[CELL]
+
+
+# --- seed statistics: equivalence, not a failure to reject --------------------------------------
+
+
+def test_equivalence_decides_three_ways():
+    assert equivalence([1.0, 1.01, 0.99, 1.0], [1.0, 1.02, 0.98, 1.01], margin=0.05)[0] is True
+    assert equivalence([1.0, 1.01, 0.99], [1.5, 1.51, 1.49], margin=0.05)[0] is False
+    # Three seeds with a wide spread: a t-test would not reject equal means; that proves nothing.
+    assert equivalence([1.0, 1.4, 0.7], [1.1, 0.8, 1.3], margin=0.05)[0] is None
+    assert equivalence([2.0, 2.0], [2.0, 2.0], margin=0.01)[0] is True  # no spread
+
+
+def _seed_cell(torch_finals, jax_finals):
+    runs = []
+    for seed, (a, b) in enumerate(zip(torch_finals, jax_finals, strict=True)):
+        runs.append(_run("torch", [2.3, 1.5, a], "bf16-mixed", data_seed=seed))
+        runs.append(_run("jax", [2.3, 1.5, b], "bf16-mixed", data_seed=seed))
+    judged = _judged(runs)
+    (row,) = [v for v in judged if v.check.startswith("final loss over seeds (equivalence)")]
+    welch = [v for v in judged if "Welch" in v.check]
+    assert welch and all(v.passed is None for v in welch)  # shown, never deciding
+    return row, judged
+
+
+def test_seed_statistics_pass_only_on_shown_equivalence():
+    row, judged = _seed_cell([1.00, 1.01, 0.99, 1.00], [1.005, 1.0, 0.995, 1.01])
+    assert row.passed is True and overall_status(judged) == "PASS"
+    assert "equivalence" in cell_bottom_lines(judged)[("m", "bf16-mixed", "cpu")]
+    row, judged = _seed_cell([1.0, 1.4, 0.7], [1.1, 0.8, 1.3])
+    assert row.passed is None and overall_status(judged) == "INCONCLUSIVE"
+    assert "seeds per framework would decide" in row.detail
+    row, judged = _seed_cell([1.0, 1.01, 0.99], [1.5, 1.51, 1.49])
+    assert row.passed is False and overall_status(judged) == "FAIL"
+
+
+# --- fp16: which parameter overflowed, and whether it was a rounding flip ----------------------
+
+
+def _fp16_pair(other_max):
+    skip = {"skipped": True, "max_scaled_grad": {"fc.weight": None, "fc.bias": 10.0}}
+    applied = {"skipped": False, "max_scaled_grad": {"fc.weight": other_max, "fc.bias": 9.0}}
+    torch_run = _run("torch", [2.3, 2.0, 1.9], "fp16-mixed", steps_extra={1: skip})
+    jax_run = _run("jax", [2.3, 2.0, 1.9], "fp16-mixed", steps_extra={1: applied})
+    return torch_run, jax_run
+
+
+def test_a_differing_skip_names_the_parameter_and_a_rounding_flip():
+    flip = fp16_skip_rows(*_fp16_pair(65500.0))[0]
+    assert flip.mode == "informational" and "rounding flip" in flip.detail
+    assert "fc.weight" in flip.detail and flip.first_failing_step == 1
+    real = fp16_skip_rows(*_fp16_pair(1000.0))[0]
+    assert real.mode == "exact" and "fc.weight" in real.detail
+    assert "not at the threshold" in real.detail
+    assert math.isclose(real.value, 1000.0 / 65504.0)
+
+
+# --- compare_models takes the command line's options --------------------------------------------
+
+
+class _TorchNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _FlaxNet(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+        return fnn.Dense(3, name="fc")(x)
+
+
+def test_compare_models_takes_seeds_threads_and_a_budget(tmp_path):
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(3)
+    ]
+    result = parity.compare_models(
+        _TorchNet(),
+        _FlaxNet(),
+        batches=batches,
+        precision="bf16-mixed",
+        seeds=2,
+        budget=3,
+        threads=len(os.sched_getaffinity(0)),
+        fp16_stress=True,
+        step0=False,
+        out_dir=tmp_path,
+    )
+    seeds = sorted({(r["framework"], run_seed(r)) for r in result.runs})
+    assert len(seeds) in (4, 6)  # 2 orders, and a third when 2 did not decide
+    assert result.status in ("PASS", "INCONCLUSIVE") and result.passed == (result.status == "PASS")
+    assert any("equivalence" in v.check for v in result.verdicts)
+    assert "over seeds (equivalence)" in result.report_path.read_text()
+    with pytest.raises(ValueError, match="budget"):
+        parity.compare_models(_TorchNet(), _FlaxNet(), batches=batches, budget=0)
