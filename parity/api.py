@@ -172,7 +172,14 @@ def prepare_pair(
     reference = flax.init_variables(jnp.asarray(inputs))
     mapping = None
     if transfer is None:
-        mapping = auto(model, reference, rules=rules, example_inputs=example)
+        mapping = auto(
+            model,
+            reference,
+            rules=rules,
+            example_inputs=example,
+            flax_model=flax,
+            flax_inputs=jnp.asarray(inputs),
+        )
         to_flax, from_flax = mapping.to_flax, mapping.to_torch
     else:
         to_flax, from_flax = (lambda m: as_variables(transfer(m))), _no_reverse_transfer
