@@ -1,7 +1,16 @@
-"""``python -m parity``: see `parity.cli`."""
+"""``python -m parity``: see `parity.cli`.
+
+``check`` (a golden file against the JAX side, `parity.golden`) is answered before `parity.cli`
+is imported: it runs where torch is not installed, and the other commands import torch.
+"""
 
 import sys
 
-from parity.cli import main
+from parity import golden
+
+if sys.argv[1:2] == ["check"]:
+    sys.exit(golden.main(sys.argv[2:]))
+
+from parity.cli import main  # noqa: E402  (imports torch: after the torch-free command)
 
 sys.exit(main())

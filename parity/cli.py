@@ -4,6 +4,8 @@
 
     python -m parity run --model cnn --precision bf16-mixed --framework both --steps 100 --out runs/x
     python -m parity compare runs/x          # verdicts + report.md, exit code 1 if a verdict fails
+    python -m parity export --model mlp --precision bf16-mixed --out golden.npz  # torch's side
+    python -m parity check --golden golden.npz  # the JAX side against it; no torch needed
     python -m parity matrix --out runs/matrix  # every model x precision; resumable
     python -m parity run --model resnet --noise torch --seeds 3 --out runs/r  # calibrated verdicts
 
@@ -26,6 +28,8 @@ from typing import Any
 from parity import cell
 from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, RunConfig
 from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
+from parity.golden import add_check_parser, run_check
+from parity.golden_export import export_golden
 from parity.hardware import unsupported_reason
 from parity.matmul import add_matmul_parser, main_matmul
 from parity.measure import set_threads
@@ -244,6 +248,33 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--force", action="store_true", help="redo runs already in results.json")
     _add_training_args(matrix, matrix=True)
     add_matmul_parser(sub)
+
+    export = sub.add_parser(
+        "export", help="record torch's side of a cell into a golden file (read by `check`)"
+    )
+    export.add_argument("--model", required=True, help="model name (mlp, cnn, ...)")
+    export.add_argument(
+        "--precision",
+        type=_precision,
+        default=_DEFAULTS["precision"],
+        help=f"one of {', '.join(precision_names())} (fp8 recipes excepted)",
+    )
+    export.add_argument("--out", required=True, help="the golden file to write (.npz)")
+    export.add_argument(
+        "--flax-model",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="the Flax module (or a zero-argument factory) `check` imports without torch; "
+        "default: the built-in pair's twin, found by name (needs torch)",
+    )
+    export.add_argument(
+        "--model-override",
+        action="append",
+        metavar="KEY=VALUE",
+        help="architecture override, JSON value; repeatable",
+    )
+    _add_training_args(export, matrix=False)
+    add_check_parser(sub)
     return parser
 
 
@@ -384,6 +415,16 @@ def _cmd_matrix(args) -> int:
     return _exit_code(cell.write_outputs(out, echo=True)[0])
 
 
+def _cmd_export(args) -> int:
+    _check_models([args.model])
+    config = _config_from_args(args, args.model, args.precision)
+    path = export_golden(
+        args.out, config, flax_model=args.flax_model, progress=not args.no_progress
+    )
+    print(f"golden: {path.resolve()} ({path.stat().st_size} bytes)")
+    return 0
+
+
 def _gpu_missing(args) -> str | None:
     """One line naming each requested framework that has no GPU here, or None."""
     if args.device != "gpu":
@@ -421,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"compare: {out / 'results.json'} does not exist; run `python -m parity run --out {out}` first."
                 )
             return _exit_code(cell.write_outputs(out, echo=True)[0])
+        if args.command == "export":
+            set_threads(args.threads)
+            return _cmd_export(args)
+        if args.command == "check":  # also `python -m parity check`, torch-free (__main__)
+            return run_check(args)
         return _cmd_matrix(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,7 +53,7 @@ from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
 from parity.verdicts.tolerance import (
     program_shapes,
 )
-from parity.verdicts.torch_side import torch_side
+from parity.verdicts.torch_side import torch_stage_side
 
 __all__ = [
     "Step0Failure",
@@ -276,11 +276,7 @@ def check_step0(
                 if any(v.passed is False for v in verdicts):
                     fp8_failed = True
                 break
-            scale = stage_config.recipe.step0_loss_scale(stage_config)
-            t = torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
-            while scale > 1 and not all(np.isfinite(g).all() for g in t.grads.values()):
-                scale /= 2  # GradScaler's back-off, until torch's step 0 would not be skipped
-                t = torch_side(pair, inputs, targets, stage_config, scale, trace_flops=low)
+            t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
             j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             sides[stage] = (t, j)
             rows, w_out, w_param = stage_verdicts(

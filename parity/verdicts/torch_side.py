@@ -19,7 +19,13 @@ from parity.dtype_trace import torch_matmul_flops
 from parity.losses import loss_torch
 from parity.verdicts.sides import Side, flatten, pair_mapping, torch_device
 
-__all__ = ["model_off_host", "torch_grads_to_flax", "torch_setup", "torch_side"]
+__all__ = [
+    "model_off_host",
+    "torch_grads_to_flax",
+    "torch_setup",
+    "torch_side",
+    "torch_stage_side",
+]
 
 
 def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -96,3 +102,16 @@ def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
     return Side(
         eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
     )
+
+
+def torch_stage_side(pair, inputs, targets, config, trace_flops: bool) -> tuple[Side, float]:
+    """torch's step-0 `Side` at `config`'s precision and the loss scale it was taken at: the
+    recipe's step-0 scale, halved (GradScaler's back-off) until torch's gradients are finite, so
+    that step 0 is one torch would not skip. `parity.step0` and `parity.golden_export` call it.
+    """
+    scale = config.recipe.step0_loss_scale(config)
+    side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops)
+    while scale > 1 and not all(np.isfinite(g).all() for g in side.grads.values()):
+        scale /= 2
+        side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops)
+    return side, scale

@@ -1,0 +1,198 @@
+"""Golden trajectories (parity.golden): the torch side recorded, the JAX side checked without torch.
+
+The committed golden (examples/parity_ci/port.golden.npz, bf16-mixed, 12 steps) is checked in
+subprocesses where ``import torch`` fails (tests/data/no_torch): through the example project's
+own pytest tests, and through ``python -m parity check`` with torch's kernels restricted to AVX2
+as on a narrower CPU. In process: the schema refuses broken files naming the field, a fresh
+export of a built-in pair checks PASS and a recorded machine with native bf16 kernels widens the
+bf16 step-0 bands only, by one rounding per layer, and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity.config import RunConfig
+from parity.golden import (
+    HEADER_KEY,
+    GoldenFileError,
+    check_golden,
+    hardware_allowance,
+    load_golden,
+)
+from parity.golden_export import export_golden
+from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, unit_roundoff
+
+pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside the checks
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
+NO_TORCH = ROOT / "tests" / "data" / "no_torch"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(NO_TORCH), str(ROOT)])
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_blocker_makes_torch_unimportable():
+    done = _run(["-c", "import torch"], _env())
+    assert done.returncode != 0 and "blocked: torch is not installed here" in done.stderr
+
+
+def test_example_project_tests_pass_without_torch():
+    """The example's passing case and planted bug, through parity.testing, torch unimportable."""
+    done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q", "examples/parity_ci"], _env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
+
+
+def test_cli_check_passes_without_torch_on_a_narrower_cpu(tmp_path):
+    out = tmp_path / "verdicts.json"
+    done = _run(
+        ["-m", "parity", "check", "--golden", str(GOLDEN), "--no-progress", "--json", str(out)],
+        _env(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["status"] == "PASS"
+    checks = {v["check"]: v["passed"] for v in result["verdicts"]}
+    assert checks["step 0 fp32: gradients"] and checks["step 0 bf16-mixed: gradients"]
+    assert checks["final loss (mean of last 5)"]
+    # the restriction is reported (it restricts torch only; the JAX side is unaffected)
+    assert "ATEN_CPU_CAPABILITY=None when recorded, avx2 here" in done.stdout
+
+
+def _rewrite(tmp_path, change_header=None, drop: str | None = None) -> Path:
+    with np.load(GOLDEN, allow_pickle=False) as archive:
+        arrays = {k: archive[k] for k in archive.files}
+    header = json.loads(arrays[HEADER_KEY].tobytes())
+    if change_header:
+        change_header(header)
+    arrays[HEADER_KEY] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    if drop:
+        del arrays[drop]
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    path = tmp_path / "changed.npz"
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def test_schema_refuses_broken_files_naming_the_field(tmp_path):
+    golden = load_golden(GOLDEN)
+    assert golden.config.precision == "bf16-mixed" and golden.config.steps == 12
+    assert golden.header["model"]["flax_model"] == "examples.parity_ci.flax_model:FlaxNet"
+    assert [s["stage"] for s in golden.stages] == ["fp32", "bf16-mixed"]
+    assert len(golden.torch_run["steps"]) == 12 and GOLDEN.stat().st_size < 100_000
+
+    def version(h):
+        h["schema_version"] = 99
+
+    def steps(h):
+        h["config"]["steps"] = 13
+
+    def loss(h):
+        h["torch_run"]["steps"][3]["loss"] = "2.3"
+
+    for change, drop, field in (
+        (version, None, "schema_version"),
+        (steps, None, "data"),
+        (loss, None, "torch_run.steps[3].loss"),
+        (None, "batch/7/targets", "batch/7/targets"),
+        (None, "step0/bf16-mixed/grads/fc1/kernel", "step0/bf16-mixed/grads/fc1/kernel"),
+    ):
+        with pytest.raises(GoldenFileError) as error:
+            load_golden(_rewrite(tmp_path, change, drop))
+        if field is not None:
+            assert error.value.field == field, error.value
+    (tmp_path / "plain.npz").write_bytes(b"not an archive")
+    with pytest.raises(GoldenFileError, match="not a golden .npz archive"):
+        load_golden(tmp_path / "plain.npz")
+
+
+_AVX2 = {"cpu": {"flags": ["avx", "avx2", "fma"]}, "env": {}}
+_AVX512_BF16 = {"cpu": {"flags": ["avx", "avx2", "avx512f", "avx512_bf16"]}, "env": {}}
+
+
+def test_hardware_allowance_only_for_a_different_low_precision_kernel_class():
+    recorded = {
+        "hardware": {
+            "cpu": {"flags": ["avx", "avx2"]},
+            "env": {},
+            "torch": {"cpu_capability": "AVX2"},
+            "torch_bf16_emulated": True,
+        },
+        "versions": {"jax": "0.0.1"},
+    }
+    extra, notes = hardware_allowance(recorded, _AVX512_BF16)
+    assert extra == {"bfloat16": 1.0}
+    assert any("recorded bfloat16 emulated in float32, here native bfloat16" in n for n in notes)
+    assert any("float32 kernels differ in accumulation order only" in n for n in notes)
+    assert any("jax 0.0.1 when recorded" in n and "no allowance" in n for n in notes)
+    extra, notes = hardware_allowance(recorded, _AVX2)
+    assert extra == {} and not any("kernels" in n for n in notes)
+    # the reverse: recorded on an AVX512-BF16 CPU, checked on an AVX2-only one
+    native = dict(recorded, hardware=dict(recorded["hardware"], torch_bf16_emulated=False))
+    native["hardware"]["torch"] = {"cpu_capability": "AVX512"}
+    assert hardware_allowance(native, _AVX2)[0] == {"bfloat16": 1.0}
+
+
+def test_recorded_on_native_bf16_passes_here_with_the_bf16_bands_widened():
+    """The committed golden as if recorded on a CPU with native bf16 kernels, checked on an
+    AVX2-only one: only the bf16 step-0 rows grow, by 8 x depth x u(bf16) (x4 for gradients),
+    and the report says why."""
+    golden = load_golden(GOLDEN)
+    header = json.loads(json.dumps(golden.header))
+    header["hardware"]["torch_bf16_emulated"] = False
+    header["hardware"]["torch"]["cpu_capability"] = "AVX512"
+    result = check_golden(dataclasses.replace(golden, header=header), current_hardware=_AVX2)
+    assert result.status == "PASS", result.report()
+    rows = {v.check: v for v in result.verdicts if v.check.startswith("step 0")}
+    fan_in = 64  # fc1's contraction; the gradients' longest is the same here
+    for check, row in rows.items():
+        low = check.startswith("step 0 bf16-mixed")
+        dtype = "bfloat16" if low else "float32"
+        gradients = check.endswith("gradients")
+        depth = 4 if gradients else 2
+        band = (gradient_tolerance if gradients else tolerance)(dtype, fan_in, depth)
+        extra = (4.0 if gradients else 1.0) * SAFETY * depth * unit_roundoff("bfloat16")
+        assert row.tolerance == pytest.approx(band + extra if low else band), check
+        assert ("recorded bfloat16 kernels" in row.detail) == low
+    assert "bands grow" in result.report()
+
+
+def test_export_of_a_builtin_pair_checks_pass(tmp_path):
+    """`python -m parity export`'s library call on a built-in pair (its Flax twin found by
+    name), then the check: the trajectory is judged by the fp32 per-step bands."""
+    config = RunConfig(
+        model="mlp",
+        precision="fp32",
+        steps=5,
+        batch_size=4,
+        eval=False,
+        lr_warmup_steps=2,
+        model_overrides={"image_shape": (4, 4, 1), "hidden": 8},
+    )
+    path = export_golden(tmp_path / "mlp.npz", config)
+    result = check_golden(path)
+    assert result.status == "PASS", result.report()
+    assert any(v.check == "per-step loss, steps 0-4" and v.passed for v in result.verdicts)
+    assert len(result.runs[1]["steps"]) == 5
