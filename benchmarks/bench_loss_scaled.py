@@ -17,6 +17,15 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
   `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
 
+Opt-in (``--variants ... loss_scaled_provenance``):
+
+* ``loss_scaled_provenance``: ``loss_scaled`` with ``provenance=True`` (which gradient leaf
+  overflowed, each leaf's headroom, measured inside the skip branch only): its ratio to
+  ``loss_scaled`` is what provenance costs a finite step.
+
+    python benchmarks/bench_loss_scaled.py --models mlp transformer --variants loss_scaled \
+        loss_scaled_provenance --donate no --steps 200
+
 Opt-in (``--variants ... order_floor``), a diagnostic and not a loss scaler:
 
 * ``order_floor``: `loss_scaled`'s program with the inf/NaN check reduced to one element per
@@ -148,6 +157,7 @@ VARIANTS = (
     "flax",
     "jmp",
 )
+OPT_IN = ("loss_scaled_provenance",)
 DIAGNOSTICS = ("order_floor",)
 
 
@@ -174,8 +184,12 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
 
         return base.init, jit(step)
 
-    if variant in ("loss_scaled", "loss_scaled_in_place"):
-        tx = jaxamp.loss_scaled(base, in_place=variant == "loss_scaled_in_place")
+    if variant in ("loss_scaled", "loss_scaled_in_place", "loss_scaled_provenance"):
+        tx = jaxamp.loss_scaled(
+            base,
+            in_place=variant == "loss_scaled_in_place",
+            provenance=variant == "loss_scaled_provenance",
+        )
 
         def step(params, opt_state, x, y):  # the README's train_step
             loss, grads = jaxamp.value_and_grad(compute_loss)(params, x, y, loss_scale=opt_state)
@@ -271,7 +285,7 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
             return new_params, (new_opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
 
         return init, jit(step)
-    raise ValueError(f"variant must be one of {VARIANTS + DIAGNOSTICS}; got {variant!r}")
+    raise ValueError(f"variant must be one of {VARIANTS + OPT_IN + DIAGNOSTICS}; got {variant!r}")
 
 
 def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
@@ -399,7 +413,7 @@ def main(argv=None) -> None:
         "--variants",
         nargs="+",
         default=list(VARIANTS),
-        choices=list(VARIANTS + DIAGNOSTICS),
+        choices=list(VARIANTS + OPT_IN + DIAGNOSTICS),
         help="what to time ('plain', the reference, is always timed)",
     )
     parser.add_argument(

@@ -28,7 +28,7 @@ def is_inexact_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _is_inexact_leaf(x: Any) -> bool:
+def is_inexact_leaf(x: Any) -> bool:
     # numpy/Python float scalars count too: under jit they arrive as float arrays, so ignoring
     # them eagerly would make the eager and jitted answers differ.
     return is_inexact_array(x) or (
@@ -144,7 +144,7 @@ def check_replicas_agree(tree: Any, axis_name: AxisName, caller: str) -> None:
 _IEEE_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
-def _bits_dtype(dtype: np.dtype) -> Any:
+def bits_dtype(dtype: np.dtype) -> Any:
     """The unsigned integer dtype as wide as `dtype`, or None for a float without infinities."""
     dtype = np.dtype(dtype)
     if dtype not in _IEEE_FLOATS:
@@ -170,7 +170,7 @@ def leaf_finite(x: Any) -> jax.Array:
         return jnp.logical_and(leaf_finite(x.real), leaf_finite(x.imag))
     if x.size == 0:
         return jnp.array(True)
-    bits = _bits_dtype(x.dtype)
+    bits = bits_dtype(x.dtype)
     if bits is None:
         return jnp.isfinite(x).all()
     exponent_mask = np.array(np.inf, x.dtype).view(bits)
@@ -198,7 +198,7 @@ def finite_after(
     compiler allowed to reassociate (``(g * s) * (1/s)`` as ``g * (s * (1/s))``) would make
     their unscaled recomputation finite again.
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact_leaf(x)]
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact_leaf(x)]
     if not leaves:
         finite = jnp.array(True)
     else:
@@ -369,22 +369,33 @@ def mul_like_torch(scale: jax.Array, factor: float) -> jax.Array:
 # --- skipping ------------------------------------------------------------------------------------
 
 
+def branch_syncs_host() -> bool:
+    """Whether a `lax.cond` costs a device-to-host sync per step: XLA:GPU reads a conditional's
+    predicate on the host. There a select (both sides computed) replaces the branch."""
+    return jax.default_backend() == "gpu"
+
+
+def full_like_shapes(shapes: Any, value: Any) -> Any:
+    """Arrays filled with `value` for a tree of `jax.ShapeDtypeStruct`, usable as a `lax.cond`
+    branch inside `shard_map` (both branches must vary over the same axes)."""
+
+    def full(shape: jax.ShapeDtypeStruct) -> jax.Array:
+        out = jnp.full(shape.shape, value, shape.dtype)
+        manual = getattr(shape, "manual_axis_type", None)
+        varying = tuple(sorted(getattr(manual, "varying", ()) or ()))
+        return jax.lax.pcast(out, varying, to="varying") if varying else out
+
+    return jax.tree_util.tree_map(full, shapes)
+
+
 def identity_updates(shapes: Any) -> Any:
-    """-0.0 updates for a tree of `jax.ShapeDtypeStruct`, usable as a `lax.cond` branch inside
-    `shard_map` (both branches must vary over the same axes).
+    """-0.0 updates for a tree of `jax.ShapeDtypeStruct` (see `full_like_shapes`).
 
     -0.0, not +0.0: `p + 0.0` turns a parameter of -0.0 into +0.0, while `p + (-0.0)` is `p`
     for every normal p (subnormals are flushed by any arithmetic on CPU/TPU: `select_tree`
     keeps them).
     """
-
-    def zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-        out = jnp.full(shape.shape, -0.0, shape.dtype)
-        manual = getattr(shape, "manual_axis_type", None)
-        varying = tuple(sorted(getattr(manual, "varying", ()) or ()))
-        return jax.lax.pcast(out, varying, to="varying") if varying else out
-
-    return jax.tree_util.tree_map(zeros, shapes)
+    return full_like_shapes(shapes, -0.0)
 
 
 def skip_updates(applied: Any, updates: Any) -> Any:

@@ -16,6 +16,7 @@ import optax
 
 from jaxamp._numerics import (
     AxisName,
+    branch_syncs_host,
     check_axis_name,
     check_replicas_agree,
     count_if,
@@ -26,6 +27,7 @@ from jaxamp._numerics import (
     skip_updates,
     unscale_tree,
 )
+from jaxamp._provenance import OverflowProvenance, leaf_paths, measure_overflow, no_overflow
 from jaxamp.loss_scale import PRESET_NAMES, DynamicLossScale, LossScale, NoOpLossScale
 from jaxamp.policy import Policy, check_param_dtypes, get_policy
 
@@ -55,6 +57,9 @@ class LossScaledState(NamedTuple):
       group_applied: with ``param_labels`` (one shared scale, a skip decision per group), a
         tree shaped like the parameters of scalar bools: whether each leaf's group applied
         the last step; None otherwise (one decision for every leaf: `last_step_finite`).
+      overflow: with ``provenance=True``, the last step's `OverflowProvenance` (which leaf
+        overflowed first, each leaf's headroom); None otherwise, so a state without it has
+        exactly the leaves it always had (checkpoints unchanged).
 
     Example:
       >>> params = {"w": jnp.ones(3)}
@@ -72,6 +77,35 @@ class LossScaledState(NamedTuple):
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     group_applied: Any = None
+    overflow: OverflowProvenance | None = None
+
+
+def _state_children(state: LossScaledState) -> tuple[tuple[str, ...], bool]:
+    # `overflow` is a child only with provenance: without it the state flattens to the fields
+    # it always had, so checkpoints (orbax compares tree structures, None fields included)
+    # written before the field existed still load.
+    with_overflow = state.overflow is not None
+    return (LossScaledState._fields if with_overflow else LossScaledState._fields[:-1]), (
+        with_overflow
+    )
+
+
+def _flatten_state_with_keys(state: LossScaledState) -> tuple[list, bool]:
+    names, with_overflow = _state_children(state)
+    return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], with_overflow
+
+
+def _flatten_state(state: LossScaledState) -> tuple[list, bool]:
+    names, with_overflow = _state_children(state)
+    return [getattr(state, n) for n in names], with_overflow
+
+
+jax.tree_util.register_pytree_with_keys(
+    LossScaledState,
+    _flatten_state_with_keys,
+    lambda with_overflow, children: LossScaledState(*children),
+    _flatten_state,
+)
 
 
 class AmpInfo(NamedTuple):
@@ -87,6 +121,10 @@ class AmpInfo(NamedTuple):
         `last_step_finite` is false as soon as one group overflowed.
       skipped_steps: total skipped steps.
       consecutive_skips: skipped steps in a row, ending with the last step.
+      overflow: with ``loss_scaled(..., provenance=True)``, an `OverflowProvenance`: on a
+        skipped step the path of the first gradient leaf that held inf or NaN and each leaf's
+        headroom below float16's maximum (``overflow.leaf_path()``,
+        ``overflow.headroom_by_path()``); None without provenance.
 
     Example:
       >>> params = {"w": jnp.ones(3)}
@@ -102,6 +140,7 @@ class AmpInfo(NamedTuple):
     last_step_applied: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    overflow: OverflowProvenance | None = None
 
 
 class LossScaleDivergedError(RuntimeError):
@@ -208,6 +247,7 @@ def loss_scaled(
     on_max_skips: OnMaxSkips = "warn",
     param_labels: Any = None,
     in_place: bool = False,
+    provenance: bool = False,
 ) -> LossScaledTransformation:
     """Wraps an optax optimizer for loss-scaled gradients, as `torch.amp.GradScaler` does.
 
@@ -272,6 +312,12 @@ def loss_scaled(
         setting costs speed, never values (both forms compute the same bits): ``in_place=True``
         without donation copies every parameter and state buffer on every step; False with
         donation copies about as many as Flax's and jmp's selects do.
+      provenance: True records, on each skipped step, which gradient leaf first held inf or
+        NaN and every leaf's headroom below float16's maximum (`AmpInfo.overflow`, an
+        `OverflowProvenance`). Measured inside the skip branch only, so an applied step does
+        no extra work (on GPU, where a branch syncs with the host, it is computed and
+        selected every step). With ``axis_name``, combined across replicas. False (the
+        default) leaves the state and the step exactly as without the option.
 
     Returns:
       A `GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -318,6 +364,11 @@ def loss_scaled(
             f"loss_scaled(in_place=...) takes a bool (True where the step donates params and "
             f"optimizer state); got {type(in_place).__name__} {in_place!r}."
         )
+    if not isinstance(provenance, (bool, np.bool_)):
+        raise TypeError(
+            f"loss_scaled(provenance=...) takes a bool (True records which gradient leaf "
+            f"overflowed on a skipped step); got {type(provenance).__name__} {provenance!r}."
+        )
     scaler = _LossScaler(
         inner=optax.with_extra_args_support(inner),
         initial_loss_scale=_as_loss_scale(loss_scale),
@@ -328,6 +379,7 @@ def loss_scaled(
         on_max_skips=on_max_skips,
         param_labels=param_labels,
         in_place=bool(in_place),
+        provenance=bool(provenance),
     )
     return LossScaledTransformation(scaler.init, scaler.update)
 
@@ -348,6 +400,7 @@ class _LossScaler:
     on_max_skips: OnMaxSkips
     param_labels: Any
     in_place: bool = False
+    provenance: bool = False
 
     def init(self, params: Any) -> LossScaledState:
         inner_state = self.inner.init(params)
@@ -370,6 +423,7 @@ class _LossScaler:
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             group_applied=group_applied,
+            overflow=no_overflow(leaf_paths(params)) if self.provenance else None,
         )
 
     def update(
@@ -391,6 +445,13 @@ class _LossScaler:
                 f"{caller}(state=...) takes the LossScaledState made by init; got "
                 f"{type(state).__name__}. Was this state saved without loss scaling?"
             )
+        if self.provenance != (state.overflow is not None):
+            made = "with" if state.overflow is not None else "without"
+            raise ValueError(
+                f"{caller}(state=...): the state was made {made} provenance, but this optimizer "
+                f"has loss_scaled(provenance={self.provenance}); initialise the state with the "
+                "same optimizer (tx.init(params))."
+            )
         check_replicas_agree(scaled_grads, self.axis_name, caller)
         unscale = _unscaler(state.loss_scale)
         if self.param_labels is None:
@@ -401,7 +462,18 @@ class _LossScaler:
             out, inner_state, grads_finite, group_applied = self._per_group_decisions(
                 scaled_grads, unscale, state, params, extra_args, apply=apply
             )
-        return out, self._next_state(state, inner_state, grads_finite, group_applied)
+        overflow = None
+        if self.provenance:
+            overflow = measure_overflow(
+                grads_finite,
+                scaled_grads,
+                None if unscale is None else state.loss_scale.loss_scale,
+                self.axis_name,
+                state.overflow.paths,
+                caller,
+            )
+        next_state = self._next_state(state, inner_state, grads_finite, group_applied)
+        return out, next_state._replace(overflow=overflow)
 
     def _one_decision(self, scaled_grads, unscale, state, params, extra_args, *, apply):
         """One skip decision for every leaf: torch with one optimizer."""
@@ -483,10 +555,6 @@ def _unscaler(loss_scale: Any) -> Any:
     return lambda tree: unscale_tree(tree, scale_value)
 
 
-def _branch_syncs_host() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 def _skip_if_not(
     applied, inner, unscale, scaled_grads, inner_state, params, extra_args, *, noop, apply, in_place
 ):
@@ -530,8 +598,7 @@ def _skip_if_not(
         out = select_tree(applied, out, params) if apply else skip_updates(applied, out)
         return out, select_tree(applied, new_inner_state, inner_state)
 
-    # XLA:GPU reads a conditional's predicate on the host (a device-to-host sync every step).
-    if noop or not in_place or _branch_syncs_host():
+    if noop or not in_place or branch_syncs_host():
         return select()
     out_shapes, state_shapes = jax.eval_shape(applied_step, inner_state, params)
     if _dtypes(state_shapes) != _dtypes(inner_state):
@@ -897,6 +964,7 @@ def amp_info(opt_state: Any) -> AmpInfo:
         last_step_applied=_any_group_applied(state),
         skipped_steps=state.skipped_steps,
         consecutive_skips=state.consecutive_skips,
+        overflow=state.overflow,
     )
 
 
