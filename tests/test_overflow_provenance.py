@@ -347,6 +347,26 @@ def test_measurement_runs_inside_the_skip_branch_only():
     assert found_without[False] - found_with[False] == collections.Counter()
 
 
+def test_select_form_where_a_branch_syncs_with_the_host(monkeypatch):
+    """The GPU form (measured every step, then selected) gives the branch's records; run here
+    by pretending the backend's branches sync with the host."""
+    monkeypatch.setattr("jaxamp._provenance.branch_syncs_host", lambda: True)
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), provenance=True)
+    step = jax.jit(tx.update)
+    grads = _scaled_grads(jnp.float32)
+    _, state = step(grads, tx.init(params), params)
+    overflow = jaxamp.amp_info(state).overflow
+    assert overflow.leaf_path() == PLANTED
+    _assert_headroom(overflow.headroom, _reference_headroom(grads))
+    _, state = step(_scaled_grads(jnp.float32, inf_at=None), state, params)
+    _no_overflow(jaxamp.amp_info(state).overflow)
+    jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(params), params)
+    found: dict = {}
+    _primitives(jaxpr.jaxpr, False, found)
+    assert found[False]["log"] > 0  # computed outside any branch, as on GPU
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 
