@@ -12,9 +12,13 @@ records; `write_outputs` merges them into ``results.json`` and writes ``verdicts
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import jax
+import numpy as np
 
 from parity import models
 from parity.calibrate import noise_runs, seed_runs
@@ -30,11 +34,17 @@ from parity.records import (
     write_json_atomic,
 )
 from parity.report import write_report
-from parity.step0 import attach_step0, blocked_records, run_step0
+from parity.step0 import Step0Result, attach_step0, blocked_records, run_step0
 from parity.verdicts.power import judge
-from parity.verdicts.rows import format_verdicts, overall_status
+from parity.verdicts.rows import Verdict, format_verdicts, overall_status
 
-__all__ = ["NOISE_FRAMEWORKS", "calibration_runs", "run_cell", "write_outputs"]
+__all__ = [
+    "NOISE_FRAMEWORKS",
+    "calibration_runs",
+    "nonfinite_data_row",
+    "run_cell",
+    "write_outputs",
+]
 
 # --noise: which frameworks get a 1-ulp-nudged calibration run.
 NOISE_FRAMEWORKS = {"none": (), "torch": ("torch",), "jax": ("jax",), "both": ("torch", "jax")}
@@ -44,6 +54,53 @@ def builtin_pair(config: RunConfig) -> Any:
     """The built-in pair of ``config.model`` with the run's seed, data and overrides."""
     return models.get_model_pair(
         config.model, seed=config.seed, data=config.data, **config.model_overrides
+    )
+
+
+def nonfinite_data_row(config: RunConfig, batch: Any) -> Verdict | None:
+    """A failing ``data`` row when the first batch holds NaN or inf, naming each tensor; None
+    when it is finite.
+
+    Non-finite data makes every loss and gradient non-finite on both sides: judged as a port,
+    the per-layer diagnosis would name the first layer. The row says whose fault it is.
+
+    Example:
+      >>> row = nonfinite_data_row(RunConfig(), (np.array([1.0, np.nan]), np.array([0, 1])))
+      >>> row.value
+      'inputs: 1 NaN, 0 inf (first at index (1,))'
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    pair = isinstance(batch, tuple | list) and len(batch) == 2 and len(leaves) == 2
+    problems = []
+    for index, (path, leaf) in enumerate(leaves):
+        try:
+            finite = np.isfinite(np.asarray(leaf))
+        except (TypeError, ValueError, RuntimeError):  # not numbers (or a dtype numpy lacks)
+            continue
+        if finite.all():
+            continue
+        values = np.asarray(leaf)
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        name = ("inputs", "targets")[index] if pair else "batch" + jax.tree_util.keystr(path)
+        problems.append(
+            f"{name}: {int(np.isnan(values).sum())} NaN, {int(np.isinf(values).sum())} inf "
+            f"(first at index {first})"
+        )
+    if not problems:
+        return None
+    return Verdict(
+        config.model,
+        config.precision,
+        config.device,
+        check="batch 0 data finite",
+        compared="data",
+        value="; ".join(problems),
+        tolerance="finite",
+        passed=False,
+        detail="the data's fault, not the port's: batch 0 is not finite, so every loss and "
+        "gradient on both sides is not either; the step-0 checks and the per-layer diagnosis "
+        "are skipped (they would blame the first layer)",
+        mode="data",
     )
 
 
@@ -85,11 +142,18 @@ def run_cell(
             runs.append(build_unsupported_record(framework, config, reason))
     frameworks = tuple(fw for fw in frameworks if fw not in {r["framework"] for r in runs})
     if frameworks:
-        step0 = (
-            run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
-            if step0_checks
-            else None
+        first = (
+            stream if stream is not None else pair.make_data(config.stream_seed, config.batch_size)
         )
+        bad_data = nonfinite_data_row(config, first.batch(0))
+        if bad_data is not None:  # reported as the data's; the runs go on and record the rest
+            step0 = Step0Result([bad_data], True)
+            if echo:
+                print(f"{config.model} {config.precision}: data: {bad_data.value}", file=sys.stderr)
+        elif step0_checks:
+            step0 = run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
+        else:
+            step0 = None
         if step0 is not None and not step0.passed:
             return runs + blocked_records(config, step0, frameworks)
         trained = [

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from parity import cell
-from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, RunConfig
+from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from parity.data import DataSpec
 from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
 from parity.golden import add_check_parser, run_check
 from parity.golden_export import export_golden
@@ -36,7 +37,14 @@ from parity.measure import set_threads
 from parity.models import MODEL_NAMES, calibration_prescribed
 from parity.precision.recipes import get_recipe, precision_names, resolve_precision
 from parity.progress import progress as progress_lines
-from parity.records import config_run_key, load_results, merge_runs, run_key
+from parity.records import (
+    RESULTS_FILE,
+    config_run_key,
+    load_results,
+    merge_runs,
+    run_key,
+    run_status,
+)
 
 __all__ = ["CLI_DEFAULTS", "build_parser", "main", "matrix_config"]
 
@@ -58,6 +66,40 @@ def _precision(value: str) -> str:
         return resolve_precision(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _at_least(minimum: int):
+    """argparse type: an integer >= `minimum` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds; got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0; got {text}")
+    return value
+
+
+# The option behind a RunConfig field where it is not spelled "--" + field with dashes.
+_OPTIONS = {"timing_warmup": "--warmup", "model_overrides": "--model-override"}
+
+
+def _option(field: str) -> str:
+    return _OPTIONS.get(field, "--" + field.replace("_", "-"))
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -153,7 +195,7 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
     )
     parser.add_argument(
         "--seeds",
-        type=int,
+        type=_at_least(1),
         default=None if matrix else 1,
         help="data seeds per framework, same initial weights; >= 2 judges final loss and eval "
         + (
@@ -174,7 +216,7 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_at_least(1),
         default=None,
         help="intra-op CPU threads for torch and XLA alike (default: every core; recorded)",
     )
@@ -184,13 +226,13 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multi-device (parity.distributed)")
     group.add_argument(
         "--devices",
-        type=int,
+        type=_at_least(1),
         default=1,
         help="JAX devices / processes; > 1 (or --strategy) runs torch ranks vs JAX meshes",
     )
     group.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp")
     group.add_argument(
-        "--torch-ranks", type=int, default=None, help="torch processes (default --devices)"
+        "--torch-ranks", type=_at_least(1), default=None, help="torch processes (default --devices)"
     )
     group.add_argument(
         "--jax-modes",
@@ -206,7 +248,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="fp16: a non-finite gradient on torch rank RANK's rows at STEP, both sides",
     )
     group.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds per worker group (default 900)"
+        "--timeout",
+        type=_positive_seconds,
+        default=900.0,
+        help="seconds per worker group (default 900)",
     )
 
 
@@ -305,14 +350,58 @@ def _config_from_args(
         "weight_decay": args.weight_decay,
         "momentum": args.momentum,
         "schedule": args.schedule,
-        "clip_norm": args.clip_norm if args.clip_norm and args.clip_norm > 0 else None,
+        "clip_norm": _clip_norm(args.clip_norm),
         "timing_warmup": args.warmup,
         "torch_compile": args.torch_compile,
         "eval": not args.no_eval,
         "model_overrides": _overrides(getattr(args, "model_override", None)),
         "data": args.data,
     }
-    return RunConfig(**values)
+    try:
+        config = RunConfig(**values)
+        # Seed statistics run data seeds seed .. seed + seeds - 1: each must be a valid seed.
+        seeds = getattr(args, "seeds", None) or 1
+        config.replace(data_seed=config.stream_seed + seeds - 1)
+    except ConfigError as e:
+        option = _option(e.field) if e.field != "data_seed" else "--seed with --seeds"
+        raise ValueError(f"{option}: {e}") from None
+    return config
+
+
+def _clip_norm(value: float) -> float | None:
+    """--clip-norm: 0 disables clipping (None); a negative norm is refused, not read as 0."""
+    if value == 0:
+        return None
+    if not value > 0:
+        raise ValueError(f"--clip-norm must be > 0, or 0 to disable clipping; got {value!r}.")
+    return value
+
+
+def _check_out(out: Path, option: str = "--out") -> None:
+    """Refuses an output folder that cannot take the results, before any work: a file in its
+    place, a folder that cannot be made or written, an output that is a folder, or an existing
+    results.json that a merge would refuse after training."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"{option} {str(out)!r} is a file; give a folder (results.json goes in it)."
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{option} {str(out)!r}: cannot create the folder ({e.strerror})."
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {str(out)!r}: the folder is not writable.")
+    for name in ("verdicts.json", "report.md", "steps.csv"):
+        if (out / name).exists() and not (out / name).is_file():
+            raise ValueError(f"{out / name} is not a file; remove it or give another {option}.")
+    load_results(out)  # an invalid results.json is refused now, not after the training
+
+
+def _check_data(config: RunConfig) -> None:
+    """--data that cannot be read is refused before any work (one line, exit 2)."""
+    DataSpec.parse(config.data).check()
 
 
 def matrix_plan(precision: str) -> dict[str, Any]:
@@ -350,9 +439,11 @@ def _cmd_run(args) -> int:
     _check_models([args.model])
     config = _config_from_args(args, args.model, args.precision)
     frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
+    _check_data(config)
+    out = Path(args.out)
+    _check_out(out)
     if args.devices > 1 or args.strategy is not None or args.torch_ranks is not None:
         return cli_run(args, config, frameworks)
-    out = Path(args.out)
     options = _cell_options(args)
     if args.framework != "both":  # calibration needs both frameworks' main runs
         options.update(noise="none", seeds=1)
@@ -372,15 +463,34 @@ def _cmd_run(args) -> int:
         )
     print(f"results: {(out / 'results.json').resolve()}")
     # Every run that produced records gets a report; one framework alone is "nothing compared"
-    # (exit 3) only when both were asked for: a single-framework run may be paired later.
+    # (exit 3) only when both were asked for: a single-framework run may be paired later. A run
+    # that failed (an error record) exits 1 either way.
     code = _exit_code(cell.write_outputs(out, runs, echo=True)[0])
+    if any(run_status(r) == "error" for r in runs):
+        return 1
     return code if args.framework == "both" or code == 1 else 0
+
+
+def _cmd_compare(args) -> int:
+    out = Path(args.dir)
+    results = out / RESULTS_FILE
+    if not results.exists():
+        raise ValueError(
+            f"compare: {results} does not exist; run `python -m parity run --out {out}` first."
+        )
+    _check_out(out, "compare DIR")
+    return _exit_code(cell.write_outputs(out, echo=True)[0])
 
 
 def _cmd_matrix(args) -> int:
     models = args.models or list(MODEL_NAMES)
     _check_models(models)
     out = Path(args.out)
+    _check_out(out)
+    for model in models:  # every cell's settings and data, before the first cell trains
+        for precision in args.precisions:
+            _config_from_args(args, model, precision, matrix_plan(precision))
+    _check_data(_config_from_args(args, models[0], args.precisions[0]))
     done = {run_key(r): r for r in load_results(out)["runs"]}
     cells = [(m, p) for m in models for p in args.precisions]
     options = _cell_options(args)
@@ -456,19 +566,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return code
         if args.command == "compare":
-            out = Path(args.dir)
-            if not (out / "results.json").exists():
-                raise ValueError(
-                    f"compare: {out / 'results.json'} does not exist; run `python -m parity run --out {out}` first."
-                )
-            return _exit_code(cell.write_outputs(out, echo=True)[0])
+            return _cmd_compare(args)
         if args.command == "export":
             set_threads(args.threads)
             return _cmd_export(args)
         if args.command == "check":  # also `python -m parity check`, torch-free (__main__)
             return run_check(args)
         return _cmd_matrix(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,15 @@
 For every (model, precision, device) cell with a torch run and a JAX run (each torch mode, eager
 and torch.compile, is compared with JAX separately), on the main data seed:
 
+- ``comparable configs`` first: the two runs must agree on every setting that shapes the
+  trajectory (`parity.records.TRAJECTORY_FIELDS`: steps, batch size, seed, data, architecture overrides,
+  optimizer and its hyperparameters, learning rate and schedule, clipping; the loss-scale
+  settings where the recipe scales the loss) and record the same number of steps (unless one
+  stopped early on a non-finite loss, which fails ``no divergence``). Otherwise the cell is
+  **not comparable**: one row naming each differing field with both values, nothing judged,
+  never a pass (alone, ``compare`` exits 3 as for "nothing compared"). Calibration and seed
+  runs that differ from their main run are left out, with a row saying so.
+
 - ``no divergence`` (all precisions): neither run has a non-finite loss. A run that raised fails
   ``run completed``; a cell this hardware cannot run is reported ``unsupported here`` (never a
   failure, never a pass).
@@ -48,9 +57,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jaxamp
 from parity.precision.recipes import get_recipe
-from parity.records import run_label, run_seed, run_status
+from parity.records import config_differences, run_label, run_seed, run_status
 from parity.verdicts.rows import (
     LOSS_UNIT,
     TOLERANCES,
@@ -66,7 +74,52 @@ from parity.verdicts.rows import (
 __all__ = ["compare_runs"]
 
 
-# --- numbers -----------------------------------------------------------------------------------
+# --- comparability -----------------------------------------------------------------------------
+
+
+def _not_comparable(ref, cand, differences: list[str]) -> Verdict:
+    return Verdict(
+        ref["model"],
+        ref["precision"],
+        ref["device"],
+        check="comparable configs",
+        compared=f"{run_label(cand)} vs {run_label(ref)}",
+        value="differ: " + "; ".join(differences),
+        tolerance="the same trajectory settings",
+        passed=None,
+        detail="not comparable: the runs differ in settings that shape the trajectory, so their "
+        "gap would measure the settings, not the port; rerun one side with the other's settings "
+        "(nothing judged, never a pass)",
+        mode="not comparable",
+    )
+
+
+def _left_out(ref, run, differences: list[str]) -> Verdict:
+    return Verdict(
+        ref["model"],
+        ref["precision"],
+        ref["device"],
+        check="calibration run left out",
+        compared=f"{run_label(run)} (data seed {run_seed(run)})",
+        value="differs: " + "; ".join(differences),
+        tolerance="the main run's settings",
+        passed=None,
+        detail="a calibration or seed run made with other settings says nothing about this "
+        "cell's noise; rerun it",
+        mode="informational",
+    )
+
+
+def _demoted(verdict: Verdict) -> Verdict:
+    """A passing row of a cell where no trained pair was compared: informational, never a pass."""
+    if verdict.passed is not True:
+        return verdict
+    return dataclasses.replace(
+        verdict,
+        passed=None,
+        detail=(verdict.detail + "; " if verdict.detail else "")
+        + "informational: no trained torch/JAX pair in this cell to judge",
+    )
 
 
 # --- one pair ----------------------------------------------------------------------------------
@@ -342,6 +395,9 @@ def _pair_verdicts(
     if errors:
         out.add("run completed", "; ".join(errors), "no error", False, mode="exact")
         return out.rows
+    differences = config_differences(ref, cand)
+    if differences:
+        return [_not_comparable(ref, cand, differences)]
     bad = []
     for run in (ref, cand):
         s = run["summary"]
@@ -364,13 +420,20 @@ def _pair_verdicts(
         main = (mains or {}).get(run["framework"])
         if main is None:
             continue
+        left_out = config_differences(main, run)
+        if left_out:
+            out.rows.append(_left_out(main, run, left_out))
+            continue
         env = self_divergence(main, [run])
         if env is None:
             continue
         sources.append(run_label(run))
-        envelope = (
-            env if envelope is None else [max(x, y) for x, y in zip(envelope, env, strict=False)]
-        )
+        # Equal lengths unless a calibration run stopped early on a non-finite loss: the envelope
+        # then covers the steps both have (a diverged nudge fails nothing, it calibrates less).
+        if envelope is not None:
+            n = min(len(envelope), len(env))
+            env = [max(envelope[i], env[i]) for i in range(n)]
+        envelope = env
     calibrated_by = ", ".join(sources)
     policy_compute = _compute(ref)
     if policy_compute == "float8":  # torchao's recipes (parity.fp8): own band + final
@@ -412,17 +475,13 @@ def _pair_verdicts(
 
 
 def _compute(run: Mapping[str, Any]) -> str:
-    """The dtype a run's matmuls ran in: its recipe's (``"float8"`` for torchao's recipes), else
-    the compute dtype of the record's policy string."""
-    try:
-        return get_recipe(run["precision"]).compute_dtype_name
-    except ValueError:
-        pass
-    spec = run.get("policy") or (run.get("config") or {}).get("policy") or run["precision"]
-    try:
-        return jaxamp.get_policy(spec).compute_dtype.name
-    except (ValueError, TypeError):
-        return "bfloat16"
+    """The dtype a run's matmuls ran in: its recipe's (``"float8"`` for torchao's recipes).
+
+    Raises:
+      ValueError: the precision is no recipe's (`parity.records.validate_run` refuses such a
+        file before it gets here): no other precision's rule judges it.
+    """
+    return get_recipe(run["precision"]).compute_dtype_name
 
 
 # --- seed statistics ---------------------------------------------------------------------------
@@ -574,10 +633,10 @@ def compare_runs(
     verdicts: list[Verdict] = []
     for key in sorted(groups):
         members = groups[key]
-        verdicts.extend(v for v in extra if v.cell == key)
+        cell_rows: list[Verdict] = []
         unsupported = [r for r in members if run_status(r) == "unsupported"]
         for run in unsupported:
-            verdicts.append(
+            cell_rows.append(
                 Verdict(
                     *key,
                     check="unsupported here",
@@ -594,7 +653,7 @@ def compare_runs(
         noise = [r for r in usable if r.get("variant") == "noise"]
         seeds = sorted({run_seed(r) for r in main})
         torch_labels = sorted({run_label(r) for r in main if r["framework"] == "torch"})
-        compared_any = False
+        compared_any = judged_any = False
         for seed in seeds:
             at_seed = [r for r in main if run_seed(r) == seed]
             jax_runs = [r for r in at_seed if r["framework"] == "jax"]
@@ -612,19 +671,33 @@ def compare_runs(
             at_seed = [r for r in main if run_seed(r) == primary_seed]
             jax_main = next(r for r in at_seed if r["framework"] == "jax")
             noise_here = [r for r in noise if run_seed(r) == primary_seed]
+            reported: set[int] = set()
             for label in torch_labels:
                 ref = next((r for r in at_seed if run_label(r) == label), None)
                 if ref is None:
                     continue
-                ref_seeds = [r for r in main if run_label(r) == label]
-                jax_seeds = [r for r in main if r["framework"] == "jax"]
+                ref_seeds, jax_seeds = [], []
+                for run in main:
+                    if run_label(run) == label or run["framework"] == "jax":
+                        mine = ref if run["framework"] == "torch" else jax_main
+                        left_out = config_differences(mine, run)
+                        if left_out:
+                            if run_seed(run) != primary_seed and id(run) not in reported:
+                                reported.add(id(run))
+                                cell_rows.append(_left_out(mine, run, left_out))
+                            continue
+                        (ref_seeds if run["framework"] == "torch" else jax_seeds).append(run)
                 common = sorted({run_seed(r) for r in ref_seeds} & {run_seed(r) for r in jax_seeds})
                 seeds_decide = len(common) >= 2
                 mains = {"torch": ref, "jax": jax_main}
-                verdicts.extend(_pair_verdicts(ref, jax_main, noise_here, mains, seeds_decide))
+                rows = _pair_verdicts(ref, jax_main, noise_here, mains, seeds_decide)
+                cell_rows.extend(rows)
                 compared_any = True
+                if any(v.mode == "not comparable" for v in rows):
+                    continue
+                judged_any = True
                 if seeds_decide:
-                    verdicts.extend(
+                    cell_rows.extend(
                         _seed_rows(
                             key,
                             sorted(
@@ -639,7 +712,7 @@ def compare_runs(
                     )
         if not compared_any and usable:
             present = ", ".join(sorted({run_label(r) for r in usable}))
-            verdicts.append(
+            cell_rows.append(
                 Verdict(
                     *key,
                     check="pair",
@@ -652,6 +725,10 @@ def compare_runs(
                     mode="nothing compared",
                 )
             )
+        # Step-0 rows judge a pair before training; without a trained, comparable pair in the
+        # cell (one framework, a not-comparable pair) they are informational, never its PASS.
+        here = [v if judged_any else _demoted(v) for v in extra if v.cell == key]
+        verdicts.extend(here + cell_rows)
     cells = set(groups)
-    verdicts.extend(v for v in extra if v.cell not in cells)
+    verdicts.extend(_demoted(v) for v in extra if v.cell not in cells)
     return verdicts

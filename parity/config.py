@@ -15,15 +15,19 @@ import difflib
 import math
 from typing import Any
 
+import numpy as np
+
 import jaxamp
 from parity.data import DataSpec
 from parity.precision.recipes import RECIPES, Recipe, get_recipe, precision_names
 
 __all__ = [
     "DEVICES",
+    "ConfigError",
     "FP16_STRESS",
     "FP8_PRECISIONS",
     "FRAMEWORKS",
+    "MAX_SEED",
     "OPTIMIZERS",
     "PRECISIONS",
     "SCHEDULES",
@@ -47,13 +51,38 @@ FRAMEWORKS = ("torch", "jax")
 DEVICES = ("cpu", "gpu")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine")
+# Seeds go to torch.manual_seed, numpy's SeedSequence and jax.random.PRNGKey: the last takes a
+# C long, so the largest seed every side accepts is int64's maximum (data seeds too).
+MAX_SEED = 2**63 - 1
+# Hyperparameters reach the JAX step as float32: a larger value would become inf there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class ConfigError(ValueError):
+    """A `RunConfig` field out of its range or of the wrong kind.
+
+    Attributes:
+      field: the offending field (``"init_scale"``), so a caller can name its own spelling of it
+        (the command line's ``--init-scale``, a results file's ``config.init_scale``).
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"RunConfig: `{name}` must be one of {allowed}; got {value!r}.{hint}")
+        raise ConfigError(
+            name, f"RunConfig: `{name}` must be one of {allowed}; got {value!r}.{hint}"
+        )
     return value
 
 
@@ -85,21 +114,38 @@ def torch_device_type(device: str) -> str:
     return "cuda" if device == "gpu" else "cpu"
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"RunConfig: `{name}` must be an integer >= {minimum}; got {value!r}.")
+def _positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(
+            name, f"RunConfig: `{name}` must be an integer {allowed}; got {_show(value)}."
+        )
     return value
 
 
 def _number(name: str, value: Any, *, positive: bool = False, allow_none: bool = False) -> Any:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"RunConfig: `{name}` must be a finite number; got {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))
+        or abs(value) > _FLOAT32_MAX
+    ):
+        raise ConfigError(
+            name,
+            f"RunConfig: `{name}` must be a number that float32 holds (|x| <= {_FLOAT32_MAX:.4g}); "
+            f"got {_show(value)}.",
+        )
     if positive and value <= 0:
-        raise ValueError(f"RunConfig: `{name}` must be > 0; got {value!r}.")
+        raise ConfigError(name, f"RunConfig: `{name}` must be > 0; got {_show(value)}.")
     if not positive and value < 0:
-        raise ValueError(f"RunConfig: `{name}` must be >= 0; got {value!r}.")
+        raise ConfigError(name, f"RunConfig: `{name}` must be >= 0; got {_show(value)}.")
     return float(value)
 
 
@@ -165,26 +211,29 @@ class RunConfig:
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"RunConfig: `model` must be a non-empty string; got {self.model!r}.")
+            raise ConfigError(
+                "model", f"RunConfig: `model` must be a non-empty string; got {self.model!r}."
+            )
         try:
             precision = get_recipe(self.precision).name
-        except ValueError as e:
-            raise ValueError(f"RunConfig: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise ConfigError("precision", f"RunConfig: {e}") from None
         object.__setattr__(self, "precision", precision)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer not in get_recipe(precision).optimizers:
-            raise ValueError(
+            raise ConfigError(
+                "optimizer",
                 f"RunConfig: precision {precision!r} runs its own optimizer, "
                 f"{' or '.join(get_recipe(precision).optimizers)}; got `optimizer` "
-                f"{self.optimizer!r} (use optimizer='adamw' or another precision)."
+                f"{self.optimizer!r} (use optimizer='adamw' or another precision).",
             )
         _choice("schedule", self.schedule, SCHEDULES)
         _positive_int("steps", self.steps)
         _positive_int("batch_size", self.batch_size)
-        _positive_int("seed", self.seed, 0)
+        _positive_int("seed", self.seed, 0, MAX_SEED)
         if self.data_seed is not None:
-            _positive_int("data_seed", self.data_seed, 0)
+            _positive_int("data_seed", self.data_seed, 0, MAX_SEED)
         _positive_int("lr_warmup_steps", self.lr_warmup_steps, 0)
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("timing_warmup", self.timing_warmup, 0)
@@ -194,18 +243,27 @@ class RunConfig:
         _number("eps", self.eps, positive=True)
         _number("clip_norm", self.clip_norm, positive=True, allow_none=True)
         _number("init_scale", self.init_scale, positive=True)
-        betas = tuple(self.betas)
-        if len(betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas):
-            raise ValueError(
-                f"RunConfig: `betas` must be two numbers in [0, 1); got {self.betas!r}."
+        betas = tuple(self.betas) if isinstance(self.betas, tuple | list) else ()
+        if len(betas) != 2 or not all(
+            isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
+        ):
+            raise ConfigError(
+                "betas", f"RunConfig: `betas` must be two numbers in [0, 1); got {self.betas!r}."
             )
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if not isinstance(self.torch_compile, bool) or not isinstance(self.eval, bool):
-            raise TypeError("RunConfig: `torch_compile` and `eval` must be bools.")
-        object.__setattr__(self, "data", str(DataSpec.parse(self.data)))
+        for name in ("torch_compile", "eval"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    name, f"RunConfig: `{name}` must be a bool; got {getattr(self, name)!r}."
+                )
+        try:
+            object.__setattr__(self, "data", str(DataSpec.parse(self.data)))
+        except ValueError as e:
+            raise ConfigError("data", f"RunConfig: {e}") from None
         if not isinstance(self.model_overrides, dict):
-            raise TypeError(
-                f"RunConfig: `model_overrides` must be a dict; got {type(self.model_overrides).__name__}."
+            raise ConfigError(
+                "model_overrides",
+                f"RunConfig: `model_overrides` must be a dict; got {type(self.model_overrides).__name__}.",
             )
 
     @property
@@ -275,18 +333,23 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig.from_dict: unknown keys {unknown}; allowed: {sorted(names)}."
             )
-        if "betas" in data:
+        if isinstance(data.get("betas"), list):
             data["betas"] = tuple(data["betas"])
-        if "model_overrides" in data:
+        if isinstance(data.get("model_overrides"), dict):
             data["model_overrides"] = {
                 k: tuple(v) if isinstance(v, list) else v
                 for k, v in data["model_overrides"].items()
             }
         config = cls(**data)
-        if policy is not None and jaxamp.get_policy(policy) != config.policy:
-            raise ValueError(
+        try:
+            logged = None if policy is None else jaxamp.get_policy(policy)
+        except (ValueError, TypeError) as e:
+            raise ConfigError("policy", f"RunConfig.from_dict: logged policy: {e}") from None
+        if logged is not None and logged != config.policy:
+            raise ConfigError(
+                "policy",
                 f"RunConfig.from_dict: logged policy {policy!r} does not match precision "
-                f"{config.precision!r} (which is {str(config.policy)!r})."
+                f"{config.precision!r} (which is {str(config.policy)!r}).",
             )
         return config
 

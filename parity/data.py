@@ -24,11 +24,13 @@ parses the CLI's ``--data`` values.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import gzip
 import io
 import os
 import pickle
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -586,8 +588,6 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 def default_text_path() -> Path:
     """The Python standard library's own sources: a corpus on every machine with Python."""
-    import sysconfig
-
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -599,19 +599,20 @@ def load_text(path: str | os.PathLike | None = None, *, max_bytes: int = 8 << 20
         sorted path order (a folder's own files first, then its subfolders'); default: the
         standard library folder (``sysconfig.get_paths()["stdlib"]``, its top-level ``*.py``
         files only).
-      max_bytes: stop after this many bytes (files are never cut in the middle except the last).
+      max_bytes: read at most this many bytes in all (only the last file is cut).
 
     Returns:
       uint8 array of the concatenated files, each followed by a newline.
 
     Raises:
-      ValueError: the path does not exist or holds no text (naming it).
+      ValueError: no such path, unreadable, or under 1 KiB of text (added newlines not counted).
 
     Example:
       >>> corpus = load_text()
       >>> corpus.dtype, corpus.size > 1_000_000
       (dtype('uint8'), True)
     """
+    max_bytes = _check_int("max_bytes", max_bytes, 1)
     if path is None:
         folder = default_text_path()
         files = sorted(p for p in folder.glob("*.py") if p.is_file())
@@ -626,17 +627,22 @@ def load_text(path: str | os.PathLike | None = None, *, max_bytes: int = 8 << 20
             )
         else:
             raise ValueError(f"--data text:PATH: {str(root)!r} is neither a file nor a folder.")
-    chunks, total = [], 0
+    chunks, text_bytes = [], 0
     for file in files:
-        data = file.read_bytes() + b"\n"
-        chunks.append(data[: max_bytes - total])
-        total += len(chunks[-1])
-        if total >= max_bytes:
+        room = max_bytes - text_bytes - len(chunks) // 2  # the newlines added so far take room
+        try:
+            with open(file, "rb") as handle:
+                data = handle.read(room)
+        except OSError as e:
+            raise ValueError(f"--data text:PATH: cannot read {str(file)!r}: {e}") from None
+        chunks += [data, b"\n"]
+        text_bytes += len(data)
+        if len(data) + 1 >= room:
             break
-    corpus = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    if corpus.size < 1024:
+    corpus = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    if text_bytes < 1024:
         raise ValueError(
-            f"--data text:PATH: {str(path or default_text_path())!r} holds {corpus.size} bytes of "
+            f"--data text:PATH: {str(path or default_text_path())!r} holds {text_bytes} bytes of "
             f"text ({', '.join(TEXT_SUFFIXES)} files); give at least 1 KiB."
         )
     return corpus
@@ -729,10 +735,8 @@ class DataSpec:
         """Parses and validates a ``--data`` string (errors name the closest kind)."""
         if not isinstance(value, str) or not value:
             raise ValueError(f"--data must be a string such as 'digits', got {value!r}.")
-        kind, _, path = value.partition(":")
+        kind, sep, path = value.partition(":")
         if kind not in DATA_KINDS:
-            import difflib
-
             close = difflib.get_close_matches(kind, DATA_KINDS, n=1)
             raise ValueError(
                 f"--data {value!r}: unknown kind {kind!r}; use one of synthetic, real, digits, "
@@ -740,9 +744,11 @@ class DataSpec:
                 + (f" (did you mean {close[0]!r}?)" if close else "")
                 + "."
             )
+        if kind in ("fashion-mnist", "cifar10", "text") and sep and not path:
+            raise ValueError(f"--data {value!r}: no path after the colon; give {kind}:PATH.")
         if kind in ("fashion-mnist", "cifar10") and not path:
             raise ValueError(f"--data {kind} needs the folder with the files: {kind}:DIR.")
-        if kind in ("synthetic", "real", "digits") and path:
+        if kind in ("synthetic", "real", "digits") and sep:
             raise ValueError(f"--data {kind} takes no path, got {value!r}.")
         return cls(kind, path or None)
 
@@ -767,6 +773,16 @@ class DataSpec:
     def corpus(self) -> np.ndarray:
         """The text corpus (cached per process)."""
         return _text_corpus(self.path)
+
+    def check(self) -> None:
+        """Loads the data (cached): unreadable data is one `ValueError` naming --data, early."""
+        try:
+            if self.kind == "text":
+                self.corpus()
+            elif self.kind not in ("synthetic", "real"):
+                self.dataset()
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            raise ValueError(f"--data {self}: {e}") from None
 
 
 @functools.lru_cache(maxsize=4)

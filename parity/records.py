@@ -17,34 +17,45 @@ this module imports neither torch nor the models: ``parity.train_jax`` runs with
 
 Every write goes to a temporary file in the same folder, gets the mode a plain ``open`` would
 give (``0o666`` minus the umask), and is moved into place with ``os.replace``: an interrupted run
-leaves the previous complete file, never half of one. `load_results` validates the whole file and
-raises one `ResultsFileError` naming the file, the run and the field.
+leaves the previous complete file, never half of one; `merge_runs` holds a lock on the folder's
+results file around its read-modify-write, so concurrent writers lose no run. `load_results`
+validates the whole file (`parity.schema`: every field a reader uses, step-0 rows and ``config``
+included) and raises one `ResultsFileError` naming the file, the run and the field.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jaxamp
 from parity import measure
+from parity.config import ConfigError, RunConfig
 from parity.hardware import hardware_info
 from parity.losses import eval_metric_name
+from parity.precision.recipes import get_recipe
+from parity.schema import MAX_DEPTH, RUN_SCHEMA, check_schema, depth_exceeds, describe
 
 __all__ = [
     "RESULTS_FILE",
-    "RUN_STATUSES",
     "ResultsFileError",
+    "TRAJECTORY_FIELDS",
     "build_error_record",
     "build_run_record",
     "build_unsupported_record",
+    "config_differences",
     "config_run_key",
     "load_results",
     "merge_runs",
+    "run_config",
     "run_key",
     "run_label",
     "run_seed",
@@ -57,7 +68,6 @@ __all__ = [
 ]
 
 RESULTS_FILE = "results.json"
-RUN_STATUSES = ("completed", "error", "unsupported")
 FRAMEWORKS = ("torch", "jax")
 
 
@@ -242,6 +252,59 @@ def run_status(run: Mapping[str, Any]) -> str:
     return "error" if (run.get("summary") or {}).get("error") else "completed"
 
 
+# `parity.config.RunConfig` fields that shape a trajectory: runs that differ in one are not
+# comparable (their gap would measure the setting, not the port). The model, precision and device
+# are the cell; the data seed groups runs (seed statistics vary it on purpose); timing warm-up,
+# evaluation and torch.compile change no loss.
+TRAJECTORY_FIELDS = (
+    "steps",
+    "batch_size",
+    "seed",
+    "data",
+    "model_overrides",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "schedule",
+    "lr_warmup_steps",
+    "clip_norm",
+)
+_OPTIMIZER_FIELDS = {"adamw": ("betas", "eps"), "sgd": ("momentum",)}
+_LOSS_SCALE_FIELDS = ("init_scale", "growth_interval")
+
+
+def _stopped_early(run: Mapping[str, Any]) -> bool:
+    summary = run["summary"]
+    return bool(
+        run_status(run) != "completed" or summary.get("diverged") or summary.get("stopped_reason")
+    )
+
+
+def config_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> list[str]:
+    """What keeps two runs from being compared step for step: each differing trajectory setting
+    with both values, and a difference in recorded steps (unless a run stopped early).
+
+    Example:
+      >>> a = {"framework": "torch", "config": {"lr": 1e-3}, "steps": [], "summary": {}}
+      >>> config_differences(a, {**a, "framework": "jax", "config": {"lr": 1e-2}})
+      ['lr (torch 0.001, jax 0.01)']
+    """
+    a, b = run_config(ref), run_config(cand)
+    fields = TRAJECTORY_FIELDS + _OPTIMIZER_FIELDS.get(a.optimizer, ())
+    if a.loss_scaling or b.loss_scaling:
+        fields += _LOSS_SCALE_FIELDS
+    names = (run_label(ref), run_label(cand))
+    out = [
+        f"{name} ({names[0]} {getattr(a, name)!r}, {names[1]} {getattr(b, name)!r})"
+        for name in fields
+        if getattr(a, name) != getattr(b, name)
+    ]
+    lengths = (len(ref["steps"]), len(cand["steps"]))
+    if lengths[0] != lengths[1] and not (_stopped_early(ref) or _stopped_early(cand)):
+        out.append(f"recorded steps ({names[0]} {lengths[0]}, {names[1]} {lengths[1]})")
+    return out
+
+
 # --- building ----------------------------------------------------------------------------------
 
 
@@ -422,40 +485,25 @@ def build_unsupported_record(framework: str, config: Any, reason: str) -> dict[s
 # --- validation --------------------------------------------------------------------------------
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+def run_config(run: Mapping[str, Any]) -> RunConfig:
+    """The `RunConfig` a record's ``config`` describes (its missing fields at their defaults;
+    fields this version does not know are left out, so older and newer records load).
 
-
-def _kind(x: Any) -> str:
-    return "null" if x is None else f"{type(x).__name__} {x!r}"[:80]
-
-
-_STEP_FIELDS = {
-    # field: (check, what is allowed, required)
-    "step": (
-        lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-        "an integer >= 0",
-        True,
-    ),
-    "loss": (lambda x: x is None or _is_number(x), "a number or null", True),
-    "loss_scale": (lambda x: x is None or _is_number(x), "a number or null", False),
-    "skipped": (lambda x: isinstance(x, bool), "true or false", False),
-    "time_s": (lambda x: x is None or _is_number(x), "a number or null", False),
-    "loss_finite": (lambda x: isinstance(x, bool), "true or false", False),
-}
-_SUMMARY_NUMBERS = (
-    "final_loss",
-    "eval_metric",
-    "step_time_median_s",
-    "compile_time_s",
-    "peak_memory_bytes",
-    "optimizer_state_bytes",
-    "optimizer_state_bytes_per_param",
-)
+    Raises:
+      ConfigError: a field out of range or of the wrong kind (``error.field`` names it).
+    """
+    names = {f.name for f in dataclasses.fields(RunConfig)} | {"policy"}
+    config = run.get("config") or {}
+    return RunConfig.from_dict({k: v for k, v in config.items() if k in names})
 
 
 def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | None = None) -> None:
     """Checks one run record against the schema; raises `ResultsFileError` naming the field.
+
+    Every field a reader uses is checked: the identity (framework, a precision a recipe runs,
+    device), each step (a loss scale is a finite number > 0), the summary, the hardware
+    record, the step-0 rows (each for the run's own cell) and ``config`` (every `RunConfig`
+    field in range, agreeing with the run's model, precision and device).
 
     Args:
       run: the record.
@@ -466,7 +514,7 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
       >>> validate_run({"framework": "jax"})
       Traceback (most recent call last):
       ...
-      parity.records.ResultsFileError: run records, field 'model': missing (required: a non-empty string)
+      parity.records.ResultsFileError: run records, field 'model': missing (required)
     """
 
     def fail(field: str, message: str):
@@ -474,63 +522,61 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
 
     if not isinstance(run, dict):
         raise ResultsFileError(
-            f"a run must be a JSON object; got {_kind(run)}", path=path, run_index=index
+            f"a run must be a JSON object; got {describe(run)}", path=path, run_index=index
         )
-    for field in ("framework", "model", "precision", "device"):
-        if field not in run:
-            fail(field, "missing (required: a non-empty string)")
-        if not isinstance(run[field], str) or not run[field]:
-            fail(field, f"must be a non-empty string; got {_kind(run[field])}")
+    if depth_exceeds(run, MAX_DEPTH):
+        raise ResultsFileError(f"nested deeper than {MAX_DEPTH} levels", path=path, run_index=index)
+    check_schema(run, RUN_SCHEMA, "", fail)
     if run["framework"] not in FRAMEWORKS:
         fail("framework", f"must be one of {FRAMEWORKS}; got {run['framework']!r}")
-    status = run.get("status")
-    if status is not None and status not in RUN_STATUSES:
-        fail("status", f"must be one of {RUN_STATUSES}; got {status!r}")
-    if status == "unsupported" and not isinstance(run.get("reason"), str):
+    if run["device"] not in ("cpu", "gpu"):
+        fail("device", f"must be 'cpu' or 'gpu'; got {run['device']!r}")
+    try:
+        recipe = get_recipe(run["precision"])
+    except ValueError as e:
+        fail("precision", str(e))
+    if run.get("policy") is not None:
+        try:
+            policy = jaxamp.get_policy(run["policy"])
+        except (ValueError, TypeError) as e:
+            fail("policy", str(e))
+        if policy != recipe.policy:
+            fail(
+                "policy",
+                f"{run['policy']!r} is not precision {run['precision']!r}'s policy "
+                f"({str(recipe.policy)!r})",
+            )
+    if run.get("status") == "unsupported" and not isinstance(run.get("reason"), str):
         fail("reason", "an unsupported run must say why (a string)")
-    for field in ("seed",):
-        if (
-            field in run
-            and run[field] is not None
-            and not (isinstance(run[field], int) and not isinstance(run[field], bool))
-        ):
-            fail(field, f"must be an integer; got {_kind(run[field])}")
-    if "variant" in run and run["variant"] is not None and not isinstance(run["variant"], str):
-        fail("variant", f"must be a string; got {_kind(run['variant'])}")
-    if "config" in run and not isinstance(run["config"], dict):
-        fail("config", f"must be an object; got {_kind(run['config'])}")
-    if "steps" not in run:
-        fail("steps", "missing (required: a list of step objects, possibly empty)")
-    if not isinstance(run["steps"], list):
-        fail("steps", f"must be a list; got {_kind(run['steps'])}")
     for i, step in enumerate(run["steps"]):
-        if not isinstance(step, dict):
-            fail(f"steps[{i}]", f"must be an object; got {_kind(step)}")
-        for name, (check, allowed, required) in _STEP_FIELDS.items():
-            if name not in step:
-                if required:
-                    fail(f"steps[{i}].{name}", f"missing (required: {allowed})")
-                continue
-            if not check(step[name]):
-                fail(f"steps[{i}].{name}", f"must be {allowed}; got {_kind(step[name])}")
-    if "summary" not in run:
-        fail("summary", "missing (required: an object)")
-    summary = run["summary"]
-    if not isinstance(summary, dict):
-        fail("summary", f"must be an object; got {_kind(summary)}")
-    for name in _SUMMARY_NUMBERS:
-        if name in summary and not (summary[name] is None or _is_number(summary[name])):
-            fail(f"summary.{name}", f"must be a number or null; got {_kind(summary[name])}")
-    if "skipped_steps" in summary and not (
-        isinstance(summary["skipped_steps"], int) and not isinstance(summary["skipped_steps"], bool)
-    ):
-        fail("summary.skipped_steps", f"must be an integer; got {_kind(summary['skipped_steps'])}")
-    if (
-        "error" in summary
-        and summary["error"] is not None
-        and not isinstance(summary["error"], str)
-    ):
-        fail("summary.error", f"must be a string or null; got {_kind(summary['error'])}")
+        if step["step"] != i:
+            fail(
+                f"steps[{i}].step", f"must be {i} (steps are recorded in order); got {step['step']}"
+            )
+    cell = (run["model"], recipe.name, run["device"])
+    for i, row in enumerate((run.get("step0") or {}).get("verdicts") or []):
+        try:
+            row_precision = get_recipe(row["precision"]).name
+        except ValueError:
+            row_precision = row["precision"]
+        if (row["model"], row_precision, row["device"]) != cell:
+            fail(
+                f"step0.verdicts[{i}]",
+                f"is a row of cell {(row['model'], row['precision'], row['device'])}, not of "
+                f"this run's {cell}",
+            )
+    try:
+        config = run_config(run)
+    except ConfigError as e:
+        fail(f"config.{e.field}", str(e))
+    except (ValueError, TypeError) as e:
+        fail("config", str(e))
+    given = run.get("config") or {}
+    for name, value in (("model", run["model"]), ("device", run["device"])):
+        if name in given and getattr(config, name) != value:
+            fail(f"config.{name}", f"{given[name]!r} disagrees with the run's {name} {value!r}")
+    if "precision" in given and config.precision != recipe.name:
+        fail("config.precision", f"{given['precision']!r} disagrees with {run['precision']!r}")
 
 
 def validate_results(data: Any, path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -545,12 +591,33 @@ def validate_results(data: Any, path: str | os.PathLike | None = None) -> dict[s
     """
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise ResultsFileError(
-            f"not a parity results file (expected an object {{'runs': [...]}}; got {_kind(data)})",
+            f"not a parity results file (expected an object {{'runs': [...]}}; got {describe(data)})",
             path=path,
         )
+    if depth_exceeds(data, MAX_DEPTH + 2):
+        raise ResultsFileError(f"nested deeper than {MAX_DEPTH} levels", path=path)
     for index, run in enumerate(data["runs"]):
         validate_run(run, index, path)
     return data
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"runs": []}
+    if not path.is_file():
+        raise ResultsFileError("is not a file (a folder or a device?)", path=path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as e:
+        raise ResultsFileError(f"not valid JSON ({e})", path=path) from e
+    except UnicodeDecodeError as e:
+        raise ResultsFileError(f"not UTF-8 text ({e})", path=path) from e
+    except RecursionError:
+        raise ResultsFileError("nested too deeply to read", path=path) from None
+    except OSError as e:
+        raise ResultsFileError(f"cannot be read ({e.strerror or e})", path=path) from e
+    return validate_results(data, path)
 
 
 def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -563,29 +630,37 @@ def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
       ``{"runs": [run, ...]}``.
 
     Raises:
-      ResultsFileError: the file is not JSON, or a run breaks the schema (the message names the
-        file, the run and the field).
+      ResultsFileError: the file is not JSON, not a file, or a run breaks the schema (the
+        message names the file, the run and the field).
 
     Example:
       >>> import tempfile
       >>> load_results(tempfile.mkdtemp())
       {'runs': []}
     """
-    path = Path(out_dir) / RESULTS_FILE
-    if not path.exists():
-        return {"runs": []}
+    return _read_results(Path(out_dir) / RESULTS_FILE)
+
+
+@contextlib.contextmanager
+def _results_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock on the folder itself (fcntl.flock on its descriptor: no lock file is
+    left behind, and the kernel releases it when the holder dies, so a crashed writer never
+    leaves the folder locked)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except json.JSONDecodeError as e:
-        raise ResultsFileError(f"not valid JSON ({e})", path=path) from e
-    except UnicodeDecodeError as e:
-        raise ResultsFileError(f"not UTF-8 text ({e})", path=path) from e
-    return validate_results(data, path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def merge_runs(out_dir: str | os.PathLike, runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Adds `runs` to ``DIR/results.json`` (replacing runs with the same `run_key`), atomically.
+
+    The read-modify-write holds an exclusive lock on the folder's results file, so processes
+    merging into one folder at once (a matrix, a run and `compare_models` side by side) each
+    keep every run; the write itself is atomic (`write_json_atomic`).
 
     Raises:
       ResultsFileError: the existing file or a new run breaks the schema (nothing is written).
@@ -596,9 +671,11 @@ def merge_runs(out_dir: str | os.PathLike, runs: Iterable[dict[str, Any]]) -> di
     runs = list(runs)
     for index, run in enumerate(runs):
         validate_run(run, index)
-    data = load_results(out_dir)
-    new_keys = {run_key(r) for r in runs}
-    kept = [r for r in data["runs"] if run_key(r) not in new_keys]
-    data["runs"] = kept + runs
-    write_json_atomic(Path(out_dir) / RESULTS_FILE, data)
+    out = Path(out_dir)
+    with _results_lock(out):
+        data = load_results(out)
+        new_keys = {run_key(r) for r in runs}
+        kept = [r for r in data["runs"] if run_key(r) not in new_keys]
+        data["runs"] = kept + runs
+        write_json_atomic(out / RESULTS_FILE, data)
     return data

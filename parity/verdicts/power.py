@@ -38,7 +38,7 @@ import numpy as np
 from scipy import stats
 
 from parity.precision.recipes import get_recipe
-from parity.records import run_label, run_seed, run_status
+from parity.records import config_differences, run_label, run_seed, run_status
 from parity.verdicts.rows import (
     LOSS_UNIT,
     POWER_BOUNDS,
@@ -163,12 +163,31 @@ def _pairs(runs):
             seed = seeds[0]
             ref = next(r for r in refs if run_seed(r) == seed)
             cand = next(r for r in jax_main if run_seed(r) == seed)
-            noise = [r for r in members if r.get("variant") == "noise" and run_seed(r) == seed]
-            by_seed = (
-                [next(r for r in refs if run_seed(r) == s) for s in seeds],
-                [next(r for r in jax_main if run_seed(r) == s) for s in seeds],
-            )
-            yield cell, ref, cand, noise, {"torch": ref, "jax": cand}, by_seed
+            if config_differences(ref, cand):  # not comparable: compare's row names the fields
+                continue
+            mains = {"torch": ref, "jax": cand}
+            # Calibration and seed runs made with other settings are left out, as compare does.
+            noise = [
+                r
+                for r in members
+                if r.get("variant") == "noise"
+                and run_seed(r) == seed
+                and not config_differences(mains[r["framework"]], r)
+            ]
+            pairs = [
+                (
+                    next(r for r in refs if run_seed(r) == s),
+                    next(r for r in jax_main if run_seed(r) == s),
+                )
+                for s in seeds
+            ]
+            pairs = [
+                (a, b)
+                for a, b in pairs
+                if not (config_differences(ref, a) or config_differences(cand, b))
+            ]
+            by_seed = ([a for a, _ in pairs], [b for _, b in pairs])
+            yield cell, ref, cand, noise, mains, by_seed
 
 
 def _envelope(noise, mains):
