@@ -492,3 +492,36 @@ def test_random_stacks_map_right_or_raise(stack):
     with jax.default_matmul_precision("highest"):
         got = flax_module.apply(mapping.to_flax(model), jnp.asarray(x_flax))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+# --- Hugging Face pairs still need no transfer code ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion  # Hugging Face Flax code mixes bool and int32
+def test_bert_pair_maps_by_name_with_no_transfer_code():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxBertModel"):
+        pytest.skip("this transformers has no Flax models (transformers 5 dropped them)")
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    torch_model = transformers.BertModel(config).eval()
+    flax_model = transformers.FlaxBertModel(config, seed=0)
+    mapping = auto(torch_model, flax_model)
+    assert len(mapping.torch_names()) == len(list(torch_model.parameters()))
+    assert {row["decided_by"] for row in explain(mapping, torch_model)} == {"name"}
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8))
+    with torch.no_grad():
+        want = torch_model(torch.as_tensor(ids)).last_hidden_state.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = flax_model(ids, params=mapping.to_flax(torch_model)["params"]).last_hidden_state
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
