@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from parity import models
+from parity.automap.explain import record_mapping
 from parity.calibrate import noise_runs, seed_runs
 from parity.compare import compare_runs
 from parity.config import RunConfig
@@ -155,11 +156,12 @@ def run_cell(
         else:
             step0 = None
         if step0 is not None and not step0.passed:
-            return runs + blocked_records(config, step0, frameworks)
+            # The mapping goes into the records: a port blocked at step 0 shows its pairing.
+            return runs + record_mapping(blocked_records(config, step0, frameworks), pair)
         trained = [
             train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
         ]
-        runs += attach_step0(trained, step0)
+        runs += record_mapping(attach_step0(trained, step0), pair)
     return runs + calibration_runs(
         config,
         pair,

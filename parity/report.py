@@ -305,6 +305,39 @@ def _detail_sections(runs) -> list[str]:
     return lines
 
 
+def _mapping_sections(runs) -> list[str]:
+    """How the weights were paired (`parity.automap.explain` rows in the records), per model."""
+    lines: list[str] = []
+    shown: set[str] = set()
+    for run in runs:
+        rows = run.get("weight_mapping")
+        if not rows or run.get("model") in shown:
+            continue
+        shown.add(run.get("model"))
+        lines += [
+            "",
+            f"## Weight mapping ({run.get('model')})",
+            "",
+            "Each torch tensor, its Flax leaf and how the pair was decided: by name, by the "
+            "order the layers run in (execution order), by what they compute (function), as the "
+            "only candidate of its type and shape, or by a rule.",
+        ]
+        folded = [r["torch"] for r in rows if "folded" in r.get("note", "")]
+        if folded:
+            lines += ["", f"**Folded trainable tensors** ({', '.join(folded)}): see the notes."]
+        lines += ["", "| torch | Flax | transform | decided by | note |", "|---|---|---|---|---|"]
+        for r in rows:
+            cells = (
+                r["torch"],
+                r["flax"] or "-",
+                r["transform"] or "-",
+                r["decided_by"],
+                r["note"],
+            )
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
 def _verdict_table(verdicts) -> list[str]:
     """Every verdict row, then why."""
     lines: list[str] = []
@@ -527,6 +560,7 @@ def write_report(
         *_bottom_lines(verdicts, groups),
         *_method_note(runs),
         *_detail_sections(runs),
+        *_mapping_sections(runs),
         *_verdict_table(verdicts),
         *_runs_table(runs),
         *_optimizer_state_table(runs),

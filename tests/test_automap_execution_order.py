@@ -525,3 +525,27 @@ def test_bert_pair_maps_by_name_with_no_transfer_code():
     with jax.default_matmul_precision("highest"):
         got = flax_model(ids, params=mapping.to_flax(torch_model)["params"]).last_hidden_state
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.standard_promotion  # optax internals
+def test_the_record_and_report_show_the_mapping(tmp_path):
+    """enc/dec against encoder/decoder through compare_models: the records carry each pair and
+    how it was decided, and report.md shows them."""
+    import parity
+
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((4, 8)))
+        for _ in range(2)
+    ]
+    batches = [(x, y.astype(np.float32)) for x, y in batches]
+    torch.manual_seed(0)
+    result = parity.compare_models(
+        EncDec(), FlaxEncDec(), batches=batches, task="regression", steps=2, out_dir=tmp_path
+    )
+    rows = {r["torch"]: r for r in result.runs[0]["weight_mapping"]}
+    assert rows["enc.weight"]["flax"] == "params/encoder/kernel"
+    assert rows["dec.bias"]["decided_by"] == "execution order"
+    report = (tmp_path / "report.md").read_text()
+    assert "## Weight mapping (user_model)" in report
+    assert "| enc.weight | params/encoder/kernel | linear | execution order |  |" in report

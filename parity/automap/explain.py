@@ -14,7 +14,7 @@ import numpy as np
 
 from parity.mapping import MappingEntry, WeightMapping, apply_transform
 
-__all__ = ["explain", "folded_tensors", "format_explanation"]
+__all__ = ["explain", "folded_tensors", "format_explanation", "record_mapping"]
 
 _SPLIT_NOTE = (
     "split into {count} Flax leaves (pieces: they train alike under element-wise optimizers such "
@@ -132,3 +132,21 @@ def format_explanation(rows: list[dict[str, str]]) -> str:
         note = f"  -- {row['note']}" if row["note"] else ""
         lines.append(f"{row['torch']:<{width}} -> {target}  [{detail}]{note}")
     return "\n".join(lines)
+
+
+def record_mapping(runs: list[dict[str, Any]], pair: Any) -> list[dict[str, Any]]:
+    """Puts `explain`'s rows into each run record as ``weight_mapping`` (the report shows them)
+    when the pair's mapping was made automatically or folds tensors; returns `runs`.
+
+    A hand-written mapping whose rows are all ``"given"`` and note nothing is its own
+    explanation and is left out of the records.
+    """
+    mapping = getattr(pair, "mapping", None)
+    if not isinstance(mapping, WeightMapping):
+        return runs
+    rows = explain(mapping, getattr(pair, "torch_model", None))
+    if all(r["decided_by"] in ("given", "left out") and not r["note"] for r in rows):
+        return runs
+    for run in runs:
+        run["weight_mapping"] = rows
+    return runs
