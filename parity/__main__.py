@@ -4,9 +4,14 @@
 is imported: it runs where torch is not installed, and the other commands import torch.
 """
 
+import os
 import sys
 
-from parity import golden
+# Before anything loads torch (libgomp reads it once): torch's idle OpenMP threads sleep instead
+# of spinning on the cores XLA's pool needs (`parity.measure.set_threads`; recorded per run).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from parity import golden  # noqa: E402
 
 if sys.argv[1:2] == ["check"]:
     sys.exit(golden.main(sys.argv[2:]))

@@ -22,6 +22,7 @@ import numpy as np
 
 from parity import models
 from parity.automap.explain import record_mapping
+from parity.blocks import attach_speed_blocks, check_speed_blocks
 from parity.calibrate import noise_runs, seed_runs
 from parity.compare import compare_runs
 from parity.config import RunConfig
@@ -117,6 +118,7 @@ def run_cell(
     noise: str = "none",
     seeds: int = 1,
     skip_keys: set | frozenset = frozenset(),
+    speed_blocks: int = 0,
 ) -> list[dict[str, Any]]:
     """Runs one cell; returns its run records (main runs, then calibration runs).
 
@@ -131,7 +133,11 @@ def run_cell(
       noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: 1-ulp-nudged calibration runs.
       seeds: data seeds per framework in all (>= 2: seed statistics).
       skip_keys: `parity.records.run_key`s already done (calibration runs are not redone).
+      speed_blocks: when both frameworks complete, time them again in this many alternating
+        blocks (`parity.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
+        records); 0: not timed (the report's speed is then the sequential runs', indicative).
     """
+    check_speed_blocks(speed_blocks)
     if pair is None and frameworks:
         pair = builtin_pair(config)
     # A cell this hardware cannot run (no GPU; no oneDNN kernel) is recorded, not failed.
@@ -161,6 +167,7 @@ def run_cell(
         trained = [
             train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
         ]
+        attach_speed_blocks(trained, config, pair, stream, blocks=speed_blocks)
         runs += record_mapping(attach_step0(trained, step0), pair)
     return runs + calibration_runs(
         config,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from parity import cell
+from parity.blocks import DEFAULT_BLOCKS
 from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from parity.data import DataSpec
 from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
@@ -219,6 +220,13 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         type=_at_least(1),
         default=None,
         help="intra-op CPU threads for torch and XLA alike (default: every core; recorded)",
+    )
+    parser.add_argument(
+        "--speed-blocks",
+        type=int,
+        default=DEFAULT_BLOCKS,
+        help="after both runs, time torch and JAX in this many alternating blocks: the speed "
+        f"figure of the report (default {DEFAULT_BLOCKS}; 0: none, the sequential runs' figure)",
     )
 
 
@@ -420,6 +428,7 @@ def _cell_options(args) -> dict[str, Any]:
         "step0_checks": not args.no_step0,
         "noise": args.noise,
         "seeds": args.seeds,
+        "speed_blocks": args.speed_blocks,
     }
 
 

@@ -40,8 +40,10 @@ __all__ = [
     "cpu_model_name",
     "hardware_info",
     "hardware_summary",
+    "PROBE_MATMUL_N",
     "requires_torch_cpu",
     "skip_if_unsupported",
+    "torch_matmul_probe",
     "torch_bf16_is_emulated",
     "unsupported_reason",
 ]
@@ -443,3 +445,68 @@ def requires_torch_cpu(precision: Any, model: Any):
 
     reason = unsupported_reason("torch", precision, model, "cpu")
     return pytest.mark.skipif(reason is not None, reason=f"unsupported here: {reason}")
+
+
+# --- measured, not assumed ---------------------------------------------------------------------
+
+# The probe's size: big enough that a kernel's per-element cost shows (not its call overhead),
+# small enough that an emulated float16 product (~200x float32 on some CPUs) stays near 0.1 s.
+PROBE_MATMUL_N = 256
+
+
+def _best_of(run, repeats: int) -> float:
+    import time
+
+    run()  # first call: kernel selection, allocations
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 3) -> dict | None:
+    """How long torch's CPU matmul takes in `dtype` against float32 on this machine, measured.
+
+    The figure behind "torch's fp16 is slow on CPU": 6.6-7.4x on one AVX-512 CPU, ~200x on
+    another, par on a CPU with AVX512-FP16/AMX. The best of `repeats` n x n products of each
+    dtype (after one untimed product) is robust to a loaded machine, since load only adds time.
+    Cached per process.
+
+    Args:
+      dtype: ``"float16"`` or ``"bfloat16"``.
+      n: the operands' size.
+      repeats: timed products per dtype.
+
+    Returns:
+      ``{"dtype", "n", "float32_s", "dtype_s", "ratio_to_fp32", "method"}``; None when torch is
+      not imported (this module never imports it).
+
+    Example:
+      >>> probe = torch_matmul_probe("float16", n=32, repeats=1)
+      >>> probe is None or probe["ratio_to_fp32"] > 0
+      True
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(
+            f"torch_matmul_probe: `dtype` must be 'float16' or 'bfloat16'; got {dtype!r}."
+        )
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator)
+    b = torch.randn(n, n, generator=generator)
+    half_a, half_b = a.to(getattr(torch, dtype)), b.to(getattr(torch, dtype))
+    fp32_s = _best_of(lambda: a @ b, repeats)
+    dtype_s = _best_of(lambda: half_a @ half_b, repeats)
+    return {
+        "dtype": dtype,
+        "n": n,
+        "float32_s": fp32_s,
+        "dtype_s": dtype_s,
+        "ratio_to_fp32": dtype_s / fp32_s if fp32_s > 0 else None,
+        "method": f"best of {repeats} n x n CPU products per dtype, after one untimed",
+    }

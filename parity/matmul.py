@@ -11,9 +11,12 @@ checked against a float64 reference on a few rows (within the worst-case roundin
 n-term dot product in the operand dtype): a wrong kernel is reported, not timed.
 
 fp32 runs at full precision on both sides (``torch.set_float32_matmul_precision("highest")``, TF32
-off; JAX ``precision=HIGHEST``). On CPU, torch's float16 matmul has no fast kernel (~200x slower than
-float32): it runs only up to `CPU_FP16_TORCH_MAX` and larger sizes are recorded as not run, with the
-reason. XLA:CPU upcasts bf16/fp16 dots to float32, so JAX gets no low-precision speed-up on CPU.
+off; JAX ``precision=HIGHEST``). On CPU, torch's float16 and bfloat16 matmuls range from as fast as
+float32 (AVX512-FP16/AMX) to ~200x slower (emulated): a probe measures this machine's
+(`parity.hardware.torch_matmul_probe`, recorded), and a case whose products it predicts would
+take longer than `CPU_CASE_BUDGET_S` in all is recorded as not run, with the measured figure as
+the reason. XLA:CPU upcasts bf16/fp16 dots to float32, so JAX gets no low-precision speed-up on
+CPU.
 
     python -m parity matmul --sizes 256 512 1024 2048 --out runs/matmul         # CPU
     python -m parity matmul --device gpu --sizes 1024 2048 4096 8192 --out runs/matmul_gpu
@@ -31,24 +34,32 @@ from typing import Any
 import numpy as np
 
 from parity import measure, speed
-from parity.hardware import UnsupportedHere, cpu_model_name, hardware_info, unsupported_reason
+from parity.hardware import (
+    UnsupportedHere,
+    cpu_model_name,
+    hardware_info,
+    torch_matmul_probe,
+    unsupported_reason,
+)
 from parity.measure import thread_settings, versions
 from parity.records import write_bytes_atomic, write_json_atomic
 
 __all__ = [
-    "CPU_FP16_TORCH_MAX",
+    "CPU_CASE_BUDGET_S",
     "DTYPES",
     "PEAK_TFLOPS",
     "format_table",
     "peak_tflops",
     "plot_matmul",
+    "predicted_case_seconds",
     "run_matmul_benchmark",
 ]
 
 DTYPES = ("fp32", "bf16", "fp16")
 _NUMPY = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# torch fp16 matmul on CPU: ~200x slower than fp32; beyond this size one product takes seconds.
-CPU_FP16_TORCH_MAX = 256
+# A torch CPU case in bf16/fp16 is not run when the probe predicts its products (timed, warm-up
+# and the correctness check) would take longer than this in all.
+CPU_CASE_BUDGET_S = 30.0
 # Dense peaks, TFLOP/s (data sheets; ANCHORS.md). fp32 is the non-tensor-core rate: TF32 is off.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},
@@ -80,6 +91,36 @@ def peak_tflops(device_name: str, dtype: str) -> tuple[float | None, str]:
     else:
         return None, f"peak of {device_name!r} unknown (no data-sheet figure recorded)"
     return PEAK_TFLOPS[key][dtype], f"{key} data sheet (dense)"
+
+
+def predicted_case_seconds(probe: dict[str, Any], n: int, products: int) -> float:
+    """Seconds `products` n x n products would take, from a probe at ``probe["n"]``: its
+    per-product time scaled by n^3 (a dense matmul's work; an underestimate where the operands
+    outgrow the caches, so the budget is generous).
+
+    Example:
+      >>> predicted_case_seconds({"n": 256, "dtype_s": 0.01}, 512, 10)
+      0.8
+    """
+    return probe["dtype_s"] * (n / probe["n"]) ** 3 * products
+
+
+def _torch_cpu_skip(dtype: str, n: int, products: int, probes: dict) -> str | None:
+    """Why torch's CPU `dtype` case of size `n` is not run (the probe's prediction), or None."""
+    if dtype == "fp32":
+        return None
+    name = _torch_dtype(dtype)
+    if name not in probes:
+        probes[name] = torch_matmul_probe(name)
+    probe = probes[name]
+    predicted = predicted_case_seconds(probe, n, products)
+    if predicted <= CPU_CASE_BUDGET_S:
+        return None
+    return (
+        f"torch {dtype} matmul measured here at {probe['ratio_to_fp32']:.3g}x its fp32 time "
+        f"(n={probe['n']}: {probe['dtype_s'] * 1e3:.3g} ms per product), so n={n} would take "
+        f"~{predicted:.0f} s for its {products} products (budget {CPU_CASE_BUDGET_S:g} s)"
+    )
 
 
 def _check_args(sizes, dtypes, frameworks, device, repeats, warmup) -> None:
@@ -260,27 +301,18 @@ def run_matmul_benchmark(
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
     results = []
+    probes: dict[str, Any] = {}  # torch's measured CPU bf16/fp16 against fp32, by dtype
     started = time.time()
     for dtype in dtypes:
         for n in sizes:
             a, b = _operands(n, dtype, seed)
             cases = {}
             for framework in usable:
-                if (
-                    framework == "torch"
-                    and device == "cpu"
-                    and dtype == "fp16"
-                    and n > CPU_FP16_TORCH_MAX
-                ):
-                    not_run.append(
-                        {
-                            "framework": "torch",
-                            "dtype": dtype,
-                            "n": n,
-                            "reason": f"torch fp16 matmul on CPU has no fast kernel (~200x slower "
-                            f"than fp32): run up to n={CPU_FP16_TORCH_MAX} only",
-                        }
-                    )
+                skip = None
+                if framework == "torch" and device == "cpu":
+                    skip = _torch_cpu_skip(dtype, n, repeats + warmup + 1, probes)
+                if skip is not None:
+                    not_run.append({"framework": "torch", "dtype": dtype, "n": n, "reason": skip})
                     continue
                 make = _torch_case if framework == "torch" else _jax_case
                 cases[framework] = make(n, dtype, device, a, b)
@@ -318,6 +350,7 @@ def run_matmul_benchmark(
         "wall_s": time.time() - started,
         "results": results,
         "not_run": not_run,
+        "torch_cpu_probes": probes,
     }
 
 
@@ -404,7 +437,7 @@ def format_table(record: dict[str, Any]) -> str:
     """The markdown table of a benchmark record (also what the CLI prints).
 
     Example:
-      >>> format_table({"device": "cpu", "results": [], "not_run": []}).splitlines()[0][:8]
+      >>> format_table({"device": "cpu", "results": [], "not_run": []}).splitlines()[0][:9]
       '| dtype |'
     """
     lines = [

@@ -38,10 +38,12 @@ __all__ = [
     "jax_cpu_memory",
     "jax_gpu_peak_memory",
     "jax_optimizer_state",
+    "cpu_seconds_on_cores",
     "load_average",
     "set_threads",
     "thread_settings",
     "thread_warnings",
+    "time_blocks",
     "time_interleaved",
     "step_time_summary",
     "tensor_bytes",
@@ -390,7 +392,10 @@ def set_threads(threads: int | None = None, *, torch_too: bool = True) -> dict[s
     from the schedulable cores: one thread is ``--xla_cpu_multi_thread_eigen=false``; fewer
     cores than the machine has is a CPU affinity mask for the whole process (both frameworks).
     Call it before JAX runs anything (the CLI and the benchmarks do); afterwards XLA's count can no
-    longer change and a mismatch is reported by the return value and `thread_warnings`.
+    longer change and a mismatch is reported by the return value and `thread_warnings`. Called
+    before torch is imported, it also sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set): torch's
+    OpenMP threads then sleep between parallel regions instead of spinning against XLA's pool
+    (``python -m parity`` sets it before anything loads torch).
 
     Args:
       threads: intra-op threads for each framework (default: every schedulable core).
@@ -408,6 +413,10 @@ def set_threads(threads: int | None = None, *, torch_too: bool = True) -> dict[s
       True
     """
     available = _available_cpus()
+    if "torch" not in sys.modules:
+        # libgomp (torch's OpenMP) reads this once, when torch loads: idle threads then sleep
+        # at once instead of spinning on the cores XLA's pool and the other framework need.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is None:
         threads = available
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= available:
@@ -439,8 +448,8 @@ def thread_settings() -> dict[str, Any]:
     """Intra-op threads each framework uses now (None: framework not imported), for the records.
 
     Example:
-      >>> sorted(thread_settings())[:2]
-      ['available_cpus', 'requested']
+      >>> sorted(thread_settings())[:3]
+      ['available_cpus', 'omp_wait_policy', 'requested']
     """
     torch = sys.modules.get("torch")
     multi = re.search(r"--xla_cpu_multi_thread_eigen=(\S+)", os.environ.get("XLA_FLAGS", ""))
@@ -448,6 +457,8 @@ def thread_settings() -> dict[str, Any]:
         "available_cpus": _available_cpus(),
         "requested": _REQUESTED_THREADS,
         "torch_intra_op_threads": torch.get_num_threads() if torch is not None else None,
+        # as the environment says now; libgomp read it when torch loaded
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         # what XLA:CPU's pool has (or will have when JAX starts its backend)
         "xla_cpu_intra_op_threads": 1 if multi and multi.group(1) == "false" else _available_cpus(),
     }
@@ -463,12 +474,19 @@ def thread_warnings(settings: dict[str, Any] | None = None) -> list[str]:
     settings = settings or thread_settings()
     torch_threads = settings.get("torch_intra_op_threads")
     xla_threads = settings.get("xla_cpu_intra_op_threads")
+    out = []
     if torch_threads is not None and xla_threads is not None and torch_threads != xla_threads:
-        return [
+        out.append(
             f"thread counts differ: torch {torch_threads}, XLA:CPU {xla_threads} "
             "(use set_threads / --threads)"
-        ]
-    return []
+        )
+    policy = str(settings.get("omp_wait_policy") or "").upper()
+    if torch_threads not in (None, 1) and "omp_wait_policy" in settings and policy != "PASSIVE":
+        out.append(
+            f"torch's {torch_threads} OpenMP threads may spin-wait (OMP_WAIT_POLICY "
+            f"{settings['omp_wait_policy'] or 'unset'}; PASSIVE must be set before torch loads)"
+        )
+    return out
 
 
 def load_average() -> float | None:
@@ -526,3 +544,115 @@ def time_interleaved(
             if round_index >= warmup:
                 times[name].append(elapsed)
     return times
+
+
+def cpu_seconds_on_cores() -> tuple[float, float] | None:
+    """Busy CPU seconds of the cores this process may run on, and this process's own CPU seconds.
+
+    Sampled before and after a timed stretch, ``(busy - own) / wall`` is how many of our cores
+    other processes (and the hypervisor: steal time) used meanwhile: the contention a step-time
+    figure suffered, measured rather than inferred from the load average.
+
+    Returns:
+      ``(busy_s, own_s)``; None where ``/proc/stat`` is not available (macOS, Windows).
+
+    Example:
+      >>> sample = cpu_seconds_on_cores()
+      >>> sample is None or sample[0] >= 0
+      True
+    """
+    try:
+        with open("/proc/stat") as f:
+            lines = [ln.split() for ln in f if ln.startswith("cpu") and ln[3:4].isdigit()]
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    try:
+        ours = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except AttributeError:  # pragma: no cover - /proc/stat exists only where this does too
+        ours = {fields[0] for fields in lines}
+    busy = 0
+    for fields in lines:
+        if fields[0] in ours:
+            # user nice system idle iowait irq softirq steal (guest time is inside user)
+            values = [int(x) for x in fields[1:9]]
+            busy += sum(values) - values[3] - values[4]
+    own = os.times()
+    return busy / ticks, own.user + own.system
+
+
+def time_blocks(
+    steps: dict[str, Callable[[], Any]], *, blocks: int, block_steps: int, warmup: int = 1
+) -> dict[str, Any]:
+    """Times step functions in alternating blocks: `block_steps` steps of one, then of the next...
+
+    Block after block the frameworks take turns (the order rotated every round, so neither always
+    runs first after the other), so load that drifts over the run hits each alike and every round
+    gives one paired comparison. Steps are timed one by one; each function must finish its work
+    before it returns (``block_until_ready`` / `torch_sync`). `warmup` steps of each function run
+    first, untimed (compilation, caches, allocator growth). Other processes' use of our cores is
+    sampled around every round (`cpu_seconds_on_cores`).
+
+    Args:
+      steps: name -> a function running one step.
+      blocks: rounds (each: one block per function).
+      block_steps: timed steps per block.
+      warmup: untimed steps per function first.
+
+    Returns:
+      ``{"times": {name: [[seconds per step] per block]}, "order": [[names] per round],
+      "others_cpu_cores": [cores used by other processes per round, or None], "wall_s": [...],
+      "others_cpu_cores_total": over all rounds, or None}``.
+
+    Raises:
+      ValueError: no functions, or `blocks`, `block_steps` < 1 or `warmup` < 0.
+
+    Example:
+      >>> record = time_blocks({"a": lambda: None, "b": lambda: None}, blocks=2, block_steps=3)
+      >>> [len(b) for b in record["times"]["a"]], record["order"]
+      ([3, 3], [['a', 'b'], ['b', 'a']])
+    """
+    if not steps:
+        raise ValueError("time_blocks: `steps` must name at least one function.")
+    for name, value, low in (("blocks", blocks, 1), ("block_steps", block_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"time_blocks: `{name}` must be an integer >= {low}; got {value!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"time_blocks: `warmup` must be an integer >= 0; got {warmup!r}.")
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    record: dict[str, Any] = {
+        "times": {name: [] for name in names},
+        "order": [],
+        "others_cpu_cores": [],
+        "wall_s": [],
+    }
+    first = cpu_seconds_on_cores()
+    for round_index in range(blocks):
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
+        before, start = cpu_seconds_on_cores(), now()
+        for name in order:
+            block = []
+            for _ in range(block_steps):
+                step_start = now()
+                steps[name]()
+                block.append(now() - step_start)
+            record["times"][name].append(block)
+        after, wall = cpu_seconds_on_cores(), now() - start
+        others = None
+        if before is not None and after is not None and wall > 0:
+            others = max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / wall
+        record["order"].append(order)
+        record["others_cpu_cores"].append(others)
+        record["wall_s"].append(wall)
+    # Over the whole run too: per round, the kernel's 10 ms ticks are coarse.
+    last, total_wall = cpu_seconds_on_cores(), sum(record["wall_s"])
+    record["others_cpu_cores_total"] = (
+        max((last[0] - first[0]) - (last[1] - first[1]), 0.0) / total_wall
+        if first is not None and last is not None and total_wall > 0
+        else None
+    )
+    return record

@@ -1,13 +1,22 @@
 """The report's plots: loss curves, cross-framework gap against self-divergence, loss-scale
-trajectories (speed and memory plots are `parity.speed`'s). Every figure is written atomically.
+trajectories, step time and peak memory. Every figure is written atomically.
+
+The step-time and memory charts carry the caveats the text carries (`parity.speed`): a panel whose
+speed figure is not quotable says so in red (UNRELIABLE, NOT REPRODUCIBLE HERE, NO RATIO), and
+memory figures measured by different methods (torch's profiler against XLA's buffer plan) never
+share an axis.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import textwrap
 from pathlib import Path
 
+import numpy as np
+
+from parity import speed
 from parity.records import run_label, write_bytes_atomic
 from parity.verdicts.rows import (
     TOLERANCES,
@@ -17,7 +26,17 @@ from parity.verdicts.rows import (
     self_divergence,
 )
 
-__all__ = ["cell_groups", "finite", "plot_divergence", "plot_loss_scales", "plot_losses"]
+__all__ = [
+    "cell_groups",
+    "finite",
+    "memory_panels",
+    "plot_divergence",
+    "plot_loss_scales",
+    "plot_losses",
+    "plot_memory",
+    "plot_step_times",
+    "step_time_caveat",
+]
 
 
 _COLORS = {"torch": "tab:orange", "torch-compile": "tab:red", "jax": "tab:blue"}
@@ -255,3 +274,218 @@ def plot_loss_scales(runs, path: Path) -> bool:
     _savefig(fig, path)
     plt.close(fig)
     return True
+
+
+# --- step time and memory -----------------------------------------------------------------------
+
+_SPEED_MARKS = {
+    "unreliable": "UNRELIABLE",
+    "not reproducible": "NOT REPRODUCIBLE HERE",
+    "refused": "NO RATIO",
+    "sequential": "sequential runs: indicative only",
+}
+
+
+def _speed_pair(members):
+    """The cell's JAX run and torch reference (eager first), or None."""
+    reference = next((members[k] for k in ("torch", "torch-compile") if k in members), None)
+    return (members["jax"], reference) if "jax" in members and reference is not None else None
+
+
+def step_time_caveat(members) -> str | None:
+    """What a cell's step-time panel must say beside its bars (None: a quotable ratio).
+
+    Args:
+      members: label -> run record of one cell (`parity.speed.cells`).
+
+    Returns:
+      e.g. ``"NOT REPRODUCIBLE HERE: the block ratios span 2.00x ..."``, ``"UNRELIABLE: ..."``,
+      ``"NO RATIO: machine oversubscribed ..."``; for one framework alone, None.
+
+    Example:
+      >>> step_time_caveat({}) is None
+      True
+    """
+    pair = _speed_pair(members)
+    if pair is None:
+        return None
+    try:
+        figure = speed.speed_figure(*pair)
+    except ValueError as e:  # timings a figure cannot be made of: the panel says so
+        return f"NO RATIO: {e}"
+    if figure["status"] == "ratio":
+        return None
+    mark = _SPEED_MARKS[figure["status"]]
+    verdict = figure["verdict"] or {}
+    if verdict.get("reason"):
+        return f"{mark}: {verdict['reason']}"
+    if figure["status"] == "unreliable":
+        return f"{mark}: " + "; ".join(
+            speed.reliability_warnings(pair[0]) + speed.reliability_warnings(pair[1])
+        )
+    return mark
+
+
+def _block_stats(members):
+    """Per framework, the median of its block medians and the block range (the alternating-block
+    timing of the cell), or None when the cell has none."""
+    pair = _speed_pair(members)
+    trial = pair and (pair[1].get("speed_blocks") or pair[0].get("speed_blocks"))
+    if not trial or not isinstance(trial.get("times"), dict):
+        return None
+    out = {}
+    for label, key in ((_base_label(pair[1]), "torch"), ("jax", "jax")):
+        medians = [float(np.median(b)) for b in trial["times"].get(key) or [] if b]
+        if medians:
+            out[label] = (float(np.median(medians)), min(medians), max(medians))
+    return out or None
+
+
+def plot_step_times(runs, path) -> bool:
+    """Step time per framework, one panel per cell, linear axis from 0, values printed.
+
+    With an alternating-block timing (`parity.blocks`) the bars are the median of the block
+    medians and the whiskers the range of the block medians (the between-block spread the ratio's
+    interval includes); otherwise each run's median with its bootstrap 95% CI. A panel whose
+    figure is not quotable carries `step_time_caveat` in red. With no timings at all the PNG says
+    so (never a crash).
+
+    Returns:
+      True when at least one bar was drawn.
+
+    Example:
+      >>> # plot_step_times(load_results("runs/x")["runs"], "runs/x/step_time.png")
+    """
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    grouped = speed.cells(runs)
+    if not grouped:
+        _empty(path, "no completed runs with step times")
+        return False
+    fig, axes = _grid(len(grouped))
+    for ax, ((model, precision, device), members) in zip(axes, grouped.items(), strict=False):
+        blocks = _block_stats(members)
+        labels = sorted(members, key=speed.LABEL_ORDER.index)
+        if blocks:
+            labels = [lb for lb in labels if lb in blocks]
+            stats = [blocks[lb] for lb in labels]
+            xlabel = "ms: median of block medians (whiskers: block range)"
+        else:
+            stats = [speed.median_ci(speed.measured_times(members[lb])) for lb in labels]
+            xlabel = "median step time, ms (95% CI)"
+        medians = [1e3 * m for m, _, _ in stats]
+        errors = [[1e3 * (m - lo) for m, lo, _ in stats], [1e3 * (hi - m) for m, _, hi in stats]]
+        ys = range(len(labels))
+        colors = [_COLORS.get(lb, "gray") for lb in labels]
+        ax.barh(ys, medians, xerr=errors, capsize=4, color=colors)
+        right = max(1e3 * hi for _, _, hi in stats)
+        for y, (m, _, hi) in zip(ys, stats, strict=True):
+            ax.text(1e3 * hi + 0.02 * right, y, f"{1e3 * m:.3g} ms", va="center", fontsize=8)
+        ax.set_xlim(0, 1.3 * right)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        caveat = step_time_caveat(members)
+        ax.set_title(
+            f"{model} {precision} ({device})", fontsize=9, color="red" if caveat else "black"
+        )
+        if caveat:
+            ax.text(
+                0.5,
+                0.5,
+                "\n".join(textwrap.wrap(caveat, 40)),
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="red",
+                bbox={"facecolor": "white", "edgecolor": "red", "alpha": 0.85},
+            )
+        ax.set_xlabel(xlabel, fontsize=8)
+    fig.suptitle("Step time after warm-up (linear axis; red: not a figure to quote)")
+    _savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+_ALLOCATOR_PEAKS = {"torch_cuda_max_memory_allocated", "jax_gpu_peak_bytes_in_use"}
+
+
+def memory_panels(runs) -> list[tuple[str, list[tuple[str, float, str]]]]:
+    """The memory chart's panels: bars share a panel only when measured comparably.
+
+    Device-allocator peaks (torch CUDA, JAX GPU) share one; any other method (torch's profiler
+    on CPU, XLA's buffer plan) gets a panel of its own, with its own axis, so a profiler's bytes
+    never stand beside a compiled plan's as if they compared (`parity.speed.memory_comparability`).
+
+    Returns:
+      ``[(title, [(label, MiB, method), ...]), ...]``.
+
+    Example:
+      >>> memory_panels([])
+      []
+    """
+    panels = []
+    for (model, precision, device), members in speed.cells(runs).items():
+        classes: dict[str, list] = {}
+        for label in sorted(members, key=speed.LABEL_ORDER.index):
+            summary = members[label]["summary"]
+            peak = summary.get("peak_memory_bytes") or 0
+            if not (finite(peak) and peak > 0):
+                continue
+            method = summary.get("peak_memory_method") or "?"
+            kind = "allocator peaks" if method in _ALLOCATOR_PEAKS else method
+            classes.setdefault(kind, []).append((label, peak / 2**20, method))
+        for kind, bars in classes.items():
+            alone = len(classes) > 1
+            title = f"{model} {precision} ({device})\n{kind}" + (
+                " (not comparable with its neighbour)" if alone else ""
+            )
+            panels.append((title, bars))
+    return panels
+
+
+def plot_memory(runs, path) -> bool:
+    """Peak memory in MiB, linear axes, values printed: one panel per cell and measuring method
+    (`memory_panels`). Returns True when at least one bar was drawn.
+
+    Example:
+      >>> # plot_memory(load_results("runs/x")["runs"], "runs/x/memory.png")
+    """
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    panels = memory_panels(runs)
+    if not panels:
+        _empty(path, "no completed runs with memory figures")
+        return False
+    fig, axes = _grid(len(panels))
+    for ax, (title, bars) in zip(axes, panels, strict=False):
+        labels = [label for label, _, _ in bars]
+        values = [value for _, value, _ in bars]
+        ys = range(len(bars))
+        ax.barh(ys, values, color=[_COLORS.get(lb, "gray") for lb in labels])
+        right = max(values)
+        for y, value in zip(ys, values, strict=True):
+            ax.text(value + 0.02 * right, y, f"{value:.3g} MiB", va="center", fontsize=8)
+        ax.set_xlim(0, 1.4 * right)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("peak MiB", fontsize=8)
+    fig.suptitle("Peak memory of a train step: bars share a panel only when measured alike")
+    _savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _empty(path: Path, text: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 1.2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    _savefig(fig, path)
+    plt.close(fig)

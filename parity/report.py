@@ -27,7 +27,16 @@ from typing import Any
 
 from parity import speed
 from parity.measure import MEMORY_METHODS
-from parity.plots import cell_groups, finite, plot_divergence, plot_loss_scales, plot_losses
+from parity.memory_report import memory_section
+from parity.plots import (
+    cell_groups,
+    finite,
+    plot_divergence,
+    plot_loss_scales,
+    plot_losses,
+    plot_memory,
+    plot_step_times,
+)
 from parity.records import run_label, run_seed, run_status, write_text_atomic
 from parity.verdicts.rows import cell_bottom_lines, overall_status
 
@@ -223,14 +232,14 @@ def _draw_plots(runs, out: Path) -> tuple[list[tuple[str, str]], list[str]]:
             notes,
             "Step time",
             "step_time.png",
-            lambda: speed.plot_step_times(main_runs, out / "step_time.png"),
+            lambda: plot_step_times(main_runs, out / "step_time.png"),
         )
         _try_plot(
             plots,
             notes,
             "Peak memory",
             "memory.png",
-            lambda: speed.plot_memory(main_runs, out / "memory.png"),
+            lambda: plot_memory(main_runs, out / "memory.png"),
         )
     plt.close("all")
     return plots, notes
@@ -497,15 +506,15 @@ def _problem_sections(runs, groups, skipped_cells) -> list[str]:
 
 
 def _speed_sections(runs) -> list[str]:
-    """`parity.speed`'s speed, memory and hardware tables."""
+    """The speed, memory and hardware tables (`parity.speed`, `parity.memory_report`)."""
     lines: list[str] = []
     main_runs = [r for r in runs if not r.get("variant")]
     if main_runs:
-        for name in ("speed_section", "memory_section", "hardware_section"):
+        for make in (speed.speed_section, memory_section, speed.hardware_section):
             try:
-                section = getattr(speed, name)(main_runs)
+                section = make(main_runs)
             except Exception as e:  # the parity report stands without the speed tables
-                section = [f"({name} not available: {type(e).__name__}: {e})"]
+                section = [f"({make.__name__} not available: {type(e).__name__}: {e})"]
             if section:
                 lines += ["", *section]
 

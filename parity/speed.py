@@ -2,51 +2,60 @@
 
 For every (model, precision, device) cell with a JAX run and a torch run:
 
+- the figure a study can quote comes from alternating blocks (`parity.blocks`: torch block,
+  JAX block, torch, JAX... in one process, same threads): `block_verdict` takes the JAX/torch
+  ratio of the block medians of every round and gives their geometric mean with a t-interval
+  over the rounds, so the between-block spread is inside the interval; it says "not
+  reproducible here" when the blocks disagree beyond it and refuses a ratio (with the reason)
+  when other processes held the cores (`oversubscribed`);
 - each framework's median step time (the steps after the run's timing warm-up) with a bootstrap
   95% confidence interval (`median_ci`), and the JAX/torch ratio of medians with its own
   interval (`ratio_ci`, both samples resampled independently);
-- a bottom-line sentence (`bottom_line`): "JAX 1.37x slower than torch eager (95% CI 1.21-1.52);
-  torch's bf16 is emulated on this CPU", with the hardware caveats that explain the figure and
-  warnings when the figure is unreliable (spread, machine load, few steps, unequal threads);
-- a step-time chart on a linear axis, one panel per cell, values printed and CI whiskers
-  (`plot_step_times`), and a memory chart with the method of every bar (`plot_memory`) plus a
-  statement of whether the two methods compare (`memory_comparability`).
+- a bottom-line sentence (`speed_figure`, `bottom_line`): "JAX 1.37x slower than torch eager
+  (95% CI 1.21-1.52; 6 alternating blocks); torch's bf16 is emulated on this CPU", with the
+  hardware caveats that explain the figure; a figure that is not quotable (not reproducible,
+  refused, or unreliable sequential runs) leads with that status, never with a ratio;
+- the speed and hardware sections of the report (`speed_section`, `hardware_section`); the
+  memory section is `parity.memory_report`'s, the charts that carry the same caveats
+  `parity.plots`'.
 
-`speed_section`, `memory_section` and `hardware_section` return markdown lines for
+`speed_section` and `hardware_section` return markdown lines for
 ``parity.report``. Runs are the records of ``results.json`` (see ``parity.records``).
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
 import jaxamp
 from parity.hardware import hardware_summary
 from parity.precision.recipes import get_recipe
-from parity.records import write_bytes_atomic
 
 __all__ = [
     "CI_WIDTH_LIMIT",
+    "LABEL_ORDER",
+    "MIN_BLOCKS",
+    "REPRO_SPREAD_LIMIT",
     "SPREAD_LIMIT",
+    "block_verdict",
+    "blocks_verdict",
     "bottom_line",
     "cell_caveats",
     "cells",
     "hardware_section",
     "measured_times",
     "median_ci",
-    "memory_comparability",
-    "memory_section",
-    "plot_memory",
-    "plot_step_times",
+    "oversubscribed",
     "ratio_ci",
     "reliability_warnings",
+    "speed_figure",
     "speed_section",
+    "torch_reference",
 ]
 
 # A figure is flagged unreliable when its 95% CI is wider than this fraction of the median...
@@ -54,8 +63,17 @@ CI_WIDTH_LIMIT = 0.2
 # ...or its p90/p10 step-time spread exceeds this factor.
 SPREAD_LIMIT = 2.0
 MIN_STEPS = 10
-_LABEL_ORDER = ("torch", "torch-compile", "jax")
-_COLORS = {"torch": "#d62728", "torch-compile": "#ff7f0e", "jax": "#1f77b4"}
+# Alternating blocks: an interval over rounds needs at least this many of them...
+MIN_BLOCKS = 3
+# ...and when the rounds' JAX/torch ratios span more than this factor, the machine moved the
+# figure more than any interval over so few rounds can hold: "not reproducible here". (Five
+# identical GPT-2 runs gave ratios 0.95-1.94 with non-overlapping intervals: a 2x spread.)
+REPRO_SPREAD_LIMIT = 1.5
+# A timing is refused when other processes left fewer free cores than the threads each framework
+# ran with, minus this margin (background daemons use a little of any machine).
+OVERSUBSCRIBED_MARGIN = 0.5
+# The order runs are listed and drawn in within a cell.
+LABEL_ORDER = ("torch", "torch-compile", "jax")
 
 
 # --- statistics --------------------------------------------------------------------------------
@@ -179,6 +197,147 @@ def ratio_ci(
     return ratio, float(low), float(high)
 
 
+def oversubscribed(
+    others_cores: float | None,
+    cores: int | None,
+    threads: int | None,
+    load_average: float | None = None,
+) -> str | None:
+    """Why a timing on this machine cannot give a ratio (other processes held the cores), or None.
+
+    Args:
+      others_cores: cores' worth of CPU other processes used while the blocks ran
+        (`parity.measure.time_blocks`' ``others_cpu_cores_total``); None where not measurable.
+      cores: the cores this process could run on.
+      threads: intra-op threads each framework ran with.
+      load_average: the 1-minute load average, used only when `others_cores` is None.
+
+    Example:
+      >>> oversubscribed(1.4, 2, 2)
+      'machine oversubscribed: other processes used 1.4 of the 2 cores while the blocks ran, leaving 0.6 for 2 threads per framework'
+      >>> oversubscribed(0.1, 2, 2) is None
+      True
+    """
+    if not cores:
+        return None
+    threads = threads or cores
+    if others_cores is not None:
+        free = cores - others_cores
+        if free < threads - OVERSUBSCRIBED_MARGIN:
+            return (
+                f"machine oversubscribed: other processes used {others_cores:.1f} of the {cores} "
+                f"cores while the blocks ran, leaving {max(free, 0.0):.1f} for {threads} threads "
+                "per framework"
+            )
+        return None
+    if load_average is not None and load_average > cores:
+        return (
+            f"machine oversubscribed: 1-minute load {load_average:.1f} on {cores} cores (other "
+            "processes' CPU use is not measurable here)"
+        )
+    return None
+
+
+def _block_medians(name: str, blocks: Sequence[Sequence[float]]) -> np.ndarray:
+    if isinstance(blocks, str | bytes) or len(blocks) == 0:
+        raise ValueError(f"block_verdict: `{name}` must be a list of blocks; got {blocks!r}.")
+    medians = np.asarray([np.median(_as_sample(f"{name} block", b)) for b in blocks])
+    if np.any(medians <= 0):
+        raise ValueError(f"block_verdict: `{name}` step times must be > 0; got {blocks!r}.")
+    return medians
+
+
+def block_verdict(
+    jax_blocks: Sequence[Sequence[float]],
+    torch_blocks: Sequence[Sequence[float]],
+    *,
+    refused: str | None = None,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """The JAX/torch step-time ratio of alternating blocks, or why there is none.
+
+    Round i pairs JAX's block i with torch's block i (adjacent in time); its ratio is the ratio of
+    the two blocks' median step times. The figure is the geometric mean of the rounds' ratios with
+    a Student-t interval over the rounds (on the log scale), so load that moved between rounds
+    widens the interval instead of hiding in it.
+
+    Statuses:
+
+    - ``"refused"``: `refused` says why (`oversubscribed`), or fewer than `MIN_BLOCKS` rounds;
+    - ``"not reproducible"``: the rounds disagree beyond the interval: their ratios span more than
+      `REPRO_SPREAD_LIMIT`, or some round puts the other framework ahead while the interval
+      excludes 1;
+    - ``"ratio"``: ``ratio``, ``low``, ``high`` are quotable.
+
+    Args:
+      jax_blocks: JAX's step times, one list per block.
+      torch_blocks: torch's, as many blocks.
+      refused: a reason to refuse the ratio (the machine was oversubscribed), or None.
+      confidence: the interval's coverage.
+
+    Returns:
+      ``{"status", "ratio", "low", "high", "block_ratios", "reason", "blocks"}`` (``ratio``,
+      ``low``, ``high`` None unless the status is ``"ratio"``).
+
+    Raises:
+      ValueError: empty, non-finite or non-positive timings, unequal block counts, or
+        `confidence` outside (0, 1).
+
+    Example:
+      >>> verdict = block_verdict([[2.0, 2.1]] * 4, [[1.0, 1.05]] * 4)
+      >>> verdict["status"], round(verdict["ratio"], 2)
+      ('ratio', 2.0)
+    """
+    _check_confidence(confidence)
+    jax_medians = _block_medians("jax_blocks", jax_blocks)
+    torch_medians = _block_medians("torch_blocks", torch_blocks)
+    if jax_medians.size != torch_medians.size:
+        raise ValueError(
+            f"block_verdict: as many JAX blocks as torch blocks needed; got {jax_medians.size} "
+            f"and {torch_medians.size}."
+        )
+    ratios = jax_medians / torch_medians
+    out: dict[str, Any] = {
+        "status": "ratio",
+        "ratio": None,
+        "low": None,
+        "high": None,
+        "block_ratios": [float(r) for r in ratios],
+        "reason": None,
+        "blocks": int(ratios.size),
+    }
+    if refused:
+        return {**out, "status": "refused", "reason": refused}
+    if ratios.size < MIN_BLOCKS:
+        return {
+            **out,
+            "status": "refused",
+            "reason": f"only {ratios.size} alternating blocks (an interval over blocks needs "
+            f"{MIN_BLOCKS})",
+        }
+    logs = np.log(ratios)
+    half = float(
+        student_t.ppf((1 + confidence) / 2, logs.size - 1) * logs.std(ddof=1) / math.sqrt(logs.size)
+    )
+    ratio = float(np.exp(logs.mean()))
+    low, high = float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+    spread = float(ratios.max() / ratios.min())
+    against = (high < 1 and ratios.max() > 1) or (low > 1 and ratios.min() < 1)
+    if spread > REPRO_SPREAD_LIMIT or against:
+        why = (
+            f"the block ratios span {spread:.2f}x (limit {REPRO_SPREAD_LIMIT}x)"
+            if spread > REPRO_SPREAD_LIMIT
+            else "some blocks put the other framework ahead"
+        )
+        return {
+            **out,
+            "status": "not reproducible",
+            "reason": f"{why}: JAX/torch {ratios.min():.2f}-{ratios.max():.2f} by block, beyond "
+            f"their {100 * confidence:.0f}% CI {low:.2f}-{high:.2f}",
+        }
+    return {**out, "ratio": ratio, "low": low, "high": high}
+
+
 # --- runs and cells ----------------------------------------------------------------------------
 
 
@@ -248,8 +407,18 @@ def cell_caveats(run: Mapping[str, Any]) -> list[str]:
     out = []
     if dtype == "bfloat16" and hardware.get("torch_bf16_emulated"):
         out.append("torch's bf16 is emulated on this CPU (no AVX512-BF16/AMX kernels)")
-    if dtype == "float16":
-        out.append("torch's fp16 CPU kernels are ~200x slower than its fp32 (no fast kernel)")
+    if dtype in ("float16", "bfloat16"):
+        probe = (run.get("speed_blocks") or {}).get("torch_probe") or {}
+        if probe.get("ratio_to_fp32"):
+            out.append(
+                f"torch's {dtype} matmul takes {probe['ratio_to_fp32']:.3g}x its float32 time on "
+                f"this CPU (n={probe['n']}, measured)"
+            )
+        elif dtype == "float16":
+            out.append(
+                "torch's float16 CPU speed against its float32 was not measured for these runs "
+                "(it ranges from par to >100x slower by CPU; the alternating-block timing probes it)"
+            )
     if dtype != "float32":
         out.append("XLA:CPU computes bf16/fp16 dots in float32 (no low-precision speed-up for JAX)")
     return out
@@ -294,7 +463,14 @@ def reliability_warnings(run: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _torch_reference(members: Mapping[str, Any]) -> tuple[str, Any] | None:
+def torch_reference(members: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """``(label, run)`` of a cell's torch run that JAX is compared with: eager first, else
+    torch.compile; None when the cell has neither.
+
+    Example:
+      >>> torch_reference({"jax": {}}) is None
+      True
+    """
     for label in ("torch", "torch-compile"):
         if label in members:
             return label, members[label]
@@ -305,43 +481,133 @@ def _mode_name(label: str) -> str:
     return "torch eager" if label == "torch" else "torch.compile"
 
 
-def bottom_line(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> str:
-    """One sentence a study can quote: who is faster, by how much, with the 95% CI and caveats.
+def _blocks_of(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> Mapping | None:
+    """The alternating-block timing of this pair (its torch mode must be the torch run's)."""
+    for run in (torch_run, jax_run):
+        trial = run.get("speed_blocks")
+        if isinstance(trial, Mapping) and trial.get("torch_label", "torch") == _label(torch_run):
+            return trial
+    return None
 
-    Args:
-      jax_run: the JAX run record of a cell.
-      torch_run: the torch run record (eager or torch.compile) of the same cell.
+
+def blocks_verdict(trial: Mapping[str, Any]) -> dict[str, Any]:
+    """`block_verdict` of a recorded alternating-block timing (``run["speed_blocks"]``), refused
+    when the machine was oversubscribed, the frameworks ran with unequal threads or the timing
+    failed (its ``error``)."""
+    if trial.get("error"):
+        reason = str(trial["error"])
+        return {
+            "status": "refused",
+            "ratio": None,
+            "low": None,
+            "high": None,
+            "block_ratios": [],
+            "reason": reason,
+            "blocks": 0,
+        }
+    threads = trial.get("threads") or {}
+    torch_threads = threads.get("torch_intra_op_threads")
+    xla_threads = threads.get("xla_cpu_intra_op_threads")
+    refused = None
+    if trial.get("device", "cpu") == "cpu" and torch_threads and xla_threads:
+        if torch_threads != xla_threads:
+            refused = f"unequal threads (torch {torch_threads}, XLA:CPU {xla_threads})"
+    refused = refused or oversubscribed(
+        trial.get("others_cpu_cores_total"),
+        threads.get("available_cpus"),
+        max(torch_threads or 1, xla_threads or 1) if trial.get("device", "cpu") == "cpu" else 1,
+        (trial.get("load_average_before") or [None])[0],
+    )
+    times = trial.get("times") or {}
+    return block_verdict(times.get("jax") or [], times.get("torch") or [], refused=refused)
+
+
+def _ratio_words(mode: str, ratio: float, low: float, high: float, detail: str = "") -> str:
+    if low <= 1.0 <= high:
+        return (
+            f"no clear difference between JAX and {mode}: step-time ratio {ratio:.2f} "
+            f"(95% CI {low:.2f}-{high:.2f}{detail})"
+        )
+    if ratio > 1:
+        return f"JAX {ratio:.2f}x slower than {mode} (95% CI {low:.2f}-{high:.2f}{detail})"
+    return f"JAX {1 / ratio:.2f}x faster than {mode} (95% CI {1 / high:.2f}-{1 / low:.2f}{detail})"
+
+
+def speed_figure(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> dict[str, Any]:
+    """The speed figure of a cell, with its status: what the report's bottom line shows.
+
+    Statuses: ``"ratio"`` (alternating blocks, quotable), ``"not reproducible"`` and
+    ``"refused"`` (`block_verdict`), ``"sequential"`` (no alternating blocks recorded: the two
+    runs were timed one after the other; indicative) and ``"unreliable"`` (sequential runs with
+    `reliability_warnings`). Only ``"ratio"`` and ``"sequential"`` texts begin with a ratio; the
+    others begin with the status and why.
 
     Returns:
-      e.g. ``"JAX 1.37x slower than torch eager (95% CI 1.21-1.52); torch's bf16 is emulated on
-      this CPU (no AVX512-BF16/AMX kernels)"``; a CI that contains 1 says "no clear difference".
+      ``{"status", "text", "verdict"}`` (``verdict``: `block_verdict`'s dict, or None).
 
     Example:
       >>> jax_run = {"framework": "jax", "device": "gpu", "config": {},
       ...            "steps": [{"time_s": t} for t in (2.0, 2.1, 1.9, 2.0)]}
       >>> torch_run = {"framework": "torch", "device": "gpu", "config": {},
       ...              "steps": [{"time_s": t} for t in (1.0, 1.02, 0.98, 1.0)]}
-      >>> bottom_line(jax_run, torch_run).split(" (")[0]
-      'JAX 2.00x slower than torch eager'
+      >>> figure = speed_figure(jax_run, torch_run)
+      >>> figure["status"], figure["text"].split(" (")[0]
+      ('unreliable', 'UNRELIABLE: jax: only 4 timed steps; torch: only 4 timed steps')
     """
     mode = _mode_name(_label(torch_run))
-    ratio, low, high = ratio_ci(measured_times(jax_run), measured_times(torch_run))
-    if low <= 1.0 <= high:
-        text = (
-            f"no clear difference between JAX and {mode}: step-time ratio {ratio:.2f} "
-            f"(95% CI {low:.2f}-{high:.2f})"
-        )
-    elif ratio > 1:
-        text = f"JAX {ratio:.2f}x slower than {mode} (95% CI {low:.2f}-{high:.2f})"
-    else:
-        text = f"JAX {1 / ratio:.2f}x faster than {mode} (95% CI {1 / high:.2f}-{1 / low:.2f})"
     caveats = cell_caveats(torch_run)
-    warnings = reliability_warnings(jax_run) + reliability_warnings(torch_run)
+    trial = _blocks_of(jax_run, torch_run)
+    verdict = None
+    if trial is not None:
+        verdict = blocks_verdict(trial)
+        status = verdict["status"]
+        if status == "ratio":
+            detail = f" over {verdict['blocks']} alternating blocks"
+            text = _ratio_words(mode, verdict["ratio"], verdict["low"], verdict["high"], detail)
+        elif status == "not reproducible":
+            text = f"not reproducible here: {verdict['reason']}; no ratio quoted"
+        else:
+            text = f"no speed ratio: {verdict['reason']}"
+    else:
+        ratio, low, high = ratio_ci(measured_times(jax_run), measured_times(torch_run))
+        warnings = reliability_warnings(jax_run) + reliability_warnings(torch_run)
+        if warnings:
+            status = "unreliable"
+            text = (
+                f"UNRELIABLE: {'; '.join(warnings)} (the sequential runs' JAX/{mode} ratio "
+                f"{ratio:.2f}, 95% CI {low:.2f}-{high:.2f}, is not a figure to quote)"
+            )
+        else:
+            status = "sequential"
+            text = (
+                _ratio_words(mode, ratio, low, high)
+                + "; the runs were timed one after the other, not in alternating blocks: indicative"
+            )
     if caveats:
         text += "; " + "; ".join(caveats)
-    if warnings:
-        text += "; UNRELIABLE: " + "; ".join(warnings)
-    return text
+    return {"status": status, "text": text, "verdict": verdict}
+
+
+def bottom_line(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> str:
+    """`speed_figure`'s text: who is faster, by how much, with the 95% CI and caveats, or the
+    status ("not reproducible here", "no speed ratio", "UNRELIABLE") and why.
+
+    Args:
+      jax_run: the JAX run record of a cell.
+      torch_run: the torch run record (eager or torch.compile) of the same cell.
+
+    Returns:
+      e.g. ``"JAX 1.37x slower than torch eager (95% CI 1.21-1.52 over 6 alternating blocks);
+      torch's bf16 is emulated on this CPU (no AVX512-BF16/AMX kernels)"``; a CI that contains 1
+      says "no clear difference".
+
+    Example:
+      >>> blocks = {"device": "gpu", "times": {"jax": [[2.0, 2.1]] * 4, "torch": [[1.0, 1.1]] * 4}}
+      >>> torch_run = {"framework": "torch", "device": "gpu", "speed_blocks": blocks, "steps": []}
+      >>> bottom_line({**torch_run, "framework": "jax"}, torch_run)
+      'JAX 1.95x slower than torch eager (95% CI 1.95-1.95 over 4 alternating blocks)'
+    """
+    return speed_figure(jax_run, torch_run)["text"]
 
 
 # --- markdown sections -------------------------------------------------------------------------
@@ -371,7 +637,7 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         "",
     ]
     for (model, precision, device), members in grouped.items():
-        reference = _torch_reference(members)
+        reference = torch_reference(members)
         if "jax" in members and reference is not None:
             sentence = bottom_line(members["jax"], reference[1])
             lines.append(
@@ -382,7 +648,7 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines += ["", "| model | precision | device | run | steps | median ms (95% CI) | JAX / this |"]
     lines.append("|---|---|---|---|---|---|---|")
     for (model, precision, device), members in grouped.items():
-        for label in sorted(members, key=_LABEL_ORDER.index):
+        for label in sorted(members, key=LABEL_ORDER.index):
             times = measured_times(members[label])
             median, low, high = median_ci(times)
             ratio_text = "—"
@@ -393,116 +659,6 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"| {model} | {precision} | {device} | {label} | {len(times)} "
                 f"| {_ms(median)} ({_ms(low)}-{_ms(high)}) | {ratio_text} |"
             )
-    lines.append("")
-    return lines
-
-
-_METHOD_TEXT = {
-    "xla_memory_analysis": "XLA's compiled-step plan (arguments + outputs + temporaries - aliased)",
-    "torch_profiler_cpu_allocations": (
-        "torch profiler: peak of one eager step's allocations + live params, optimizer state, batch"
-    ),
-    "torch_cuda_max_memory_allocated": "torch CUDA allocator peak (max_memory_allocated)",
-    "jax_gpu_peak_bytes_in_use": "JAX GPU allocator peak (peak_bytes_in_use, process-wide)",
-}
-
-
-def memory_comparability(torch_method: str | None, jax_method: str | None) -> str:
-    """Whether the torch and the JAX memory figures of a cell may be compared, and why.
-
-    Example:
-      >>> memory_comparability("torch_cuda_max_memory_allocated", "jax_gpu_peak_bytes_in_use")[:10]
-      'Comparable'
-    """
-    pair = (torch_method, jax_method)
-    if pair == ("torch_cuda_max_memory_allocated", "jax_gpu_peak_bytes_in_use"):
-        return (
-            "Comparable: both are device-allocator peaks over the timed steps (JAX's is "
-            "process-wide, so run one cell per process for per-cell peaks; both exclude the CUDA "
-            "context and library workspaces)."
-        )
-    if pair == ("torch_profiler_cpu_allocations", "xla_memory_analysis"):
-        return (
-            "Not directly comparable (same order of magnitude at best): torch's figure is the "
-            "running peak of the CPU allocations one eager step actually made, plus the tensors "
-            "live before it; XLA's is the buffer plan of the compiled step, which reuses and "
-            "fuses buffers torch allocates separately, and counts every argument and output "
-            "(params, optimizer state, batch) whether or not the runtime aliases it. Neither "
-            "includes the framework's own runtime memory. Compare each framework against itself "
-            "across precisions, not the two against each other."
-        )
-    names = ", ".join(f"`{m}`" for m in pair if m)
-    return f"Different methods ({names or 'none recorded'}): not comparable as they stand."
-
-
-def _bf16_mixed(precision: str) -> bool:
-    """float32 params, bfloat16 compute (what the memory note explains)."""
-    try:
-        policy = get_recipe(precision).policy
-    except ValueError:
-        return False
-    return policy.param_dtype.name == "float32" and policy.compute_dtype.name == "bfloat16"
-
-
-def _bf16_memory_note(grouped) -> list[str]:
-    """Explains JAX bf16-mixed memory not lower than fp32 on CPU where that is what was measured."""
-    notes = []
-    for (model, precision, device), members in grouped.items():
-        if device != "cpu" or "jax" not in members or not _bf16_mixed(precision):
-            continue
-        fp32 = grouped.get((model, "fp32", device), {}).get("jax")
-        low = members["jax"]["summary"].get("peak_memory_bytes")
-        full = fp32 and fp32["summary"].get("peak_memory_bytes")
-        if low and full and low >= 0.95 * full:
-            notes.append(
-                f"- JAX {model}: bf16-mixed plans {low / 2**20:.2f} MiB against fp32's "
-                f"{full / 2**20:.2f} MiB. Expected on CPU: under a mixed policy the parameters, "
-                "gradients and optimizer state stay float32 and the bf16 copies of the weights are "
-                "extra buffers; XLA:CPU also converts bf16 dot operands to float32, so the "
-                "float32 temporaries remain. Only saved activations shrink, which at these batch "
-                "sizes are a small part of the step."
-            )
-    return notes
-
-
-def memory_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Markdown: peak memory per cell, how each figure was measured and whether they compare.
-
-    Example:
-      >>> memory_section([])[0]
-      '## Memory'
-    """
-    lines = ["## Memory", ""]
-    grouped = cells(runs)
-    if not grouped:
-        return lines + ["No completed runs with memory figures.", ""]
-    lines += ["| model | precision | device | run | peak MiB | how it was measured |"]
-    lines.append("|---|---|---|---|---|---|")
-    pairs = set()
-    for (model, precision, device), members in grouped.items():
-        for label in sorted(members, key=_LABEL_ORDER.index):
-            summary = members[label]["summary"]
-            peak = summary.get("peak_memory_bytes")
-            method = summary.get("peak_memory_method")
-            lines.append(
-                f"| {model} | {precision} | {device} | {label} "
-                f"| {'—' if peak is None else f'{peak / 2**20:.2f}'} "
-                f"| {_METHOD_TEXT.get(method, method or '—')} |"
-            )
-        reference = _torch_reference(members)
-        if reference and "jax" in members:
-            pairs.add(
-                (
-                    reference[1]["summary"].get("peak_memory_method"),
-                    members["jax"]["summary"].get("peak_memory_method"),
-                )
-            )
-    lines.append("")
-    for torch_method, jax_method in sorted(pairs, key=str):
-        lines.append(
-            f"- `{torch_method}` vs `{jax_method}`: {memory_comparability(torch_method, jax_method)}"
-        )
-    lines += _bf16_memory_note(grouped)
     lines.append("")
     return lines
 
@@ -538,128 +694,3 @@ def hardware_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         )
     lines.append("")
     return lines
-
-
-# --- plots -------------------------------------------------------------------------------------
-
-
-def _save(fig, path: Path) -> None:
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    write_bytes_atomic(path, buffer.getvalue())
-
-
-def _panels(n: int):
-    import matplotlib.pyplot as plt
-
-    cols = min(3, max(n, 1))
-    rows = math.ceil(max(n, 1) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 1.0 + 1.5 * rows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat)
-
-
-def _empty(path: Path, text: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 1.2))
-    ax.axis("off")
-    ax.text(0.5, 0.5, text, ha="center", va="center")
-    _save(fig, path)
-    plt.close(fig)
-
-
-def plot_step_times(runs: Sequence[Mapping[str, Any]], path: str | Path) -> bool:
-    """Median step time per run with 95% CI whiskers, linear axis from 0, values printed.
-
-    One panel per (model, precision, device) cell, so a 2 ms cell and a 200 ms cell are both
-    readable and bar lengths stay proportional to time. Runs without timings are left out; with
-    none at all the PNG says so (never a crash).
-
-    Returns:
-      True when at least one bar was drawn.
-
-    Example:
-      >>> # plot_step_times(load_results("runs/x")["runs"], "runs/x/step_time.png")
-    """
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    grouped = cells(runs)
-    if not grouped:
-        _empty(path, "no completed runs with step times")
-        return False
-    fig, axes = _panels(len(grouped))
-    for ax, ((model, precision, device), members) in zip(axes, grouped.items(), strict=False):
-        labels = sorted(members, key=_LABEL_ORDER.index)
-        stats = [median_ci(measured_times(members[label])) for label in labels]
-        medians = [1e3 * m for m, _, _ in stats]
-        errors = [[1e3 * (m - lo) for m, lo, _ in stats], [1e3 * (hi - m) for m, _, hi in stats]]
-        ys = range(len(labels))
-        ax.barh(ys, medians, xerr=errors, capsize=4, color=[_COLORS[lb] for lb in labels])
-        right = max(1e3 * hi for _, _, hi in stats)
-        for y, (m, _, hi) in zip(ys, stats, strict=True):
-            ax.text(1e3 * hi + 0.02 * right, y, f"{1e3 * m:.3g} ms", va="center", fontsize=8)
-        ax.set_xlim(0, 1.3 * right)
-        ax.set_yticks(list(ys))
-        ax.set_yticklabels(labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{model} {precision} ({device})", fontsize=9)
-        ax.set_xlabel("median step time, ms (95% CI)", fontsize=8)
-    fig.suptitle("Step time after warm-up (linear axis; whiskers: bootstrap 95% CI)", fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
-    return True
-
-
-def plot_memory(runs: Sequence[Mapping[str, Any]], path: str | Path) -> bool:
-    """Peak memory per run in MiB, linear axis, values printed, the measuring method per bar.
-
-    Hatched bars are XLA's compiled plan, plain bars allocator or profiler peaks (see
-    `memory_comparability`). Returns True when at least one bar was drawn.
-
-    Example:
-      >>> # plot_memory(load_results("runs/x")["runs"], "runs/x/memory.png")
-    """
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    grouped = {
-        key: {
-            label: run
-            for label, run in members.items()
-            if (run["summary"].get("peak_memory_bytes") or 0) > 0
-        }
-        for key, members in cells(runs).items()
-    }
-    grouped = {key: members for key, members in grouped.items() if members}
-    if not grouped:
-        _empty(path, "no completed runs with memory figures")
-        return False
-    fig, axes = _panels(len(grouped))
-    for ax, ((model, precision, device), members) in zip(axes, grouped.items(), strict=False):
-        labels = sorted(members, key=_LABEL_ORDER.index)
-        values = [members[lb]["summary"]["peak_memory_bytes"] / 2**20 for lb in labels]
-        methods = [members[lb]["summary"].get("peak_memory_method") or "?" for lb in labels]
-        ys = range(len(labels))
-        bars = ax.barh(ys, values, color=[_COLORS[lb] for lb in labels])
-        for bar, method in zip(bars, methods, strict=True):
-            if method == "xla_memory_analysis":
-                bar.set_hatch("//")
-        right = max(values)
-        for y, value, method in zip(ys, values, methods, strict=True):
-            ax.text(value + 0.02 * right, y, f"{value:.3g} MiB ({method})", va="center", fontsize=7)
-        ax.set_xlim(0, 2.2 * right)
-        ax.set_yticks(list(ys))
-        ax.set_yticklabels(labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{model} {precision} ({device})", fontsize=9)
-        ax.set_xlabel("peak MiB", fontsize=8)
-    fig.suptitle("Peak memory of a train step; methods differ (see the report)", fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
-    return True

@@ -14,7 +14,10 @@ host-computed learning rate of each iteration fed in (`parity.precision.steps`).
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +36,7 @@ from parity.precision.steps import (
 from parity.progress import progress as progress_lines
 from parity.records import build_run_record
 
-__all__ = ["train_jax"]
+__all__ = ["JaxStep", "build_jax_step", "train_jax"]
 
 
 def _jax_device(device: str):
@@ -46,26 +49,67 @@ def _jax_device(device: str):
         ) from e
 
 
-def train_jax(
+class JaxStep(NamedTuple):
+    """The JAX side of a run, built and compiled once (`build_jax_step`); the trainer and the
+    alternating-block timing (`parity.blocks`) both step it."""
+
+    # compiled(params, batch_stats, opt_state, inputs, targets, learning_rate)
+    #   -> (params, batch_stats, opt_state, metrics); buffers donated
+    compiled: Any
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    host_batch: Callable  # host_batch(index) -> (inputs, targets) on the device
+    compile_time_s: float | None  # None: an executable compiled earlier was reused
+    device: Any
+
+
+# The last executable compiled for each live pair (by id; the entry goes when the pair does),
+# with all else the program depends on: the alternating-block timing after a run reuses it.
+_COMPILED: dict[int, tuple] = {}
+
+
+def _remember(pair: Any, key: tuple, compiled: Any) -> None:
+    if id(pair) not in _COMPILED:
+        try:
+            weakref.finalize(pair, _COMPILED.pop, id(pair), None)
+        except TypeError:  # a pair that cannot be weakly referenced: nothing kept
+            return
+    _COMPILED[id(pair)] = (key, compiled)
+
+
+def _program_key(config: RunConfig, device: Any, args: tuple) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return (
+        json.dumps(config.to_dict(), sort_keys=True, default=str),
+        str(device),
+        str(treedef),
+        tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
+    )
+
+
+def build_jax_step(
     config: RunConfig,
     pair: Any,
-    stream: Any = None,
-    *,
+    stream: Any,
     variables: dict | None = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Trains the Flax twin from the torch model's initial weights and returns a run record.
+    *,
+    reuse_compiled: bool = False,
+) -> JaxStep:
+    """The recipe's JAX state (params, statistics, optimizer state) and compiled train step.
 
     Args:
-      config: the run's configuration (the same object the torch side gets).
+      config: the run's configuration.
       pair: a `parity.models.ModelPair`.
-      stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
-      variables: initial Flax variables (default: ``pair.torch_to_flax()``, converted from the
-        torch model's initial weights).
-      progress: report progress (a bar on a terminal, a plain line every 30 s elsewhere).
+      stream: the batches (the step is compiled for batch 0's shapes).
+      variables: initial Flax variables (default: ``pair.torch_to_flax()``).
+      reuse_compiled: take the executable the last build for this pair compiled for the same
+        configuration and shapes, if any (``compile_time_s`` is then None); the trainer always
+        compiles (its compile time is a figure).
+
+    Raises:
+      UnsupportedHere: no backend for ``config.device``.
     """
-    if stream is None:
-        stream = pair.make_data(config.stream_seed, config.batch_size)
     reason = unsupported_reason("jax", config.policy, config.model, config.device)
     if reason is not None:  # no GPU backend: recorded as unsupported here, not failed
         raise UnsupportedHere(reason)
@@ -107,14 +151,44 @@ def train_jax(
 
     inputs, targets = host_batch(0)
     lr0 = jnp.float32(config.lr_at(0))
+    args = (params, batch_stats, opt_state, inputs, targets, lr0)
+    key = _program_key(config, device, args)
+    cached = _COMPILED.get(id(pair))
+    if reuse_compiled and cached is not None and cached[0] == key:
+        return JaxStep(cached[1], params, batch_stats, opt_state, host_batch, None, device)
     with jax.default_matmul_precision("highest"):
         start = measure.now()
-        compiled = (
-            jax.jit(train_step, donate_argnums=(0, 1, 2))
-            .lower(params, batch_stats, opt_state, inputs, targets, lr0)
-            .compile()
-        )
+        compiled = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(*args).compile()
         compile_time = measure.now() - start
+    _remember(pair, key, compiled)
+    return JaxStep(compiled, params, batch_stats, opt_state, host_batch, compile_time, device)
+
+
+def train_jax(
+    config: RunConfig,
+    pair: Any,
+    stream: Any = None,
+    *,
+    variables: dict | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Trains the Flax twin from the torch model's initial weights and returns a run record.
+
+    Args:
+      config: the run's configuration (the same object the torch side gets).
+      pair: a `parity.models.ModelPair`.
+      stream: a `BatchStream` (default: ``pair.make_data(config.stream_seed, config.batch_size)``).
+      variables: initial Flax variables (default: ``pair.torch_to_flax()``, converted from the
+        torch model's initial weights).
+      progress: report progress (a bar on a terminal, a plain line every 30 s elsewhere).
+    """
+    if stream is None:
+        stream = pair.make_data(config.stream_seed, config.batch_size)
+    side = build_jax_step(config, pair, stream, variables)
+    compiled, host_batch, device = side.compiled, side.host_batch, side.device
+    params, batch_stats, opt_state = side.params, side.batch_stats, side.opt_state
+    compile_time = side.compile_time_s
+    recipe = config.recipe
 
     log = measure.StepLog()
     iterator = range(config.steps)

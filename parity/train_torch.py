@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from parity.precision.steps import build_torch_optimizer, torch_train_step
 from parity.progress import progress as progress_lines
 from parity.records import build_run_record
 
-__all__ = ["train_torch"]
+__all__ = ["TorchStep", "build_torch_step", "train_torch"]
 
 # Names that lived here before they moved: one deprecation path (`__getattr__`), no re-export.
 _MOVED = {
@@ -50,6 +51,81 @@ def _to_device(array: np.ndarray, device: torch.device, float_dtype: torch.dtype
     if float_dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(float_dtype)
     return tensor
+
+
+class TorchStep(NamedTuple):
+    """The torch side of a run, built once (`build_torch_step`); the trainer and the
+    alternating-block timing (`parity.blocks`) both step it."""
+
+    step: Callable  # step(index, inputs, targets) -> loss (`torch_train_step`)
+    forward_loss: Callable  # forward_loss(inputs, targets, train) -> (logits, loss)
+    model: Any
+    optimizer: Any
+    scaler: Any
+    params: list
+    device: Any
+    input_dtype: Any
+    extras: dict
+
+    def batch(self, stream: Any, index: int) -> tuple[Any, Any]:
+        """Batch `index` of `stream` on the run's device, inputs in the recipe's dtype."""
+        raw_inputs, raw_targets = stream.batch(index)
+        return (
+            _to_device(raw_inputs, self.device, self.input_dtype),
+            _to_device(raw_targets, self.device, None),
+        )
+
+
+def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
+    """The recipe's torch model (a copy of `pair.torch_model`), optimizer, scaler and step.
+
+    Raises:
+      UnsupportedHere: this machine cannot run the cell (no CUDA; no oneDNN kernel for it).
+    """
+    reason = unsupported_reason("torch", config.policy, pair.torch_model, config.device)
+    if reason is not None:
+        raise UnsupportedHere(reason)
+    device_type = torch_device_type(config.device)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train_torch: config.device='gpu' but torch sees no CUDA device.")
+    device = torch.device(device_type)
+    # The fp32 baseline at full precision; TF32 would make torch fp32 matmuls approximate.
+    torch.set_float32_matmul_precision("highest")
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    recipe = config.recipe
+    recipe.check_arm("single")
+    model, extras = recipe.torch_convert(copy.deepcopy(pair.torch_model).to(device), device)
+    optimizer = build_torch_optimizer(config, model.parameters())
+    scaler = recipe.torch_grad_scaler(config, device_type)
+    forward_model = torch.compile(model) if config.torch_compile else model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_loss(inputs, targets, train):
+        with recipe.torch_autocast(device_type):
+            logits = pair.torch_forward(forward_model, inputs, train=train)
+            return logits, loss_torch(pair.task, logits, targets)
+
+    step = torch_train_step(
+        config,
+        lambda inputs, targets: forward_loss(inputs, targets, True)[1],
+        optimizer,
+        scaler,
+        params,
+    )
+    return TorchStep(
+        step,
+        forward_loss,
+        model,
+        optimizer,
+        scaler,
+        params,
+        device,
+        recipe.torch_input_dtype(),
+        extras,
+    )
 
 
 def train_torch(
@@ -72,41 +148,11 @@ def train_torch(
     """
     if stream is None:
         stream = pair.make_data(config.stream_seed, config.batch_size)
-    # A cell this machine cannot run (no CUDA; no oneDNN kernel for it) is not a failure.
-    reason = unsupported_reason("torch", config.policy, pair.torch_model, config.device)
-    if reason is not None:
-        raise UnsupportedHere(reason)
+    side = build_torch_step(config, pair)
+    model, optimizer, scaler, params = side.model, side.optimizer, side.scaler, side.params
+    train_step, forward_loss = side.step, side.forward_loss
     device_type = torch_device_type(config.device)
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train_torch: config.device='gpu' but torch sees no CUDA device.")
-    device = torch.device(device_type)
-    # The fp32 baseline at full precision; TF32 would make torch fp32 matmuls approximate.
-    torch.set_float32_matmul_precision("highest")
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
     recipe = config.recipe
-    recipe.check_arm("single")
-    model, extras = recipe.torch_convert(copy.deepcopy(pair.torch_model).to(device), device)
-    input_dtype = recipe.torch_input_dtype()
-    optimizer = build_torch_optimizer(config, model.parameters())
-    scaler = recipe.torch_grad_scaler(config, device_type)
-    forward_model = torch.compile(model) if config.torch_compile else model
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def forward_loss(inputs, targets, train):
-        with recipe.torch_autocast(device_type):
-            logits = pair.torch_forward(forward_model, inputs, train=train)
-            return logits, loss_torch(pair.task, logits, targets)
-
-    train_step = torch_train_step(
-        config,
-        lambda inputs, targets: forward_loss(inputs, targets, True)[1],
-        optimizer,
-        scaler,
-        params,
-    )
 
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -119,9 +165,7 @@ def train_torch(
         )
         iterator = progress_lines(iterator, label)
     for step in iterator:
-        raw_inputs, raw_targets = stream.batch(step)
-        inputs = _to_device(raw_inputs, device, input_dtype)
-        targets = _to_device(raw_targets, device, None)
+        inputs, targets = side.batch(stream, step)
         measure.torch_sync(config.device)
         start = measure.now()
         loss = train_step(step, inputs, targets)
@@ -142,8 +186,8 @@ def train_torch(
         values = []
         with torch.no_grad():
             for raw_inputs, raw_targets in stream.eval_batches():
-                inputs = _to_device(raw_inputs, device, input_dtype)
-                targets = _to_device(raw_targets, device, None)
+                inputs = _to_device(raw_inputs, side.device, side.input_dtype)
+                targets = _to_device(raw_targets, side.device, None)
                 logits, _ = forward_loss(inputs, targets, train=False)
                 values.append(float(eval_metric_torch(pair.task, logits.float(), targets)))
         eval_metric = float(np.mean(values))
@@ -154,9 +198,7 @@ def train_torch(
     else:
         # One extra step after everything recorded (on the last batch again: user streams may
         # hold exactly `steps` batches): measured, not logged.
-        raw_inputs, raw_targets = stream.batch(max(len(log.steps) - 1, 0))
-        inputs = _to_device(raw_inputs, device, input_dtype)
-        targets = _to_device(raw_targets, device, None)
+        inputs, targets = side.batch(stream, max(len(log.steps) - 1, 0))
         optimizer.zero_grad(set_to_none=True)
         live = list(model.parameters()) + list(model.buffers()) + [inputs, targets]
         live.extend(measure.torch_state_tensors(optimizer))
@@ -186,6 +228,6 @@ def train_torch(
         extra={
             "torch_mode": "compile" if config.torch_compile else "eager",
             "mixed_precision_method": recipe.torch_method(),
-            **extras,
+            **side.extras,
         },
     )

@@ -26,14 +26,24 @@ NO_GPU = unsupported_reason("torch", "fp32", "mlp", "gpu") is not None or (
 
 @pytest.mark.slow
 def test_matmul_benchmark_times_checked_products(monkeypatch):
-    monkeypatch.setattr(matmul, "CPU_FP16_TORCH_MAX", 16)
+    # A measured probe decides (here a slow float16 and a fast bfloat16, fixed): fp16 n=32's
+    # five products are predicted at 9.8 ms, n=16's at 1.2 ms, against a 5 ms budget.
+    probes = {"float16": (1.0, 100.0), "bfloat16": (1e-6, 1.0)}
+    monkeypatch.setattr(
+        matmul,
+        "torch_matmul_probe",
+        lambda dtype: {"n": 256, "dtype_s": probes[dtype][0], "ratio_to_fp32": probes[dtype][1]},
+    )
+    monkeypatch.setattr(matmul, "CPU_CASE_BUDGET_S", 0.005)
     record = matmul.run_matmul_benchmark([16, 32], repeats=3, warmup=1)
     json.dumps(record)
     rows = {(r["framework"], r["dtype"], r["n"]): r for r in record["results"]}
     assert ("torch", "fp16", 32) not in rows  # torch fp16 on CPU: tiny sizes only...
     assert any(
-        item.get("n") == 32 and "fp16" in item["reason"] for item in record["not_run"]
-    )  # ...and the rest is recorded as not run, with the reason
+        item.get("n") == 32 and "fp16 matmul measured here at 100x" in item["reason"]
+        for item in record["not_run"]
+    )  # ...and the rest is recorded as not run, with the measured reason
+    assert sorted(record["torch_cpu_probes"]) == ["bfloat16", "float16"]
     assert len(rows) == 2 * 3 * 2 - 1
     for row in rows.values():
         assert row["correct"] and row["timed"] == 3

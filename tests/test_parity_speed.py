@@ -7,7 +7,7 @@ import matplotlib
 import numpy as np
 import pytest
 
-from parity import speed
+from parity import memory_report, plots, speed
 
 matplotlib.use("Agg")
 
@@ -132,23 +132,23 @@ def test_sections_and_memory_notes():
     ]
     text = "\n".join(speed.speed_section(runs))
     assert text.count("- **cnn") == 2 and "JAX" in text and "95% CI" in text
-    memory = "\n".join(speed.memory_section(runs))
+    memory = "\n".join(memory_report.memory_section(runs))
     assert "Not directly comparable" in memory
     assert "bf16-mixed plans 2.10 MiB against fp32's 2.00 MiB" in memory
     hw = "\n".join(speed.hardware_section(runs))
     assert "AVX2" in hw and "no AVX-512" in hw
-    assert speed.memory_comparability(
+    assert memory_report.memory_comparability(
         "torch_cuda_max_memory_allocated", "jax_gpu_peak_bytes_in_use"
     ).startswith("Comparable")
 
 
 def test_plots_are_linear_and_survive_no_data(tmp_path):
     runs = [_run("torch", "fp32", 0.01), _run("jax", "fp32", 0.014)]
-    assert speed.plot_step_times(runs, tmp_path / "t.png")
-    assert speed.plot_memory(runs, tmp_path / "m.png")
+    assert plots.plot_step_times(runs, tmp_path / "t.png")
+    assert plots.plot_memory(runs, tmp_path / "m.png")
     # nothing timed (every run failed): a PNG that says so, no matplotlib log-scale crash
     failed = [{**r, "status": "error", "steps": []} for r in runs]
-    assert not speed.plot_step_times(failed, tmp_path / "t0.png")
-    assert not speed.plot_memory(failed, tmp_path / "m0.png")
+    assert not plots.plot_step_times(failed, tmp_path / "t0.png")
+    assert not plots.plot_memory(failed, tmp_path / "m0.png")
     for name in ("t.png", "m.png", "t0.png", "m0.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
