@@ -629,11 +629,15 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     if not grouped:
         return lines + ["No completed runs with step times.", ""]
     lines += [
-        "Median step time after the warm-up steps (device synced before each clock read; compile "
-        "time apart), with a bootstrap 95% confidence interval; the ratio is JAX / torch of the "
-        "medians, its interval from resampling both runs. Unless the runs say otherwise, the two "
-        "frameworks ran one after the other in one process: load that changes between them moves "
-        "the ratio (`benchmarks/bench_parity.py` interleaves them).",
+        "The quotable figure comes from alternating blocks (`--speed-blocks`, `parity.blocks`): "
+        "after both runs, torch and JAX take turns, a block of steps each, in one process with the "
+        "same intra-op threads; each round gives the ratio of the two blocks' median step times, "
+        "and the figure is their geometric mean with a Student-t 95% interval over the rounds "
+        "(the between-block spread is inside it). It is withheld when the rounds disagree beyond "
+        'it ("not reproducible here") or other processes held the cores while it ran. Without '
+        "blocks, the runs' own medians (timed one after the other: load that changed between "
+        "them moves the ratio) are indicative only. Device synced before each clock read; "
+        "compile time apart.",
         "",
     ]
     for (model, precision, device), members in grouped.items():
@@ -660,7 +664,46 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"| {_ms(median)} ({_ms(low)}-{_ms(high)}) | {ratio_text} |"
             )
     lines.append("")
-    return lines
+    return lines + _blocks_table(grouped)
+
+
+def _blocks_table(grouped) -> list[str]:
+    """Markdown: each cell's alternating-block timing, round by round, with threads and load."""
+    rows = []
+    for (model, precision, device), members in grouped.items():
+        reference = torch_reference(members)
+        trial = reference and "jax" in members and _blocks_of(members["jax"], reference[1])
+        if not trial:
+            continue
+        verdict = blocks_verdict(trial)
+        threads = trial.get("threads") or {}
+        others = trial.get("others_cpu_cores_total")
+        figure = (
+            f"{verdict['ratio']:.3f} ({verdict['low']:.3f}-{verdict['high']:.3f})"
+            if verdict["status"] == "ratio"
+            else verdict["status"]
+        )
+        rows.append(
+            f"| {model} | {precision} | {device} | {verdict['blocks']} x "
+            f"{trial.get('block_steps', '?')} | {figure} "
+            f"| {', '.join(f'{r:.2f}' for r in verdict['block_ratios']) or '—'} "
+            f"| {threads.get('torch_intra_op_threads')} / {threads.get('xla_cpu_intra_op_threads')}"
+            f" ({threads.get('omp_wait_policy') or 'OMP default'}) "
+            f"| {'—' if others is None else f'{others:.2f}'} of {threads.get('available_cpus')} "
+            f"| {(trial.get('load_average_before') or ['—'])[0]} |"
+        )
+    if not rows:
+        return []
+    return [
+        "Alternating blocks (JAX / torch per round; threads torch / XLA:CPU; cores other "
+        "processes used while the blocks ran; 1-minute load before):",
+        "",
+        "| model | precision | device | blocks x steps | JAX / torch (95% CI) | by round "
+        "| threads | others' CPU | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def hardware_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -268,3 +268,15 @@ def test_time_cell_alternates_the_trainers_own_steps():
     assert record["threads"]["torch_intra_op_threads"] is not None
     assert record["verdict"]["status"] in ("ratio", "not reproducible", "refused")
     assert record["verdict"] == speed.blocks_verdict(record)
+
+
+def test_speed_section_tabulates_the_rounds_with_threads_and_load():
+    steady = _trial(_blocks(0.008), _blocks(0.010, seed=1))
+    text = "\n".join(speed.speed_section([_run("jax", steady), _run("torch", steady, seed=1)]))
+    assert "JAX 1.25x faster than torch eager (95% CI" in text and "over 6 alternating" in text
+    assert "| transformer | fp32 | cpu | 6 x ? | 0.8" in text
+    assert "| 2 / 2 (OMP default) | 0.05 of 2 | 0.5 |" in text
+    swing = _trial(_blocks(0.008, drift=[1, 2, 1, 2, 1, 2]), _blocks(0.010, seed=1))
+    text = "\n".join(speed.speed_section([_run("jax", swing), _run("torch", swing, seed=1)]))
+    assert "- **transformer fp32 (cpu)**: Not reproducible here:" in text
+    assert "| not reproducible |" in text
