@@ -269,6 +269,35 @@ def test_sequential_against_nested_compact_calls():
     assert "0.weight -> params/Dense_1/kernel  [linear; execution order]" in text
 
 
+# --- a layer run twice is one layer ---------------------------------------------------------
+
+
+class Reused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.other = torch.nn.Linear(8, 8)
+        self.shared = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.other(torch.tanh(self.shared(x)))))
+
+
+class FlaxReused(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+        shared = fnn.Dense(8, name="zz")  # sorts last, runs first
+        return shared(jnp.tanh(fnn.Dense(8, name="aa")(jnp.tanh(shared(x)))))
+
+
+def test_a_layer_run_twice_is_one_layer_at_its_first_call():
+    torch.manual_seed(5)
+    model = Reused()
+    variables = FlaxReused().init(jax.random.key(0), X)
+    mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxReused())
+    assert _pairs(mapping) == {"shared": "zz", "other": "aa"}
+    _same_output(model, FlaxReused(), mapping)
+
+
 # --- hints name real paths; folds are said -------------------------------------------------
 
 
