@@ -184,6 +184,16 @@ def test_different_recorded_lengths_are_not_judged_on_the_common_prefix(tmp_path
     assert _compare(tmp_path, [torch_run, jax_run], capsys)[0] == 1
 
 
+def test_a_not_comparable_cell_beside_a_passing_one_is_never_a_pass(tmp_path, capsys):
+    losses = [2.3 - 0.02 * i for i in range(12)]
+    passing = [_run("torch", losses=losses), _run("jax", losses=losses)]
+    assert _compare(tmp_path, passing, capsys)[0] == 0
+    other = [_run("torch", lr=1e-2) | {"model": "cnn"}, _run("jax") | {"model": "cnn"}]
+    code, out, _ = _compare(tmp_path, passing + other, capsys)
+    status = json.loads((tmp_path / "verdicts.json").read_text())["status"]
+    assert code not in (0, 1) and status != "PASS" and "not comparable" in out
+
+
 def test_a_calibration_run_made_with_other_settings_is_left_out():
     noise = _run("torch", lr=1e-2) | {"variant": "noise"}
     rows = compare_runs([_run("torch"), _run("jax"), noise])
