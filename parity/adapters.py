@@ -11,7 +11,10 @@ failure into a message that names the problem and the fix:
   and ``arange``) or anything else through ``flax_kwargs``;
 - Flax flavours: ``flax.linen`` modules, ``flax.nnx`` modules, Hugging Face Flax models
   (``.module`` + ``.params``) (`FlaxModel`);
-- dropout: torch ``nn.Dropout`` layers are set to ``p=0`` in the copy the harness trains, NNX
+- dropout: torch ``nn.Dropout`` layers, and module attributes that name a dropout probability
+  (``dropout``, ``dropout_prob`` as transformers' ``BertSdpaSelfAttention`` passes to SDPA,
+  ``attn_pdrop``...), are set to 0 in the copy the harness trains (`torch_stochastic_modules`
+  names any module whose train-mode output is still random), NNX
   ``Dropout`` layers are made deterministic, linen modules get ``deterministic=True`` when they
   take it; a Flax module that still asks for a ``'dropout'`` PRNG key is refused with a message;
 - image layout: NHWC data, NCHW torch models (`check_image_layout`).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +44,7 @@ __all__ = [
     "nnx_load",
     "output_logits",
     "torch_dropout_layers",
+    "torch_stochastic_modules",
 ]
 
 
@@ -103,12 +108,96 @@ def torch_dropout_layers(model: Any) -> list[tuple[str, float]]:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             found.append((name, float(module.p)))
+        for attr in _dropout_attributes(module):
+            found.append((f"{name}.{attr}" if name else attr, float(getattr(module, attr))))
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
                 found.append((f"config.{key}", value))
     return found
+
+
+def _dropout_attributes(module: Any) -> list[str]:
+    """A module's own float attributes above 0 that name a dropout probability: ``dropout``,
+    ``attention_dropout``, ``dropout_prob`` (transformers' ``BertSdpaSelfAttention`` passes it to
+    SDPA as ``dropout_p``), ``attn_pdrop``, ``drop_rate``...; not ``nn.Dropout`` layers."""
+    return [
+        attr
+        for attr, value in vars(module).items()
+        if ("dropout" in attr.lower() or "pdrop" in attr.lower() or "drop_" in attr.lower())
+        and isinstance(value, float)
+        and value > 0
+    ]
+
+
+def torch_stochastic_modules(model: Any, call: Callable[[], Any]) -> list[str]:
+    """The torch modules whose train-mode output differs between two identical calls.
+
+    `call` runs the model's train-mode forward pass (``lambda: pair.torch_forward(model, x,
+    train=True)``); it is called twice, without resetting the random state, so a dropout draws
+    a new mask for the second call. A module is named when its inputs were equal in both
+    calls and its output was not, and none of its submodules is named (the innermost culprit:
+    ``bert.encoder.layer.0.attention.self``, not ``bert.encoder``).
+
+    Example:
+      >>> import torch
+      >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+      >>> x = torch.ones(2, 4)
+      >>> torch_stochastic_modules(net, lambda: net.train()(x))
+      ['1']
+    """
+    import torch
+
+    records: list[dict[str, tuple[Any, Any]]] = [{}, {}]
+    current: dict[str, tuple[Any, Any]] = {}
+
+    def hook(name):
+        def record(module, args, kwargs, output):
+            if name in current:
+                return
+            tensors_in = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+            out = output
+            while isinstance(out, tuple | list) and out:
+                out = out[0]
+            if torch.is_tensor(out):
+                current[name] = (
+                    [t.detach().clone() for t in tensors_in],
+                    out.detach().clone(),
+                )
+
+        return record
+
+    handles = [
+        module.register_forward_hook(hook(name), with_kwargs=True)
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            for index in range(2):
+                current = records[index]
+                call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    first, second = records
+    named = []
+    for name, (inputs_1, output_1) in first.items():
+        if name not in second:
+            continue
+        inputs_2, output_2 = second[name]
+        same_inputs = len(inputs_1) == len(inputs_2) and all(
+            a.shape == b.shape and torch.equal(a, b)
+            for a, b in zip(inputs_1, inputs_2, strict=True)
+        )
+        if same_inputs and not (
+            output_1.shape == output_2.shape and torch.equal(output_1, output_2)
+        ):
+            named.append(name)
+    # The root's name is "": a dropout in the model's own forward, blamed only when alone.
+    children = [n for n in named if n]
+    innermost = [n for n in children if not any(o.startswith(f"{n}.") for o in children)]
+    return innermost or (["(the model's own forward)"] if named else [])
 
 
 def disable_torch_dropout(model: Any) -> list[str]:
@@ -128,11 +217,9 @@ def disable_torch_dropout(model: Any) -> list[str]:
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             module.p = 0.0
             changed.append(name)
-        for attr in ("dropout", "attention_dropout", "attn_dropout", "resid_dropout"):
-            value = module.__dict__.get(attr)
-            if isinstance(value, float) and value > 0:
-                setattr(module, attr, 0.0)
-                changed.append(f"{name}.{attr}")
+        for attr in _dropout_attributes(module):
+            setattr(module, attr, 0.0)
+            changed.append(f"{name}.{attr}" if name else attr)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         for key, value in config.to_dict().items():
@@ -443,10 +530,12 @@ def _explain(error: Exception, model: FlaxModel) -> Exception:
     if isinstance(error, AdapterError):
         return error
     if "dropout" in text and ("rng" in text.lower() or "PRNG" in text):
+        asking = re.search(r"(\S+) needs PRNG for", text)
+        where = f" (its submodule {asking.group(1)!r})" if asking else ""
         return AdapterError(
-            f"the Flax module {type(model.module).__name__} applies dropout in training (it asked "
-            "for a 'dropout' PRNG key): the two frameworks would draw different masks, so parity "
-            "cannot be checked. Build it with dropout rate 0, or give its __call__ a "
+            f"the Flax module {type(model.module).__name__}{where} applies dropout in training "
+            "(it asked for a 'dropout' PRNG key): the two frameworks would draw different masks, "
+            "so parity cannot be checked. Build it with dropout rate 0, or give its __call__ a "
             "`deterministic` argument (the harness passes deterministic=True)."
         )
     if "unexpected keyword argument" in text:

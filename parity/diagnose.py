@@ -62,7 +62,16 @@ from parity.verdicts.tolerance import (
 )
 from parity.verdicts.torch_side import torch_setup, torch_side
 
-__all__ = ["Diagnosis", "diagnose_config", "diagnose_pair", "diagnose_run", "module_pairs"]
+__all__ = [
+    "Diagnosis",
+    "diagnose_config",
+    "diagnose_pair",
+    "diagnose_run",
+    "first_tensor",
+    "linen_module",
+    "module_pairs",
+    "shaped_error",
+]
 
 KINDS = ("eval output", "train output", "running stats", "gradients")
 
@@ -80,6 +89,9 @@ class Diagnosis:
       first_failing_stage: the stage in which it diverges.
       first_failing_kind: which kind exceeded its band there.
       unmatched: torch modules with parameters that have no Flax counterpart.
+      cause: a failing check that is not a layer's (``"compute dtype (jax): ..."``, a stochastic
+        layer, a folded parameter): named before any layer, since the layers cannot explain it.
+      notes: what else the reader needs (structural differences of the mapping).
     """
 
     rows: list[dict[str, Any]]
@@ -87,9 +99,20 @@ class Diagnosis:
     first_failing_stage: str | None = None
     first_failing_kind: str | None = None
     unmatched: list[str] = dataclasses.field(default_factory=list)
+    cause: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
-        """One line naming the first diverging layer, or saying all layers agree."""
+        """One line: the non-layer cause if there is one, else the first diverging layer, or
+        that all layers agree."""
+        if self.cause is not None:
+            layer = (
+                f"; first diverging layer: {self.first_failing} ({self.first_failing_kind}, "
+                f"{self.first_failing_stage})"
+                if self.first_failing is not None
+                else ""
+            )
+            return f"cause: {self.cause}{layer}"
         if self.first_failing is None:
             return "per-layer diagnosis: every layer within its band"
         return (
@@ -113,6 +136,8 @@ class Diagnosis:
             mark = "" if row["passed"] else "**FAIL**"
             if row["layer"] == self.first_failing and row["stage"] == self.first_failing_stage:
                 mark = "**FIRST**"
+            if row.get("note"):
+                mark = f"{mark} {row['note']}".strip()
             lines.append(
                 f"| {row['stage']} | `{row['layer']}` | `{row['flax']}` | {row['depth']} | "
                 + " | ".join(cells)
@@ -121,6 +146,8 @@ class Diagnosis:
         text = "\n".join(lines) + "\n\n" + self.summary() + "\n"
         if self.unmatched:
             text += f"\nNo Flax counterpart found for: {', '.join(self.unmatched)}\n"
+        for note in self.notes:
+            text += f"\n{note}\n"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +171,8 @@ class Diagnosis:
             "first_failing_stage": self.first_failing_stage,
             "first_failing_kind": self.first_failing_kind,
             "unmatched": self.unmatched,
+            "cause": self.cause,
+            "notes": self.notes,
             "markdown": self.to_markdown(),
         }
 
@@ -197,10 +226,38 @@ def module_pairs(pair: Any, variables: dict) -> tuple[list[tuple[str, tuple[str,
 # --- capturing layer outputs --------------------------------------------------------------------
 
 
-def _first_tensor(value: Any) -> Any:
+def first_tensor(value: Any) -> Any:
+    """The first tensor/array of a layer's output (a tuple's first element, recursively)."""
     if isinstance(value, tuple | list):
-        return _first_tensor(value[0]) if value else None
+        return first_tensor(value[0]) if value else None
     return value
+
+
+def shaped_error(got: Any, expected: Any) -> tuple[float, str]:
+    """``(relative error, note)``, broadcast-aware.
+
+    Equal shapes: `relative_error` and ``""``. Shapes that broadcast to one of the two (torch's
+    position embedding ``(1, T, H)`` against Flax's ``(B, T, H)``): both broadcast to it, and the
+    note says so. Shapes that do not: ``(inf, "shapes differ: ...")``, a row of its own, never
+    judged as a numeric difference.
+
+    Example:
+      >>> shaped_error(np.ones((2, 3, 4)), np.ones((1, 3, 4)))
+      (0.0, 'torch (1, 3, 4) broadcast to flax (2, 3, 4)')
+    """
+    a, b = np.asarray(got), np.asarray(expected)
+    if a.shape == b.shape:
+        return relative_error(a, b), ""
+    try:
+        shape = np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        shape = None
+    if shape is not None and shape in (a.shape, b.shape):
+        return (
+            relative_error(np.broadcast_to(a, shape), np.broadcast_to(b, shape)),
+            f"torch {b.shape} broadcast to flax {a.shape}",
+        )
+    return math.inf, f"shapes differ: torch {b.shape}, flax {a.shape}"
 
 
 def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[str, np.ndarray]:
@@ -210,7 +267,7 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
 
     def hook(name):
         def record(module, args, output):
-            out = _first_tensor(output)
+            out = first_tensor(output)
             if isinstance(out, torch.Tensor) and name not in captured:
                 array = out.detach().float().cpu().numpy().copy()
                 if pair.torch_channels_first and array.ndim == 4:
@@ -230,7 +287,7 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
     return {n: captured[n] for n in order}
 
 
-def _linen_module(flax_model: Any) -> tuple[Any, Any]:
+def linen_module(flax_model: Any) -> tuple[Any, Any]:
     """``(linen module, (inputs, train) -> call keyword arguments)`` for a linen module or a
     `parity.adapters.FlaxModel` wrapping one (linen or Hugging Face)."""
     kind = getattr(flax_model, "kind", None)
@@ -249,7 +306,7 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dic
     """Every Flax module's first output, ``({module path: array}, ...)`` for eval and train mode
     (one compiled program for both)."""
     recipe = config.recipe
-    module, call_kwargs = _linen_module(pair.flax_model)
+    module, call_kwargs = linen_module(pair.flax_model)
 
     def capture(params, stats, x, train):
         full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
@@ -323,16 +380,26 @@ def _stage_rows(
     for depth, name in enumerate(ordered, start=1):
         flax = flax_of[name]
         row: dict[str, Any] = {"stage": stage, "layer": name, "flax": flax, "depth": depth}
+        notes = []
         for kind, tside, fside in (
             ("eval output", torch_eval, flax_eval),
             ("train output", torch_train, flax_train),
         ):
+            row[kind] = None
             if name in tside and flax in fside:
-                row[kind] = relative_error(fside[flax], tside[name])
+                error, note = shaped_error(fside[flax], tside[name])
+                if math.isinf(error) and note:  # a row of its own, not a numeric difference
+                    row["shape"] = note
+                else:
+                    row[kind] = error
+                if note and note not in notes:
+                    notes.append(note)
             elif name in tside or flax in fside:
-                row[kind] = math.inf  # captured on one side only
-            else:
-                row[kind] = None
+                side = "torch" if name in tside else "flax"
+                note = f"{kind} captured on the {side} side only"
+                row["shape"] = note
+                notes.append(note)
+        row["note"] = "; ".join(notes)
         row["running stats"] = _subtree_error(j.stats, t.stats, flax, stat_scale)
         row["gradients"] = _subtree_error(j.grads, t.grads, flax, grad_scale)
         row["band"] = tolerance(dtype, fwd_fan, depth)
@@ -342,7 +409,7 @@ def _stage_rows(
             for kind in KINDS
             if row[kind] is not None
             and row[kind] > (row["grad_band"] if kind == "gradients" else row["band"])
-        ]
+        ] + (["shape"] if row.get("shape") else [])
         row["passed"] = not row["failed_kinds"]
         rows.append(row)
     return rows
@@ -353,6 +420,7 @@ def _first_failing(rows) -> tuple[str, str, str] | None:
         (("eval output", "train output"), False),
         (("running stats",), False),
         (("gradients",), True),
+        (("shape",), False),  # explained on its row; named only when nothing else differs
     ):
         for row in reversed(rows) if reverse else rows:
             hit = [k for k in kinds if k in row["failed_kinds"]]

@@ -21,8 +21,15 @@ Error measures and bands (normwise relative error, group floors, ``band = SAFETY
 (sqrt(fan_in) * u(float32) + u(dtype))`` with fan-in and depth read from the JAX program) are
 `parity.verdicts.tolerance`'s, where the reasoning behind them is written down.
 
+Beyond the model's own init, the float32 stage of every precision adds the rows of
+`parity.step0_checks`: each mapped layer on its whole operating range (`parity.layer_probe`:
+probe weights, each Flax layer fed torch's input, judged against a band of its own and its noise
+floor), torch modules whose train-mode output is random (dropout left on), and, for information,
+tensors the weight mapping folds.
+
 A failure names the worst parameter and the worst output, and (``diagnose=True``) the per-layer
-diagnosis of `parity.diagnose` names the first layer whose error exceeds its band.
+diagnosis of `parity.diagnose` names the first layer whose error exceeds its band, or the cause
+that is not a layer's (stochastic modules, the compute dtype).
 
 Example::
 
@@ -38,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -47,6 +55,7 @@ import torch
 from parity.config import RunConfig
 from parity.diagnose import diagnose_pair
 from parity.records import build_error_record
+from parity.step0_checks import explain_failure, folded_verdict, probe_verdict, stochastic_verdict
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
@@ -90,6 +99,7 @@ class Step0Result:
       compute_flops: ``{"torch": {dtype: FLOPs}, "jax": {...}}`` at the run's precision.
       diagnosis: the `parity.diagnose.Diagnosis` made when a check failed (None otherwise).
       diagnosis_error: why the diagnosis could not be made, if it could not.
+      probe: the `parity.layer_probe.LayerProbe` of the float32 stage (None when not run).
     """
 
     verdicts: list[Verdict]
@@ -99,6 +109,7 @@ class Step0Result:
     compute_flops: dict[str, dict[str, int]] | None = None
     diagnosis: Any = None
     diagnosis_error: str | None = None
+    probe: Any = None
 
     def summary(self) -> str:
         """One line: pass, or the failed checks with their worst output/parameter, and the first
@@ -111,7 +122,9 @@ class Step0Result:
             for v in failed
         ]
         head = "step 0 FAILED"
-        if self.diagnosis is not None and getattr(self.diagnosis, "first_failing", None):
+        if self.diagnosis is not None and (
+            getattr(self.diagnosis, "first_failing", None) or getattr(self.diagnosis, "cause", None)
+        ):
             head = f"{head} ({self.diagnosis.summary()})"
         return f"{head}: " + "; ".join(parts)
 
@@ -126,6 +139,20 @@ class Step0Result:
             "compute_flops": self.compute_flops,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "diagnosis_error": self.diagnosis_error,
+            "probe": (
+                {
+                    "failed": [
+                        {
+                            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                            for k, v in row.items()
+                        }
+                        for row in self.probe.failed[:20]
+                    ],
+                    "skipped": self.probe.skipped,
+                }
+                if self.probe is not None
+                else None
+            ),
         }
 
 
@@ -236,7 +263,10 @@ def check_step0(
 
     Returns:
       A `Step0Result`: rows ``step 0 fp32: eval-mode output``, ``... train-mode output`` (logits,
-      loss, running statistics), ``... gradients``; the same with ``step 0 <precision>`` for a
+      loss, running statistics), ``... gradients``, then ``step 0: deterministic train-mode
+      forward (torch)``, ``step 0 fp32: each layer on its operating range`` (and, when the mapping
+      folds tensors, the informational ``step 0: tensors folded by the mapping``); the same
+      output and gradient rows with ``step 0 <precision>`` for a
       low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
       precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
       scales and codes`` from `parity.fp8.step0_fp8` (torchao against jaxamp.fp8, every
@@ -268,6 +298,13 @@ def check_step0(
         fp8_failed = False
         shapes = program_shapes(pair, variables, inputs, targets)
         sides: dict[str, tuple[Side, Side]] = {}
+        # Beyond the model's own init, whatever the precision: every layer on its operating
+        # range, stochastic torch modules, tensors the mapping folds (parity.step0_checks).
+        probe_row, probe = probe_verdict(pair, config, inputs)
+        structure = [stochastic_verdict(pair, config, inputs), probe_row]
+        folded = folded_verdict(pair, config)
+        if folded is not None:
+            structure.append(folded)
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
             fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets) if low else None
@@ -283,6 +320,8 @@ def check_step0(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes
             )
             verdicts.extend(rows)
+            if stage == "fp32":
+                verdicts.extend(structure)
             if low:
                 verdicts.extend(compute_verdicts(stage_config, t, j))
                 flops = {"torch": t.flops or {}, "jax": j.flops or {}}
@@ -293,7 +332,7 @@ def check_step0(
                 failed_stage = stage_config
                 break  # a broken fp32 port makes the low-precision comparison meaningless
         passed = not any(v.passed is False for v in verdicts)
-        result = Step0Result(verdicts, passed, worst_output, worst_param, flops)
+        result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
         # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
         if not passed and diagnose and not fp8_failed:
             try:
@@ -305,6 +344,7 @@ def check_step0(
                     sides=sides,
                     shapes=shapes,
                 )
+                explain_failure(result.diagnosis, verdicts, probe)
             except Exception as e:  # the verdicts stand without the table
                 result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
         return result

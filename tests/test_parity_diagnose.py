@@ -135,3 +135,59 @@ def test_diagnose_config_uses_the_run_data(monkeypatch):
     assert data == "digits"
     x, _ = pair.make_data(config.stream_seed, 4).batch(0)
     assert x.shape[1:] == (8, 8, 1)  # the digits images, not the synthetic task's
+
+
+# --- broadcasting, shape rows and causes that are not a layer's ----------------------------------
+
+
+def test_shaped_error_broadcasts_and_explains_shape_mismatches():
+    from parity.diagnose import shaped_error
+
+    rng = np.random.default_rng(0)
+    positions = rng.normal(size=(1, 5, 4))  # torch's (1, T, H) position embedding
+    batch = np.broadcast_to(positions, (3, 5, 4)) * (1 + 1e-7)  # Flax's (B, T, H)
+    error, note = shaped_error(batch, positions)
+    assert 0 < error < 1e-6 and note == "torch (1, 5, 4) broadcast to flax (3, 5, 4)"
+    error, note = shaped_error(np.ones((2, 3)), np.ones((2, 4)))
+    assert error == float("inf") and note == "shapes differ: torch (2, 4), flax (2, 3)"
+    assert shaped_error(np.ones(3), np.ones(3)) == (0.0, "")
+
+
+def test_shape_rows_are_named_only_when_nothing_else_differs():
+    from parity.diagnose import _first_failing
+
+    rows = [
+        {"layer": "pos", "stage": "fp32", "failed_kinds": ["shape"]},
+        {"layer": "ln", "stage": "fp32", "failed_kinds": ["eval output"]},
+    ]
+    assert _first_failing(rows) == ("ln", "fp32", "eval output")
+    rows[1]["failed_kinds"] = []
+    assert _first_failing(rows) == ("pos", "fp32", "shape")
+
+
+def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
+    from parity.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, explain_failure
+    from parity.verdicts.rows import Verdict
+
+    def row(check, passed, value=0.0, detail=""):
+        return Verdict("m", "bf16-true", "cpu", check, "jax vs torch", value, 1.0, passed, detail)
+
+    diagnosis = Diagnosis([], None)
+    dtype = row("compute dtype (jax)", False, 0.0, "float32 100%; the run asked for bfloat16")
+    explain_failure(diagnosis, [row("step 0 fp32: gradients", True), dtype], None)
+    assert diagnosis.summary().startswith("cause: compute dtype (jax): float32 100%")
+
+    diagnosis = Diagnosis([], None)
+    explain_failure(diagnosis, [row(STOCHASTIC_CHECK, False, "bert.encoder.layer.0")], None)
+    assert diagnosis.cause == "stochastic torch modules: bert.encoder.layer.0"
+
+    class Probe:
+        rows = [
+            {"layer": "fc1", "kind": "output", "passed": True, "mode": "eval", "scale": 1.0},
+            {"layer": "fc2", "kind": "input", "passed": False, "mode": "eval", "scale": 1.0},
+        ]
+
+    diagnosis = Diagnosis([], None)
+    explain_failure(diagnosis, [row(PROBE_CHECK, False)], Probe())
+    assert diagnosis.first_failing == "fc2" and diagnosis.cause is None
+    assert diagnosis.first_failing_kind.startswith("input on probe weights")

@@ -102,10 +102,15 @@ def test_resnet_correct_port_passes_step0_fp32():
         "step 0 fp32: eval-mode output",
         "step 0 fp32: train-mode output",
         "step 0 fp32: gradients",
+        "step 0: deterministic train-mode forward (torch)",
+        "step 0 fp32: each layer on its operating range",
     ]
-    for verdict in result.verdicts:
+    for verdict in result.verdicts[:3]:
         # A correct port sits orders of magnitude inside the band, on any CPU.
         assert verdict.value < verdict.tolerance / 10, verdict
+    probe = result.verdicts[4]
+    assert probe.passed and probe.value <= probe.tolerance, probe
+    assert probe.detail.startswith("worst: ") and "19 layers" in probe.detail
     assert result.diagnosis is None
     assert result.to_dict()["passed"] is True
 
@@ -133,11 +138,15 @@ def test_resnet_wrong_padding_fails_step0_naming_the_conv():
 def test_resnet_biased_running_variance_fails_step0_naming_the_norm():
     result = check_step0(_resnet("bn_variance"), _fp32())
     assert not result.passed
-    eval_row, train_row, grad_row = result.verdicts
+    eval_row, train_row, grad_row = result.verdicts[:3]
     assert eval_row.passed and grad_row.passed  # the forward pass itself is right
     assert not train_row.passed and "running stats" in train_row.detail
     assert result.diagnosis.first_failing == "stem_bn"
     assert result.diagnosis.first_failing_kind == "running stats"
+    # The probe sees it layer by layer too: the running variance of the first BatchNorm.
+    probe = {v.check: v for v in result.verdicts}["step 0 fp32: each layer on its operating range"]
+    assert probe.passed is False
+    assert "in execution order: stem_bn running stats" in probe.detail
 
 
 # --- compute dtype ------------------------------------------------------------------------------
