@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from parity import api  # noqa: E402
 from parity.automap import TransferError, auto, explain, format_explanation  # noqa: E402
-from parity.models.layers import TorchBatchNorm  # noqa: E402
+from parity.models.layers import TorchBatchNorm, TorchLSTM  # noqa: E402
 from parity.step0 import check_step0  # noqa: E402
 from parity.variables import flatten_variables  # noqa: E402
 
@@ -296,6 +296,34 @@ def test_a_layer_run_twice_is_one_layer_at_its_first_call():
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxReused())
     assert _pairs(mapping) == {"shared": "zz", "other": "aa"}
     _same_output(model, FlaxReused(), mapping)
+
+
+class StackedLSTM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 8, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class FlaxStackedLSTM(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+        return TorchLSTM(8, name="second")(TorchLSTM(8, name="first")(x))
+
+
+def test_the_layers_of_one_stacked_lstm_pair_in_layer_order():
+    """One nn.LSTM runs both layers in one call: they are ordered, not siblings."""
+    torch.manual_seed(6)
+    model = StackedLSTM()
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    variables = FlaxStackedLSTM().init(jax.random.key(0), x)
+    mapping = auto(
+        model, variables, example_inputs=torch.as_tensor(x), flax_model=FlaxStackedLSTM()
+    )
+    assert _pairs(mapping) == {"lstm.0": "first", "lstm.1": "second"}
+    _same_output(model, FlaxStackedLSTM(), mapping, x)
 
 
 # --- hints name real paths; folds are said -------------------------------------------------

@@ -235,6 +235,8 @@ def _order(
         for b in range(a + 1, len(pairs)):
             ua, pa = pairs[a]
             ub, pb = pairs[b]
+            if names[ua] == names[ub]:  # layers of one nn.LSTM/GRU run in their own order
+                continue
             torch_same = _same_input(
                 traces.torch.calls[names[ua]].inputs, traces.torch.calls[names[ub]].inputs
             )
