@@ -553,6 +553,10 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
             fail(
                 f"steps[{i}].step", f"must be {i} (steps are recorded in order); got {step['step']}"
             )
+        if step.get("loss_scale") == 0 and not step.get("skipped"):
+            fail(
+                f"steps[{i}].loss_scale", "is 0 on a step that was not skipped (a zero scale skips)"
+            )
     cell = (run["model"], recipe.name, run["device"])
     for i, row in enumerate((run.get("step0") or {}).get("verdicts") or []):
         try:

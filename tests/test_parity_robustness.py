@@ -377,6 +377,18 @@ def test_compare_refuses_a_malformed_file_in_one_line(tmp_path, capsys, case, ex
     assert "results.json" in err and expected in err
 
 
+def test_a_scale_torch_underflowed_to_zero_is_recorded_and_judged(tmp_path, capsys):
+    # GradScaler has no floor: ~165 backoffs reach 0, and every step at 0 skips. That run is a
+    # finding (jaxamp's scale never reaches 0), not a malformed file.
+    scales = [2.0**-149, 0.0, 0.0]
+    torch_run, jax_run = (_run(fw, "fp16-mixed", scales=scales) for fw in ("torch", "jax"))
+    for step in torch_run["steps"][1:]:
+        step["skipped"] = True
+    jax_run["steps"][1]["loss_scale"] = jax_run["steps"][2]["loss_scale"] = 2.0**-149
+    code, out, err = _compare(tmp_path, [torch_run, jax_run], capsys)
+    assert code == 1 and not err and "loss-scale trajectory" in out
+
+
 @pytest.mark.parametrize("name", ["results.json", "verdicts.json", "report.md"])
 def test_compare_with_a_folder_where_a_file_should_be(tmp_path, capsys, name):
     write_json_atomic(tmp_path / "results.json", {"runs": [_run("torch"), _run("jax")]})
