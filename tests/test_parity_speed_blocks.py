@@ -280,3 +280,28 @@ def test_speed_section_tabulates_the_rounds_with_threads_and_load():
     text = "\n".join(speed.speed_section([_run("jax", swing), _run("torch", swing, seed=1)]))
     assert "- **transformer fp32 (cpu)**: Not reproducible here:" in text
     assert "| not reproducible |" in text
+
+
+def test_the_reproduction_benchmark_concludes_from_words_and_intervals():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speed_repro.py"
+    spec = importlib.util.spec_from_file_location("bench_speed_repro", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fast = {"status": "ratio", "ratio": 0.8, "low": 0.75, "high": 0.85, "reason": None}
+    assert bench.conclusion([fast, {**fast, "low": 0.8, "high": 0.9}])[0] == "REPRODUCED"
+    # the three "JAX faster" runs of the issue: one word, disjoint intervals
+    issue = [(0.17, 0.2), (0.013, 0.015), (0.0128, 0.0151)]
+    runs = [{**fast, "ratio": (a + b) / 2, "low": a, "high": b} for a, b in issue]
+    assert bench.conclusion(runs) == (
+        "NOT REPRODUCIBLE HERE",
+        "2 pairs of runs have disjoint intervals",
+    )
+    tie = {**fast, "low": 0.9, "high": 1.1, "ratio": 1.0}
+    assert "verdict words differ" in bench.conclusion([fast, tie])[1]
+    refused = {"status": "refused", "reason": "machine oversubscribed: ..."}
+    assert bench.conclusion([fast, refused])[0] == "REFUSED"
+    swing = {"status": "not reproducible", "reason": "..."}
+    assert bench.conclusion([fast, swing, refused])[0] == "NOT REPRODUCIBLE HERE"
