@@ -83,8 +83,10 @@ def test_auto_on_freshly_initialised_flax_variables_matches_by_shape_and_order()
 
 def test_conv_net_without_example_inputs_asks_for_them():
     pair = get_model_pair("cnn", seed=0)
-    with pytest.raises(TransferError, match="example_inputs"):
+    with pytest.raises(TransferError, match="example_inputs") as info:
         auto(pair.torch_model, pair.torch_to_flax())
+    # The hint names the model's own Flax kernel, not a placeholder.
+    assert "rules={'fc.weight': ('params/fc/kernel', 'linear|chw(C,H,W)')}" in str(info.value)
 
 
 def test_unmatched_layers_are_listed_with_a_rule_that_fixes_them():

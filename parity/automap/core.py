@@ -435,7 +435,7 @@ def auto(
         if unit.tensors:
             remaining.append(unit)
     units = remaining
-    _flatten_layouts(torch_module, units, example_inputs)
+    _flatten_layouts(torch_module, units, example_inputs, flat)
 
     matching = _Matching(units, flax_nodes({k: v for k, v in flat.items() if k not in used_leaves}))
     _match_names(matching)
@@ -567,7 +567,9 @@ def _orient_conv1d(matching: _Matching) -> list[str]:
     return problems
 
 
-def _flatten_layouts(torch_module: nn.Module, units: list[TorchUnit], example_inputs: Any) -> None:
+def _flatten_layouts(
+    torch_module: nn.Module, units: list[TorchUnit], example_inputs: Any, flat: Mapping
+) -> None:
     """Linear after a flatten of a channels-first map: its rows are permuted (NHWC in Flax)."""
     if example_inputs is not None:
         for name, chw in trace_flatten(torch_module, example_inputs).items():
@@ -589,11 +591,15 @@ def _flatten_layouts(torch_module: nn.Module, units: list[TorchUnit], example_in
         )
     ]
     if suspects:
+        linear = next(u for u in units if u.name == suspects[0])
+        key = f"{suspects[0]}.weight"
+        target = _closest_leaf(key, tuple(linear.module.weight.shape), "linear", list(flat), flat)
         raise TransferError(
             f"auto: the torch model has convolutions and Linear layer(s) {suspects} that may read "
             "a flattened NCHW feature map (Flax flattens NHWC: the rows must be permuted). "
             "Pass `example_inputs=` (a torch-layout batch) so auto can trace it, or a rule such "
-            f"as rules={{'{suspects[0]}.weight': ('<flax path>/kernel', 'linear|chw(C,H,W)')}}."
+            f"as rules={{{key!r}: ({target!r}, 'linear|chw(C,H,W)')}} with the (C, H, W) of "
+            "the map it reads."
         )
 
 
