@@ -180,7 +180,7 @@ def hardware_info() -> dict[str, Any]:
 
     Returns:
       ``{"cpu": {"model", "machine", "flags", "available_cpus", "load_average"}, "env":
-      {ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, OMP_NUM_THREADS, ...}, "torch": {version,
+      {ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, OMP_NUM_THREADS, OMP_WAIT_POLICY, ...}, "torch": {version,
       cpu_capability, intra_op_threads, inter_op_threads, mkldnn, cuda_available, cuda_devices},
       "jax": {version, backend, devices, cpu_max_isa, cpu_intra_op_threads, xla_flags},
       "torch_bf16_emulated": bool | None}``.
@@ -211,6 +211,7 @@ def hardware_info() -> dict[str, Any]:
                 "ATEN_CPU_CAPABILITY",
                 "ONEDNN_MAX_CPU_ISA",
                 "OMP_NUM_THREADS",
+                "OMP_WAIT_POLICY",
                 "MKL_NUM_THREADS",
                 "XLA_PYTHON_CLIENT_PREALLOCATE",
             )
