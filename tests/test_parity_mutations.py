@@ -227,12 +227,27 @@ def _gru_gate_order(monkeypatch, pair):
     return _with_transfer(pair, edit)
 
 
+def _resnet_padding(monkeypatch, pair):  # Flax "SAME" pads a stride-2 3x3 conv (0, 1)
+    return _pair("resnet", wrong_port="padding")
+
+
+def _resnet_biased_variance(monkeypatch, pair):  # flax.linen.BatchNorm's running variance
+    return _pair("resnet", wrong_port="bn_variance")
+
+
 # (name, model, mutation, the probe row that must name it)
 MUTATIONS = [
     ("activation: tanh GELU for erf", "transformer", _gelu_tanh, "blocks.0.fc2 input"),
     ("LayerNorm epsilon 1e-6 for 1e-5", "transformer", _layernorm_eps, "blocks.0.ln1 output"),
     ("BatchNorm epsilon 1e-3 for 1e-5", "cnn_bn", _batchnorm_eps, "bn1 output"),
     ("BatchNorm momentum 0.01 for 0.1", "cnn_bn", _batchnorm_momentum, "bn2 running stats"),
+    (
+        "BatchNorm biased running variance",
+        "resnet",
+        _resnet_biased_variance,
+        "stem_bn running stats",
+    ),
+    ("padding (0, 1) for (1, 1)", "resnet", _resnet_padding, "blocks.1.conv1 output"),
     ("missing ReLU", "mlp", _missing_relu, "fc2 input"),
     ("same-shape LayerNorms swapped", "transformer", _swapped_layernorms, "blocks.0.ln1 output"),
     ("dropped bias (attention out)", "transformer", _dropped_bias, "blocks.0.attn output"),
@@ -339,3 +354,105 @@ def test_dropout_left_on_fails_naming_the_module():
     # turned off by name, the same model is deterministic again
     assert adapters.disable_torch_dropout(pair.torch_model) == ["blocks.0.attn.dropout"]
     assert stochastic_verdict(pair, config, inputs).passed is True
+
+
+# --- Hugging Face pairs (when transformers with its Flax classes is installed) -----------------
+
+
+def _transformers():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxBertForSequenceClassification"):  # transformers 5: no Flax
+        pytest.skip("this transformers has no Flax models")
+    return transformers
+
+
+def _bert_pair(dropout="disable", flax_act="gelu"):
+    """Tiny BERT at Hugging Face's default init (initializer_range 0.02) and default dropouts."""
+    transformers = _transformers()
+    kwargs = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 16,
+        "num_labels": 3,
+    }
+    torch.manual_seed(0)
+    torch_model = transformers.BertForSequenceClassification(transformers.BertConfig(**kwargs))
+    flax_config = transformers.BertConfig(**kwargs, hidden_act=flax_act)
+    flax_model = transformers.FlaxBertForSequenceClassification(flax_config, seed=0)
+    rng = np.random.default_rng(0)
+    # No token 0: torch's BertEmbeddings never trains its padding_idx row (gradient 0), Flax's
+    # Embed does: a real difference of the two classes, not of this port.
+    batch = (
+        rng.integers(1, 64, (BATCH, 8)).astype(np.int32),
+        rng.integers(0, 3, (BATCH,)).astype(np.int32),
+    )
+    pair = api.prepare_pair(
+        torch_model,
+        flax_model,
+        None,
+        api._UserBatches([batch], None),
+        flax_kwargs=lambda x: {"token_type_ids": jnp.zeros_like(x), "head_mask": None},
+        dropout=dropout,
+    )
+    return pair, batch
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion  # Hugging Face Flax code mixes bool and int32
+def test_bert_default_dropouts_turned_off_by_name_and_step0_passes():
+    pair, batch = _bert_pair()
+    attention = pair.torch_model.bert.encoder.layer[0].attention.self
+    assert attention.dropout_prob == 0.0  # passed to SDPA as dropout_p: not an nn.Dropout
+    config = RunConfig(model="bert", precision="fp32", batch_size=BATCH)
+    result = check_step0(pair, config, batch)
+    assert result.passed, result.summary()
+    rows = {v.check: v for v in result.verdicts}
+    assert rows[STOCHASTIC_CHECK].passed is True and rows[PROBE_CHECK].passed is True
+    # left on, the same attribute is found and named
+    attention.dropout_prob = 0.1
+    verdict = stochastic_verdict(pair, config, batch[0])
+    assert verdict.passed is False and "attention.self" in verdict.value
+    with pytest.raises(adapters.AdapterError, match="dropout_prob"):
+        _bert_pair(dropout="refuse")
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_bert_tanh_gelu_fails_the_probe_at_default_init():
+    pair, batch = _bert_pair(flax_act="gelu_new")  # tanh approximation on the Flax side only
+    probe = probe_layers(pair, batch[0])
+    named = [f"{r['layer']} {r['kind']}" for r in probe.failed]
+    assert "bert.encoder.layer.0.output.dense input" in named, named
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_gpt2_bf16_true_failure_names_the_compute_dtype_check():
+    transformers = _transformers()
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    torch_model = transformers.GPT2LMHeadModel(config)
+    flax_model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 9)).astype(np.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    pair = api.prepare_pair(
+        torch_model, flax_model, None, api._UserBatches([batch], None), task="lm"
+    )
+    result = check_step0(pair, RunConfig(model="gpt2", precision="bf16-true", batch_size=2), batch)
+    assert not result.passed
+    # Hugging Face's Flax GPT-2 computes in float32 whatever its parameters: the cause is named,
+    # not a layer.
+    assert result.diagnosis.summary().startswith("cause: compute dtype (jax)")
+    assert "cause: compute dtype (jax)" in result.summary()
