@@ -133,7 +133,7 @@ def _row(result: dict) -> str:
     figure = (
         f"{verdict['ratio']:.3f} ({verdict['low']:.3f}-{verdict['high']:.3f})"
         if verdict["status"] == "ratio"
-        else (verdict["reason"] or "")[:70]
+        else verdict["reason"] or ""
     )
     others = trial.get("others_cpu_cores_total")
     return (
