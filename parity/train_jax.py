@@ -30,8 +30,8 @@ from parity.losses import eval_metric_jax, loss_jax
 from parity.precision.steps import (
     build_jax_optimizer,
     jax_forward,
-    jax_train_step,
-    scheduled,
+    observed_step,
+    step_signals,
 )
 from parity.progress import progress as progress_lines
 from parity.records import build_run_record
@@ -131,7 +131,7 @@ def build_jax_step(
         logits, new_stats = forward(params, batch_stats, inputs)
         return loss_jax(task, logits.astype(jnp.float32), targets), new_stats
 
-    step = scheduled(jax_train_step(recipe.jax_value_and_grad(loss_fn), tx))
+    step = observed_step(recipe.jax_value_and_grad(loss_fn), tx)
 
     def train_step(params, batch_stats, opt_state, inputs, targets, learning_rate):
         params, opt_state, (loss, new_stats), metrics = step(
@@ -205,9 +205,11 @@ def train_jax(
         jax.block_until_ready((params, opt_state, metrics))
         elapsed = measure.now() - start
         loss_scale = recipe.logged_scale(metrics["loss_scale"])
-        if log.record(
+        stop = log.record(
             step_index, float(metrics["loss"]), loss_scale, bool(metrics["skipped"]), elapsed
-        ):
+        )
+        log.steps[-1].update(step_signals(metrics, scaled=loss_scale is not None))
+        if stop:
             break
 
     eval_metric = None

@@ -114,6 +114,7 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
         optimizer,
         scaler,
         params,
+        names=[n for n, p in model.named_parameters() if p.requires_grad],
     )
     return TorchStep(
         step,
@@ -178,7 +179,9 @@ def train_torch(
             # GradScaler backs off exactly when it skipped the optimizer step.
             scale = float(scaler.get_scale())
             skipped = scale < scale_used
-        if log.record(step, loss_value, scale_used, skipped, elapsed):
+        stop = log.record(step, loss_value, scale_used, skipped, elapsed)
+        log.steps[-1].update(train_step.signals)  # grad and update norms (torch_train_step)
+        if stop:
             break
 
     eval_metric = None

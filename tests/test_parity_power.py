@@ -304,3 +304,34 @@ def test_compare_models_takes_seeds_threads_and_a_budget(tmp_path):
     assert "over seeds (equivalence)" in result.report_path.read_text()
     with pytest.raises(ValueError, match="budget"):
         parity.compare_models(_TorchNet(), _FlaxNet(), batches=batches, budget=0)
+
+
+# --- per-step signals in every run record --------------------------------------------------------
+
+
+def test_both_trainers_record_gradient_and_update_norms_and_scaled_maxima():
+    from parity.config import RunConfig
+    from parity.models import get_model_pair
+    from parity.precision.trainers import train_framework
+
+    tiny = {"image_shape": (4, 4, 3), "hidden": 8}
+    config = RunConfig(
+        model="mlp", precision="fp16-mixed", steps=2, batch_size=4, eval=False, model_overrides=tiny
+    )
+    pair = get_model_pair("mlp", seed=0, **tiny)
+    torch_run, jax_run = (train_framework(fw, config, pair) for fw in ("torch", "jax"))
+    for run in (torch_run, jax_run):
+        validate_run(run)
+        for step in run["steps"]:
+            assert step["grad_norm"] > 0 and step["update_norm"] > 0
+            assert len(step["max_scaled_grad"]) == 6  # three layers' weights and biases
+    for a, b in zip(torch_run["steps"], jax_run["steps"], strict=True):
+        # fp16 forward on both sides: the unscaled norms agree to float16 rounding.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
+        assert max(b["max_scaled_grad"].values()) == pytest.approx(
+            max(a["max_scaled_grad"].values()), rel=1e-2
+        )
+    assert {"fc1.weight", "fc3.bias"} <= set(torch_run["steps"][0]["max_scaled_grad"])
+    assert {"fc1/kernel", "fc3/bias"} <= set(jax_run["steps"][0]["max_scaled_grad"])
+    rows = _judged([torch_run, jax_run])
+    assert any(v.check.startswith("per-step gradient norm") and v.passed for v in rows)

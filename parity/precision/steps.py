@@ -13,6 +13,7 @@ groups or sharding around them. The optimizers are built here once for both side
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,8 +29,11 @@ __all__ = [
     "clip_by_global_norm_torch",
     "jax_forward",
     "jax_train_step",
+    "observed",
+    "observed_step",
     "scheduled",
     "set_learning_rate",
+    "step_signals",
     "torch_train_step",
 ]
 
@@ -57,19 +61,91 @@ def jax_train_step(grad_fn: Callable, tx: optax.GradientTransformation) -> Calla
     return train_step
 
 
-def scheduled(train_step: Callable) -> Callable:
+def scheduled(train_step: Callable, *, signals: bool = False) -> Callable:
     """`train_step` (`jax_train_step`'s) with the iteration's learning rate fed in and the loss
     scale it used logged: ``step(params, opt_state, learning_rate, *batch) -> (params,
-    opt_state, loss, metrics)``, metrics ``{"loss_scale", "skipped"}`` as arrays."""
+    opt_state, loss, metrics)``, metrics ``{"loss_scale", "skipped"}`` as arrays.
+
+    With ``signals=True`` the train step's gradient function is `observed` (its loss comes with
+    the gradient signals) and metrics add ``grad_norm``, ``max_scaled_grad`` and
+    ``update_norm`` (`observed_step`)."""
 
     def step(params, opt_state, learning_rate, *batch):
         opt_state = set_learning_rate(opt_state, learning_rate)
         scale_used = jaxamp.amp_info(opt_state).loss_scale
-        params, opt_state, loss, info = train_step(params, opt_state, *batch)
+        new_params, opt_state, loss, info = train_step(params, opt_state, *batch)
         metrics = {"loss_scale": scale_used, "skipped": jnp.logical_not(info.last_step_applied)}
-        return params, opt_state, loss, metrics
+        if signals:
+            loss, gradient_signals = loss
+            metrics.update(gradient_signals, update_norm=_norm(new_params, params))
+        return new_params, opt_state, loss, metrics
 
     return step
+
+
+def _norm(tree, minus=None):
+    """The global L2 norm of `tree` (of ``tree - minus``), computed in float32."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if minus is not None:
+        others = jax.tree_util.tree_leaves(minus)
+        leaves = [
+            a.astype(jnp.float32) - b.astype(jnp.float32)
+            for a, b in zip(leaves, others, strict=True)
+        ]
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def observed(grad_fn: Callable) -> Callable:
+    """`grad_fn` (``jaxamp.value_and_grad``'s) whose value comes with the gradient signals:
+    ``(value, {"grad_norm", "max_scaled_grad"})``, the gradients unchanged.
+
+    ``grad_norm`` is the global norm of the unscaled gradients (before clipping; inf where they
+    overflowed); ``max_scaled_grad`` maps each parameter's path to its largest |scaled gradient|
+    (what float16 had to hold; inf/nan where it did not).
+    """
+
+    def wrapped(params, *batch, loss_scale):
+        value, grads = grad_fn(params, *batch, loss_scale=loss_scale)
+        scale = jaxamp.amp_info(loss_scale).loss_scale
+        unscaled = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / scale, grads)
+        maxima = {
+            _path(path): jnp.max(jnp.abs(g.astype(jnp.float32)))
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+            if g.size
+        }
+        return (value, {"grad_norm": _norm(unscaled), "max_scaled_grad": maxima}), grads
+
+    return wrapped
+
+
+def observed_step(grad_fn: Callable, tx: optax.GradientTransformation) -> Callable:
+    """`scheduled` `jax_train_step` with the gradient signals: the step of the trainer.
+
+    Metrics: ``loss_scale``, ``skipped``, ``grad_norm`` (unscaled, before clipping),
+    ``update_norm`` (``||params after - params before||``), ``max_scaled_grad``.
+    """
+    return scheduled(jax_train_step(observed(grad_fn), tx), signals=True)
+
+
+def _finite(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def step_signals(metrics: dict, scaled: bool) -> dict[str, Any]:
+    """A step's signals for its record (JSON: None where not finite): ``grad_norm``,
+    ``update_norm`` and, where the loss is scaled, ``max_scaled_grad`` ({parameter: value})."""
+    out: dict[str, Any] = {
+        "grad_norm": _finite(metrics["grad_norm"]),
+        "update_norm": _finite(metrics["update_norm"]),
+    }
+    if scaled:
+        out["max_scaled_grad"] = {k: _finite(v) for k, v in metrics["max_scaled_grad"].items()}
+    return out
 
 
 def jax_forward(pair: Any, recipe: Any, device: str, *, train: bool, arm: str = "single"):
@@ -190,7 +266,12 @@ def build_torch_optimizer(config: Any, params) -> Any:
 
 
 def torch_train_step(
-    config: Any, forward_loss: Callable, optimizer: Any, scaler: Any, params: list
+    config: Any,
+    forward_loss: Callable,
+    optimizer: Any,
+    scaler: Any,
+    params: list,
+    names: list[str] | None = None,
 ) -> Callable:
     """torch.amp's step: ``step(index, *batch) -> loss``.
 
@@ -200,12 +281,47 @@ def torch_train_step(
       optimizer: `build_torch_optimizer`'s optimizer.
       scaler: the recipe's ``GradScaler`` (`Recipe.torch_grad_scaler`) or None.
       params: the parameters clipped (``clip_grad_norm_`` after ``unscale_``).
+      names: the parameters' names: the step then measures, into ``step.signals`` (the last
+        step's, as `step_signals` gives JAX's), ``grad_norm`` (unscaled, before clipping),
+        ``update_norm`` and, with a scaler, ``max_scaled_grad`` ({name: largest |scaled
+        gradient|}, None where not finite).
     """
     import torch  # torch: optional for JAX users (the JAX trainer never imports it)
 
     def clip():
         if config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+
+    def finite(values) -> list[float | None]:
+        return [x if math.isfinite(x) else None for x in values]
+
+    def observe_scaled() -> None:
+        if names is not None:
+            grads = [p.grad for p in params]
+            maxima = torch.stack(
+                [
+                    g.detach().abs().max().float() if g is not None else torch.zeros(())
+                    for g in grads
+                ]
+            )
+            step.signals["max_scaled_grad"] = dict(zip(names, finite(maxima.tolist()), strict=True))
+
+    def observe_unscaled() -> list | None:
+        if names is None:
+            return None
+        grads = [p.grad.detach().float() for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        step.signals["grad_norm"] = finite([float(norm)])[0]
+        return [p.detach().clone() for p in params]
+
+    def observe_update(before) -> None:
+        if before is not None:
+            with torch.no_grad():
+                squares = [
+                    torch.sum(torch.square(p.detach().float() - b.float()))
+                    for p, b in zip(params, before, strict=True)
+                ]
+            step.signals["update_norm"] = finite([float(torch.sqrt(torch.stack(squares).sum()))])[0]
 
     def step(index, *batch):
         # The rate of every iteration (what LambdaLR does, without its warning when GradScaler
@@ -219,14 +335,20 @@ def torch_train_step(
         loss = forward_loss(*batch)
         if scaler is None:
             loss.backward()
+            before = observe_unscaled()
             clip()
             optimizer.step()
+            observe_update(before)
             return loss
         scaler.scale(loss).backward()
+        observe_scaled()
         scaler.unscale_(optimizer)  # clip the true gradients
+        before = observe_unscaled()
         clip()
         scaler.step(optimizer)
         scaler.update()
+        observe_update(before)
         return loss
 
+    step.signals = {}
     return step

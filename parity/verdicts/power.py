@@ -212,7 +212,7 @@ def _base(ref, cand) -> dict[str, Any]:
     }
 
 
-def _window_row(base, check, gaps, tolerances, start, stop, bound, what, detail_extra=""):
+def _window_row(base, check, gaps, tolerances, start, stop, bound, what, calibrated=False):
     """A per-step row over steps [start, stop): decisive where every tolerance is within
     `bound`; otherwise the caller splits at the horizon first."""
     segment = gaps[start:stop]
@@ -235,9 +235,9 @@ def _window_row(base, check, gaps, tolerances, start, stop, bound, what, detail_
             + f"worst step {start + worst}: {fmt_value(segment[worst])} relative against "
             f"{fmt_value(tols[worst])}; could detect a relative difference of "
             f"{fmt_value(min(tols))} at its most sensitive step, {fmt_value(max(tols))} at every "
-            f"step (bound {fmt_value(bound)})" + detail_extra
+            f"step (bound {fmt_value(bound)})"
         ),
-        mode="noise-calibrated" if max(tols) > _band(stop - 1) else "fixed bands",
+        mode="noise-calibrated" if calibrated else "fixed bands",
         first_failing_step=failing[0] if failing else None,
         worst_step=start + worst,
         power=max(tols),
@@ -270,7 +270,9 @@ def _beyond_row(base, check, gaps, tolerances, start, stop, bound, what) -> Verd
     )
 
 
-def _trajectory(base, prefix, gaps, tolerances, start, stop, bound, what) -> list[Verdict]:
+def _trajectory(
+    base, prefix, gaps, tolerances, start, stop, bound, what, calibrated=False
+) -> list[Verdict]:
     """Rows for steps [start, stop): split at the horizon (the last step whose tolerance is
     within `bound`, counting from `start`)."""
     if start >= stop:
@@ -283,7 +285,7 @@ def _trajectory(base, prefix, gaps, tolerances, start, stop, bound, what) -> lis
         label = f"{prefix}, steps {start}-{horizon - 1}"
         if horizon < stop:
             label += " (horizon)"
-        row = _window_row(base, label, gaps, tolerances, start, horizon, bound, what)
+        row = _window_row(base, label, gaps, tolerances, start, horizon, bound, what, calibrated)
         if horizon == 1:  # step 0 alone: the gate's business, never what makes a PASS
             row = dataclasses.replace(row, mode="step 0")
         rows.append(row)
@@ -338,6 +340,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
     n = len(gaps)
     envelope = _envelope(noise, mains)
     tolerances = step_tolerances(gaps, envelope)
+    calibrated = envelope is not None
     mine = [
         v
         for v in verdicts
@@ -359,13 +362,13 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             if v.passed is True and power is not None and power > bound:
                 replaced.add(v.check)
                 rows += _trajectory(
-                    base, "per-step loss", gaps, tolerances, start, stop, bound, "loss"
+                    base, "per-step loss", gaps, tolerances, start, stop, bound, "loss", calibrated
                 )
             elif v.power is None and power is not None:
                 powered[v.check] = power
         if covered < n - 1:
             rows += _trajectory(
-                base, "per-step loss", gaps, tolerances, covered + 1, n, bound, "loss"
+                base, "per-step loss", gaps, tolerances, covered + 1, n, bound, "loss", calibrated
             )
     for field, name in (("grad_norm", "gradient norm"), ("update_norm", "update norm")):
         signal = _signal_gaps(ref, cand, field)
@@ -387,6 +390,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             f"{name} (unscaled, before clipping; {SIGNAL_FACTOR:g} x the loss tolerance)"
             if field == "grad_norm"
             else f"{name} (||params after - params before||)",
+            calibrated and _is_fp32(ref),
         )
     return rows, replaced, powered
 
