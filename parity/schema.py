@@ -62,8 +62,10 @@ _BOOL = Kind("true or false", lambda x: isinstance(x, bool))
 _SCALAR = Kind("a string, number, boolean or null", lambda x: isinstance(x, str | int | float))
 _DURATION = Kind("a finite number >= 0", lambda x: _finite(x) and x >= 0)
 _BYTES = _DURATION
-# A loss scale multiplies the loss: zero or negative is no scale at all (and inf is an overflow).
-_SCALE = Kind("a finite number > 0", lambda x: _finite(x) and x > 0)
+# A loss scale multiplies the loss: negative is no scale at all (and inf is an overflow). Zero is
+# what torch's GradScaler reaches after ~165 backoffs (it has no floor); such a step can only
+# skip, which `parity.records.validate_run` checks.
+_SCALE = Kind("a finite number >= 0", lambda x: _finite(x) and x >= 0)
 
 _STEP = {
     "!step": _COUNT.not_null(),
