@@ -22,6 +22,8 @@ failure into a message that names the problem and the fix:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import inspect
@@ -41,6 +43,7 @@ __all__ = [
     "as_flax_model",
     "check_image_layout",
     "disable_torch_dropout",
+    "intercept_calls",
     "nnx_load",
     "output_logits",
     "torch_dropout_layers",
@@ -285,6 +288,76 @@ def check_image_layout(
 # --- Flax side --------------------------------------------------------------------------------
 
 
+_INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("parity_intercept", default=None)
+
+
+@contextlib.contextmanager
+def intercept_calls(intercept: Callable[..., Any]):
+    """Runs ``intercept(path, next_fun, args, kwargs)`` around every submodule call of a Flax
+    model applied inside the context (a linen module, a Hugging Face Flax model, or an NNX module
+    through `FlaxModel.apply`); ``path`` is the submodule's path (``("blocks_0", "fc1")``), and
+    ``next_fun(*args, **kwargs)`` makes the call. The per-layer diagnosis and the layer probe
+    read and replace layer inputs and outputs with it.
+
+    Example:
+      >>> import flax.linen as fnn
+      >>> seen = []
+      >>> def record(path, next_fun, args, kwargs):
+      ...     seen.append(path)
+      ...     return next_fun(*args, **kwargs)
+      >>> with intercept_calls(record):
+      ...     _ = fnn.Dense(2).apply({"params": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}},
+      ...                            jnp.ones(3))
+      >>> seen
+      [()]
+    """
+    import flax.linen as fnn
+
+    def linen(next_fun, args, kwargs, context):
+        scope = context.module.scope
+        if context.method_name != "__call__" or scope is None:
+            return next_fun(*args, **kwargs)
+        return intercept(tuple(str(p) for p in scope.path), next_fun, args, kwargs)
+
+    token = _INTERCEPT.set(intercept)
+    try:
+        with fnn.intercept_methods(linen):
+            yield
+    finally:
+        _INTERCEPT.reset(token)
+
+
+@contextlib.contextmanager
+def _nnx_intercepted(model):
+    """NNX has no interceptors: while the call lasts, every submodule's class is swapped for a
+    subclass whose ``__call__`` goes through the active `intercept_calls` (restored after)."""
+    intercept = _INTERCEPT.get()
+    if intercept is None:
+        yield
+        return
+    nnx = _nnx()
+    swapped = []
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        original = type(node)
+        key = tuple(str(p) for p in path)
+
+        def __call__(self, *args, _original=original, _key=key, **kwargs):
+            def next_fun(*a, **k):
+                return _original.__call__(self, *a, **k)
+
+            return intercept(_key, next_fun, args, kwargs)
+
+        node.__class__ = type(original.__name__, (original,), {"__call__": __call__})
+        swapped.append((node, original))
+    try:
+        yield
+    finally:
+        for node, original in swapped:
+            node.__class__ = original
+
+
 def _nnx():
     from flax import nnx
 
@@ -482,7 +555,8 @@ class FlaxModel:
         for _, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Dropout):
                 node.deterministic = True
-        out = model(inputs, **self._kwargs_nnx(model, inputs, train))
+        with _nnx_intercepted(model):
+            out = model(inputs, **self._kwargs_nnx(model, inputs, train))
         stats = _nnx_stats(model) if train and "batch_stats" in variables else None
         return output_logits(out, "flax"), stats
 

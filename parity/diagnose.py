@@ -1,7 +1,8 @@
 """Per-layer diagnosis: where do the torch model and its Flax twin part ways?
 
 On one batch and from the same weights, every layer's output is captured on both sides (torch
-forward hooks; Flax linen ``capture_intermediates``), in eval and in train mode, together with
+forward hooks; `parity.adapters.intercept_calls` on the Flax side, linen or NNX), in eval and
+in train mode, together with
 each layer's parameter gradients and the running statistics a train-mode pass leaves behind.
 Layers are matched through the pair's weight mapping (``pair.mapping.module_pairs()``: torch
 module name <-> Flax module path); without a mapping, a torch module ``blocks.1.conv1`` is matched
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from parity import models
+from parity.adapters import intercept_calls
 from parity.config import RunConfig
 from parity.verdicts.sides import (
     as_config,
@@ -68,7 +70,6 @@ __all__ = [
     "diagnose_pair",
     "diagnose_run",
     "first_tensor",
-    "linen_module",
     "module_pairs",
     "shaped_error",
 ]
@@ -287,34 +288,27 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
     return {n: captured[n] for n in order}
 
 
-def linen_module(flax_model: Any) -> tuple[Any, Any]:
-    """``(linen module, (inputs, train) -> call keyword arguments)`` for a linen module or a
-    `parity.adapters.FlaxModel` wrapping one (linen or Hugging Face)."""
-    kind = getattr(flax_model, "kind", None)
-    if kind is None:
-        return flax_model, lambda x, train: {"train": train}
-    if kind == "nnx":
-        raise NotImplementedError(
-            "per-layer diagnosis: NNX modules are not supported yet (linen modules and Hugging "
-            "Face Flax models are); compare an NNX model's layers with nnx.Module.sow."
-        )
-    kwargs = getattr(flax_model, "_kwargs", None)
-    return flax_model.module, (kwargs if kwargs is not None else lambda x, train: {"train": train})
-
-
 def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dict]:
     """Every Flax module's first output, ``({module path: array}, ...)`` for eval and train mode
-    (one compiled program for both)."""
+    (one compiled program for both), read through `parity.adapters.intercept_calls`: linen
+    modules, Hugging Face Flax models and NNX modules alike."""
     recipe = config.recipe
-    module, call_kwargs = linen_module(pair.flax_model)
 
     def capture(params, stats, x, train):
         full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
-        mutable = ["intermediates"] + (["batch_stats"] if train and stats is not None else [])
-        _, state = module.apply(
-            full, x, capture_intermediates=True, mutable=mutable, **call_kwargs(x, train)
-        )
-        return jax.tree.map(lambda v: v.astype(jnp.float32), state["intermediates"])
+        out: dict[str, Any] = {}
+
+        def record(path, next_fun, args, kwargs):
+            result = next_fun(*args, **kwargs)
+            key = "/".join(path)
+            leaves = [leaf for leaf in jax.tree_util.tree_leaves(result) if hasattr(leaf, "dtype")]
+            if key not in out and leaves:  # the first output of the first call
+                out[key] = leaves[0].astype(jnp.float32)
+            return result
+
+        with intercept_calls(record):
+            pair.flax_apply(full, x, train)
+        return out
 
     def forward(params, stats, x):
         return capture(params, stats, x, False), capture(params, stats, x, True)
@@ -329,18 +323,7 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dic
         both = jax.device_get(
             jax.jit(run)(variables["params"], variables.get("batch_stats"), np.asarray(inputs))
         )
-    outs = []
-    for intermediates in both:
-        out: dict[str, np.ndarray] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
-            keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
-            if "__call__" not in keys:
-                continue
-            module = "/".join(keys[: keys.index("__call__")])
-            if module not in out:  # the first output of the first call
-                out[module] = np.asarray(leaf)
-        outs.append(out)
-    return outs[0], outs[1]
+    return tuple({k: np.asarray(v) for k, v in outs.items()} for outs in both)
 
 
 # --- the diagnosis ------------------------------------------------------------------------------
@@ -441,7 +424,7 @@ def diagnose_pair(
     """Compares every matched layer of a pair on one batch, in fp32 and at the run's precision.
 
     Args:
-      pair: a `parity.models.ModelPair` whose ``flax_model`` is a linen module.
+      pair: a `parity.models.ModelPair` (linen, Hugging Face Flax or NNX on the Flax side).
       config: a `RunConfig` or a precision string.
       batch: ``(inputs, targets)`` (default: batch 0 of the pair's data).
       variables: Flax variables holding the torch model's weights (default: converted from it);

@@ -17,7 +17,7 @@ So, besides the model's own init, the torch model is copied and *probed*:
    its epsilon;
 3. the Flax twin gets the same weights through the pair's own transfer, and both run on the
    batch with **each Flax layer fed torch's input to that layer** (a forward pre-hook on torch's
-   side, a `flax.linen.intercept_methods` interceptor on Flax's): the difference of a layer's
+   side, `parity.adapters.intercept_calls` on Flax's, linen or NNX): the difference of a layer's
    outputs is that layer's own, not its upstream's, so it is judged against a band of its own;
 4. for each layer two differences are measured, in eval and in train mode: its **output** (the
    layer itself: a kernel layout, an epsilon, a padding, an attention scale or mask) and its
@@ -51,14 +51,13 @@ import dataclasses
 import math
 from typing import Any
 
-import flax.linen as flax_nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.adapters import output_logits
-from parity.diagnose import first_tensor, linen_module, module_pairs, shaped_error
+from parity.adapters import intercept_calls, output_logits
+from parity.diagnose import first_tensor, module_pairs, shaped_error
 from parity.mapping import apply_transform, parse_transform
 from parity.verdicts.sides import flatten
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
@@ -281,8 +280,8 @@ class _FlaxRunner:
     """
 
     def __init__(self, pair, flax_of: dict[str, tuple[str, ...]]):
-        self.module, self.call_kwargs = linen_module(pair.flax_model)
-        self.torch_of = {tuple(path): name for name, path in flax_of.items()}
+        self.pair = pair
+        self.torch_of = {tuple(str(p) for p in path): name for name, path in flax_of.items()}
         self.meta: dict[bool, dict[str, dict[str, Any]]] = {False: {}, True: {}}
         # Eagerly, op by op: the operations' compiled kernels are cached across models of the
         # same shapes (a whole-program compile is redone for every model and costs more).
@@ -299,11 +298,8 @@ class _FlaxRunner:
         meta.clear()
         found: dict[str, dict[str, Any]] = {}
 
-        def interceptor(next_fun, args, kwargs, context):
-            scope = context.module.scope
-            name = None
-            if context.method_name == "__call__" and scope is not None:
-                name = self.torch_of.get(tuple(scope.path))
+        def interceptor(path, next_fun, args, kwargs):
+            name = self.torch_of.get(path)
             if name is None or name in meta or name not in substitutes:
                 return next_fun(*args, **kwargs)
             info = meta[name] = {"substituted": False, "note": ""}
@@ -342,11 +338,9 @@ class _FlaxRunner:
             found[name] = values
             return out
 
-        mutable = ["batch_stats"] if train and "batch_stats" in variables else False
-        with flax_nn.intercept_methods(interceptor):
-            out = self.module.apply(variables, x, mutable=mutable, **self.call_kwargs(x, train))
-        stats = out[1]["batch_stats"] if mutable else None
-        return output_logits(out[0] if mutable else out, "flax"), found, stats
+        with intercept_calls(interceptor):
+            logits, stats = self.pair.flax_apply(variables, x, train)
+        return output_logits(logits, "flax"), found, stats
 
     def __call__(self, variables, inputs, substitutes_eval, substitutes_train):
         with jax.default_matmul_precision("highest"):
@@ -443,8 +437,7 @@ def probe_layers(
     the same function; the precision checks are step 0's other rows).
 
     Args:
-      pair: a `parity.models.ModelPair` whose Flax side is a linen module (or a Hugging Face
-        Flax model); NNX modules raise ``NotImplementedError``.
+      pair: a `parity.models.ModelPair` (linen, Hugging Face Flax or NNX on the Flax side).
       inputs: one input batch (numpy).
       scales: the output RMS each probe gives every mapped layer.
       seed: the seed of the random offsets.
@@ -458,7 +451,6 @@ def probe_layers(
       []
     """
     inputs = np.asarray(inputs)
-    linen_module(pair.flax_model)  # NNX: NotImplementedError before any work
     variables = pair.torch_to_flax()
     pairs, unmatched = module_pairs(pair, variables)
     names = [t for t, _ in pairs]

@@ -191,3 +191,14 @@ def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
     explain_failure(diagnosis, [row(PROBE_CHECK, False)], Probe())
     assert diagnosis.first_failing == "fc2" and diagnosis.cause is None
     assert diagnosis.first_failing_kind.startswith("input on probe weights")
+
+
+@pytest.mark.slow
+def test_nnx_pair_diagnosis_names_the_broken_layer():
+    pair = get_model_pair("mlp_nnx", seed=0, **TINY)
+    variables = pair.torch_to_flax()
+    variables["params"]["fc2"]["kernel"] = jnp.asarray(variables["params"]["fc2"]["kernel"]) * 1.01
+    diagnosis = diagnose_pair(pair, "fp32", _batch(pair), variables=variables)
+    assert diagnosis.first_failing == "fc2" and diagnosis.first_failing_kind == "eval output"
+    rows = {r["layer"]: r for r in diagnosis.rows}
+    assert rows["fc1"]["eval output"] < rows["fc1"]["band"]

@@ -33,6 +33,7 @@ from parity.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, stochastic_verdic
 
 SMALL = {
     "mlp": {"image_shape": (4, 4, 3), "hidden": 8},
+    "mlp_nnx": {"image_shape": (4, 4, 3), "hidden": 8},
     "cnn_bn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "resnet": {"image_shape": (8, 8, 3), "channels": (4, 8, 8)},
     "lstm": {"seq_len": 6, "hidden": 8, "embed_dim": 8},
@@ -263,7 +264,7 @@ MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("model", ("mlp", "cnn_bn", "lstm", "transformer", "gru"))
+@pytest.mark.parametrize("model", ("mlp", "mlp_nnx", "cnn_bn", "lstm", "transformer", "gru"))
 def test_correct_port_passes_the_layer_probe(model):
     pair = _pair(model)
     inputs, _ = _batch(pair)
