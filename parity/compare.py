@@ -617,10 +617,13 @@ def compare_runs(
     Args:
       runs: run records (results.json's ``runs``): main runs, calibration runs
         (``variant="noise"``) and seed runs (other ``config.data_seed``) alike.
-      extra_verdicts: rows made elsewhere (step-0 checks), listed first in their cell.
+      extra_verdicts: rows made elsewhere (step-0 checks), listed first in their cell; a
+        passing one is informational where the cell has no trained comparable pair.
 
     Returns:
-      `Verdict` rows; a cell without both frameworks gets one row with ``passed=None`` saying so.
+      `Verdict` rows; a cell without both frameworks gets one row with ``passed=None`` saying so,
+      and a pair that is not comparable (`parity.records.config_differences`) one row
+      (``mode="not comparable"``) naming each differing setting.
 
     Example:
       >>> compare_runs([])
