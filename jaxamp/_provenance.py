@@ -136,40 +136,48 @@ def _log2_of_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
     return jnp.where(exponent == 0, subnormal, normal)
 
 
-def _headroom_and_finite(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(headroom, finite) of one real float array."""
+def _headroom_and_finite(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
+    """(headroom, finite) of one real float array, `finite` as `finite_after` decides it: every
+    element finite, and (where a scale below 1 is removed) every element finite unscaled.
+
+    One pass over `x`: its largest magnitude. Unscaling rounds monotonically, so the elements
+    stay finite unscaled exactly when the largest one does: that one scalar is unscaled.
+    """
     bits = bits_dtype(x.dtype)
     if bits is None:  # floats without infinities (fp8): values, not bits
-        finite = jnp.isfinite(x).all()
+        scaled_finite = jnp.isfinite(x).all()
         largest = jnp.max(jnp.abs(x.astype(jnp.float32)))
         log2_largest = jnp.log2(largest)
+        largest = largest.astype(x.dtype)
     else:
         # The largest |x| as an integer maximum of the bits with the sign cleared: exact,
         # never flushed, and NaN (above inf as bits) counts as non-finite.
         magnitude = jax.lax.bitcast_convert_type(x, bits) & np.array(np.iinfo(bits).max >> 1, bits)
-        largest = jnp.max(magnitude)
-        finite = largest < np.array(np.inf, x.dtype).view(bits)
-        log2_largest = _log2_of_bits(largest, x.dtype)
-    headroom = jnp.where(finite, _LOG2_F16_MAX - log2_largest, jnp.float32(-np.inf))
+        largest_bits = jnp.max(magnitude)
+        scaled_finite = largest_bits < np.array(np.inf, x.dtype).view(bits)
+        log2_largest = _log2_of_bits(largest_bits, x.dtype)
+        largest = jax.lax.bitcast_convert_type(largest_bits, x.dtype)
+    finite = scaled_finite
+    if scale is not None:
+        keeps = jnp.asarray(scale, jnp.float32) >= 1
+        unscaled_finite = jnp.logical_or(keeps, leaf_finite(unscale_tree(largest, scale)))
+        finite = jnp.logical_and(finite, unscaled_finite)
+    # The headroom of the scaled values: finite for a leaf that overflows only once unscaled.
+    headroom = jnp.where(scaled_finite, _LOG2_F16_MAX - log2_largest, jnp.float32(-np.inf))
     return headroom, finite
 
 
 def _leaf_measure(x: Any, scale: Any) -> tuple[jax.Array, jax.Array]:
-    """(headroom, finite) of one gradient leaf; `finite` is `finite_after`'s check of that leaf
-    (the scaled values, and the unscaled ones where a scale below 1 may overflow them)."""
+    """(headroom, finite) of one gradient leaf (complex: the worse of its two parts)."""
     if not is_inexact_leaf(x):
         return jnp.float32(np.inf), jnp.array(True)
     x = jnp.asarray(x)
     if x.size == 0:
         return jnp.float32(np.inf), jnp.array(True)
     parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    measured = [_headroom_and_finite(part) for part in parts]
+    measured = [_headroom_and_finite(part, scale) for part in parts]
     headroom = functools.reduce(jnp.minimum, [h for h, _ in measured])
     finite = functools.reduce(jnp.logical_and, [f for _, f in measured])
-    if scale is not None:
-        keeps = jnp.asarray(scale, jnp.float32) >= 1
-        unscaled_finite = jnp.logical_or(keeps, leaf_finite(unscale_tree(x, scale)))
-        finite = jnp.logical_and(finite, unscaled_finite)
     return headroom, finite
 
 
