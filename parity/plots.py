@@ -18,7 +18,9 @@ import numpy as np
 
 from parity import speed
 from parity.records import run_label, write_bytes_atomic
+from parity.verdicts.power import step_tolerances
 from parity.verdicts.rows import (
+    POWER_BOUNDS,
     TOLERANCES,
     loss_floor,
     relative_gaps,
@@ -31,6 +33,7 @@ __all__ = [
     "finite",
     "memory_panels",
     "plot_divergence",
+    "plot_gaps",
     "plot_loss_scales",
     "plot_losses",
     "plot_memory",
@@ -218,6 +221,84 @@ def plot_divergence(runs, path: Path) -> bool:
         ax.set_xlabel("step")
         ax.set_ylabel("relative loss gap")
     fig.suptitle("Cross-framework gap vs the model's own self-divergence (gray: fixed bands)")
+    _savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+def plot_gaps(runs, path: Path) -> bool:
+    """Gap per step, one panel per cell with a torch/JAX pair: the relative loss gap, and the
+    gradient-norm and update-norm gaps where the records carry them, on a log axis against the
+    loss tolerance of each step (`parity.verdicts.power.step_tolerances`, with the cell's
+    self-divergence where calibration runs exist). Unlike the loss curves, it shows a 1e-4 gap.
+
+    Returns:
+      False (no file) when no cell has a torch/JAX pair.
+    """
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for key, members in sorted(cell_groups(runs).items()):
+        main = [r for r in members if not r.get("variant")]
+        torch_runs = [r for r in main if r["framework"] == "torch" and r["steps"]]
+        jax_runs = [r for r in main if r["framework"] == "jax" and r["steps"]]
+        if torch_runs and jax_runs:
+            noise = [r for r in members if r.get("variant") == "noise"]
+            panels.append((key, torch_runs[0], jax_runs[0], noise))
+    if not panels:
+        return False
+    fig, axes = _grid(len(panels))
+    for ax, ((model, precision, device), ref, cand, noise) in zip(axes, panels, strict=False):
+        ref_l = run_losses(ref)
+        gaps = relative_gaps(ref_l, run_losses(cand), loss_floor(ref_l))
+        series = [("loss", gaps, "tab:purple")]
+        for field, color in (("grad_norm", "tab:green"), ("update_norm", "tab:orange")):
+            a = [s.get(field) for s in ref["steps"]]
+            b = [s.get(field) for s in cand["steps"]]
+            series.append(
+                (
+                    field.replace("_", " "),
+                    [
+                        abs(x - y) / abs(x) if finite(x) and finite(y) and x else math.nan
+                        for x, y in zip(a, b, strict=False)
+                    ],
+                    color,
+                )
+            )
+        for label, values, color in series:
+            pts = [(i, g) for i, g in enumerate(values) if finite(g) and g > 0]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, color=color, lw=1.2, marker=".", ms=3, label=f"{label} gap")
+        envelope = None
+        for run in noise:
+            own = ref if run["framework"] == "torch" else cand
+            env = self_divergence(own, [run])
+            if env:
+                envelope = (
+                    env
+                    if envelope is None
+                    else [max(x, y) for x, y in zip(envelope, env, strict=False)]
+                )
+        tolerance = step_tolerances(gaps, envelope)
+        ax.step(
+            range(len(tolerance)),
+            tolerance,
+            where="mid",
+            color="gray",
+            lw=0.8,
+            label="loss tolerance",
+        )
+        bound = POWER_BOUNDS["loss"]
+        ax.axhline(bound, color="red", ls=":", lw=0.8, label=f"power bound {bound:.0%}")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.set_title(f"{model} {precision} ({device})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("relative gap, jax vs torch")
+    fig.suptitle(
+        "Gap per step (gray: the loss tolerance of each step; red: the bound above which a check decides nothing)"
+    )
     _savefig(fig, path)
     plt.close(fig)
     return True

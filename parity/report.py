@@ -32,13 +32,14 @@ from parity.plots import (
     cell_groups,
     finite,
     plot_divergence,
+    plot_gaps,
     plot_loss_scales,
     plot_losses,
     plot_memory,
     plot_step_times,
 )
 from parity.records import run_label, run_seed, run_status, write_text_atomic
-from parity.verdicts.rows import cell_bottom_lines, overall_status
+from parity.verdicts.rows import cell_bottom_lines, fmt_value, overall_status, verdict_mark
 
 __all__ = ["report_sections", "write_report", "write_steps_csv"]
 
@@ -66,6 +67,8 @@ STEP_COLUMNS = (
     "loss_scale",
     "skipped",
     "time_s",
+    "grad_norm",
+    "update_norm",
 )
 
 
@@ -93,6 +96,10 @@ def write_steps_csv(runs: list[dict[str, Any]], path: str | os.PathLike) -> None
                     "" if scale is None else repr(scale),
                     step.get("skipped", False),
                     "" if time_s is None else repr(time_s),
+                    *(
+                        "" if step.get(f) is None else repr(step[f])
+                        for f in ("grad_norm", "update_norm")
+                    ),
                 ]
             )
     write_text_atomic(path, buffer.getvalue())
@@ -216,6 +223,13 @@ def _draw_plots(runs, out: Path) -> tuple[list[tuple[str, str]], list[str]]:
         _try_plot(
             plots,
             notes,
+            "Gap per step: loss, gradient norm, update norm",
+            "gaps.png",
+            lambda: plot_gaps(runs, out / "gaps.png"),
+        )
+        _try_plot(
+            plots,
+            notes,
             "Cross-framework gap and self-divergence",
             "divergence.png",
             lambda: plot_divergence(runs, out / "divergence.png"),
@@ -251,14 +265,22 @@ def _header(runs, verdicts) -> list[str]:
     failed = [v for v in verdicts if v.passed is False]
     status = overall_status(verdicts)
     lines += ["# PyTorch vs JAX parity report", ""]
+    inconclusive = sum(v.mode == "inconclusive" for v in verdicts)
     counts = (
         f"{sum(v.passed is True for v in verdicts)} passed, {len(failed)} failed, "
-        f"{sum(v.passed is None for v in verdicts)} informational"
+        f"{inconclusive} inconclusive (no power), "
+        f"{sum(v.passed is None for v in verdicts) - inconclusive} informational"
     )
     if status == "NOTHING COMPARED":
         lines.append(
             f"Overall: **NOTHING COMPARED** — no torch/JAX pair could be compared ({counts}); "
             "this is not a pass."
+        )
+    elif status == "INCONCLUSIVE":
+        lines.append(
+            f"Overall: **INCONCLUSIVE** — nothing failed, but some cell has no check that could "
+            f"have failed past step 0 ({counts}); this is not a pass: the bottom line gives the "
+            "command that decides."
         )
     else:
         lines.append(f"Overall: **{status}** — {counts}.")
@@ -297,9 +319,15 @@ def _method_note(runs) -> list[str]:
             "the same batches in the same order, with the same optimizer, schedule and clipping. fp32 "
             "runs use the highest matmul precision on both sides. Relative loss gaps are divided by "
             "max(|torch loss|, 1% of the first loss): a loss trained to ~0 never makes a 100% gap. "
-            "Modes: *fixed bands* (1e-4 for steps 0-9, 1e-3 for 10-29); *noise-calibrated* (k x the "
-            "self-divergence of 1-ulp-perturbed calibration runs, where that exceeds the bands); "
-            "*seed statistics* (Welch's t-test over K data seeds, 95% confidence).",
+            "Modes: *fixed bands* (1e-4 for steps 0-9, 1e-3 from step 10 to the end); "
+            "*noise-calibrated* (k x the self-divergence of 1-ulp-perturbed calibration runs, "
+            "where that exceeds the bands; the steps whose tolerance stays within the bound decide, "
+            "those after that horizon are inconclusive); *seed statistics* (an equivalence test, "
+            "TOST: the 90% interval of the difference within the margin; Welch's t-test shown). "
+            "*Could detect*: each row's power, the smallest relative difference it could have "
+            "seen; a row above its bound (relative error 1 for outputs and gradients, 20% for "
+            "losses) is *inconclusive*, never a pass. PASS needs, in every cell, a passing row "
+            "with power past step 0.",
         ]
     return lines
 
@@ -354,20 +382,22 @@ def _verdict_table(verdicts) -> list[str]:
         "",
         "## Verdicts",
         "",
-        "| model | precision | device | check | compared | value | tolerance | mode | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | precision | device | check | compared | value | tolerance | could detect "
+        "| mode | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
-        mark = {True: "pass", False: "**FAIL**", None: "info"}[v.passed]
+        mark = verdict_mark(v)
+        mark = f"**{mark}**" if mark in ("FAIL", "inconclusive") else mark
         lines.append(
             f"| {v.model} | {v.precision} | {v.device} | {v.check} | {v.compared} | {v.value_text} "
-            f"| {v.tolerance_text} | {v.mode} | {mark} |"
+            f"| {v.tolerance_text} | {fmt_value(v.power)} | {v.mode} | {mark} |"
         )
     explained = [v for v in verdicts if v.detail]
     if explained:
         lines += ["", "Why:", ""]
         for v in explained:
-            mark = {True: "pass", False: "FAIL", None: "info"}[v.passed]
+            mark = verdict_mark(v)
             lines.append(f"- {mark} {v.model} {v.precision} — {v.check}: {v.detail}")
     return lines
 

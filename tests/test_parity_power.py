@@ -335,3 +335,49 @@ def test_both_trainers_record_gradient_and_update_norms_and_scaled_maxima():
     assert {"fc1/kernel", "fc3/bias"} <= set(jax_run["steps"][0]["max_scaled_grad"])
     rows = _judged([torch_run, jax_run])
     assert any(v.check.startswith("per-step gradient norm") and v.passed for v in rows)
+
+
+# --- structural differences and the report --------------------------------------------------------
+
+
+def test_a_folded_mapping_makes_a_later_trajectory_failure_inconclusive_with_the_reason():
+    base = np.linspace(2.3, 1.0, 12)
+    cand = base * (1 + 3e-5)
+    cand[7:] = base[7:] * (1 + 5e-3)  # parts at step 7: the two models train differently
+    folded = [
+        {
+            "torch": "rnn.bias_hh_l0",
+            "flax": "cell/hn/bias",
+            "note": "folded: summed with rnn.bias_ih_l0",
+        }
+    ]
+    runs = [_run("torch", base), _run("jax", cand)]
+    assert overall_status(_judged(runs)) == "FAIL"
+    for run in runs:
+        run["weight_mapping"] = folded
+    judged = _judged(runs)
+    (row,) = [v for v in judged if v.check == "per-step loss, steps 0-9"]
+    assert row.passed is None and "folds trainable tensors (rnn.bias_hh_l0)" in row.detail
+    assert any(v.check == "structural difference (weight mapping)" for v in judged)
+    assert overall_status(judged) == "INCONCLUSIVE"
+    # A gap at step 0 (same weights on both sides) still fails.
+    wrong = base * 1.01
+    runs = [_run("torch", base), _run("jax", wrong)]
+    for run in runs:
+        run["weight_mapping"] = folded
+    assert overall_status(_judged(runs)) == "FAIL"
+
+
+def test_the_report_shows_power_inconclusive_rows_and_the_gap_panel(tmp_path):
+    from parity.report import write_report
+
+    n = 12
+    base, noisy = _chaos(n, 0.05, seed=1, rate=3.0)
+    _, jax = _chaos(n, 0.05, seed=2, rate=3.0)
+    jax[0], noisy[0] = base[0] * (1 + 1e-6), base[0]
+    runs = [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+    path = write_report(tmp_path, runs, _judged(runs))
+    text = path.read_text()
+    assert "Overall: **INCONCLUSIVE**" in text and "could detect" in text
+    assert "**inconclusive**" in text and "--seeds 5" in text
+    assert (tmp_path / "gaps.png").exists() and "gaps.png" in text

@@ -16,6 +16,8 @@ returns the rows the outputs are written from:
   margin (`SEED_MARGINS`), FAIL when it lies wholly outside, else INCONCLUSIVE with the number
   of seeds that would decide. Welch's test of a difference stays as an informational row: not
   rejecting "equal means" with three seeds proves nothing.
+- **Structural differences**: where the run records' weight mapping folds trainable tensors
+  (`parity.automap`), failing rows past step 0 are inconclusive, saying why (`_structural`).
 - **Gradient norm and update norm** (run records' ``grad_norm`` / ``update_norm`` per step,
   `parity.precision.steps`): judged step by step like the loss, at `SIGNAL_FACTOR` times the
   loss tolerance of the step, up to the same horizon; an fp16 run's largest |scaled gradient|
@@ -504,6 +506,52 @@ def fp16_skip_rows(ref, cand) -> list[Verdict]:
     return rows
 
 
+def _folded(run) -> list[dict[str, Any]]:
+    rows = run.get("weight_mapping") or []
+    return [r for r in rows if isinstance(r, Mapping) and "folded" in str(r.get("note", ""))]
+
+
+def _structural(out, new, cell, compared, ref, cand) -> list[Verdict]:
+    """Where the weight mapping folds trainable tensors (torch's b_ih + b_hh summed into one
+    Flax bias), the two models are different models from step 1 on: a trajectory that parts
+    says nothing about the port. Its failing rows past step 0 become inconclusive, saying why,
+    and a row names the folded tensors; step 0 (same weights on both sides) still decides.
+    `new` (this pair's rows from `judge`) is changed in place."""
+    folded = _folded(ref) or _folded(cand)
+    if not folded:
+        return out
+    names = ", ".join(str(r.get("torch")) for r in folded)
+    reason = (
+        f"the weight mapping folds trainable tensors ({names}): the Flax model trains one tensor "
+        "where torch trains several, so the trajectories part by construction; past step 0 this "
+        "row cannot tell that from a port bug (step 0 decides)"
+    )
+
+    def soften(v: Verdict) -> Verdict:
+        past_step0 = v.check.startswith(("per-step", "final loss")) and (
+            v.first_failing_step is None or v.first_failing_step > 0
+        )
+        if v.passed is False and past_step0:
+            return dataclasses.replace(
+                v, passed=None, mode="inconclusive", detail=f"{v.detail}; {reason}"
+            )
+        return v
+
+    new[:] = [soften(v) for v in new]
+    new.append(
+        Verdict(
+            check="structural difference (weight mapping)",
+            value=f"{len(folded)} folded",
+            tolerance="—",
+            passed=None,
+            detail=f"{reason}. {folded[0].get('note', '')}",
+            mode="informational",
+            **_base(ref, cand),
+        )
+    )
+    return [soften(v) if v.cell == cell and v.compared.startswith(compared) else v for v in out]
+
+
 def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> list[Verdict]:
     """`parity.compare.compare_runs`'s rows with power: the horizon split, every step covered,
     seed equivalence, gradient/update norms and fp16 skip explanations (module docstring).
@@ -559,6 +607,7 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
                 else v
                 for v in out
             ]
+        out = _structural(out, new, cell, compared, ref, cand)
         kept = [
             v
             for v in out
