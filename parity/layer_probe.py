@@ -24,14 +24,18 @@ So, besides the model's own init, the torch model is copied and *probed*:
    **input** as the Flax model computed it (what runs between the previous mapped layer and
    this one: an activation variant, a missing ReLU, a position offset, a flatten order).
 
-Judgement. A layer's band is its own: ``SAFETY * (sqrt(fan_in) * u(float32) + u(float32))`` with
-the layer's fan-in (longest dot product or normalisation reduction), times ``sqrt(T)`` for a
-recurrent layer over ``T`` steps, never the model's depth. The *noise floor* is what correct
-arithmetic gives: torch's own float32 layer against the same layer in float64 on the same input.
-A layer fails when its difference exceeds the tighter of the band and ``NOISE_K`` times its floor
-(never tighter than ``SAFETY * u(float32)``): a correct port differs by about its floor, a port
-bug by far more. Input differences are judged against the largest layer band of the model (the
-operations between two layers reduce no further than the layers themselves).
+Judgement. The *noise floor* of a layer is what correct arithmetic gives: torch's own float32
+layer against the same layer in float64 on the same input. A layer's output fails when it differs
+from torch's by more than ``NOISE_K`` times its floor (never less than ``SAFETY * u(float32)``): a
+correct port differs by about its floor (1-3x on the built-in pairs), a port bug by far more.
+Where no floor is measured (running statistics) the layer's own band decides:
+``SAFETY * (sqrt(fan_in) * u(float32) + u(float32))`` with the layer's fan-in (longest dot
+product or normalisation reduction), times ``sqrt(T)`` for a recurrent layer over ``T`` steps,
+never the model's depth. Input differences are judged against the largest layer band of the
+model, or ``NOISE_K`` times the largest floor if that is more (the operations between two layers
+reduce no further than the layers themselves, and carry what a layer upstream amplifies).
+Recurrent layers keep their own scale (their outputs are bounded; scaled up they saturate into
+chaos).
 
 Layers whose inputs cannot be substituted (a different call structure, say a torch ``nn.GRU``
 against a Flax cell called per time step) are listed as not probed, with the reason.
@@ -155,6 +159,10 @@ def _rescale(pair, model, names, x, target: float) -> None:
             def rescale(module, args, output):
                 out = first_tensor(output)
                 if name in seen or not isinstance(out, torch.Tensor) or not owned[name]:
+                    return None
+                if isinstance(module, torch.nn.RNNBase):
+                    # Its outputs are bounded and its own init already puts the gates in their
+                    # curved range; scaled up, it saturates into chaos (rounding amplified).
                     return None
                 seen.add(name)
                 rms = float(out.detach().double().pow(2).mean().sqrt())
@@ -416,9 +424,12 @@ def _band(fan_in: int, steps: int) -> float:
 
 
 def _threshold(band: float, floor: float | None) -> float:
+    """``NOISE_K`` times the layer's noise floor (never below ``SAFETY * u(float32)``): below
+    the band where the correct arithmetic is quiet, above it where the layer itself amplifies
+    rounding (a recurrence); the band where no floor could be measured."""
     if floor is None:
         return band
-    return min(band, max(NOISE_K * floor, SAFETY * unit_roundoff("float32")))
+    return max(NOISE_K * floor, SAFETY * unit_roundoff("float32"))
 
 
 # --- the probe -----------------------------------------------------------------------------------
@@ -585,7 +596,12 @@ def _judge(pair, model, names, flax_of, torch_entries, flax_entries, scale, mode
             layer_rows.append(
                 base | {"kind": "input", "error": error, "floor": None, "band": band, "note": note}
             )
-    input_band = max((r["band"] for r in layer_rows), default=_band(1, 1))
+    # What runs between two layers reduces no further than the layers do, and carries what an
+    # amplifying layer upstream (a recurrence) does to its own rounding.
+    floors = [r["floor"] for r in layer_rows if r.get("floor")]
+    input_band = max(
+        [r["band"] for r in layer_rows] + [NOISE_K * f for f in floors] or [_band(1, 1)]
+    )
     for row in layer_rows:
         if row["kind"] == "input":
             row["threshold"] = input_band

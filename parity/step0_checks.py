@@ -93,9 +93,10 @@ def probe_verdict(pair: Any, config: Any, inputs: Any) -> tuple[Verdict, LayerPr
         )
         + f"{len(layers)} layers (and the model output), each fed torch's input, with every "
         f"layer's output rescaled to RMS {' and '.join(f'{s:g}' for s in PROBE_SCALES)} and zero "
-        "biases / unit scales offset at random, eval and train mode; each against the tighter "
-        f"of its own band (8 x (sqrt(fan-in) + 1) x u(float32)) and {NOISE_K:g} x its noise "
-        "floor (torch's float32 layer against float64)"
+        "biases / unit scales offset at random, eval and train mode; each output against "
+        f"{NOISE_K:g} x its noise floor (torch's float32 layer against float64), inputs and "
+        "running statistics against the layer's own band (8 x (sqrt(fan-in) + 1) x "
+        "u(float32)), never grown by the model's depth"
         + (f"; not probed: {probe.skipped}" if probe.skipped else "")
     )
     return Verdict(
