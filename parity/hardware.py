@@ -455,26 +455,38 @@ def requires_torch_cpu(precision: Any, model: Any):
 PROBE_MATMUL_N = 256
 
 
-def _best_of(run, repeats: int) -> float:
+def _fastest_interleaved(runs: dict, repeats: int) -> dict[str, float]:
+    """The fastest timed call of each function over `repeats` rounds, the functions taking turns
+    (after one untimed call each). In a round a cheaper function is called as many times as fit
+    in one call of the dearest (at most 100), so each gets the same wall time to find a moment the
+    machine left it alone: load only adds time, and the minimum escapes a burst."""
     import time
 
-    run()  # first call: kernel selection, allocations
-    best = float("inf")
-    for _ in range(repeats):
+    def timed(run):
         start = time.perf_counter()
         run()
-        best = min(best, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    first = {name: timed(run) for name, run in runs.items()}  # kernel selection, allocations
+    dearest = max(first.values())
+    calls = {name: min(max(round(dearest / max(t, 1e-9)), 1), 100) for name, t in first.items()}
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            for _ in range(calls[name]):
+                best[name] = min(best[name], timed(run))
     return best
 
 
 @functools.cache
-def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 3) -> dict | None:
+def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 5) -> dict | None:
     """How long torch's CPU matmul takes in `dtype` against float32 on this machine, measured.
 
     The figure behind "torch's fp16 is slow on CPU": 6.6-7.4x on one AVX-512 CPU, ~200x on
-    another, par on a CPU with AVX512-FP16/AMX. The best of `repeats` n x n products of each
-    dtype (after one untimed product) is robust to a loaded machine, since load only adds time.
-    Cached per process.
+    another, par on a CPU with AVX512-FP16/AMX. The fastest n x n product of each dtype over
+    `repeats` rounds, the two taking turns with equal wall time (`_fastest_interleaved`), resists
+    a loaded machine: load only adds time, and a burst hits both dtypes alike. Cached per
+    process.
 
     Args:
       dtype: ``"float16"`` or ``"bfloat16"``.
@@ -482,8 +494,8 @@ def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 3) ->
       repeats: timed products per dtype.
 
     Returns:
-      ``{"dtype", "n", "float32_s", "dtype_s", "ratio_to_fp32", "method"}``; None when torch is
-      not imported (this module never imports it).
+      ``{"dtype", "n", "float32_s", "dtype_s", "ratio_to_fp32", "method", "load_average"}``;
+      None when torch is not imported (this module never imports it).
 
     Example:
       >>> probe = torch_matmul_probe("float16", n=32, repeats=1)
@@ -501,13 +513,18 @@ def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 3) ->
     a = torch.randn(n, n, generator=generator)
     b = torch.randn(n, n, generator=generator)
     half_a, half_b = a.to(getattr(torch, dtype)), b.to(getattr(torch, dtype))
-    fp32_s = _best_of(lambda: a @ b, repeats)
-    dtype_s = _best_of(lambda: half_a @ half_b, repeats)
+    best = _fastest_interleaved({"float32": lambda: a @ b, dtype: lambda: half_a @ half_b}, repeats)
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
     return {
         "dtype": dtype,
         "n": n,
-        "float32_s": fp32_s,
-        "dtype_s": dtype_s,
-        "ratio_to_fp32": dtype_s / fp32_s if fp32_s > 0 else None,
-        "method": f"best of {repeats} n x n CPU products per dtype, after one untimed",
+        "float32_s": best["float32"],
+        "dtype_s": best[dtype],
+        "ratio_to_fp32": best[dtype] / best["float32"] if best["float32"] > 0 else None,
+        "method": f"fastest n x n CPU product per dtype over {repeats} rounds, the dtypes taking "
+        "turns with equal wall time, after one untimed each",
+        "load_average": load,
     }

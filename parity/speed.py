@@ -410,9 +410,12 @@ def cell_caveats(run: Mapping[str, Any]) -> list[str]:
     if dtype in ("float16", "bfloat16"):
         probe = (run.get("speed_blocks") or {}).get("torch_probe") or {}
         if probe.get("ratio_to_fp32"):
+            load = probe.get("load_average")
             out.append(
                 f"torch's {dtype} matmul takes {probe['ratio_to_fp32']:.3g}x its float32 time on "
-                f"this CPU (n={probe['n']}, measured)"
+                f"this CPU (n={probe['n']}, measured"
+                + ("" if load is None else f" at load {load:.1f}")
+                + ")"
             )
         elif dtype == "float16":
             out.append(
