@@ -305,3 +305,15 @@ def test_the_reproduction_benchmark_concludes_from_words_and_intervals():
     assert bench.conclusion([fast, refused])[0] == "REFUSED"
     swing = {"status": "not reproducible", "reason": "..."}
     assert bench.conclusion([fast, swing, refused])[0] == "NOT REPRODUCIBLE HERE"
+
+
+@pytest.mark.torch
+def test_speed_blocks_option_is_checked_before_any_work(tmp_path, capsys):
+    from parity.cli import main
+
+    args = ["run", "--model", "mlp", "--steps", "2", "--out", str(tmp_path / "x"), "--no-progress"]
+    assert main([*args, "--speed-blocks", "2"]) == 2
+    assert "--speed-blocks must be 0 (no alternating-block timing) or an integer >= 3" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "x" / "results.json").exists()
