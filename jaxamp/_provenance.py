@@ -54,7 +54,9 @@ class OverflowProvenance:
       headroom: float32, one entry per gradient leaf: log2(float16 max / the leaf's largest
         |scaled gradient|) on the last skipped step, the number of doublings of the loss scale
         the leaf had left before float16 overflows (negative: beyond float16's range already).
-        -inf for a leaf holding inf or NaN, +inf for an all-zero, empty or non-float leaf.
+        -inf for a leaf holding inf or NaN, +inf for an all-zero, empty or non-float leaf (and,
+        where the backend flushes subnormals, as CPUs and TPUs do, for a leaf whose largest
+        magnitude is below float32's smallest normal, 2**-126).
         Across replicas the smallest. All +inf after a finite step: nothing is measured then.
       paths: the leaves' `jax.tree_util.keystr` paths (static: not arrays).
 
@@ -140,20 +142,28 @@ def _headroom_and_finite(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array
     """(headroom, finite) of one real float array, `finite` as `finite_after` decides it: every
     element finite, and (where a scale below 1 is removed) every element finite unscaled.
 
-    One pass over `x`: its largest magnitude. Unscaling rounds monotonically, so the elements
-    stay finite unscaled exactly when the largest one does: that one scalar is unscaled.
+    From the array's maximum and minimum alone, reduced from the values themselves: XLA:CPU
+    writes out any array computed on the way into a long reduction (a sign mask, a bitcast),
+    and inside the skip branch such buffers, one per leaf, enlarged the program's temporary
+    arena, which every step allocates: finite steps paid ~20% for a branch they never run.
+    XLA's maximum and minimum propagate NaN. Unscaling rounds monotonically, so the elements
+    stay finite unscaled exactly when the largest magnitude does: only that one is unscaled.
     """
+    hi, lo = jnp.max(x), jnp.min(x)
     bits = bits_dtype(x.dtype)
-    if bits is None:  # floats without infinities (fp8): values, not bits
-        scaled_finite = jnp.isfinite(x).all()
-        largest = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    if bits is None:  # floats without infinities (fp8)
+        largest = jnp.maximum(jnp.abs(hi.astype(jnp.float32)), jnp.abs(lo.astype(jnp.float32)))
+        scaled_finite = jnp.isfinite(largest)
         log2_largest = jnp.log2(largest)
         largest = largest.astype(x.dtype)
     else:
-        # The largest |x| as an integer maximum of the bits with the sign cleared: exact,
-        # never flushed, and NaN (above inf as bits) counts as non-finite.
-        magnitude = jax.lax.bitcast_convert_type(x, bits) & np.array(np.iinfo(bits).max >> 1, bits)
-        largest_bits = jnp.max(magnitude)
+        # |hi| and |lo| compared as bits with the sign cleared: exact, never flushed, and NaN
+        # (above inf as bits) counts as non-finite.
+        mask = np.array(np.iinfo(bits).max >> 1, bits)
+        largest_bits = jnp.maximum(
+            jax.lax.bitcast_convert_type(hi, bits) & mask,
+            jax.lax.bitcast_convert_type(lo, bits) & mask,
+        )
         scaled_finite = largest_bits < np.array(np.inf, x.dtype).view(bits)
         log2_largest = _log2_of_bits(largest_bits, x.dtype)
         largest = jax.lax.bitcast_convert_type(largest_bits, x.dtype)

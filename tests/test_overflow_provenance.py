@@ -66,10 +66,17 @@ def _reference_headroom(grads: dict) -> list[float]:
     return out
 
 
+# A leaf whose largest magnitude is below float32's smallest normal: its maximum is read as 0
+# (+inf headroom) where the backend flushes subnormals in comparisons (CPU, TPU).
+FLUSHABLE = np.log2(F16_MAX) + 126
+
+
 def _assert_headroom(got: Any, expected: list[float]) -> None:
     got = np.asarray(got, np.float64)
     assert got.dtype == np.float64 and got.shape == (len(expected),)
     for g, e in zip(got, expected, strict=True):
+        if e > FLUSHABLE and g == np.inf:
+            continue  # read as zero where subnormals are flushed
         if np.isinf(e):
             assert g == e
         else:
@@ -114,7 +121,9 @@ def test_planted_overflow_names_the_layer(float_dtype, maybe_jit):
     _assert_headroom(overflow.headroom, expected)
     assert overflow.headroom_by_path()[PLANTED] == -np.inf
     assert expected[0] == np.inf  # the all-zero leaf
-    assert 16 < expected[1] < np.inf  # the subnormal leaf is measured, not read as zero
+    assert 16 < expected[1] < np.inf  # the subnormal leaf (in float16: measured exactly)
+    if float_dtype == jnp.float16:
+        assert overflow.headroom[1] < np.inf
 
     # A NaN in an earlier leaf as well: that leaf is the first.
     grads = _scaled_grads(float_dtype, nan_in_bias1=True)
