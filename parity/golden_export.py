@@ -33,7 +33,8 @@ import torch
 from parity.api import prepare_pair
 from parity.cell import builtin_pair
 from parity.config import RunConfig
-from parity.golden import BatchList, load_flax_model, resolve_object, write_golden
+from parity.golden import load_flax_model, resolve_object
+from parity.golden_format import BatchList, write_golden
 from parity.precision.trainers import train_framework
 from parity.verdicts.torch_side import torch_stage_side
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from parity.golden import Golden, GoldenResult, check_golden
+from parity.golden import GoldenResult, check_golden
+from parity.golden_format import Golden
 from parity.verdicts.rows import cell_bottom_lines, format_verdicts, overall_status
 
 __all__ = ["TrainsLike", "assert_trains_like", "trains_like"]

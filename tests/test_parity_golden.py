@@ -22,14 +22,9 @@ import numpy as np
 import pytest
 
 from parity.config import RunConfig
-from parity.golden import (
-    HEADER_KEY,
-    GoldenFileError,
-    check_golden,
-    hardware_allowance,
-    load_golden,
-)
+from parity.golden import check_golden, hardware_allowance
 from parity.golden_export import export_golden
+from parity.golden_format import HEADER_KEY, GoldenFileError, load_golden
 from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, unit_roundoff
 
 pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside the checks
