@@ -334,7 +334,10 @@ def test_both_trainers_record_gradient_and_update_norms_and_scaled_maxima():
     assert {"fc1.weight", "fc3.bias"} <= set(torch_run["steps"][0]["max_scaled_grad"])
     assert {"fc1/kernel", "fc3/bias"} <= set(jax_run["steps"][0]["max_scaled_grad"])
     rows = _judged([torch_run, jax_run])
-    assert any(v.check.startswith("per-step gradient norm") and v.passed for v in rows)
+    (norm_row,) = [v for v in rows if v.check.startswith("per-step gradient norm")]
+    # Judged (a gap above 50% fails), but below fp32 its tolerance is above the 20% bound of a
+    # norm: it never makes a PASS.
+    assert norm_row.power == 0.5 and norm_row.passed is None and norm_row.mode == "inconclusive"
 
 
 # --- structural differences and the report --------------------------------------------------------

@@ -388,7 +388,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             tols,
             0,
             m,
-            POWER_BOUNDS["relative error"],
+            POWER_BOUNDS["norm"],
             f"{name} (unscaled, before clipping; {SIGNAL_FACTOR:g} x the loss tolerance)"
             if field == "grad_norm"
             else f"{name} (||params after - params before||)",

@@ -55,7 +55,8 @@ TOLERANCES = {
 # Losses, relative: the built-in pairs' losses fall by 30-60% over a 30-40 step run (cross-entropy
 # from ~ln(classes)), so a check blind to 20% cannot tell a model that trains from one that
 # barely does; 20% is also 4x the final-loss band (5%) a correct port is held to.
-POWER_BOUNDS = {"loss": 0.2, "relative error": 1.0}
+# Gradient and update norms are scalar summaries of a step, as a loss is: the same 20%.
+POWER_BOUNDS = {"loss": 0.2, "norm": 0.2, "relative error": 1.0}
 
 # Checks that can pass a wrong port whatever their figures: they never make a cell PASS.
 WEAK_CHECKS = ("no divergence", "run completed")
@@ -165,12 +166,15 @@ class Verdict:
 
 
 def _quantity(check: str) -> str:
+    if "gradient norm" in check or "update norm" in check:
+        return "norm"
     return "loss" if "loss" in check and "loss scale" not in check else "relative error"
 
 
 def power_bound(check: str) -> float | None:
     """The largest tolerance a check named `check` may have and still decide (`POWER_BOUNDS`):
-    a loss check's (``"loss"`` in its name) 20%, any other relative check's 1.
+    a loss check's (``"loss"`` in its name) and a gradient or update norm's 20%, any other
+    relative check's 1.
 
     Example:
       >>> power_bound("final loss (mean of last 5)"), power_bound("step 0 fp32: gradients")
