@@ -6,6 +6,7 @@
     python -m parity compare runs/x          # verdicts + report.md, exit code 1 if a verdict fails
     python -m parity export --model mlp --precision bf16-mixed --out golden.npz  # torch's side
     python -m parity check --golden golden.npz  # the JAX side against it; no torch needed
+    python -m parity bisect --golden golden.npz  # fewest Flax modules to keep in float32
     python -m parity matrix --out runs/matrix  # every model x precision; resumable
     python -m parity run --model resnet --noise torch --seeds 3 --out runs/r  # calibrated verdicts
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from parity import cell
+from parity.bisect import add_bisect_parser, run_bisect
 from parity.blocks import DEFAULT_BLOCKS
 from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from parity.data import DataSpec
@@ -328,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_training_args(export, matrix=False)
     add_check_parser(sub)
+    add_bisect_parser(sub)
     return parser
 
 
@@ -581,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_export(args)
         if args.command == "check":  # also `python -m parity check`, torch-free (__main__)
             return run_check(args)
+        if args.command == "bisect":  # also torch-free through __main__
+            return run_bisect(args)
         return _cmd_matrix(args)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
         print(f"error: {e}", file=sys.stderr)

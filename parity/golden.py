@@ -72,6 +72,7 @@ __all__ = [
     "GoldenResult",
     "add_check_parser",
     "check_golden",
+    "flax_pair",
     "hardware_allowance",
     "load_flax_model",
     "main",
@@ -355,6 +356,18 @@ class GoldenResult:
         }
 
 
+def flax_pair(golden: Golden, flax_model: Any = None, *, flax_kwargs: Any = None) -> Any:
+    """The JAX half of the golden's pair (what the JAX trainer and step 0 read): the model
+    under test (`flax_model`, else the one the golden names) as a `parity.adapters.FlaxModel`."""
+    model = golden.header["model"]
+    return _Pair(
+        model["name"],
+        model["task"],
+        as_flax_model(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
+        dict(model.get("config") or {}),
+    )
+
+
 def _train(config: RunConfig, pair: _Pair, stream: BatchList, variables, progress: bool):
     try:
         return train_jax(config, pair, stream, variables=variables, progress=progress)
@@ -397,13 +410,7 @@ def check_golden(
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
     config = golden.config
-    model = golden.header["model"]
-    pair = _Pair(
-        model["name"],
-        model["task"],
-        as_flax_model(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
-        dict(model.get("config") or {}),
-    )
+    pair = flax_pair(golden, flax_model, flax_kwargs=flax_kwargs)
     variables = golden.variables()
     stream = BatchList(
         [golden.batch(k) for k in range(golden.header["data"]["train_batches"])],
