@@ -260,7 +260,7 @@ def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
     config = golden.config
-    stage = next((s for s in golden.stages if s["precision"] == config.precision), None)
+    stage = {s["stage"]: s for s in golden.stages}.get(config.precision)
     if stage is None or config.recipe.baseline:
         raise ValueError(
             f"bisect: the golden file was recorded at {config.precision!r}, which computes in "

@@ -9,6 +9,8 @@ bisect must name that module, and only it, within 8 runs (2 to start, ddmin's af
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from parity.api import prepare_pair
-from parity.bisect import bisect, ddmin
+from parity.bisect import bisect, bisect_golden, ddmin
 from parity.config import RunConfig
 from parity.golden_format import BatchList
 from parity.verdicts.torch_side import torch_stage_side
@@ -92,3 +94,12 @@ def test_bisect_finds_the_fragile_layernorm_and_only_it():
     assert all(v.passed for v in result.verdicts)
     assert "rules = {'norm': 'fp32'}" in result.rules_code()
     assert f"{result.runs} runs" in result.report()
+
+
+def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
+    golden = Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+    with pytest.raises(ValueError, match="`budget` must be an integer >= 2 runs; got 1"):
+        bisect_golden(golden, budget=1)
+    result = bisect_golden(golden)  # the correct port: its bf16 step 0 passes as it is
+    assert (result.outcome, result.keep, result.runs) == ("passes already", [], 1)
+    assert result.candidates == ["fc1", "norm", "fc2"]
