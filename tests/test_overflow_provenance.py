@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+import jaxamp.flax as jf
 
 F16_MAX = float(np.finfo(np.float16).max)
 PLANTED = "['dense1']['kernel']"  # the layer that overflows: the third leaf of four
@@ -239,6 +240,23 @@ def test_checkpoints_written_before_the_field_restore(tmp_path):
     restored = checkpointer.restore(tmp_path / "old", target)
     assert restored.overflow is None and int(restored.skipped_steps) == 1
     assert float(restored.loss_scale.loss_scale) == 2.0**15
+
+
+def test_flax_checkpoints_restore_with_provenance_switched(tmp_path):
+    """A run restarted from its checkpoint with provenance on (to find an overflow) restores;
+    so does the reverse. The record describes the last step only: the target keeps its own."""
+    pytest.importorskip("orbax.checkpoint")
+    params = _params()
+    without = jaxamp.loss_scaled(optax.sgd(0.1))
+    with_it = jaxamp.loss_scaled(optax.sgd(0.1), provenance=True)
+    for i, (saved_tx, target_tx) in enumerate(((without, with_it), (with_it, without))):
+        _, state = saved_tx.update(_scaled_grads(jnp.float32), saved_tx.init(params), params)
+        jf.checkpoint.save(tmp_path / str(i), {"opt": state}, step=1)
+        restored = jf.checkpoint.restore(tmp_path / str(i), {"opt": target_tx.init(params)})["opt"]
+        assert int(restored.skipped_steps) == 1 and float(restored.loss_scale.loss_scale) == 2.0**15
+        assert (restored.overflow is None) == (target_tx is without)
+        if restored.overflow is not None:
+            _no_overflow(restored.overflow)
 
 
 # --- replicas and sharding -------------------------------------------------------------------------

@@ -287,6 +287,11 @@ def _starts(path: tuple[str, ...], prefix: tuple[str, ...]) -> bool:
     return path[: len(prefix)] == prefix
 
 
+def _in_overflow_record(path: tuple[str, ...], amp_paths: list[tuple[str, ...]]) -> bool:
+    """Whether `path` lies in the `overflow` field of a loss-scaled state at one of `amp_paths`."""
+    return any(_starts(path, a) and path[len(a) : len(a) + 1] == ("overflow",) for a in amp_paths)
+
+
 def _source_key(
     path: tuple[str, ...],
     saved_amp: list[tuple[str, ...]],
@@ -371,18 +376,25 @@ def restore(
         tree = _as_tree(target)
         target_flat = _flat(tree)
         saved_leaves = {tuple(k.split("/")) if k else (): v for k, v in saved["leaves"].items()}
+        saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
+        wanted_amp = [tuple(e["path"]) for e in wanted["loss_scaled"]]
         if message is None:
-            sources = {path: path for path in target_flat}
+            # The overflow record of loss_scaled(provenance=True) describes the last step
+            # only: a checkpoint without it restores into a target with it (which keeps its
+            # fresh record), and the other way round.
+            sources = {
+                path: None
+                if path not in saved_leaves and _in_overflow_record(path, wanted_amp)
+                else path
+                for path in target_flat
+            }
         else:
-            saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
-            wanted_amp = [tuple(e["path"]) for e in wanted["loss_scaled"]]
             sources = {path: _source_key(path, saved_amp, wanted_amp) for path in target_flat}
         used = {src for src in sources.values() if src is not None}
         missing = sorted("/".join(s) for s in used if s not in saved_leaves)
-        ignorable = set()
+        ignorable = {p for p in saved_leaves if _in_overflow_record(p, saved_amp)}
         if message is not None:
-            saved_amp = [tuple(e["path"]) for e in saved["loss_scaled"]]
-            ignorable = {
+            ignorable |= {
                 p
                 for p in saved_leaves
                 if any(
