@@ -13,7 +13,9 @@ Restoring into a target whose loss scaling differs from the checkpoint's (saved 
 hyperparameters) raises `ValueError` by default. With ``on_loss_scale_mismatch="reset"`` everything
 else is restored and the loss-scaling state (scale, growth/hysteresis counters, skip counters)
 is the target's own, fresh one — the documented reset. A checkpoint never loads partially: any
-other missing or unexpected leaf is a `ValueError`.
+other missing or unexpected leaf is a `ValueError`, except the overflow record of
+``loss_scaled(..., provenance=True)`` (it describes the last step only): restored where both sides
+have it, else the target keeps its own, so a run can be restarted with provenance switched.
 
 orbax-checkpoint is imported lazily (it is in the ``dev`` and ``parity`` extras).
 
