@@ -182,6 +182,28 @@ def test_per_group_decisions_record_the_first_leaf(maybe_jit):
     assert info.overflow.leaf_path() == PLANTED
 
 
+def test_composes_with_multi_steps_and_stacked_runs():
+    """Inside `jaxamp.multi_steps` the window's accumulated gradients are measured; under `vmap`
+    each stacked run keeps its own record."""
+    params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    bad = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf, 1.0])}
+    tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1), provenance=True), 2)
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = jax.jit(tx.update)(bad, state, params)
+    assert jaxamp.amp_info(state).overflow.leaf_path() == "['b']"
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), provenance=True)
+    states = jax.tree.map(lambda x: jnp.stack([x] * 3), tx.init(params))
+    good = {"a": jnp.full(2, 2.0), "b": jnp.ones(3)}
+    nan_a = {"a": jnp.array([jnp.nan, 1.0]), "b": jnp.ones(3)}
+    grads = jax.tree.map(lambda *g: jnp.stack(g), bad, good, nan_a)
+    _, states = jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params)))(grads, states)
+    assert np.asarray(states.overflow.overflow_leaf).tolist() == [1, -1, 0]
+    for run, g in enumerate((bad, good, nan_a)):
+        expected = _reference_headroom(g) if run != 1 else [np.inf, np.inf]
+        _assert_headroom(states.overflow.headroom[run], expected)
+
+
 # --- provenance=False: the state, the step and checkpoints as they were ---------------------------
 
 
