@@ -257,8 +257,11 @@ def test_time_cell_alternates_the_trainers_own_steps():
     from parity.models import get_model_pair
     from parity.train_jax import train_jax
 
-    config = RunConfig(model="mlp", precision="fp32", steps=3, batch_size=4, eval=False)
-    pair = get_model_pair("mlp", seed=0)
+    tiny = {"image_shape": (8, 8, 3), "hidden": 16}
+    config = RunConfig(
+        model="mlp", precision="fp32", steps=3, batch_size=4, eval=False, model_overrides=tiny
+    )
+    pair = get_model_pair("mlp", seed=0, **tiny)
     stream = pair.make_data(config.stream_seed, config.batch_size)
     train_jax(config, pair, stream)
     record = time_cell(config, pair, stream, blocks=3, block_steps=2, warmup=1)
