@@ -59,6 +59,7 @@ from typing import Any
 
 from parity.precision.recipes import get_recipe
 from parity.records import config_differences, run_label, run_seed, run_status
+from parity.verdicts.power import step_band, step_tolerances
 from parity.verdicts.rows import (
     LOSS_UNIT,
     TOLERANCES,
@@ -125,12 +126,6 @@ def _demoted(verdict: Verdict) -> Verdict:
 # --- one pair ----------------------------------------------------------------------------------
 
 
-def _band(step: int) -> float:
-    first_stop, first_tol = TOLERANCES["fp32_first"]
-    _, next_tol = TOLERANCES["fp32_next"]
-    return first_tol if step < first_stop else next_tol
-
-
 def _scale_events(steps: Sequence[Mapping[str, Any]]) -> int:
     events = 0
     previous = None
@@ -176,11 +171,11 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
     n = len(gaps)
     step0 = gaps[0] if gaps else None
     k = TOLERANCES["noise_k"]
-    if envelope is not None:
-        env0 = max(envelope[0], TOLERANCES["noise_floor"]) if envelope else 1.0
-        saturation = max((e for e in envelope if math.isfinite(e)), default=0.0)
-        ratio = 1.0
-        if step0 is not None and math.isfinite(step0) and step0 <= _band(0):
+    every_tolerance = step_tolerances(gaps, envelope)
+    ratio = 1.0  # the envelope's rescaling to the step-0 gap (as step_tolerances computes it)
+    if envelope:
+        env0 = max(envelope[0], TOLERANCES["noise_floor"])
+        if step0 is not None and math.isfinite(step0) and step0 <= step_band(0):
             ratio = max(1.0, step0 / env0)
     windows = [
         (0, TOLERANCES["fp32_first"][0]),
@@ -202,15 +197,11 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
         stop = min(stop, n)
         if start >= stop:
             continue
-        tolerances, deciders = [], []
-        for s in range(start, stop):
-            band = _band(s)
-            noise = 0.0
-            if envelope is not None and s > 0 and envelope:
-                ahead = envelope[min(s + TOLERANCES["noise_lag"], len(envelope) - 1)]
-                noise = k * min(ratio * ahead, saturation)
-            tolerances.append(max(band, noise))
-            deciders.append("noise-calibrated" if noise > band else "fixed bands")
+        tolerances = every_tolerance[start:stop]
+        deciders = [
+            "noise-calibrated" if t > step_band(s) else "fixed bands"
+            for s, t in zip(range(start, stop), tolerances, strict=True)
+        ]
         segment = gaps[start:stop]
         failing = [
             start + i
@@ -249,9 +240,9 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
             )
         label = f"per-step loss, steps {start}-{stop - 1}"
         if envelope is None or mode == "fixed bands":
-            tolerance_value: Any = _band(start)
+            tolerance_value: Any = step_band(start)
         else:
-            tolerance_value = f"max({_band(start):.0e}, {k:g} x envelope)"
+            tolerance_value = f"max({step_band(start):.0e}, {k:g} x envelope)"
         out.add(
             label,
             segment[judge_i],
@@ -325,13 +316,13 @@ def _fp8_rows(out: _Rows, ref, cand) -> None:
     if not gaps:
         out.add("per-step loss", "no steps on both sides", "at least one step", False)
         return
-    tolerances = [_band(0)] + [FP8_STEP_BAND] * (len(gaps) - 1)
+    tolerances = [step_band(0)] + [FP8_STEP_BAND] * (len(gaps) - 1)
     failing = [i for i, (g, t) in enumerate(zip(gaps, tolerances, strict=True)) if not g <= t]
     worst = max(range(len(gaps)), key=lambda i: gaps[i] / tolerances[i])
     out.add(
         f"per-step loss, steps 0-{len(gaps) - 1} (fp8)",
         gaps[worst],
-        f"{fmt_value(_band(0))} at step 0, {fmt_value(FP8_STEP_BAND)} after",
+        f"{fmt_value(step_band(0))} at step 0, {fmt_value(FP8_STEP_BAND)} after",
         not failing,
         f"step-0 gap {fmt_value(gaps[0])} relative; worst step {worst}"
         + (f"; first failing step {failing[0]}" if failing else ""),

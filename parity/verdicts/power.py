@@ -61,6 +61,7 @@ __all__ = [
     "equivalence",
     "fp16_skip_rows",
     "judge",
+    "step_band",
     "step_tolerances",
 ]
 
@@ -82,7 +83,13 @@ FP16_MAX = 65504.0
 _STEPS = re.compile(r"^per-step loss, steps (\d+)-(\d+)$")
 
 
-def _band(step: int) -> float:
+def step_band(step: int) -> float:
+    """The fixed per-step loss band of `step` (1e-4 for steps 0-9, 1e-3 after).
+
+    Example:
+      >>> step_band(0), step_band(10)
+      (0.0001, 0.001)
+    """
     first_stop, first_tol = TOLERANCES["fp32_first"]
     return first_tol if step < first_stop else TOLERANCES["fp32_next"][1]
 
@@ -103,13 +110,13 @@ def step_tolerances(gaps: Sequence[float], envelope: Sequence[float] | None) -> 
         env0 = max(envelope[0], TOLERANCES["noise_floor"])
         saturation = max((e for e in envelope if math.isfinite(e)), default=0.0)
         step0 = gaps[0] if gaps else None
-        if step0 is not None and math.isfinite(step0) and step0 <= _band(0):
+        if step0 is not None and math.isfinite(step0) and step0 <= step_band(0):
             ratio = max(1.0, step0 / env0)
     for s in range(len(gaps)):
         noise = 0.0
         if envelope and s > 0:
             noise = k * min(ratio * envelope[min(s + lag, len(envelope) - 1)], saturation)
-        out.append(max(_band(s), noise))
+        out.append(max(step_band(s), noise))
     return out
 
 
@@ -272,6 +279,29 @@ def _beyond_row(base, check, gaps, tolerances, start, stop, bound, what) -> Verd
     )
 
 
+# AdamW divides each element's moment by its own magnitude: an element whose gradient is zero in
+# exact arithmetic but rounding noise in floats (a bias before a BatchNorm, a padded row) moves by
+# up to lr * |g| / (|g| + eps) either way, so the update norm measures rounding there, not the port.
+ADAPTIVE_UPDATE_NOTE = (
+    "informational under AdamW: each element's step is its gradient over its own magnitude, so "
+    "parameters whose exact gradient is zero (a bias before BatchNorm) move by rounding noise "
+    "and set the update norm; judged under SGD"
+)
+
+
+def _adaptive(run) -> bool:
+    return (run.get("config") or {}).get("optimizer", "adamw") != "sgd"
+
+
+def _informational(verdict: Verdict, note: str) -> Verdict:
+    return dataclasses.replace(
+        verdict,
+        passed=None,
+        mode="informational",
+        detail=f"{verdict.detail}; {note}" if verdict.detail else note,
+    )
+
+
 def _trajectory(
     base, prefix, gaps, tolerances, start, stop, bound, what, calibrated=False
 ) -> list[Verdict]:
@@ -381,7 +411,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
         else:  # mixed precision: the final-loss band per step, as a rounding-level check
             tols = [SIGNAL_FACTOR * TOLERANCES["final_loss_rel"]] * m
-        rows += _trajectory(
+        signal_rows = _trajectory(
             base,
             f"per-step {name}",
             signal[:m],
@@ -394,6 +424,9 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             else f"{name} (||params after - params before||)",
             calibrated and _is_fp32(ref),
         )
+        if field == "update_norm" and _adaptive(ref):
+            signal_rows = [_informational(v, ADAPTIVE_UPDATE_NOTE) for v in signal_rows]
+        rows += signal_rows
     return rows, replaced, powered
 
 
