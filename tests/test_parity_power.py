@@ -155,8 +155,12 @@ def test_every_step_of_a_long_fp32_run_is_judged():
     assert overall_status(compare_runs([_run("torch", base), _run("jax", cand)])) == "PASS"
     judged = _judged([_run("torch", base), _run("jax", cand)])
     (late,) = [v for v in judged if v.check == "per-step loss, steps 30-39"]
-    assert late.passed is False and late.first_failing_step == 35
-    assert overall_status(judged) == "FAIL"
+    # Judged, and named; uncalibrated past step 30 a gap cannot be told from the model's own
+    # chaotic growth (the README's 300-step cnn fp32 cell, a correct port, reaches 1.5% by step
+    # 249), so the row is inconclusive with the command that decides, never a silent pass.
+    assert late.passed is None and late.mode == "inconclusive"
+    assert late.first_failing_step == 35 and "--noise torch" in late.detail
+    assert overall_status(judged) != "FAIL"
 
 
 def test_a_chaotic_trajectory_decides_up_to_its_horizon_only():

@@ -302,6 +302,41 @@ def _informational(verdict: Verdict, note: str) -> Verdict:
     )
 
 
+# Past the fixed bands' windows (steps 0-29) float32 rounding differences grow with the model's
+# own chaotic amplification: a fixed band there, uncalibrated, cannot tell that growth from a port
+# bug, so its failure is inconclusive (decided by --noise torch or seed statistics), never a FAIL.
+CHAOS_STEP = TOLERANCES["fp32_next"][0]
+UNCALIBRATED_NOTE = (
+    f"inconclusive, not failed: from step {CHAOS_STEP} on, no band is calibrated to this "
+    "model's own float32 divergence (a correct port's gap grows by chaotic amplification); "
+    "decide with --noise torch (self-divergence) or --seeds 5 (equivalence)"
+)
+
+
+def _split_trajectory(
+    base, prefix, gaps, tolerances, start, stop, bound, what, calibrated=False
+) -> list[Verdict]:
+    """`_trajectory`, with the uncalibrated steps from `CHAOS_STEP` on in rows of their own
+    whose failures are inconclusive (`UNCALIBRATED_NOTE`)."""
+    if calibrated or stop <= CHAOS_STEP:
+        return _trajectory(base, prefix, gaps, tolerances, start, stop, bound, what, calibrated)
+    split = max(start, CHAOS_STEP)
+    head = _trajectory(base, prefix, gaps, tolerances, start, split, bound, what, calibrated)
+    tail = _trajectory(base, prefix, gaps, tolerances, split, stop, bound, what, calibrated)
+    tail = [
+        dataclasses.replace(
+            v,
+            passed=None,
+            mode="inconclusive",
+            detail=f"{v.detail}; {UNCALIBRATED_NOTE}" if v.detail else UNCALIBRATED_NOTE,
+        )
+        if v.passed is False
+        else v
+        for v in tail
+    ]
+    return head + tail
+
+
 def _trajectory(
     base, prefix, gaps, tolerances, start, stop, bound, what, calibrated=False
 ) -> list[Verdict]:
@@ -399,7 +434,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             elif v.power is None and power is not None:
                 powered[v.check] = power
         if covered < n - 1:
-            rows += _trajectory(
+            rows += _split_trajectory(
                 base, "per-step loss", gaps, tolerances, covered + 1, n, bound, "loss", calibrated
             )
     for field, name in (("grad_norm", "gradient norm"), ("update_norm", "update norm")):
@@ -411,7 +446,7 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
         else:  # mixed precision: the final-loss band per step, as a rounding-level check
             tols = [SIGNAL_FACTOR * TOLERANCES["final_loss_rel"]] * m
-        signal_rows = _trajectory(
+        signal_rows = _split_trajectory(
             base,
             f"per-step {name}",
             signal[:m],
