@@ -265,6 +265,15 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_model_override(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-override",
+        action="append",
+        metavar="KEY=VALUE",
+        help="architecture override, JSON value; repeatable",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity", description="PyTorch (torch.amp) vs JAX (jaxamp) parity runs."
@@ -284,12 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--framework", choices=("torch", "jax", "both"), default="both")
     run.add_argument("--out", required=True, help="output folder (results.json is merged into)")
-    run.add_argument(
-        "--model-override",
-        action="append",
-        metavar="KEY=VALUE",
-        help="architecture override, JSON value; repeatable",
-    )
+    _add_model_override(run)
     _add_training_args(run, matrix=False)
     _add_distributed_args(run)
 
@@ -322,12 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Flax module (or a zero-argument factory) `check` imports without torch; "
         "default: the built-in pair's twin, found by name (needs torch)",
     )
-    export.add_argument(
-        "--model-override",
-        action="append",
-        metavar="KEY=VALUE",
-        help="architecture override, JSON value; repeatable",
-    )
+    _add_model_override(export)
     _add_training_args(export, matrix=False)
     add_check_parser(sub)
     add_bisect_parser(sub)

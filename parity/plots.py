@@ -160,6 +160,20 @@ def plot_losses(runs, path: Path) -> list[str]:
     return notes
 
 
+def _pair_panels(runs, *, with_steps: bool) -> list[tuple]:
+    """``(cell key, torch main run, JAX main run, noise runs)`` of every cell with both main runs
+    (`with_steps`: runs that recorded steps only), in cell order."""
+    panels = []
+    for key, members in sorted(cell_groups(runs).items()):
+        main = [r for r in members if not r.get("variant") and (r["steps"] or not with_steps)]
+        torch_runs = [r for r in main if r["framework"] == "torch"]
+        jax_runs = [r for r in main if r["framework"] == "jax"]
+        if torch_runs and jax_runs:
+            noise = [r for r in members if r.get("variant") == "noise"]
+            panels.append((key, torch_runs[0], jax_runs[0], noise))
+    return panels
+
+
 def plot_divergence(runs, path: Path) -> bool:
     """Per-step relative gap torch vs JAX and the self-divergence envelope, one panel per cell.
 
@@ -168,14 +182,7 @@ def plot_divergence(runs, path: Path) -> bool:
     """
     import matplotlib.pyplot as plt
 
-    panels = []
-    for key, members in sorted(cell_groups(runs).items()):
-        main = [r for r in members if not r.get("variant")]
-        torch_runs = [r for r in main if r["framework"] == "torch"]
-        jax_runs = [r for r in main if r["framework"] == "jax"]
-        noise = [r for r in members if r.get("variant") == "noise"]
-        if torch_runs and jax_runs and noise:
-            panels.append((key, torch_runs[0], jax_runs[0], noise))
+    panels = [p for p in _pair_panels(runs, with_steps=False) if p[3]]
     if not panels:
         return False
     fig, axes = _grid(len(panels))
@@ -237,14 +244,7 @@ def plot_gaps(runs, path: Path) -> bool:
     """
     import matplotlib.pyplot as plt
 
-    panels = []
-    for key, members in sorted(cell_groups(runs).items()):
-        main = [r for r in members if not r.get("variant")]
-        torch_runs = [r for r in main if r["framework"] == "torch" and r["steps"]]
-        jax_runs = [r for r in main if r["framework"] == "jax" and r["steps"]]
-        if torch_runs and jax_runs:
-            noise = [r for r in members if r.get("variant") == "noise"]
-            panels.append((key, torch_runs[0], jax_runs[0], noise))
+    panels = _pair_panels(runs, with_steps=True)
     if not panels:
         return False
     fig, axes = _grid(len(panels))
