@@ -59,7 +59,7 @@ from typing import Any
 
 from parity.precision.recipes import get_recipe
 from parity.records import config_differences, run_label, run_seed, run_status
-from parity.verdicts.power import step_band, step_tolerances
+from parity.verdicts.power import envelope_ratio, step_band, step_tolerances
 from parity.verdicts.rows import (
     LOSS_UNIT,
     TOLERANCES,
@@ -172,11 +172,7 @@ def _trajectory_rows(out: _Rows, ref, cand, envelope, calibrated_by: str) -> Non
     step0 = gaps[0] if gaps else None
     k = TOLERANCES["noise_k"]
     every_tolerance = step_tolerances(gaps, envelope)
-    ratio = 1.0  # the envelope's rescaling to the step-0 gap (as step_tolerances computes it)
-    if envelope:
-        env0 = max(envelope[0], TOLERANCES["noise_floor"])
-        if step0 is not None and math.isfinite(step0) and step0 <= step_band(0):
-            ratio = max(1.0, step0 / env0)
+    ratio = envelope_ratio(gaps, envelope)
     windows = [
         (0, TOLERANCES["fp32_first"][0]),
         (TOLERANCES["fp32_first"][0], TOLERANCES["fp32_next"][0]),

@@ -61,6 +61,7 @@ __all__ = [
     "equivalence",
     "fp16_skip_rows",
     "judge",
+    "envelope_ratio",
     "step_band",
     "step_tolerances",
 ]
@@ -94,6 +95,22 @@ def step_band(step: int) -> float:
     return first_tol if step < first_stop else TOLERANCES["fp32_next"][1]
 
 
+def envelope_ratio(gaps: Sequence[float], envelope: Sequence[float] | None) -> float:
+    """How much `step_tolerances` scales a self-divergence `envelope` up: the step-0 gap over the
+    envelope's first value (its floor at least), when that gap is within step 0's band; else 1.
+
+    Example:
+      >>> envelope_ratio([2e-5, 0.0], [1e-5, 1e-4])
+      2.0
+    """
+    if not envelope or not gaps:
+        return 1.0
+    step0 = gaps[0]
+    if not math.isfinite(step0) or step0 > step_band(0):
+        return 1.0
+    return max(1.0, step0 / max(envelope[0], TOLERANCES["noise_floor"]))
+
+
 def step_tolerances(gaps: Sequence[float], envelope: Sequence[float] | None) -> list[float]:
     """The per-step loss tolerance of `parity.compare`'s trajectory rows: the fixed band of each
     step, or with a self-divergence `envelope` ``max(band(s), k * min(r * env(s + lag),
@@ -105,13 +122,8 @@ def step_tolerances(gaps: Sequence[float], envelope: Sequence[float] | None) -> 
     """
     out = []
     k, lag = TOLERANCES["noise_k"], TOLERANCES["noise_lag"]
-    ratio, saturation = 1.0, 0.0
-    if envelope:
-        env0 = max(envelope[0], TOLERANCES["noise_floor"])
-        saturation = max((e for e in envelope if math.isfinite(e)), default=0.0)
-        step0 = gaps[0] if gaps else None
-        if step0 is not None and math.isfinite(step0) and step0 <= step_band(0):
-            ratio = max(1.0, step0 / env0)
+    ratio = envelope_ratio(gaps, envelope)
+    saturation = max((e for e in envelope or () if math.isfinite(e)), default=0.0)
     for s in range(len(gaps)):
         noise = 0.0
         if envelope and s > 0:
