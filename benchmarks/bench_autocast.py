@@ -3,7 +3,7 @@
 Prints a table and writes benchmarks/results/autocast.json. Gates on correctness first (same loss,
 same compiled HLO modulo names), then times both steps interleaved step by step (alternating
 order), medians after warm-up with block_until_ready and bootstrap 95% CIs for each median and for
-the autocast/hand ratio (`parity.speed`); compile time apart; the machine load is recorded and a
+the autocast/hand ratio (`parity.perf.speed`); compile time apart; the machine load is recorded and a
 wide CI is flagged. Also reports the trace-time cost of autocast for a 12-layer transformer.
 
     .venv/bin/python benchmarks/bench_autocast.py [--steps 200] [--width 512]
@@ -32,7 +32,7 @@ import jaxamp
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parity import measure, speed  # noqa: E402
+from parity.perf import measure, speed  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -5,12 +5,12 @@ For every model x precision it trains the matched pair with the harness's own tr
 per framework (torch eager, JAX, and torch.compile unless `--no-compile`), the order rotated every
 round, so load that drifts during the benchmark hits every framework alike. The steps after each
 run's warm-up are pooled per framework: the table gives each framework's median step time with a
-bootstrap 95% CI and the JAX/torch ratio of medians with its CI (`parity.speed`), and flags a
+bootstrap 95% CI and the JAX/torch ratio of medians with its CI (`parity.perf.speed`), and flags a
 figure as unreliable where the CI is wide, the spread large or the machine loaded. Thread counts
 are set equal on both sides (`--threads`, default every core) and recorded. Cells this hardware
 cannot run (torch's bf16 LSTM without AVX-512, no GPU) are listed with the reason, not timed.
 
-Gate: correctness first. Each round's runs go through `parity.compare`; a failing verdict is
+Gate: correctness first. Each round's runs go through `parity.verdicts.compare`; a failing verdict is
 reported in the "parity" column.
 
     python benchmarks/bench_parity.py --out benchmarks/results/parity_cpu_ci.json
@@ -31,12 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parity import measure, speed  # noqa: E402
 from parity.cell import run_cell  # noqa: E402
-from parity.cli import CLI_DEFAULTS  # noqa: E402
-from parity.compare import compare_runs  # noqa: E402
+from parity.cli.commands import CLI_DEFAULTS  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
+from parity.perf import measure, speed  # noqa: E402
+from parity.verdicts.compare import compare_runs  # noqa: E402
 
 # Batch sizes that give each model a few ms of work per step on a 2-core CPU. torch's float16
 # kernels on CPU are ~200x slower: fp16-mixed runs are tiny and only indicative there.
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     if args.device == "gpu":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     threads = measure.set_threads(args.threads)  # before JAX starts its backend
-    from parity.hardware import hardware_info, hardware_summary
-    from parity.records import write_json_atomic
+    from parity.perf.hardware import hardware_info, hardware_summary
+    from parity.training.records import write_json_atomic
 
     started = time.time()
     load_before = measure.load_average()

@@ -1,6 +1,6 @@
 """parity: train the same model in PyTorch (torch.amp) and JAX (jaxamp) and compare.
 
-Command line: ``python -m parity run|compare|matrix`` (see `parity.cli`). Library:
+Command line: ``python -m parity run|compare|matrix`` (see `parity.cli.commands`). Library:
 `compare_models` (your own torch module, Flax module and weight transfer). The layout and the
 route of one run are drawn in ``parity/README.md``.
 """
@@ -18,7 +18,7 @@ __all__ = [
     "compare_models",
 ]
 
-# Loaded on first use: `parity.api` imports torch, and `import parity.train_jax` must not.
+# Loaded on first use: `parity.api` imports torch, and `import parity.training.train_jax` must not.
 _LAZY = {"ParityResult": "parity.api", "compare_models": "parity.api"}
 
 

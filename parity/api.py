@@ -31,18 +31,18 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity import adapters
-from parity.calibrate import seed_runs
 from parity.cell import NOISE_FRAMEWORKS, run_cell, write_outputs
-from parity.compare import compare_runs
 from parity.config import FP16_STRESS, RunConfig
 from parity.data import BatchStream
-from parity.losses import TASKS
-from parity.mapping import WeightMapping
-from parity.measure import set_threads
 from parity.models import ModelPair
+from parity.pairs import adapters
+from parity.pairs.mapping import WeightMapping
+from parity.pairs.variables import as_variables
+from parity.perf.measure import set_threads
+from parity.training.losses import TASKS
 from parity.transfer import auto, validate_variables
-from parity.variables import as_variables
+from parity.verdicts.calibrate import seed_runs
+from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
 from parity.verdicts.rows import overall_status
 
@@ -129,7 +129,7 @@ def prepare_pair(
       A `ModelPair` whose ``torch_model`` is a copy (dropout disabled when asked).
 
     Raises:
-      parity.adapters.AdapterError / parity.transfer.TransferError: naming the problem and the fix.
+      parity.pairs.adapters.AdapterError / parity.transfer.TransferError: naming the problem and the fix.
 
     Example:
       >>> import flax.linen as fnn, torch
@@ -261,14 +261,14 @@ def compare_models(
 
     Both start from the torch module's current weights (`transfer` converts them), see the same
     batches in the same order and use the same optimizer, schedule, clipping and loss scaling;
-    the verdicts and tolerances are `parity.compare`'s.
+    the verdicts and tolerances are `parity.verdicts.compare`'s.
 
     Args:
       torch_module: a ``torch.nn.Module``; ``forward(inputs)`` returns logits, or a Hugging Face
         ``ModelOutput`` / dict with ``logits`` / tuple with the logits first. Not modified (the
         trainers train copies).
       flax_module: a ``flax.linen`` module, a ``flax.nnx`` module, or a Hugging Face Flax model
-        (``.module`` + ``.params``); see `parity.adapters` for the call signatures it takes.
+        (``.module`` + ``.params``); see `parity.pairs.adapters` for the call signatures it takes.
       transfer: ``torch_module -> {"params": ..., optionally "batch_stats": ...}`` (a bare params
         dict is accepted), or None (default): `parity.transfer.auto` maps the weights.
         Either way the result is checked against the Flax model's own variables (names, shapes,
@@ -285,7 +285,7 @@ def compare_models(
       out_dir: if given, ``results.json``, ``steps.csv``, ``report.md`` and plots go there.
       name: the model name in records and the report.
       torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module; None
-        (default) detects it from the first ``Conv2d`` (`parity.adapters.check_image_layout`).
+        (default) detects it from the first ``Conv2d`` (`parity.pairs.adapters.check_image_layout`).
         Images are always given NHWC (Flax's layout).
       rules: explicit mapping rules for `parity.transfer.auto` (when `transfer` is None).
       flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
@@ -293,15 +293,15 @@ def compare_models(
         NNX dropout is made deterministic, linen modules get ``deterministic=True`` when they
         take it) or ``"refuse"`` (raise when the torch model has dropout).
       progress: tqdm progress bars.
-      step0: run the step-0 checks (`parity.step0`) first and skip training when they fail.
+      step0: run the step-0 checks (`parity.verdicts.step0`) first and skip training when they fail.
       noise: ``"none"`` (default), ``"torch"``, ``"jax"`` or ``"both"``: calibration runs from
-        weights nudged by one ulp (`parity.calibrate.noise_runs`), so a chaotic model's per-step
-        gap is judged against its own self-divergence (`parity.compare`, noise-calibrated mode).
+        weights nudged by one ulp (`parity.verdicts.calibrate.noise_runs`), so a chaotic model's per-step
+        gap is judged against its own self-divergence (`parity.verdicts.compare`, noise-calibrated mode).
       seeds: data orders per framework (``--seeds``); >= 2 decides final loss and eval metric
         by an equivalence test (`parity.verdicts.power`). Other orders of user batches are
         seeded permutations of them (a BatchStream: its own stream at the next seeds).
       threads: intra-op CPU threads for torch and XLA alike (``--threads``,
-        `parity.measure.set_threads`; call before JAX has started for XLA's count to apply).
+        `parity.perf.measure.set_threads`; call before JAX has started for XLA's count to apply).
       fp16_stress: fp16 initial scale 2**20 and growth interval 5 (``--fp16-stress``), so the
         loss-scale trajectory has events to compare.
       budget: escalation. When the verdict is INCONCLUSIVE, train one more data order per

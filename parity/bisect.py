@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.adapters import FlaxModel
 from parity.config import RunConfig
-from parity.golden import BAD_INPUT, flax_pair
-from parity.golden_format import Golden, load_golden
+from parity.golden.check import BAD_INPUT, flax_pair
+from parity.golden.format import Golden, load_golden
+from parity.pairs.adapters import FlaxModel
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, jax_side
 from parity.verdicts.step0_rows import stage_verdicts
@@ -158,7 +158,7 @@ def _to_float32(x: Any) -> Any:
 
 @dataclasses.dataclass
 class _KeptFloat32(FlaxModel):
-    """A `parity.adapters.FlaxModel` whose modules at the paths `keep` take float32 inputs."""
+    """A `parity.pairs.adapters.FlaxModel` whose modules at the paths `keep` take float32 inputs."""
 
     keep: frozenset = frozenset()
 
@@ -188,7 +188,7 @@ def bisect(
     """Finds the smallest set of linen modules to keep in float32 for step 0 to pass.
 
     Args:
-      pair: the JAX half of the pair (``flax_model``: a linen `parity.adapters.FlaxModel`,
+      pair: the JAX half of the pair (``flax_model``: a linen `parity.pairs.adapters.FlaxModel`,
         ``task``, ``name``).
       config: the cell at its low precision.
       batch: ``(inputs, targets)`` of step 0.
@@ -255,7 +255,7 @@ def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_
 
     Args:
       golden: a golden file recorded at a low precision (or a loaded `Golden`).
-      flax_model: as `parity.golden.check_golden`.
+      flax_model: as `parity.golden.check.check_golden`.
       budget: the most runs.
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
@@ -279,7 +279,7 @@ def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_
 
 
 def add_bisect_parser(sub: Any) -> argparse.ArgumentParser:
-    """Adds ``bisect`` to `parity.cli`'s subcommands."""
+    """Adds ``bisect`` to `parity.cli.commands`'s subcommands."""
     parser = sub.add_parser(
         "bisect",
         help="the smallest set of Flax modules to keep in float32 for a low-precision golden "

@@ -2,8 +2,8 @@
 
 `run_cell` is the pipeline every entry point runs: ``python -m parity run`` and ``matrix``,
 `parity.compare_models`, ``benchmarks/bench_parity.py``. In order: the pair (built in, or the
-caller's), the step-0 gate (`parity.step0`: outputs and gradients before any training; a broken
-port is not trained), each framework's training run (`parity.precision.trainers`), then the
+caller's), the step-0 gate (`parity.verdicts.step0`: outputs and gradients before any training; a broken
+port is not trained), each framework's training run (`parity.training.trainers`), then the
 calibration runs (`calibration_runs`: 1-ulp-nudged weights, extra data seeds). It returns run
 records; `write_outputs` merges them into ``results.json`` and writes ``verdicts.json`` and
 ``report.md`` from everything the folder holds.
@@ -22,23 +22,23 @@ import numpy as np
 
 from parity import models
 from parity.automap.explain import record_mapping
-from parity.blocks import attach_speed_blocks, check_speed_blocks
-from parity.calibrate import noise_runs, seed_runs
-from parity.compare import compare_runs
 from parity.config import RunConfig
-from parity.hardware import unsupported_reason
-from parity.precision.trainers import train_framework
-from parity.records import (
+from parity.perf.blocks import attach_speed_blocks, check_speed_blocks
+from parity.perf.hardware import unsupported_reason
+from parity.report.markdown import write_report
+from parity.training.records import (
     build_unsupported_record,
     config_run_key,
     load_results,
     merge_runs,
     write_json_atomic,
 )
-from parity.report import write_report
-from parity.step0 import Step0Result, attach_step0, blocked_records, run_step0
+from parity.training.trainers import train_framework
+from parity.verdicts.calibrate import noise_runs, seed_runs
+from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
 from parity.verdicts.rows import Verdict, format_verdicts, overall_status
+from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
 __all__ = [
     "NOISE_FRAMEWORKS",
@@ -132,9 +132,9 @@ def run_cell(
       echo: print the step-0 outcome to stderr.
       noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: 1-ulp-nudged calibration runs.
       seeds: data seeds per framework in all (>= 2: seed statistics).
-      skip_keys: `parity.records.run_key`s already done (calibration runs are not redone).
+      skip_keys: `parity.training.records.run_key`s already done (calibration runs are not redone).
       speed_blocks: when both frameworks complete, time them again in this many alternating
-        blocks (`parity.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
+        blocks (`parity.perf.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
         records); 0: not timed (the report's speed is then the sequential runs', indicative).
     """
     check_speed_blocks(speed_blocks)
@@ -199,10 +199,10 @@ def calibration_runs(
       noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: which frameworks get a noise run.
       seeds: data seeds per framework in all (the main run is the first).
       progress: report progress.
-      skip_keys: `parity.records.run_key`s already done (a resumed matrix).
+      skip_keys: `parity.training.records.run_key`s already done (a resumed matrix).
 
     Returns:
-      Run records (``variant="noise"`` or another ``data_seed``), for `parity.compare`.
+      Run records (``variant="noise"`` or another ``data_seed``), for `parity.verdicts.compare`.
     """
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1; got {seeds!r}.")
@@ -244,7 +244,7 @@ def write_outputs(
     Returns:
       ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"``
       or ``"NOTHING COMPARED"`` (`parity.verdicts.rows.overall_status`); the rows are
-      `parity.compare.compare_runs`'s with power (`parity.verdicts.power.judge`).
+      `parity.verdicts.compare.compare_runs`'s with power (`parity.verdicts.power.judge`).
     """
     out = Path(out_dir)
     data = merge_runs(out, runs) if runs is not None else load_results(out)

@@ -2,7 +2,7 @@
 
 `assert_trains_like` takes the reference as a torch module (both sides run:
 `parity.compare_models`) or as a golden file (only the JAX side runs, torch need not be
-installed: `parity.golden.check_golden`), and raises ``AssertionError`` unless the verdicts say
+installed: `parity.golden.check.check_golden`), and raises ``AssertionError`` unless the verdicts say
 PASS. The message is the verdict table, the bottom line, and the diagnosis: the step-0 summary
 (worst output, worst parameter) and, with a torch reference, the per-layer table naming the
 first diverging layer.
@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
-from parity.golden import GoldenResult, check_golden
-from parity.golden_format import Golden
+from parity.golden.check import GoldenResult, check_golden
+from parity.golden.format import Golden
 from parity.verdicts.rows import cell_bottom_lines, format_verdicts, overall_status
 
 __all__ = ["TrainsLike", "assert_trains_like", "trains_like"]
@@ -100,7 +100,7 @@ def assert_trains_like(
     """Asserts that `flax_model` trains like `reference`.
 
     Args:
-      reference: a golden file (path or `parity.golden.Golden`; its batches, precision and steps
+      reference: a golden file (path or `parity.golden.check.Golden`; its batches, precision and steps
         are the recorded ones) or a ``torch.nn.Module`` (both sides train; needs torch).
       flax_model: the Flax port (linen, NNX, Hugging Face Flax; for a golden also a
         ``"module:attr"`` string or a zero-argument factory).

@@ -52,9 +52,9 @@ import torch
 from torch import nn
 
 # The automatic mapping is part of this module's public face (`parity.transfer.auto`); it lives in
-# parity.automap, beside the layer layouts it builds on (parity.layer_entries).
+# parity.automap, beside the layer layouts it builds on (parity.pairs.layer_entries).
 from parity.automap import TransferError, auto, explain, validate_variables
-from parity.layer_entries import LSTM_GATES
+from parity.pairs.layer_entries import LSTM_GATES
 
 __all__ = [
     "TransferError",

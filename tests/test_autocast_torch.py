@@ -149,7 +149,7 @@ def test_matches_torch_cpu_autocast(case, dtype_name, maybe_jit):
 
 
 def test_dtype_trace_diff_with_torch():
-    from parity.dtype_trace import diff_dtype_traces, torch_dtype_trace
+    from parity.training.dtype_trace import diff_dtype_traces, torch_dtype_trace
 
     def jax_fn(x, w, y):
         h = jnp.exp(x @ w)

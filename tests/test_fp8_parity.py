@@ -8,9 +8,9 @@ pytest.importorskip("torch")
 pytest.importorskip("torchao.float8")
 
 import jaxamp.fp8  # noqa: E402
-from parity import fp8 as pf  # noqa: E402
 from parity.config import FP8_PRECISIONS, PRECISIONS, RunConfig  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
+from parity.training import fp8 as pf  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax internals
 
@@ -117,9 +117,9 @@ def test_step0_catches_a_wrong_recipe(monkeypatch):
 
 @pytest.mark.slow
 def test_short_fp8_run_passes_verdicts(tmp_path):
-    from parity.compare import compare_runs
-    from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
+    from parity.training.train_jax import train_jax
+    from parity.training.train_torch import train_torch
+    from parity.verdicts.compare import compare_runs
 
     pair = get_model_pair("mlp", seed=0)
     config = RunConfig(model="mlp", precision="fp8-tensorwise", steps=4, batch_size=8, eval=False)

@@ -20,7 +20,7 @@ import torch
 from parity.api import prepare_pair
 from parity.bisect import bisect, bisect_golden, ddmin
 from parity.config import RunConfig
-from parity.golden_format import BatchList
+from parity.golden.format import BatchList
 from parity.verdicts.torch_side import torch_stage_side
 
 pytestmark = pytest.mark.standard_promotion

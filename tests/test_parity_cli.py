@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity import cell, cli  # noqa: E402
-from parity.records import load_results, merge_runs, write_json_atomic  # noqa: E402
+from parity import cell  # noqa: E402
+from parity.cli import commands as cli  # noqa: E402
+from parity.training.records import load_results, merge_runs, write_json_atomic  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
@@ -207,12 +208,12 @@ def test_python_dash_m_parity_help():
 
 
 def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
-    import parity.train_jax
+    import parity.training.train_jax
 
     def broken(config, pair, progress=False):
         raise RuntimeError("no kernel for this")
 
-    monkeypatch.setattr(parity.train_jax, "train_jax", broken)
+    monkeypatch.setattr(parity.training.train_jax, "train_jax", broken)
     out = tmp_path / "err"
     args = ["run", "--model", "mlp", "--steps", "3", "--batch-size", "4", "--no-eval"]
     assert cli.main([*args, "--out", str(out), "--no-progress", *TINY_MLP]) == 1

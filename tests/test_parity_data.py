@@ -460,7 +460,7 @@ def test_cli_runs_on_real_digits(tmp_path):
     pytest.importorskip("sklearn")
     import json
 
-    from parity.cli import main
+    from parity.cli.commands import main
 
     code = main(
         ["run", "--model", "mlp", "--data", "digits", "--steps", "3", "--batch-size", "8",

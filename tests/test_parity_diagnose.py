@@ -1,4 +1,4 @@
-"""Per-layer diagnosis (parity.diagnose): layers matched through the mapping, first diverging layer.
+"""Per-layer diagnosis (parity.verdicts.diagnose): layers matched through the mapping, first diverging layer.
 
 Tiny MLPs (fp32); the resnet's wrongly padded conv is named in tests/test_parity_step0.py.
 """
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from parity.config import RunConfig
-from parity.diagnose import (
+from parity.models import get_model_pair
+from parity.verdicts.diagnose import (
     KINDS,
     Diagnosis,
     _guess_flax_path,
@@ -21,7 +22,6 @@ from parity.diagnose import (
     diagnose_run,
     module_pairs,
 )
-from parity.models import get_model_pair
 
 TINY = {"image_shape": (4, 4, 3), "hidden": 8}
 
@@ -91,7 +91,7 @@ def test_gradient_only_divergence_names_the_deepest_layer():
         {"layer": "b", "stage": "fp32", "failed_kinds": ["gradients"]},
         {"layer": "c", "stage": "fp32", "failed_kinds": []},
     ]
-    from parity.diagnose import _first_failing
+    from parity.verdicts.diagnose import _first_failing
 
     assert _first_failing(rows) == ("b", "fp32", "gradients")  # backward runs in reverse
     rows[0]["failed_kinds"] = ["running stats"]
@@ -141,7 +141,7 @@ def test_diagnose_config_uses_the_run_data(monkeypatch):
 
 
 def test_shaped_error_broadcasts_and_explains_shape_mismatches():
-    from parity.diagnose import shaped_error
+    from parity.verdicts.diagnose import shaped_error
 
     rng = np.random.default_rng(0)
     positions = rng.normal(size=(1, 5, 4))  # torch's (1, T, H) position embedding
@@ -154,7 +154,7 @@ def test_shaped_error_broadcasts_and_explains_shape_mismatches():
 
 
 def test_shape_rows_are_named_only_when_nothing_else_differs():
-    from parity.diagnose import _first_failing
+    from parity.verdicts.diagnose import _first_failing
 
     rows = [
         {"layer": "pos", "stage": "fp32", "failed_kinds": ["shape"]},
@@ -166,8 +166,8 @@ def test_shape_rows_are_named_only_when_nothing_else_differs():
 
 
 def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
-    from parity.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, explain_failure
     from parity.verdicts.rows import Verdict
+    from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, explain_failure
 
     def row(check, passed, value=0.0, detail=""):
         return Verdict("m", "bf16-true", "cpu", check, "jax vs torch", value, 1.0, passed, detail)

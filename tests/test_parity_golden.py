@@ -1,4 +1,4 @@
-"""Golden trajectories (parity.golden): the torch side recorded, the JAX side checked without torch.
+"""Golden trajectories (parity.golden.check): the torch side recorded, the JAX side checked without torch.
 
 The committed golden (examples/parity_ci/port.golden.npz, bf16-mixed, 12 steps) is checked in
 subprocesses where ``import torch`` fails (tests/data/no_torch): through the example project's
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from parity.config import RunConfig
-from parity.golden import check_golden, hardware_allowance
-from parity.golden_export import export_golden
-from parity.golden_format import HEADER_KEY, GoldenFileError, load_golden
+from parity.golden.check import check_golden, hardware_allowance
+from parity.golden.export import export_golden
+from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
 from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, unit_roundoff
 
 pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside the checks

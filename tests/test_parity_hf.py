@@ -15,7 +15,8 @@ if not hasattr(transformers, "FlaxGPT2LMHeadModel"):  # transformers 5 dropped F
     pytest.skip("this transformers has no Flax models", allow_module_level=True)
 
 import parity  # noqa: E402
-from parity import adapters, api  # noqa: E402
+from parity import api  # noqa: E402
+from parity.pairs import adapters  # noqa: E402
 from parity.transfer import auto  # noqa: E402
 
 # Hugging Face Flax code mixes bool and int32 (no implicit promotion under strict mode).

@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 import torch
 
-from parity import adapters, api
+from parity import api
 from parity.config import RunConfig
-from parity.layer_probe import probe_layers
 from parity.models import get_model_pair
 from parity.models import transformer as transformer_module
-from parity.step0 import check_step0
-from parity.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, stochastic_verdict
+from parity.pairs import adapters
+from parity.verdicts.layer_probe import probe_layers
+from parity.verdicts.step0 import check_step0
+from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, stochastic_verdict
 
 SMALL = {
     "mlp": {"image_shape": (4, 4, 3), "hidden": 8},

@@ -11,9 +11,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchao.optim")
 
 import jaxamp  # noqa: E402
-from parity import cell, measure  # noqa: E402
+from parity import cell  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
-from parity.precision.recipes import get_recipe  # noqa: E402
+from parity.perf import measure  # noqa: E402
+from parity.training.recipes import get_recipe  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax.adamw's bias correction
 

@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]  # optax/flax internals train
 
 import parity  # noqa: E402
-from parity import cli  # noqa: E402
-from parity.compare import compare_runs  # noqa: E402
-from parity.records import run_seed, validate_run  # noqa: E402
+from parity.cli import commands as cli  # noqa: E402
+from parity.training.records import run_seed, validate_run  # noqa: E402
+from parity.verdicts.compare import compare_runs  # noqa: E402
 from parity.verdicts.power import (  # noqa: E402
     equivalence,
     fp16_skip_rows,
@@ -316,7 +316,7 @@ def test_compare_models_takes_seeds_threads_and_a_budget(tmp_path):
 def test_both_trainers_record_gradient_and_update_norms_and_scaled_maxima():
     from parity.config import RunConfig
     from parity.models import get_model_pair
-    from parity.precision.trainers import train_framework
+    from parity.training.trainers import train_framework
 
     tiny = {"image_shape": (4, 4, 3), "hidden": 8}
     config = RunConfig(
@@ -376,7 +376,7 @@ def test_a_folded_mapping_makes_a_later_trajectory_failure_inconclusive_with_the
 
 
 def test_the_report_shows_power_inconclusive_rows_and_the_gap_panel(tmp_path):
-    from parity.report import write_report
+    from parity.report.markdown import write_report
 
     n = 12
     base, noisy = _chaos(n, 0.05, seed=1, rate=3.0)

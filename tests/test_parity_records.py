@@ -1,4 +1,4 @@
-"""parity.records: one run-record schema, validation on load, atomic writes with the usual mode."""
+"""parity.training.records: one run-record schema, validation on load, atomic writes with the usual mode."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from parity import records
 from parity.config import RunConfig
-from parity.records import ResultsFileError, load_results, merge_runs, validate_run
+from parity.training import records
+from parity.training.records import ResultsFileError, load_results, merge_runs, validate_run
 
 
 def _run(framework="torch", **changes):
@@ -40,7 +40,7 @@ def _write(tmp_path, data):
 
 
 def test_train_jax_does_not_import_torch():
-    code = "import sys, parity.train_jax, parity.records, parity.compare; print('torch' in sys.modules)"
+    code = "import sys, parity.training.train_jax, parity.training.records, parity.verdicts.compare; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
@@ -48,7 +48,8 @@ def test_train_jax_does_not_import_torch():
 
 
 def test_old_import_locations_still_work():
-    from parity import report, train_torch
+    from parity.report import markdown as report
+    from parity.training import train_torch
 
     assert train_torch.build_run_record is records.build_run_record
     assert train_torch.build_error_record is records.build_error_record

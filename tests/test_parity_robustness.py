@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from parity import cell, cli, report  # noqa: E402
-from parity.compare import compare_runs  # noqa: E402
+from parity import cell  # noqa: E402
+from parity.cli import commands as cli  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
 from parity.data import DataSpec, load_text  # noqa: E402
-from parity.records import load_results, write_json_atomic  # noqa: E402
+from parity.report import markdown as report  # noqa: E402
+from parity.training.records import load_results, write_json_atomic  # noqa: E402
+from parity.verdicts.compare import compare_runs  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
@@ -207,7 +209,7 @@ def test_a_calibration_run_made_with_other_settings_is_left_out():
 _WRITER = """
 import sys, time
 from pathlib import Path
-from parity.records import merge_runs
+from parity.training.records import merge_runs
 out, who, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 (out / f"ready-{who}").touch()
 while len(list(out.glob("ready-*"))) < 2:  # start together
@@ -299,7 +301,7 @@ def test_an_unusable_out_is_refused_before_training(tmp_path, capsys, monkeypatc
 
 def test_a_failed_run_never_exits_0(tmp_path, capsys, monkeypatch):
     def fails(config, frameworks, **kwargs):
-        from parity.records import build_error_record
+        from parity.training.records import build_error_record
 
         return [build_error_record("jax", config, RuntimeError("boom"))]
 

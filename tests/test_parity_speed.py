@@ -1,4 +1,4 @@
-"""parity.speed: bootstrap CIs, the bottom line per cell, reliability warnings, linear charts that
+"""parity.perf.speed: bootstrap CIs, the bottom line per cell, reliability warnings, linear charts that
 never crash, memory comparability statements."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from parity import memory_report, plots, speed
+from parity.perf import speed
+from parity.report import memory as memory_report
+from parity.report import plots
 
 matplotlib.use("Agg")
 

@@ -9,8 +9,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from parity import measure, plots, speed
-from parity.hardware import torch_matmul_probe
+from parity.perf import measure, speed
+from parity.perf.hardware import torch_matmul_probe
+from parity.report import plots
 
 matplotlib.use("Agg")
 
@@ -252,10 +253,10 @@ def test_time_cell_alternates_the_trainers_own_steps():
     """One real alternating-block timing: the trainers' steps (JAX's executable reused from the
     run), the record's fields, and a verdict that is one of the three statuses."""
     pytest.importorskip("torch")
-    from parity.blocks import time_cell
     from parity.config import RunConfig
     from parity.models import get_model_pair
-    from parity.train_jax import train_jax
+    from parity.perf.blocks import time_cell
+    from parity.training.train_jax import train_jax
 
     tiny = {"image_shape": (8, 8, 3), "hidden": 16}
     config = RunConfig(
@@ -312,7 +313,7 @@ def test_the_reproduction_benchmark_concludes_from_words_and_intervals():
 
 @pytest.mark.torch
 def test_speed_blocks_option_is_checked_before_any_work(tmp_path, capsys):
-    from parity.cli import main
+    from parity.cli.commands import main
 
     args = ["run", "--model", "mlp", "--steps", "2", "--out", str(tmp_path / "x"), "--no-progress"]
     assert main([*args, "--speed-blocks", "2"]) == 2

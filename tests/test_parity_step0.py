@@ -1,4 +1,4 @@
-"""Step-0 verdicts (parity.step0), the compute-dtype verdict and the per-op dtype-trace diff.
+"""Step-0 verdicts (parity.verdicts.step0), the compute-dtype verdict and the per-op dtype-trace diff.
 
 The resnet pair is the chaotic case (BatchNorm, strided shortcuts); its deliberately wrong ports
 must fail at step 0, before any training, naming the layer. Shapes are tiny: torch bf16 is
@@ -19,10 +19,10 @@ import torch
 import jaxamp
 import parity
 from parity.config import RunConfig
-from parity.dtype_trace import diff_dtype_traces, torch_dtype_trace, torch_matmul_flops
-from parity.flops import jax_matmul_flops, requested_fraction
 from parity.models import ModelPair, get_model_pair
-from parity.step0 import check_step0
+from parity.perf.flops import jax_matmul_flops, requested_fraction
+from parity.training.dtype_trace import diff_dtype_traces, torch_dtype_trace, torch_matmul_flops
+from parity.verdicts.step0 import check_step0
 from parity.verdicts.tolerance import (
     SAFETY,
     group_error,
@@ -320,8 +320,8 @@ def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
-    from parity import cli
-    from parity.records import load_results
+    from parity.cli import commands as cli
+    from parity.training.records import load_results
 
     out = tmp_path / "wrong"
     args = ["run", "--model", "resnet", "--steps", "2", "--batch-size", "2", "--no-eval"]
@@ -342,9 +342,9 @@ def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
 def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):
     pytest.importorskip("torchao.float8")
     import jaxamp.fp8
-    from parity import cli
-    from parity import fp8 as pf
-    from parity.records import load_results
+    from parity.cli import commands as cli
+    from parity.training import fp8 as pf
+    from parity.training.records import load_results
 
     def run(out):
         args = ["run", "--model", "mlp", "--precision", "fp8-tensorwise", "--steps", "2"]

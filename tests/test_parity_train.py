@@ -14,16 +14,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.config import PRECISIONS, RunConfig, learning_rate_at  # noqa: E402
-from parity.hardware import skip_if_unsupported  # noqa: E402
 from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
-from parity.precision.steps import (  # noqa: E402
+from parity.perf.hardware import skip_if_unsupported  # noqa: E402
+from parity.training.steps import (  # noqa: E402
     build_jax_optimizer,
     build_torch_optimizer,
     clip_by_global_norm_torch,
     set_learning_rate,
 )
-from parity.train_jax import train_jax  # noqa: E402
-from parity.train_torch import train_torch  # noqa: E402
+from parity.training.train_jax import train_jax  # noqa: E402
+from parity.training.train_torch import train_torch  # noqa: E402
 
 # optax/flax internals need JAX's standard promotion; torch's profiler and autocast are quiet.
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -239,7 +239,7 @@ def test_diverging_run_is_recorded_not_raised():
         model_overrides=TINY["mlp"],
     )
     torch_run, jax_run = _both(config)
-    from parity.compare import compare_runs
+    from parity.verdicts.compare import compare_runs
 
     for run in (torch_run, jax_run):
         summary = run["summary"]

@@ -1,4 +1,4 @@
-"""parity.adapters + compare_models without a transfer: every raw error of issue 9 has a message.
+"""parity.pairs.adapters + compare_models without a transfer: every raw error of issue 9 has a message.
 
 Each test reproduces one failure a user hit when bringing their own pair (the raw error in the
 docstring) and checks the harness now names the problem and the fix, or simply works.
@@ -19,9 +19,10 @@ torch = pytest.importorskip("torch")
 from flax import nnx  # noqa: E402
 
 import parity  # noqa: E402
-from parity import adapters, api  # noqa: E402
+from parity import api  # noqa: E402
 from parity.models.layers import TorchBatchNorm  # noqa: E402
 from parity.models.nnx_layers import TorchBatchNorm as NNXTorchBatchNorm  # noqa: E402
+from parity.pairs import adapters  # noqa: E402
 from parity.transfer import TransferError  # noqa: E402
 
 
@@ -221,7 +222,7 @@ def test_task_errors_name_the_right_task():
         _pair(torch.nn.Linear(3, 2), fnn.Dense(2), batches, task="regresion")
     targets = [(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))]
     pair = _pair(torch.nn.Linear(3, 2), fnn.Dense(2), targets, task="regression")
-    from parity.losses import loss_jax, loss_torch
+    from parity.training.losses import loss_jax, loss_torch
 
     logits = jnp.ones((4, 2), jnp.bfloat16)
     assert loss_jax("regression", logits, jnp.zeros((4, 2))).dtype == jnp.float32
@@ -255,7 +256,7 @@ def test_builtin_nnx_pair_trains_like_its_linen_twin(precision):
     """`mlp_nnx` (NNX) and `mlp` (linen) compute the same function: identical JAX runs."""
     from parity.config import RunConfig
     from parity.models import get_model_pair
-    from parity.train_jax import train_jax
+    from parity.training.train_jax import train_jax
 
     overrides = {"image_shape": (8, 8, 3), "hidden": 16}
     runs = {}

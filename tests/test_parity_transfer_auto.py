@@ -220,7 +220,7 @@ def test_nnx_module_or_state_with_batchnorm_and_attention(source):
     variables = mapping.to_flax(model)
     validate_variables(variables, flax_model)
     assert sorted(variables) == ["batch_stats", "params"]
-    from parity.adapters import nnx_load
+    from parity.pairs.adapters import nnx_load
 
     nnx_load(flax_model, variables)
     flax_model.eval()

@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("torch")
 
 _MODULES = (
-    "parity.mapping",
-    "parity.variables",
+    "parity.pairs.mapping",
+    "parity.pairs.variables",
     "parity.automap.core",
     "parity.automap.explain",
     "parity.automap.validate",
-    "parity.adapters",
+    "parity.pairs.adapters",
     "parity.models.nnx_layers",
 )
 _DATA_NAMES = ("load_digits", "load_text", "text_stream", "DataSpec")

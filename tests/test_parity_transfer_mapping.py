@@ -1,4 +1,4 @@
-"""parity.mapping: the one torch <-> Flax mapping object (built-in pairs, transforms, gradients)."""
+"""parity.pairs.mapping: the one torch <-> Flax mapping object (built-in pairs, transforms, gradients)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity.mapping import (  # noqa: E402
+from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
+from parity.pairs.mapping import (  # noqa: E402
     MappingEntry,
     MappingError,
     WeightMapping,
@@ -18,7 +19,6 @@ from parity.mapping import (  # noqa: E402
     parse_transform,
     transform_shape,
 )
-from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
 
 
 def _bits_equal(a, b) -> bool:
@@ -57,7 +57,7 @@ def test_mapping_json_round_trip():
 
 def test_grads_to_flax_matches_jax_gradients():
     """Transformer (fused qkv chunks, reshapes): torch grads through the mapping equal JAX's."""
-    from parity.losses import loss_jax, loss_torch
+    from parity.training.losses import loss_jax, loss_torch
 
     pair = get_model_pair("transformer", seed=0, num_layers=1, d_model=32, seq_len=16)
     stream = pair.make_data(seed=0, batch_size=4)
@@ -112,7 +112,7 @@ def test_grads_of_a_module_resolve_parameters():
     ],
 )
 def test_transforms_invert_exactly(transform, shape):
-    from parity.mapping import _adjoint_transform
+    from parity.pairs.mapping import _adjoint_transform
 
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     y = apply_transform(transform, x)
@@ -137,7 +137,8 @@ def test_bad_transform_names_the_closest_op():
 
 def test_summed_biases_split_evenly_and_gradients_are_not_doubled():
     """torch LSTM -> Flax LSTMCell: b_ih + b_hh go to one bias; going back each gets half."""
-    from parity import layer_entries, transfer
+    from parity import transfer
+    from parity.pairs import layer_entries
 
     lstm = torch.nn.LSTM(3, 4, batch_first=True)
     mapping = WeightMapping(tuple(layer_entries.lstm_cell_entries("", "cell", lstm)))

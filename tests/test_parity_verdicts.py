@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from parity.compare import compare_runs
-from parity.records import validate_run
+from parity.training.records import validate_run
+from parity.verdicts.compare import compare_runs
 from parity.verdicts.rows import (
     TOLERANCES,
     Verdict,
@@ -288,11 +288,11 @@ _RESNET = {"image_shape": (8, 8, 3), "channels": (4, 8, 8), "blocks_per_stage": 
 @pytest.mark.torch
 @pytest.mark.standard_promotion  # optax/flax internals
 def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
-    from parity.calibrate import noise_runs
     from parity.config import RunConfig
     from parity.models import get_model_pair
-    from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
+    from parity.training.train_jax import train_jax
+    from parity.training.train_torch import train_torch
+    from parity.verdicts.calibrate import noise_runs
 
     config = RunConfig(
         model="resnet",
@@ -334,8 +334,8 @@ def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
 def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational():
     from parity.config import FP16_STRESS, RunConfig
     from parity.models import get_model_pair
-    from parity.train_jax import train_jax
-    from parity.train_torch import train_torch
+    from parity.training.train_jax import train_jax
+    from parity.training.train_torch import train_torch
 
     tiny = {"image_shape": (8, 8, 3), "hidden": 16}
     pair = get_model_pair("mlp", seed=0, **tiny)

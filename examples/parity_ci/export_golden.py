@@ -12,7 +12,7 @@ from pathlib import Path
 
 from examples.parity_ci.data import make_batches
 from examples.parity_ci.torch_model import reference
-from parity.golden_export import export_models
+from parity.golden.export import export_models
 
 GOLDEN = Path(__file__).with_name("port.golden.npz")
 PRECISION = "bf16-mixed"

@@ -174,7 +174,7 @@ def autocast_trace(
     """The dtypes each op of ``fn(*args, **kwargs)`` runs in under :func:`autocast`.
 
     Nothing is computed: the function is evaluated abstractly. The torch counterpart, recording
-    the same table under torch.autocast, is ``parity.dtype_trace.torch_dtype_trace``.
+    the same table under torch.autocast, is ``parity.training.dtype_trace.torch_dtype_trace``.
 
     Args:
       fn: the function.

@@ -3,10 +3,10 @@
 `auto` pairs torch layers with Flax modules by rules, then names that agree, then the order in
 which the layers run, then (where order leaves a choice) what they compute; it never pairs
 layers by how their names sort, and raises with the candidates and a ``rules=`` line where
-nothing decides. The layouts are `parity.layer_entries`' (Linear, ConvNd incl. grouped and
+nothing decides. The layouts are `parity.pairs.layer_entries`' (Linear, ConvNd incl. grouped and
 transposed, LayerNorm, RMSNorm, GroupNorm, BatchNorm with running statistics, Embedding,
 LSTM/GRU gates, multi-head attention with fused or separate q/k/v, Hugging Face's ``Conv1D``);
-tied weights map once. It returns a `parity.mapping.WeightMapping` and checks that torch ->
+tied weights map once. It returns a `parity.pairs.mapping.WeightMapping` and checks that torch ->
 Flax -> torch gives every tensor back bit for bit. `explain` shows each pair and how it was
 decided; `validate_variables` checks a transfer's result against the Flax module's own
 initialisation before any training step.

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from parity.adapters import AdapterError, FlaxModel, as_flax_model
 from parity.automap.execution import Trace, flax_trace, torch_trace
 from parity.automap.explain import folded_tensors
 from parity.automap.function import MAX_CHOICE, Choice, decide, random_flax, random_torch
@@ -34,14 +33,15 @@ from parity.automap.units import (
     torch_units,
     trace_flatten,
 )
-from parity.mapping import (
+from parity.pairs.adapters import AdapterError, FlaxModel, as_flax_model
+from parity.pairs.mapping import (
     TRANSFORM_OPS,
     MappingEntry,
     MappingError,
     WeightMapping,
     transform_shape,
 )
-from parity.variables import as_variables, flatten_variables
+from parity.pairs.variables import as_variables, flatten_variables
 
 __all__ = ["auto"]
 
@@ -368,18 +368,18 @@ def auto(
       rules: explicit entries, ``{"torch.state_dict.key": ("flax/path/leaf", "transform")}``
         (the collection may be omitted for ``params``; a bare ``"flax/path"`` means
         ``"identity"``; ``None`` leaves that torch tensor out). Transforms: see
-        `parity.mapping` (``identity``, ``linear``, ``conv``, ``chunk(0,1,3)|linear`` ...).
+        `parity.pairs.mapping` (``identity``, ``linear``, ``conv``, ``chunk(0,1,3)|linear`` ...).
       example_inputs: torch-side inputs (a tensor, tuple or kwargs dict): the forward pass
         that orders the layers, and, with convolutions followed by a Linear, shows whether the
         Linear reads a flattened NCHW map (its rows are then permuted to Flax's NHWC order).
       flax_model: the Flax model to run (linen module, ``nnx.Module``, Hugging Face Flax model
-        or `parity.adapters.FlaxModel`); default: `flax_variables` when it is a model.
+        or `parity.pairs.adapters.FlaxModel`); default: `flax_variables` when it is a model.
       flax_inputs: Flax-side inputs; default: `example_inputs` as an array (NCHW -> NHWC when
         the torch model convolves).
       check: run the torch -> Flax -> torch round-trip check (bit-exact).
 
     Returns:
-      A `parity.mapping.WeightMapping`; each entry's ``decided_by`` says how it was paired.
+      A `parity.pairs.mapping.WeightMapping`; each entry's ``decided_by`` says how it was paired.
 
     Raises:
       TransferError: unmatched or undecided tensors/leaves, listed with shapes and candidates,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from parity.adapters import FlaxModel, nnx_load, output_logits
+from parity.pairs.adapters import FlaxModel, nnx_load, output_logits
 
 __all__ = ["Call", "Trace", "flax_trace", "torch_trace"]
 

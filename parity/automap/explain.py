@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.mapping import MappingEntry, WeightMapping, apply_transform
+from parity.pairs.mapping import MappingEntry, WeightMapping, apply_transform
 
 __all__ = ["explain", "folded_tensors", "format_explanation", "record_mapping"]
 
@@ -64,7 +64,7 @@ def explain(mapping: WeightMapping, torch_module: Any = None) -> list[dict[str, 
     """One row per torch tensor: where it goes and how that was decided.
 
     Args:
-      mapping: a `parity.mapping.WeightMapping` (from `parity.transfer.auto`, or hand-written:
+      mapping: a `parity.pairs.mapping.WeightMapping` (from `parity.transfer.auto`, or hand-written:
         ``decided_by`` is then ``"given"``).
       torch_module: the torch model, optional: with it, folded tensors are found and the
         ``state_dict`` keys the mapping leaves out are listed too (``"left out"``).

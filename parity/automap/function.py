@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.adapters import FlaxModel
 from parity.automap.execution import Trace, flax_trace
-from parity.mapping import MappingEntry, WeightMapping
+from parity.pairs.adapters import FlaxModel
+from parity.pairs.mapping import MappingEntry, WeightMapping
 
 __all__ = ["Choice", "agree", "agreement_tolerance", "decide", "random_flax", "random_torch"]
 

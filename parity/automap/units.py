@@ -4,7 +4,7 @@ entries a unit would give on a node.
 A torch *unit* is one layer with weights (a Linear, a Conv, a BatchNorm with its running
 statistics, one layer of an LSTM/GRU, a MultiheadAttention); a Flax *node* is one module path of
 the variable tree. `propose` says whether a unit fits a node (same leaves, same shapes through
-the layouts of `parity.layer_entries`) and with which `parity.mapping.MappingEntry` rows.
+the layouts of `parity.pairs.layer_entries`) and with which `parity.pairs.mapping.MappingEntry` rows.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from parity import layer_entries as layouts
-from parity.mapping import (
+from parity.pairs import layer_entries as layouts
+from parity.pairs.mapping import (
     MappingEntry,
     MappingError,
     layer_entries,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from parity.automap.units import TransferError
-from parity.variables import as_variables, flatten_variables
+from parity.pairs.variables import as_variables, flatten_variables
 
 __all__ = ["validate_variables"]
 
@@ -17,7 +17,7 @@ def validate_variables(variables: Any, reference: Any, *, check_dtype: bool = Tr
     """Checks a transfer's result against the Flax model's own variables before training.
 
     Args:
-      variables: what the transfer produced (any form `parity.variables.as_variables` takes).
+      variables: what the transfer produced (any form `parity.pairs.variables.as_variables` takes).
       reference: the Flax module's own variables (``module.init`` output, ``jax.eval_shape`` of
         it, or an ``nnx.Module``): the names, shapes and dtypes that must be there.
       check_dtype: also compare dtypes.

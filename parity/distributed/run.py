@@ -4,7 +4,7 @@
 (`WorkerGroup`: bounded by a timeout, ended by PID on success, failure and Ctrl-C), collects the
 per-rank results and judges them:
 
-- per-step loss, torch vs each JAX mode, with `parity.compare.compare_runs` (the usual bands);
+- per-step loss, torch vs each JAX mode, with `parity.verdicts.compare.compare_runs` (the usual bands);
 - loss-scale trajectory and skip decisions identical across ranks, and across frameworks;
 - an injected non-finite gradient on one rank (fp16) skipped on every rank, on both sides;
 - replicated parameters bit-identical across ranks (torch ranks, JAX devices and processes);
@@ -26,15 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from parity import measure
-from parity.compare import compare_runs
 from parity.config import RunConfig
 from parity.distributed.procs import WorkerGroup, free_port
-from parity.hardware import UnsupportedHere
 from parity.models import get_model_pair
-from parity.records import build_run_record, write_json_atomic
-from parity.step0 import run_step0
+from parity.perf import measure
+from parity.perf.hardware import UnsupportedHere
+from parity.training.records import build_run_record, write_json_atomic
+from parity.verdicts.compare import compare_runs
 from parity.verdicts.rows import Verdict, format_verdicts, overall_status
+from parity.verdicts.step0 import run_step0
 
 __all__ = [
     "JAX_MODES",
@@ -145,7 +145,7 @@ class DistributedResult:
     Attributes:
       config, plan: what was run.
       ranks: per-side worker results: ``{"torch": [rank0, ...], "jax:jit": [...], ...}``.
-      runs: run records (`parity.records` schema), one per side/mode.
+      runs: run records (`parity.training.records` schema), one per side/mode.
       verdicts: `parity.verdicts.rows.Verdict` rows.
       status: ``"PASS"``, ``"FAIL"`` or ``"NOTHING COMPARED"``.
     """
@@ -241,7 +241,7 @@ def run_distributed(
       frameworks: ``("torch", "jax")`` or one of them.
       pair_factory: ``"package.module:function"`` returning a `parity.models.ModelPair` (called
         with ``seed=`` in every worker): a user's own pair. Default: ``config.model`` built in.
-      step0_checks: the step-0 gate of every cell (`parity.step0.run_step0`) before any worker
+      step0_checks: the step-0 gate of every cell (`parity.verdicts.step0.run_step0`) before any worker
         starts: a port that fails it is not trained (its verdicts are the result).
 
     Returns:

@@ -36,20 +36,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from parity import measure
 from parity.config import RunConfig
 from parity.distributed.hlo import dump_flags, reduction_collectives, reduction_dtypes
 from parity.distributed.run import load_pair_factory
-from parity.losses import loss_jax, loss_torch
 from parity.models import get_model_pair
-from parity.precision.steps import (
+from parity.perf import measure
+from parity.training.losses import loss_jax, loss_torch
+from parity.training.records import write_json_atomic
+from parity.training.steps import (
     build_jax_optimizer,
     build_torch_optimizer,
     jax_train_step,
     scheduled,
     torch_train_step,
 )
-from parity.records import write_json_atomic
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def _make_pair(spec: dict, config: Any):
 
 
 def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One torch rank: the recipe's model and step (`parity.precision.steps.torch_train_step`)
+    """One torch rank: the recipe's model and step (`parity.training.steps.torch_train_step`)
     inside DDP or FSDP2."""
     global _TorchPoison
     _TorchPoison = _torch_poison()
@@ -289,7 +289,7 @@ def _fsdp_spec(leaf, world: int):
 
 def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
     """The JAX side on a mesh: the recipe's forward, gradient function and optimizer, the
-    README's step (`parity.precision.steps.jax_train_step`) under ``jit`` or ``shard_map``."""
+    README's step (`parity.training.steps.jax_train_step`) under ``jit`` or ``shard_map``."""
     config = RunConfig.from_dict(spec["config"])
     recipe = config.recipe
     world, mode, strategy = spec["world"], spec["mode"], spec["strategy"]

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.adapters import FlaxModel, output_logits
 from parity.automap import auto
 from parity.data import BatchStream, DataSpec, text_stream
-from parity.losses import check_task
-from parity.mapping import WeightMapping
 from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
+from parity.pairs.adapters import FlaxModel, output_logits
+from parity.pairs.mapping import WeightMapping
+from parity.training.losses import check_task
 
 __all__ = [
     "MODEL_NAMES",
@@ -111,7 +111,7 @@ class ModelPair:
       from_flax: ``(flax variables, torch_module) -> None``, in place.
       data: ``(seed, batch_size) -> BatchStream``, or None if the pair has no default data.
       torch_channels_first: ``torch_forward`` permutes 4-D NHWC inputs to NCHW.
-      mapping: the `parity.mapping.WeightMapping` between ``torch_model.state_dict()`` and the Flax
+      mapping: the `parity.pairs.mapping.WeightMapping` between ``torch_model.state_dict()`` and the Flax
         variables (built-in pairs always have one; the diagnosis uses it layer by layer).
     """
 

@@ -14,10 +14,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import layer_entries, transfer
+from parity import transfer
 from parity.data import synthetic_images
-from parity.mapping import WeightMapping
 from parity.models.layers import TorchBatchNorm
+from parity.pairs import layer_entries
+from parity.pairs.mapping import WeightMapping
 
 DEFAULTS: dict[str, Any] = {
     "image_shape": (32, 32, 3),

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import torch
 from torch.func import functional_call
 
-from parity import layer_entries, transfer
+from parity import transfer
 from parity.data import synthetic_tokens
-from parity.mapping import WeightMapping
 from parity.models.layers import TorchLSTM
+from parity.pairs import layer_entries
+from parity.pairs.mapping import WeightMapping
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,

@@ -10,9 +10,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import layer_entries, transfer
+from parity import transfer
 from parity.data import synthetic_images
-from parity.mapping import WeightMapping
+from parity.pairs import layer_entries
+from parity.pairs.mapping import WeightMapping
 
 DEFAULTS: dict[str, Any] = {"image_shape": (32, 32, 3), "hidden": 128, "num_classes": 10}
 

@@ -2,7 +2,7 @@
 
 The same torch model (``TorchMLP``) and the same parameter names (``fc1/fc2/fc3`` with
 ``kernel``/``bias``), so the mapping and the data are `mlp`'s; the Flax side is an
-``nnx.Module`` wrapped by `parity.adapters.as_flax_model`, which presents it to the trainer as
+``nnx.Module`` wrapped by `parity.pairs.adapters.as_flax_model`, which presents it to the trainer as
 ``(variables, inputs, train) -> logits`` with plain ``{"params": ...}`` dicts.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from parity.adapters import as_flax_model
 from parity.models import mlp
+from parity.pairs.adapters import as_flax_model
 
 DEFAULTS: dict[str, Any] = dict(mlp.DEFAULTS)
 

@@ -122,7 +122,7 @@ class TorchResNet(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         # NCHW-contiguous: the permuted NHWC batch is channels-last in memory, and torch 2.13's
         # CPU weight gradient of a 1x1 stride-2 conv on channels-last input is wrong about half
-        # the time (nondeterministic; found by the step-0 checks, see parity/step0.py).
+        # the time (nondeterministic; found by the step-0 checks, see parity/verdicts/step0.py).
         x = torch.relu(self.stem_bn(self.stem_conv(images.contiguous())))
         for block in self.blocks:
             x = block(x)

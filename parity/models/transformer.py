@@ -16,10 +16,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 import torch
 
-from parity import layer_entries, transfer
+from parity import transfer
 from parity.data import synthetic_tokens
-from parity.mapping import WeightMapping
 from parity.models.layers import TorchLayerNorm
+from parity.pairs import layer_entries
+from parity.pairs.mapping import WeightMapping
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,

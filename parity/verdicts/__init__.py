@@ -1,2 +1,2 @@
 """Verdicts: the step-0 sides (`parity.verdicts.sides`) and tolerance arithmetic
-(`parity.verdicts.tolerance`) that `parity.step0` and `parity.diagnose` judge with."""
+(`parity.verdicts.tolerance`) that `parity.verdicts.step0` and `parity.verdicts.diagnose` judge with."""

@@ -1,7 +1,7 @@
-"""Verdicts with power: what `parity.compare`'s rows could have detected, and what decides
+"""Verdicts with power: what `parity.verdicts.compare`'s rows could have detected, and what decides
 where they could not.
 
-`judge(runs, verdicts)` takes `parity.compare.compare_runs`'s rows and the run records and
+`judge(runs, verdicts)` takes `parity.verdicts.compare.compare_runs`'s rows and the run records and
 returns the rows the outputs are written from:
 
 - **Every step judged.** An fp32 run longer than the fixed bands' 30 steps gets a row for the
@@ -9,7 +9,7 @@ returns the rows the outputs are written from:
 - **The horizon.** A noise-calibrated per-step row whose tolerance climbs above the loss bound
   (`parity.verdicts.rows.POWER_BOUNDS`: 20%) is split: the steps up to the horizon (tolerance
   within the bound) decide; the steps after it are inconclusive, never a pass. The tolerance of
-  each step is `step_tolerances` (the calibrated formula of `parity.compare`).
+  each step is `step_tolerances` (the calibrated formula of `parity.verdicts.compare`).
 - **Seed statistics as an equivalence test.** With K >= 2 data seeds per framework, final loss
   and the eval metric are decided by a two one-sided tests procedure (TOST, Welch's t,
   ``alpha = 5%``): PASS when the 90% confidence interval of the difference lies within the
@@ -19,7 +19,7 @@ returns the rows the outputs are written from:
 - **Structural differences**: where the run records' weight mapping folds trainable tensors
   (`parity.automap`), failing rows past step 0 are inconclusive, saying why (`_structural`).
 - **Gradient norm and update norm** (run records' ``grad_norm`` / ``update_norm`` per step,
-  `parity.precision.steps`): judged step by step like the loss, at `SIGNAL_FACTOR` times the
+  `parity.training.steps`): judged step by step like the loss, at `SIGNAL_FACTOR` times the
   loss tolerance of the step, up to the same horizon; an fp16 run's largest |scaled gradient|
   per parameter names, where skip decisions differ, the parameter that overflowed on each side
   (`fp16_skip_rows`).
@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from parity.precision.recipes import get_recipe
-from parity.records import config_differences, run_label, run_seed, run_status
+from parity.training.recipes import get_recipe
+from parity.training.records import config_differences, run_label, run_seed, run_status
 from parity.verdicts.rows import (
     LOSS_UNIT,
     POWER_BOUNDS,
@@ -112,7 +112,7 @@ def envelope_ratio(gaps: Sequence[float], envelope: Sequence[float] | None) -> f
 
 
 def step_tolerances(gaps: Sequence[float], envelope: Sequence[float] | None) -> list[float]:
-    """The per-step loss tolerance of `parity.compare`'s trajectory rows: the fixed band of each
+    """The per-step loss tolerance of `parity.verdicts.compare`'s trajectory rows: the fixed band of each
     step, or with a self-divergence `envelope` ``max(band(s), k * min(r * env(s + lag),
     max env))`` from step 1 on (``r`` rescales the envelope to the step-0 gap).
 
@@ -167,7 +167,7 @@ def _seeds_needed(xs, ys, margin, alpha=0.05) -> int:
 
 
 def _pairs(runs):
-    """(cell, ref, cand, noise runs, mains, seed groups) as `parity.compare` pairs them."""
+    """(cell, ref, cand, noise runs, mains, seed groups) as `parity.verdicts.compare` pairs them."""
     groups: dict[tuple, list] = {}
     for run in runs:
         if run_status(run) in ("unsupported", "error"):
@@ -633,7 +633,7 @@ def _structural(out, new, cell, compared, ref, cand) -> list[Verdict]:
 
 
 def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> list[Verdict]:
-    """`parity.compare.compare_runs`'s rows with power: the horizon split, every step covered,
+    """`parity.verdicts.compare.compare_runs`'s rows with power: the horizon split, every step covered,
     seed equivalence, gradient/update norms and fp16 skip explanations (module docstring).
 
     Example:

@@ -1,7 +1,7 @@
 """Verdict rows and the numbers they are made of: one `Verdict` per check, the fixed bands
 (`TOLERANCES`), per-step relative gaps with their floor, the self-divergence envelope, and what
 is said about a set of rows (`overall_status`, `cell_bottom_lines`, `format_verdicts`).
-`parity.compare` makes the rows; `parity.step0`, the distributed runner and the report use them.
+`parity.verdicts.compare` makes the rows; `parity.verdicts.step0`, the distributed runner and the report use them.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 `jax_side` here and `parity.verdicts.torch_side.torch_side` run the model at the run's precision
 exactly as the trainers do (the recipe converts the model, casts, wraps the forward pass) and
 return a `Side`: eval-mode and train-mode logits, the loss, the gradients in the Flax layout and
-the running statistics a train-mode pass leaves behind. `parity.step0` judges them;
-`parity.diagnose` reuses them. This module does not import torch: a golden check
-(`parity.golden`) computes the JAX side where torch is not installed.
+the running statistics a train-mode pass leaves behind. `parity.verdicts.step0` judges them;
+`parity.verdicts.diagnose` reuses them. This module does not import torch: a golden check
+(`parity.golden.check`) computes the JAX side where torch is not installed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity.config import RunConfig
-from parity.flops import jax_matmul_flops
-from parity.losses import loss_jax
-from parity.precision.steps import jax_forward
+from parity.perf.flops import jax_matmul_flops
+from parity.training.losses import loss_jax
+from parity.training.steps import jax_forward
 
 __all__ = [
     "Side",
@@ -73,7 +73,7 @@ def jax_device(config: RunConfig) -> Any:
 
 def jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops) -> Side:
     """JAX's step-0 numbers at the run's precision, from the same forward pass the trainer runs
-    (`parity.precision.steps.jax_forward`) and the recipe's casts."""
+    (`parity.training.steps.jax_forward`) and the recipe's casts."""
     recipe = config.recipe
     forward_train = jax_forward(pair, recipe, config.device, train=True)
     forward_eval = jax_forward(pair, recipe, config.device, train=False)

@@ -2,8 +2,8 @@
 
 `stage_verdicts` turns one stage's torch and JAX numbers (float32, or the run's precision) into
 the output and gradient rows with their bands (`parity.verdicts.tolerance`); `compute_verdicts`
-says which dtype each side's matmul FLOPs ran in. `parity.step0` calls them on sides it has just
-computed, `parity.golden` on a torch side read from a golden file: one judgement for both.
+says which dtype each side's matmul FLOPs ran in. `parity.verdicts.step0` calls them on sides it has just
+computed, `parity.golden.check` on a torch side read from a golden file: one judgement for both.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parity.flops import requested_fraction
+from parity.perf.flops import requested_fraction
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, pair_mapping
 from parity.verdicts.tolerance import (

@@ -1,9 +1,9 @@
 """Step 0's torch side: what torch computes on one batch, in the Flax layout.
 
-`torch_side` runs the torch model at the run's precision exactly as `parity.train_torch` does
+`torch_side` runs the torch model at the run's precision exactly as `parity.training.train_torch` does
 (the recipe converts the model, casts the inputs, opens autocast) and returns a
 `parity.verdicts.sides.Side`. It lives apart from `parity.verdicts.sides` (the JAX side and the
-`Side` record) so that the JAX side runs where torch is not installed (`parity.golden`).
+`Side` record) so that the JAX side runs where torch is not installed (`parity.golden.check`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from parity.config import RunConfig
-from parity.dtype_trace import torch_matmul_flops
-from parity.losses import loss_torch
+from parity.training.dtype_trace import torch_matmul_flops
+from parity.training.losses import loss_torch
 from parity.verdicts.sides import Side, flatten, pair_mapping, torch_device
 
 __all__ = [
@@ -52,7 +52,7 @@ def torch_grads_to_flax(pair: Any, model: torch.nn.Module) -> dict[str, np.ndarr
 
 
 def torch_setup(pair: Any, inputs: Any, config: RunConfig):
-    """``(model copy, input tensor)`` as `parity.train_torch` sets them up: the recipe converts
+    """``(model copy, input tensor)`` as `parity.training.train_torch` sets them up: the recipe converts
     the model (bf16-true: ``model.to(torch.bfloat16)``) and casts floating inputs."""
     recipe = config.recipe
     device = torch_device(config)
@@ -107,7 +107,7 @@ def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
 def torch_stage_side(pair, inputs, targets, config, trace_flops: bool) -> tuple[Side, float]:
     """torch's step-0 `Side` at `config`'s precision and the loss scale it was taken at: the
     recipe's step-0 scale, halved (GradScaler's back-off) until torch's gradients are finite, so
-    that step 0 is one torch would not skip. `parity.step0` and `parity.golden_export` call it.
+    that step 0 is one torch would not skip. `parity.verdicts.step0` and `parity.golden.export` call it.
     """
     scale = config.recipe.step0_loss_scale(config)
     side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops)

@@ -1,0 +1,1 @@
+"""The command line (`commands`; ``python -m parity``) and its progress display (`progress`)."""

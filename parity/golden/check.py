@@ -1,0 +1,516 @@
+"""Golden trajectories: the torch side of a cell recorded once, the JAX side checked without torch.
+
+A golden file holds everything the JAX side of a cell needs and everything its verdicts compare
+against: the initial weights (Flax layout, float32), every training batch (and the held-out
+batches when the run evaluates), torch's step-0 numbers at each stage (eval and train logits,
+loss, every parameter's gradient, running statistics, matmul FLOPs by dtype, the loss scale),
+torch's run record (per-step loss, loss scale and skips, and whatever else the trainer logs per
+step; summary, config, versions, hardware) and the model's name, task and configuration.
+
+`parity.golden.export.export_golden` (or ``python -m parity export``) writes it where torch is
+installed; `check_golden` (or ``python -m parity check --golden FILE``) runs only the JAX side and
+judges it with the harness's own verdicts: the step-0 rows of `parity.verdicts.step0_rows`
+against the recorded torch side, then `parity.verdicts.compare.compare_runs` on the recorded torch run and
+the new JAX run. Neither this module nor anything it imports loads torch.
+
+The file's schema, writer and reader are `parity.golden.format`'s (one ``.npz``: arrays and a
+JSON header, versioned, validated before anything runs).
+
+Recorded and current machines may differ. What the JAX side computes here is compared with what
+torch computed there; the step-0 bands (`parity.verdicts.tolerance`) count one change of
+accumulation order and one rounding to the compute dtype per layer between the two sides. When
+torch's low-precision kernels there were of another class than torch's would be here (native
+AVX512-BF16 / AMX / AVX512-FP16 kernels against their emulation), the recorded side may hold one
+more rounding to the compute dtype per layer (an epilogue - bias add, activation - applied after
+the product was stored in the compute dtype instead of before), so the low-precision step-0
+bands grow by ``SAFETY * depth * u(dtype)`` (`hardware_allowance`), and only those. Float32
+kernels on two CPUs differ only in accumulation order, which the band's ``sqrt(fan-in) *
+u(float32)`` term already covers for any two implementations: no allowance. The trajectory bands
+are not rounding counts and do not grow. A different JAX version is what the check exists to
+catch: no allowance. The report lists every difference and what it changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from parity.config import RunConfig
+from parity.golden.format import BatchList, Golden, load_golden
+from parity.pairs.adapters import as_flax_model
+from parity.perf import measure
+from parity.perf.hardware import UnsupportedHere, hardware_info
+from parity.training.records import (
+    build_error_record,
+    build_unsupported_record,
+    write_json_atomic,
+)
+from parity.training.train_jax import train_jax
+from parity.verdicts.compare import compare_runs
+from parity.verdicts.rows import (
+    Verdict,
+    cell_bottom_lines,
+    format_verdicts,
+    overall_status,
+)
+from parity.verdicts.sides import jax_side
+from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
+from parity.verdicts.tolerance import (
+    LOW_PRECISION_GRADIENT_FACTOR,
+    SAFETY,
+    program_shapes,
+    unit_roundoff,
+)
+
+__all__ = [
+    "EXIT_CODES",
+    "GoldenResult",
+    "add_check_parser",
+    "check_golden",
+    "flax_pair",
+    "hardware_allowance",
+    "load_flax_model",
+    "main",
+    "resolve_object",
+    "run_check",
+]
+
+# `python -m parity`'s exit codes (README): one contract for every command.
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "NOTHING COMPARED": 3, "INCONCLUSIVE": 4}
+BAD_INPUT = 2
+
+
+# --- recorded against current machine ---------------------------------------------------------
+
+
+def _capability(flags: set[str], restricted: str | None) -> str:
+    """The ATen CPU capability a torch would pick from these CPU flags and ATEN_CPU_CAPABILITY."""
+    detected = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "DEFAULT"
+    order = ("DEFAULT", "AVX2", "AVX512")
+    wanted = (restricted or "").upper()
+    if wanted in order and order.index(wanted) < order.index(detected):
+        return wanted
+    return detected
+
+
+def _kernel_classes(hardware: Mapping[str, Any], *, here: bool) -> dict[str, Any]:
+    """Which kernels torch runs (or would run) float32, bfloat16 and float16 matmuls with."""
+    flags = set((hardware.get("cpu") or {}).get("flags") or ())
+    env = hardware.get("env") or {}
+    recorded = hardware.get("torch") or {}
+    capability = (
+        str(recorded["cpu_capability"]).upper()
+        if not here and recorded.get("cpu_capability")
+        else _capability(flags, env.get("ATEN_CPU_CAPABILITY"))
+    )
+    # the rule of `parity.perf.hardware.torch_bf16_is_emulated`, read from these flags and this env
+    isa = str(env.get("ONEDNN_MAX_CPU_ISA") or "ALL").upper()
+    onednn_low = isa == "ALL" or any(key in isa for key in ("BF16", "AMX", "FP16", "AVX10"))
+    wide = capability in ("AVX512", "AMX") and onednn_low
+    recorded_emulated = None if here else hardware.get("torch_bf16_emulated")
+    bf16_native = (
+        not recorded_emulated
+        if recorded_emulated is not None
+        else (wide and bool({"avx512_bf16", "amx_bf16"} & flags) if flags else None)
+    )
+    fp16_native = wide and bool({"avx512_fp16", "amx_fp16"} & flags) if flags else None
+    return {"float32": capability, "bfloat16": bf16_native, "float16": fp16_native}
+
+
+def _kernel_name(dtype: str, native: Any) -> str:
+    if dtype == "float32":
+        return f"ATen {native}"
+    return {
+        True: f"native {dtype}",
+        False: f"{dtype} emulated in float32",
+        None: "unknown",
+    }[native]
+
+
+def hardware_allowance(
+    header: Mapping[str, Any], current: Mapping[str, Any] | None = None
+) -> tuple[dict[str, float], list[str]]:
+    """What the recorded machine's difference from this one justifies, and what it does not.
+
+    Args:
+      header: a golden header (its ``hardware`` and ``versions`` are the recorded machine's).
+      current: `parity.perf.hardware.hardware_info` of this machine (default: measured now).
+
+    Returns:
+      ``({dtype: extra roundings per layer}, notes)``: for each compute dtype whose torch
+      kernel class differs (native against emulated), ``1.0`` (one more rounding to that
+      dtype per layer, see the module docstring); notes say every difference found and what it
+      changed (nothing, for float32 kernels, versions and thread counts).
+
+    Example:
+      >>> header = {"hardware": {"cpu": {"flags": ["avx2"]}, "torch_bf16_emulated": True,
+      ...           "torch": {"cpu_capability": "AVX2"}}, "versions": {}}
+      >>> here = {"cpu": {"flags": ["avx2", "avx512f", "avx512_bf16"]}, "env": {}}
+      >>> extra, notes = hardware_allowance(header, here)
+      >>> extra
+      {'bfloat16': 1.0}
+    """
+    current = hardware_info() if current is None else current
+    recorded_hw = header.get("hardware") or {}
+    there = _kernel_classes(recorded_hw, here=False)
+    here = _kernel_classes(current, here=True)
+    extra: dict[str, float] = {}
+    notes = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        a, b = there[dtype], here[dtype]
+        if a is None or b is None or a == b:
+            continue
+        change = f"torch's {dtype} kernels: recorded {_kernel_name(dtype, a)}, here {_kernel_name(dtype, b)}"
+        if dtype == "float32":
+            notes.append(
+                f"{change}: float32 kernels differ in accumulation order only, which the step-0 "
+                "band's sqrt(fan-in) x u(float32) term covers for any two implementations; "
+                "no allowance"
+            )
+        else:
+            extra[dtype] = 1.0
+            notes.append(
+                f"{change}: the recorded side may round each layer's output to {dtype} once "
+                f"more (an epilogue after the stored product); the {dtype} step-0 bands grow by "
+                f"{SAFETY:g} x depth x u({dtype}), the trajectory bands do not"
+            )
+    recorded_versions = header.get("versions") or {}
+    now = measure.versions()
+    for name in ("jax", "jaxlib", "flax", "optax", "jaxamp", "numpy"):
+        if recorded_versions.get(name) not in (None, now.get(name)):
+            notes.append(
+                f"{name} {recorded_versions[name]} when recorded, {now.get(name)} here: the JAX "
+                "side is what is checked, so no allowance"
+            )
+    env_then = recorded_hw.get("env") or {}
+    env_now = current.get("env") or {}
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        if env_then.get(name) != env_now.get(name):
+            notes.append(
+                f"{name}={env_then.get(name)} when recorded, {env_now.get(name)} here: it "
+                "restricts torch's kernels only (XLA ignores it); counted in the kernel classes "
+                "above"
+            )
+    return extra, notes
+
+
+def _widen(rows: list[Verdict], dtype: str, shapes, reason: str) -> list[Verdict]:
+    """Step-0 rows of a low-precision stage with the one-rounding-per-layer allowance added."""
+    out = []
+    for row in rows:
+        if not isinstance(row.tolerance, float) or not isinstance(row.value, int | float):
+            out.append(row)
+            continue
+        gradients = row.check.endswith("gradients")
+        depth = shapes["grad" if gradients else "forward"][1]
+        extra = SAFETY * depth * unit_roundoff(dtype)
+        if gradients:
+            extra *= LOW_PRECISION_GRADIENT_FACTOR
+        tolerance = row.tolerance + extra
+        out.append(
+            dataclasses.replace(
+                row,
+                tolerance=tolerance,
+                passed=bool(row.value <= tolerance),
+                detail=f"{row.detail}; + {extra:.3g} for {reason}",
+            )
+        )
+    return out
+
+
+# --- the JAX side -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Pair:
+    """The JAX half of a model pair (what `parity.training.train_jax` and the step-0 JAX side read)."""
+
+    name: str
+    task: str
+    flax_model: Any
+    config: dict
+    mapping: Any = None
+
+    def flax_apply(self, variables, inputs, train: bool):
+        return self.flax_model.apply(variables, inputs, train)
+
+
+def resolve_object(reference: str) -> Any:
+    """The object ``"package.module:attr"`` names (``attr`` may be dotted).
+
+    Raises:
+      ValueError: a malformed reference, a module that does not import, a missing attribute.
+
+    Example:
+      >>> resolve_object("math:pi")
+      3.141592653589793
+    """
+    if not isinstance(reference, str) or reference.count(":") != 1:
+        raise ValueError(f"expected 'package.module:attr'; got {reference!r}.")
+    module_name, attr = reference.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{reference!r}: module {module_name!r} does not import ({e}).") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{reference!r}: {module_name!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _flax_model(golden: Golden, flax_model: Any) -> Any:
+    if flax_model is None:
+        reference = golden.header["model"].get("flax_model")
+        if reference is None:
+            name = golden.header["model"]["name"]
+            try:
+                # The built-in pairs define each Flax twin beside its torch module (that file
+                # imports torch): loaded only for a built-in model's golden, by name.
+                models = importlib.import_module("parity.models")
+            except ImportError as e:
+                raise ValueError(
+                    f"golden of the built-in model {name!r}: its Flax twin is defined beside its "
+                    f"torch module, and torch does not import here ({e}); pass flax_model= "
+                    "(--flax-model MODULE:ATTR)."
+                ) from None
+            config = golden.config
+            return models.get_model_pair(
+                name, seed=config.seed, data=config.data, **config.model_overrides
+            ).flax_model
+        flax_model = reference
+    return load_flax_model(flax_model)
+
+
+def load_flax_model(reference: Any) -> Any:
+    """A Flax model from ``"module:attr"`` (a module, a module class or a zero-argument
+    factory), or `reference` itself when it is already a model."""
+    obj = resolve_object(reference) if isinstance(reference, str) else reference
+    if isinstance(obj, type) or (
+        callable(obj) and not hasattr(obj, "apply") and not hasattr(obj, "module")
+    ):
+        obj = obj()
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenResult:
+    """What `check_golden` returns.
+
+    Attributes:
+      status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``
+        (`parity.verdicts.rows.overall_status`).
+      verdicts: the step-0 rows, then `parity.verdicts.compare.compare_runs`'s.
+      runs: ``[torch's recorded run, the JAX run]``.
+      notes: every recorded-versus-current difference and what it changed.
+      golden: the golden file checked.
+    """
+
+    status: str
+    verdicts: list[Verdict]
+    runs: list[dict[str, Any]]
+    notes: list[str]
+    golden: str | None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "PASS"
+
+    @property
+    def exit_code(self) -> int:
+        """`python -m parity`'s exit code for this outcome."""
+        return EXIT_CODES.get(self.status, EXIT_CODES["NOTHING COMPARED"])
+
+    def report(self) -> str:
+        """The verdict table, the explanation of each failing row, the bottom line per cell
+        and the recorded-versus-current notes."""
+        lines = [format_verdicts(self.verdicts)]
+        for cell, line in cell_bottom_lines(self.verdicts).items():
+            lines.append(f"{' '.join(cell)}: {line}")
+        lines.append(f"golden: {self.golden}")
+        recorded = self.runs[0]
+        lines.append(
+            "reference: torch run recorded "
+            + ", ".join(
+                f"{k} {v}"
+                for k, v in (recorded.get("versions") or {}).items()
+                if k in ("torch", "jax", "jaxamp")
+            )
+        )
+        lines += [f"recorded vs here: {note}" for note in self.notes] or [
+            "recorded vs here: same torch kernel classes and JAX versions; bands unchanged"
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "golden": self.golden,
+            "notes": self.notes,
+            "verdicts": [v.to_dict() for v in self.verdicts],
+        }
+
+
+def flax_pair(golden: Golden, flax_model: Any = None, *, flax_kwargs: Any = None) -> Any:
+    """The JAX half of the golden's pair (what the JAX trainer and step 0 read): the model
+    under test (`flax_model`, else the one the golden names) as a `parity.pairs.adapters.FlaxModel`."""
+    model = golden.header["model"]
+    return _Pair(
+        model["name"],
+        model["task"],
+        as_flax_model(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
+        dict(model.get("config") or {}),
+    )
+
+
+def _train(config: RunConfig, pair: _Pair, stream: BatchList, variables, progress: bool):
+    try:
+        return train_jax(config, pair, stream, variables=variables, progress=progress)
+    except UnsupportedHere as e:
+        return build_unsupported_record("jax", config, e.reason)
+    except Exception as e:  # failed by `compare` with the message, as the harness does
+        print(f"error: jax {config.model} {config.precision}: {e}", file=sys.stderr)
+        return build_error_record("jax", config, e)
+
+
+def check_golden(
+    golden: str | os.PathLike | Golden,
+    flax_model: Any = None,
+    *,
+    flax_kwargs: Any = None,
+    progress: bool = False,
+    current_hardware: Mapping[str, Any] | None = None,
+) -> GoldenResult:
+    """Runs the JAX side of a recorded cell and judges it against the recorded torch side.
+
+    Step 0 first (the harness's rows: outputs and gradients at float32, then at the run's
+    precision, and the compute-dtype rows); a failing step 0 stops before training, as in
+    `parity.cell.run_cell`. Then the JAX run from the recorded weights on the recorded batches,
+    judged by `parity.verdicts.compare.compare_runs` against torch's recorded run.
+
+    Args:
+      golden: a golden file (or a loaded `Golden`).
+      flax_model: the Flax module under test (linen, NNX, Hugging Face Flax, a
+        ``"module:attr"`` string or a zero-argument factory); default: the reference the golden
+        recorded, else the built-in pair's twin (needs torch).
+      flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
+      progress: report training progress.
+      current_hardware: this machine's `parity.perf.hardware.hardware_info` (default: measured).
+
+    Returns:
+      A `GoldenResult` (``result.report()`` for the table and the notes).
+
+    Raises:
+      GoldenFileError: the file breaks the schema. ValueError: no Flax model can be found.
+    """
+    golden = golden if isinstance(golden, Golden) else load_golden(golden)
+    config = golden.config
+    pair = flax_pair(golden, flax_model, flax_kwargs=flax_kwargs)
+    variables = golden.variables()
+    stream = BatchList(
+        [golden.batch(k) for k in range(golden.header["data"]["train_batches"])],
+        golden.eval_batches(),
+    )
+    extra, notes = hardware_allowance(golden.header, current_hardware)
+    inputs, targets = stream.batch(0)
+    shapes = program_shapes(pair, variables, inputs, targets)
+    step0: list[Verdict] = []
+    for stage in golden.stages:
+        stage_config = config.replace(precision=stage["precision"])
+        low = not stage_config.recipe.baseline
+        torch_numbers = golden.side(stage["stage"])
+        jax_numbers = jax_side(
+            pair,
+            variables,
+            inputs,
+            targets,
+            stage_config,
+            stage["loss_scale"],
+            trace_flops=low,
+        )
+        rows, _, _ = stage_verdicts(
+            pair,
+            config,
+            stage["stage"],
+            stage_config.compute_dtype,
+            torch_numbers,
+            jax_numbers,
+            shapes,
+        )
+        if extra.get(stage_config.compute_dtype):
+            rows = _widen(
+                rows,
+                stage_config.compute_dtype,
+                shapes,
+                f"the recorded {stage_config.compute_dtype} kernels (one rounding per layer)",
+            )
+        step0 += rows
+        if low:
+            step0 += compute_verdicts(stage_config, torch_numbers, jax_numbers)
+        if any(v.passed is False for v in step0):
+            break
+    failed = [v for v in step0 if v.passed is False]
+    summary = ""
+    if failed:
+        summary = "; ".join(f"{v.check}: {v.value_text} > {v.tolerance_text}" for v in failed)
+        jax_run = build_error_record("jax", config, RuntimeError(f"step 0 FAILED: {summary}"))
+    else:
+        jax_run = _train(config, pair, stream, variables, progress)
+    # Stored as the harness stores its step-0 result (`parity.verdicts.step0.attach_step0`): the rows
+    # enter the verdicts through the run record, with mode "step 0".
+    jax_run["step0"] = {
+        "passed": not failed,
+        "summary": "step 0: all checks pass" if not failed else f"step 0 FAILED: {summary}",
+        "verdicts": [v.to_dict() for v in step0],
+    }
+    runs = [golden.torch_run, jax_run]
+    verdicts = compare_runs(runs)
+    return GoldenResult(overall_status(verdicts), verdicts, runs, notes, golden.path)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def add_check_parser(sub: Any) -> argparse.ArgumentParser:
+    """Adds ``check`` to `parity.cli.commands`'s subcommands (and to `main`'s own parser)."""
+    check = sub.add_parser(
+        "check",
+        help="run the JAX side against a golden file (no torch needed); exit 0 PASS, 1 FAIL",
+    )
+    check.add_argument("--golden", required=True, help="golden file (python -m parity export)")
+    check.add_argument(
+        "--flax-model",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="the Flax module (or a zero-argument factory) under test; default: the one the "
+        "golden names",
+    )
+    check.add_argument("--json", default=None, help="also write the verdicts to this JSON file")
+    check.add_argument("--no-progress", action="store_true", help="no progress output")
+    return check
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``check``'s body: prints the report; returns the exit code."""
+    try:
+        result = check_golden(args.golden, args.flax_model, progress=not args.no_progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return BAD_INPUT
+    print(result.report())
+    if args.json:
+        write_json_atomic(args.json, result.to_dict())
+    return result.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m parity check ...`` where torch is not installed (`parity.__main__`)."""
+    parser = argparse.ArgumentParser(prog="python -m parity")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check", *(sys.argv[2:] if argv is None else argv)])
+    return run_check(args)

@@ -1,0 +1,182 @@
+"""Records the torch side of a cell into a golden file (`parity.golden.check`); needs torch.
+
+`export_golden` runs what `parity.cell.run_cell` runs on torch's side of a cell - the step-0
+numbers at float32 and at the run's precision (`parity.verdicts.torch_side.torch_stage_side`,
+under the full-float32 matmul settings of `parity.verdicts.step0`) and torch's training run
+(`parity.training.trainers.train_framework`) - and writes them with the initial weights and the
+batches through `parity.golden.check.write_golden`. `export_models` does the same for your own torch
+module and Flax port (the pair `parity.api.prepare_pair` builds).
+
+Example::
+
+    from parity.golden.export import export_models
+
+    export_models(
+        "tests/data/my_port.golden.npz",
+        torch_module=MyTorchNet(),
+        flax_module="my_package.flax_net:MyFlaxNet",   # what `check` imports, torch-free
+        batches=[(x0, y0), (x1, y1), ...],
+        precision="bf16-mixed",
+    )
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.api import prepare_pair
+from parity.cell import builtin_pair
+from parity.config import RunConfig
+from parity.golden.check import load_flax_model, resolve_object
+from parity.golden.format import BatchList, write_golden
+from parity.training.trainers import train_framework
+from parity.verdicts.torch_side import torch_stage_side
+
+__all__ = ["export_golden", "export_models"]
+
+
+def _torch_sides(pair: Any, config: RunConfig, inputs, targets):
+    """``(stage, precision, loss scale, Side)`` per step-0 stage, as `parity.verdicts.step0` takes them."""
+    if config.recipe.compute_dtype_name == "float8":
+        raise ValueError(
+            f"export: precision {config.precision!r} is judged at step 0 by torchao's per-layer "
+            "fp8 scales and codes, which a golden file does not hold; export another precision."
+        )
+    stages = [("fp32", config.replace(precision="fp32"))]
+    if not config.recipe.baseline:
+        stages.append((config.precision, config))
+    previous = torch.get_float32_matmul_precision()
+    previous_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision(
+        "highest"
+    )  # as parity.verdicts.step0: full float32 on both sides
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = []
+        for stage, stage_config in stages:
+            low = not stage_config.recipe.baseline
+            side, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
+            out.append((stage, stage_config.precision, scale, side))
+        return out
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
+        torch.set_float32_matmul_precision(previous)
+
+
+def export_golden(
+    path: str | os.PathLike,
+    config: RunConfig,
+    *,
+    pair: Any = None,
+    stream: Any = None,
+    flax_model: str | None = None,
+    progress: bool = False,
+) -> Path:
+    """Trains torch's side of a cell and writes its golden file.
+
+    Args:
+      path: the ``.npz`` file to write.
+      config: the cell (model, precision, steps, batch size, optimizer...).
+      pair: the model pair (default: the built-in pair of ``config.model``).
+      stream: the batches (default: the pair's data at the run's data seed).
+      flax_model: ``"module:attr"`` of the Flax module under test (or a zero-argument factory
+        of it), recorded so that ``python -m parity check`` finds it without torch; None for a
+        built-in pair (its twin is found by name, which needs torch).
+      progress: report progress.
+
+    Returns:
+      The written path.
+
+    Raises:
+      ValueError: an fp8 precision (its step 0 is per-layer fp8 codes), a `flax_model` that
+        does not import, or a torch run that did not complete.
+    """
+    if flax_model is not None:
+        resolve_object(flax_model)  # fails here, not in someone's CI
+    if pair is None:
+        pair = builtin_pair(config)
+    if stream is None:
+        stream = pair.make_data(config.stream_seed, config.batch_size)
+    variables = pair.torch_to_flax()  # before training: the weights both sides start from
+    batches = [tuple(np.asarray(b) for b in stream.batch(step)) for step in range(config.steps)]
+    eval_batches = (
+        [tuple(np.asarray(b) for b in e) for e in stream.eval_batches()] if config.eval else []
+    )
+    sides = _torch_sides(pair, config, *batches[0])
+    torch_run = train_framework("torch", config, pair, stream, progress=progress)
+    if torch_run.get("status") != "completed":
+        reason = torch_run.get("reason") or torch_run["summary"].get("error")
+        raise ValueError(f"export: torch's run did not complete ({reason}); nothing written.")
+    model = {
+        "name": pair.name,
+        "task": pair.task,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(pair.config).items()},
+        "flax_model": flax_model,
+    }
+    return write_golden(
+        path,
+        config=config,
+        model=model,
+        torch_run=torch_run,
+        variables=variables,
+        batches=batches,
+        eval_batches=eval_batches,
+        sides=sides,
+    )
+
+
+def export_models(
+    path: str | os.PathLike,
+    torch_module: Any,
+    flax_module: str,
+    batches: Sequence[tuple[Any, Any]],
+    *,
+    transfer: Any = None,
+    precision: str = "fp32",
+    task: str = "classification",
+    steps: int | None = None,
+    eval_batches: Sequence[tuple[Any, Any]] | None = None,
+    name: str = "user_model",
+    flax_kwargs: Any = None,
+    progress: bool = False,
+    **config: Any,
+) -> Path:
+    """`export_golden` for your own torch module and Flax port.
+
+    Args:
+      path: the ``.npz`` file to write.
+      torch_module: the reference ``torch.nn.Module`` (not modified).
+      flax_module: ``"module:attr"`` of the Flax port (a module or a zero-argument factory),
+        importable without torch: the check imports it from there.
+      batches: ``(inputs, targets)`` numpy pairs, one per step (as `parity.compare_models`).
+      transfer, task, eval_batches, name, flax_kwargs: as `parity.compare_models`.
+      precision: the cell's precision.
+      steps: training steps (default: one per batch).
+      progress: report progress.
+      **config: any other `RunConfig` field (``lr``, ``optimizer``, ``clip_norm``...).
+
+    Returns:
+      The written path.
+    """
+    stream = BatchList(batches, eval_batches or ())
+    flax = load_flax_model(flax_module)
+    pair = prepare_pair(
+        torch_module, flax, transfer, stream, task=task, name=name, flax_kwargs=flax_kwargs
+    )
+    run_config = RunConfig(
+        model=name,
+        precision=precision,
+        steps=len(batches) if steps is None else steps,
+        batch_size=int(stream.batch_size),
+        eval=bool(eval_batches),
+        **config,
+    )
+    return export_golden(
+        path, run_config, pair=pair, stream=stream, flax_model=flax_module, progress=progress
+    )

@@ -1,0 +1,381 @@
+"""The golden file: its schema, its one writer and its reader (`parity.golden.check` checks it).
+
+One ``.npz`` (``numpy.savez_compressed``; read with ``allow_pickle=False``): arrays under
+``init/`` (the initial Flax variables, float32), ``batch/K/`` and ``eval/K/`` (``inputs``,
+``targets``), ``step0/STAGE/`` (torch's ``eval_logits``, ``train_logits``, ``grads/...``,
+``stats/...``), and the JSON header under ``header.json``: ``format`` (`FORMAT`),
+``schema_version`` (`SCHEMA_VERSION`), ``config`` (`RunConfig.to_dict`), ``model`` (name, task,
+configuration, the ``"module:attr"`` of the Flax module under test), ``torch_run`` (torch's run
+record, `parity.training.records` schema), ``step0.stages`` (stage, precision, dtype, loss scale, loss,
+matmul FLOPs by dtype), ``data`` (batch counts), ``versions`` and ``hardware``. `load_golden`
+validates all of it before anything runs and names the offending field. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.config import RunConfig
+from parity.perf import measure
+from parity.perf.hardware import hardware_info
+from parity.training.records import ResultsFileError, validate_run, write_bytes_atomic
+from parity.verdicts.sides import Side, flatten
+
+__all__ = [
+    "FORMAT",
+    "HEADER_KEY",
+    "SCHEMA_VERSION",
+    "BatchList",
+    "Golden",
+    "GoldenFileError",
+    "load_golden",
+    "validate_golden",
+    "write_golden",
+]
+
+FORMAT = "parity-golden"
+SCHEMA_VERSION = 1
+HEADER_KEY = "header.json"
+
+
+class GoldenFileError(ValueError):
+    """A golden file that cannot be read or breaks the schema.
+
+    Attributes:
+      path: the file (None in memory).
+      field: the offending header field or array key (None for file-level problems).
+    """
+
+    def __init__(self, message: str, *, path: Any = None, field: str | None = None):
+        self.path = None if path is None else str(path)
+        self.field = field
+        where = self.path or "golden"
+        if field is not None:
+            where += f", field {field!r}"
+        super().__init__(f"{where}: {message}")
+
+
+def _nest(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split("/")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    """A loaded, validated golden file (`load_golden`).
+
+    Attributes:
+      header: the JSON header (format, schema version, config, model, torch run, step 0,
+        data, versions, hardware).
+      arrays: every array by key.
+      path: where it was read from (None in memory).
+    """
+
+    header: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    path: str | None = None
+
+    @property
+    def config(self) -> RunConfig:
+        """The cell's `RunConfig` (the one both sides were configured with)."""
+        return RunConfig.from_dict(self.header["config"])
+
+    @property
+    def torch_run(self) -> dict[str, Any]:
+        """torch's run record (`parity.training.records` schema)."""
+        return self.header["torch_run"]
+
+    @property
+    def stages(self) -> list[dict[str, Any]]:
+        """Step-0 stages: ``{"stage", "precision", "dtype", "loss_scale", "loss", "flops"}``."""
+        return self.header["step0"]["stages"]
+
+    def variables(self) -> dict[str, Any]:
+        """The initial Flax variables (``{"params": ..., maybe "batch_stats": ...}``, float32)."""
+        return _nest(
+            {k[len("init/") :]: v for k, v in self.arrays.items() if k.startswith("init/")}
+        )
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(inputs, targets)`` of training step `step`."""
+        count = self.header["data"]["train_batches"]
+        if not 0 <= step < count:
+            raise ValueError(f"golden: step {step} outside the {count} recorded batches.")
+        return self.arrays[f"batch/{step}/inputs"], self.arrays[f"batch/{step}/targets"]
+
+    def eval_batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The recorded held-out batches (empty when the run did not evaluate)."""
+        return [
+            (self.arrays[f"eval/{k}/inputs"], self.arrays[f"eval/{k}/targets"])
+            for k in range(self.header["data"]["eval_batches"])
+        ]
+
+    def side(self, stage: str) -> Side:
+        """torch's step-0 `Side` at `stage` (``"fp32"`` or the run's precision)."""
+        info = next(s for s in self.stages if s["stage"] == stage)
+        prefix = f"step0/{stage}/"
+
+        def group(name: str) -> dict[str, np.ndarray]:
+            start = f"{prefix}{name}/"
+            return {k[len(start) :]: v for k, v in self.arrays.items() if k.startswith(start)}
+
+        return Side(
+            self.arrays[prefix + "eval_logits"],
+            self.arrays[prefix + "train_logits"],
+            float(info["loss"]),
+            group("grads"),
+            group("stats"),
+            info.get("flops"),
+        )
+
+
+def write_golden(
+    path: str | os.PathLike,
+    *,
+    config: RunConfig,
+    model: Mapping[str, Any],
+    torch_run: Mapping[str, Any],
+    variables: Mapping[str, Any],
+    batches: Sequence[tuple[Any, Any]],
+    eval_batches: Sequence[tuple[Any, Any]],
+    sides: Sequence[tuple[str, str, float, Side]],
+) -> Path:
+    """Writes a golden file atomically (the one writer; `parity.golden.export` calls it).
+
+    Args:
+      path: the ``.npz`` file.
+      config: the cell's configuration.
+      model: ``{"name", "task", "config", "flax_model"}`` (``flax_model``: ``"module:attr"`` of
+        the Flax module or of a zero-argument factory, or None).
+      torch_run: torch's run record.
+      variables: the initial Flax variables (float32).
+      batches: one ``(inputs, targets)`` pair per training step.
+      eval_batches: the held-out batches (empty when the run does not evaluate).
+      sides: ``(stage, precision, loss scale, torch Side)`` per step-0 stage.
+
+    Returns:
+      `path` as a `Path`, validated by reading it back.
+    """
+    arrays: dict[str, np.ndarray] = {}
+    for key, value in flatten(dict(variables)).items():
+        arrays[f"init/{key}"] = value
+    for kind, group in (("batch", batches), ("eval", eval_batches)):
+        for k, (inputs, targets) in enumerate(group):
+            arrays[f"{kind}/{k}/inputs"] = np.asarray(inputs)
+            arrays[f"{kind}/{k}/targets"] = np.asarray(targets)
+    stages = []
+    for stage, precision, scale, side in sides:
+        prefix = f"step0/{stage}/"
+        arrays[prefix + "eval_logits"] = np.asarray(side.eval_logits, np.float32)
+        arrays[prefix + "train_logits"] = np.asarray(side.train_logits, np.float32)
+        for name, group_ in (("grads", side.grads), ("stats", side.stats)):
+            for key, value in group_.items():
+                arrays[f"{prefix}{name}/{key}"] = np.asarray(value, np.float32)
+        stages.append(
+            {
+                "stage": stage,
+                "precision": precision,
+                "dtype": RunConfig(model=config.model, precision=precision).compute_dtype,
+                "loss_scale": float(scale),
+                "loss": float(side.loss),
+                "flops": side.flops,
+            }
+        )
+    header = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "config": config.to_dict(),
+        "model": dict(model),
+        "torch_run": dict(torch_run),
+        "step0": {"stages": stages},
+        "data": {"train_batches": len(batches), "eval_batches": len(eval_batches)},
+        "versions": measure.versions(),
+        "hardware": hardware_info(),
+    }
+    arrays[HEADER_KEY] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
+    validate_golden(header, arrays, path)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    out = write_bytes_atomic(path, buffer.getvalue())
+    load_golden(out)
+    return out
+
+
+def _require(header: Mapping[str, Any], key: str, kind: type | tuple, path, prefix="") -> Any:
+    if key not in header:
+        raise GoldenFileError("missing", path=path, field=prefix + key)
+    value = header[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise GoldenFileError(
+            f"must be {getattr(kind, '__name__', kind)}; got {type(value).__name__}",
+            path=path,
+            field=prefix + key,
+        )
+    return value
+
+
+def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = None) -> None:
+    """Checks a golden file's header and arrays against the schema.
+
+    Raises:
+      GoldenFileError: naming the file and the first offending field or array.
+    """
+    if not isinstance(header, dict):
+        raise GoldenFileError(
+            f"header must be a JSON object; got {type(header).__name__}", path=path
+        )
+    if header.get("format") != FORMAT:
+        raise GoldenFileError(
+            f"not a golden file (format {header.get('format')!r}, expected {FORMAT!r})",
+            path=path,
+            field="format",
+        )
+    version = header.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise GoldenFileError(
+            f"schema_version {version!r}; this parity reads version {SCHEMA_VERSION} (export the "
+            "golden again with this version, or check it with the parity that wrote it)",
+            path=path,
+            field="schema_version",
+        )
+    for key, kind in (
+        ("config", dict),
+        ("model", dict),
+        ("torch_run", dict),
+        ("step0", dict),
+        ("data", dict),
+        ("versions", dict),
+        ("hardware", dict),
+    ):
+        _require(header, key, kind, path)
+    try:
+        config = RunConfig.from_dict(header["config"])
+    except (TypeError, ValueError) as e:
+        raise GoldenFileError(str(e), path=path, field="config") from None
+    model = header["model"]
+    _require(model, "name", str, path, "model.")
+    _require(model, "task", str, path, "model.")
+    if model.get("flax_model") is not None and not isinstance(model["flax_model"], str):
+        raise GoldenFileError("must be 'module:attr' or null", path=path, field="model.flax_model")
+    try:
+        validate_run(header["torch_run"])
+    except ResultsFileError as e:
+        field = "torch_run" + (f".{e.field}" if e.field else "")
+        raise GoldenFileError(str(e).split(": ", 1)[-1], path=path, field=field) from None
+    if header["torch_run"]["framework"] != "torch":
+        raise GoldenFileError("must be torch's run", path=path, field="torch_run.framework")
+    data = header["data"]
+    count = _require(data, "train_batches", int, path, "data.")
+    evals = _require(data, "eval_batches", int, path, "data.")
+    if count < config.steps:
+        raise GoldenFileError(
+            f"{count} training batches for {config.steps} steps",
+            path=path,
+            field="data",
+        )
+    needed = [
+        f"{kind}/{k}/{part}"
+        for kind, n in (("batch", count), ("eval", evals))
+        for k in range(n)
+        for part in ("inputs", "targets")
+    ]
+    if not any(k.startswith("init/params/") for k in arrays):
+        needed.append("init/params/...")
+    stages = _require(header["step0"], "stages", list, path, "step0.")
+    if not stages:
+        raise GoldenFileError("no step-0 stage recorded", path=path, field="step0.stages")
+    for i, stage in enumerate(stages):
+        where = f"step0.stages[{i}]."
+        name = _require(stage, "stage", str, path, where)
+        _require(stage, "precision", str, path, where)
+        _require(stage, "loss_scale", (int, float), path, where)
+        _require(stage, "loss", (int, float), path, where)
+        needed += [f"step0/{name}/eval_logits", f"step0/{name}/train_logits"]
+        needed += [
+            f"step0/{name}/grads/{k[len('init/params/') :]}"
+            for k in arrays
+            if k.startswith("init/params/")
+        ]
+    missing = [k for k in needed if k not in arrays and not k.endswith("...")]
+    missing += [k for k in needed if k.endswith("...")]
+    if missing:
+        raise GoldenFileError(
+            f"arrays missing: {missing[:5]}" + (" ..." if len(missing) > 5 else ""),
+            path=path,
+            field=missing[0],
+        )
+    for key, value in arrays.items():
+        if key.startswith(("init/", "step0/")) and value.dtype != np.float32:
+            raise GoldenFileError(f"must be float32; got {value.dtype}", path=path, field=key)
+        if key.startswith(("init/", "step0/")) and not np.all(np.isfinite(value)):
+            raise GoldenFileError("holds non-finite values", path=path, field=key)
+
+
+def load_golden(path: str | os.PathLike) -> Golden:
+    """Reads and validates a golden file.
+
+    Raises:
+      GoldenFileError: the file is missing, not an ``.npz`` archive, or breaks the schema.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise GoldenFileError("no such file", path=path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError) as e:
+        raise GoldenFileError(f"not a golden .npz archive ({e})", path=path) from None
+    if HEADER_KEY not in arrays:
+        raise GoldenFileError(f"no {HEADER_KEY} entry", path=path, field=HEADER_KEY)
+    try:
+        header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenFileError(f"header is not JSON ({e})", path=path, field=HEADER_KEY) from None
+    validate_golden(header, arrays, path)
+    return Golden(header, arrays, str(path))
+
+
+class BatchList:
+    """Batches held in memory as a `parity.data.BatchStream`-like object: ``batch(step)``,
+    ``eval_batches()``, ``batch_size``, ``input_shape`` (a golden file's, or a user's list).
+
+    Raises:
+      ValueError: no batches, or a step beyond them.
+    """
+
+    def __init__(self, batches: Sequence[tuple[Any, Any]], eval_batches: Sequence = ()):
+        if isinstance(batches, str | bytes) or not isinstance(batches, Sequence) or not batches:
+            raise ValueError(
+                "batches: expected a non-empty sequence of (inputs, targets) pairs; got "
+                f"{type(batches).__name__}."
+            )
+        self._batches = [(np.asarray(x), np.asarray(y)) for x, y in batches]
+        self._eval = [(np.asarray(x), np.asarray(y)) for x, y in eval_batches or ()]
+        inputs, _ = self._batches[0]
+        self.batch_size = int(inputs.shape[0])
+        self.input_shape = tuple(inputs.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= step < len(self._batches):
+            raise ValueError(f"batches: step {step} outside the {len(self._batches)} given.")
+        return self._batches[step]
+
+    def eval_batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        return list(self._eval)

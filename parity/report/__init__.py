@@ -1,0 +1,1 @@
+"""Report: ``report.md`` (`markdown`), its plots (`plots`) and the memory section (`memory`)."""

@@ -1,0 +1,442 @@
+"""Step-0 verdicts: do the two models agree before any training?
+
+On one batch, from the same weights, both frameworks compute
+
+- the eval-mode logits, the train-mode logits and loss, and the running statistics a train-mode
+  forward pass leaves behind (BatchNorm);
+- the gradient of the loss with respect to every parameter (mapped into the Flax layout by the
+  pair's weight mapping, so the k-th number of a torch gradient meets the k-th number of the
+  matching Flax gradient);
+
+first in float32 at the highest matmul precision on both sides
+(``torch.set_float32_matmul_precision("highest")``, ``jax.default_matmul_precision("highest")``),
+then at the run's precision (autocast / bf16-true casting, exactly as the trainers do). At the
+run's precision it also measures which dtype the matmul and convolution FLOPs ran in on each side
+(the compute-dtype verdict: a bf16 run whose matmuls ran in float32 fails and says so). For the
+fp8 precisions (whose policy is fp32 outside the converted linear layers) the run-precision rows
+are `parity.training.fp8.step0_fp8`'s instead: every converted layer's scales and fp8 codes of input,
+weight and output gradient, torchao against jaxamp.fp8.
+
+Error measures and bands (normwise relative error, group floors, ``band = SAFETY * depth *
+(sqrt(fan_in) * u(float32) + u(dtype))`` with fan-in and depth read from the JAX program) are
+`parity.verdicts.tolerance`'s, where the reasoning behind them is written down.
+
+Beyond the model's own init, the float32 stage of every precision adds the rows of
+`parity.verdicts.step0_checks`: each mapped layer on its whole operating range (`parity.verdicts.layer_probe`:
+probe weights, each Flax layer fed torch's input, judged against a band of its own and its noise
+floor), torch modules whose train-mode output is random (dropout left on), and, for information,
+tensors the weight mapping folds.
+
+A failure names the worst parameter and the worst output, and (``diagnose=True``) the per-layer
+diagnosis of `parity.verdicts.diagnose` names the first layer whose error exceeds its band, or the cause
+that is not a layer's (stochastic modules, the compute dtype).
+
+Example::
+
+    from parity.models import get_model_pair
+    from parity.verdicts.step0 import check_step0
+
+    result = check_step0(get_model_pair("resnet"), "bf16-mixed")
+    print(result.passed, result.summary())
+    for verdict in result.verdicts:
+        print(verdict.check, verdict.value, verdict.tolerance, verdict.passed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.config import RunConfig
+from parity.training.records import build_error_record
+from parity.verdicts.diagnose import diagnose_pair
+from parity.verdicts.rows import Verdict
+from parity.verdicts.sides import Side, as_config, jax_side
+from parity.verdicts.step0_checks import (
+    explain_failure,
+    folded_verdict,
+    probe_verdict,
+    stochastic_verdict,
+)
+from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
+from parity.verdicts.tolerance import (
+    program_shapes,
+)
+from parity.verdicts.torch_side import torch_stage_side
+
+__all__ = [
+    "Step0Failure",
+    "Step0Result",
+    "attach_step0",
+    "blocked_records",
+    "check_step0",
+    "run_step0",
+]
+
+
+class Step0Failure(RuntimeError):
+    """Raised by the run flow when the step-0 checks fail: training would compare a broken port.
+
+    Attributes:
+      result: the `Step0Result` (verdicts, worst parameter and output, diagnosis).
+    """
+
+    def __init__(self, result: Step0Result):
+        super().__init__(result.summary())
+        self.result = result
+
+
+@dataclasses.dataclass
+class Step0Result:
+    """What `check_step0` returns.
+
+    Attributes:
+      verdicts: `parity.verdicts.rows.Verdict` rows (check names start with ``"step 0"``).
+      passed: no verdict failed.
+      worst_output: ``(name, relative error)`` of the worst output of the first failing (or
+        else the fp32) stage.
+      worst_parameter: ``(name, relative error)`` of the worst gradient, likewise.
+      compute_flops: ``{"torch": {dtype: FLOPs}, "jax": {...}}`` at the run's precision.
+      diagnosis: the `parity.verdicts.diagnose.Diagnosis` made when a check failed (None otherwise).
+      diagnosis_error: why the diagnosis could not be made, if it could not.
+      probe: the `parity.verdicts.layer_probe.LayerProbe` of the float32 stage (None when not run).
+    """
+
+    verdicts: list[Verdict]
+    passed: bool
+    worst_output: tuple[str, float] | None = None
+    worst_parameter: tuple[str, float] | None = None
+    compute_flops: dict[str, dict[str, int]] | None = None
+    diagnosis: Any = None
+    diagnosis_error: str | None = None
+    probe: Any = None
+
+    def summary(self) -> str:
+        """One line: pass, or the failed checks with their worst output/parameter, and the first
+        diverging layer."""
+        failed = [v for v in self.verdicts if v.passed is False]
+        if not failed:
+            return "step 0: all checks pass"
+        parts = [
+            f"{v.check}: {v.value_text} > {v.tolerance_text} ({v.detail.split(';')[0]})"
+            for v in failed
+        ]
+        head = "step 0 FAILED"
+        if self.diagnosis is not None and (
+            getattr(self.diagnosis, "first_failing", None) or getattr(self.diagnosis, "cause", None)
+        ):
+            head = f"{head} ({self.diagnosis.summary()})"
+        return f"{head}: " + "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (for run records and reports)."""
+        return {
+            "passed": self.passed,
+            "summary": self.summary(),
+            "verdicts": [v.to_dict() for v in self.verdicts],
+            "worst_output": list(self.worst_output) if self.worst_output else None,
+            "worst_parameter": list(self.worst_parameter) if self.worst_parameter else None,
+            "compute_flops": self.compute_flops,
+            "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
+            "diagnosis_error": self.diagnosis_error,
+            "probe": (
+                {
+                    "failed": [
+                        {
+                            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                            for k, v in row.items()
+                        }
+                        for row in self.probe.failed[:20]
+                    ],
+                    "skipped": self.probe.skipped,
+                }
+                if self.probe is not None
+                else None
+            ),
+        }
+
+
+_DOWNSTREAM = (
+    "after a flipped code: codes within 1 fp8 step of the row's largest, scales within 1 step"
+)
+_FP8_TOLERANCES = {
+    "weight": "quantizer exact; scales and codes equal",
+    "input": f"quantizer exact; scales within 8 float32 eps, codes within 1 fp8 step ({_DOWNSTREAM})",
+    "grad_output": "quantizer exact; scales within 8 float32 eps, codes within 1 fp8 step of the "
+    f"row's largest ({_DOWNSTREAM})",
+}
+
+
+def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | None:
+    """Step-0 rows of an fp8 run (None for a recipe without fp8 layers): `parity.training.fp8.step0_fp8` (torchao's scales and fp8 codes against
+    jaxamp.fp8's, every converted layer), one row per tensor (input, weight, grad_output).
+
+    The generic run-precision rows would compare two float32 models (an fp8 precision's policy
+    is fp32 outside the converted layers, and neither side applies fp8 there), so they say
+    nothing about the fp8 recipes. A layer converted on one side only fails the run.
+    """
+    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    prefix = f"step 0 {config.precision}"
+    try:
+        rows = config.recipe.fp8_step0(pair, inputs, targets)
+    except ValueError as e:  # the two sides convert different layers
+        return [
+            Verdict(
+                check=f"{prefix}: fp8 layers",
+                compared="torchao Float8Linear layers vs jaxamp.fp8 matmuls",
+                value="mismatch",
+                tolerance="same layers",
+                passed=False,
+                detail=str(e)[:500],
+                mode="step 0",
+                **base,
+            )
+        ]
+    if rows is None:
+        return None
+    verdicts = []
+    for tensor, tol in _FP8_TOLERANCES.items():
+        group = [r for r in rows if r["tensor"] == tensor]
+        if not group:
+            continue
+        failed = [r for r in group if not r["passed"]]
+        steps = max(r["max_code_steps"] for r in group)
+        rel = max(r["scale_max_rel_diff"] for r in group)
+        differing = sum(r["codes_differing"] for r in group)
+        total = sum(r["codes"] for r in group)
+        downstream = [r["torch_module"] for r in group if r["downstream_of_flip"]]
+        detail = (
+            f"{len(group)} layers ({', '.join(r['torch_module'] for r in group)}); "
+            f"scales max rel diff {rel:.3g}; {differing}/{total} codes differ, "
+            f"by at most {steps} fp8 steps"
+            + (f"; after a flipped code: {', '.join(downstream)}" if downstream else "")
+        )
+        if failed:
+            detail = (
+                "failing layers: "
+                + ", ".join(
+                    f"{r['torch_module']} ("
+                    + ("" if r["quantizer_exact"] else "quantizer not exact on torch's tensor, ")
+                    + f"scale rel diff {r['scale_max_rel_diff']:.3g}, "
+                    f"{r['codes_differing']}/{r['codes']} codes differ"
+                    + (f", {r['detail']}" if r.get("detail") else "")
+                    + ")"
+                    for r in failed[:3]
+                )
+                + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+                + "; "
+                + detail
+            )
+        verdicts.append(
+            Verdict(
+                check=f"{prefix}: fp8 {tensor} scales and codes",
+                compared="jaxamp.fp8 vs torchao, every converted layer",
+                value=f"{len(failed)}/{len(group)} layers off",
+                tolerance=tol,
+                passed=not failed,
+                detail=detail,
+                mode="step 0",
+                **base,
+            )
+        )
+    return verdicts
+
+
+def check_step0(
+    pair: Any,
+    config: RunConfig | str = "fp32",
+    batch: tuple[Any, Any] | None = None,
+    *,
+    variables: dict | None = None,
+    diagnose: bool = True,
+) -> Step0Result:
+    """Step-0 verdicts for a model pair: outputs and gradients, fp32 first, then the run's precision.
+
+    Args:
+      pair: a `parity.models.ModelPair` (built-in or user; ``pair.mapping`` is used when present).
+      config: a `RunConfig`, or just its precision (``"fp32"``, ``"bf16-mixed"``, ...).
+      batch: ``(inputs, targets)`` numpy arrays (default: batch 0 of the pair's data at
+        ``config.seed``/``config.batch_size``).
+      variables: the Flax variables to start from (default: converted from the torch model).
+      diagnose: on a failure, run `parity.verdicts.diagnose.diagnose_pair` at the failing stage's precision
+        and keep its table in the result.
+
+    Returns:
+      A `Step0Result`: rows ``step 0 fp32: eval-mode output``, ``... train-mode output`` (logits,
+      loss, running statistics), ``... gradients``, then ``step 0: deterministic train-mode
+      forward (torch)``, ``step 0 fp32: each layer on its operating range`` (and, when the mapping
+      folds tensors, the informational ``step 0: tensors folded by the mapping``); the same
+      output and gradient rows with ``step 0 <precision>`` for a
+      low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
+      precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
+      scales and codes`` from `parity.training.fp8.step0_fp8` (torchao against jaxamp.fp8, every
+      converted layer; mode ``"step 0"``) instead.
+
+    Example:
+      >>> result = check_step0(get_model_pair("resnet", wrong_port="padding"))
+      >>> result.passed, result.diagnosis.first_failing
+      (False, 'blocks.1.conv1')
+    """
+    config = as_config(pair, config)
+    if batch is None:
+        batch = pair.make_data(config.seed, config.batch_size).batch(0)
+    inputs, targets = (np.asarray(b) for b in batch)
+    if variables is None:
+        variables = pair.torch_to_flax()
+    previous = torch.get_float32_matmul_precision()
+    previous_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False  # convolutions at full float32 too
+    try:
+        stages = [("fp32", dataclasses.replace(config, precision="fp32"))]
+        if not config.recipe.baseline:
+            stages.append((config.precision, config))
+        verdicts: list[Verdict] = []
+        worst_output = worst_param = None
+        flops = None
+        failed_stage = None
+        fp8_failed = False
+        shapes = program_shapes(pair, variables, inputs, targets)
+        sides: dict[str, tuple[Side, Side]] = {}
+        # Beyond the model's own init, whatever the precision: every layer on its operating
+        # range, stochastic torch modules, tensors the mapping folds (parity.verdicts.step0_checks).
+        probe_row, probe = probe_verdict(pair, config, inputs)
+        structure = [stochastic_verdict(pair, config, inputs), probe_row]
+        folded = folded_verdict(pair, config)
+        if folded is not None:
+            structure.append(folded)
+        for stage, stage_config in stages:
+            low = not stage_config.recipe.baseline
+            fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets) if low else None
+            if fp8_rows is not None:  # fp32 stage passed: compare the fp8 recipes
+                verdicts.extend(fp8_rows)
+                if any(v.passed is False for v in verdicts):
+                    fp8_failed = True
+                break
+            t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
+            j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
+            sides[stage] = (t, j)
+            rows, w_out, w_param = stage_verdicts(
+                pair, config, stage, stage_config.compute_dtype, t, j, shapes
+            )
+            verdicts.extend(rows)
+            if stage == "fp32":
+                verdicts.extend(structure)
+            if low:
+                verdicts.extend(compute_verdicts(stage_config, t, j))
+                flops = {"torch": t.flops or {}, "jax": j.flops or {}}
+            stage_failed = any(v.passed is False for v in verdicts)
+            if worst_output is None or (stage_failed and failed_stage is None):
+                worst_output, worst_param = w_out, w_param
+            if stage_failed and failed_stage is None:
+                failed_stage = stage_config
+                break  # a broken fp32 port makes the low-precision comparison meaningless
+        passed = not any(v.passed is False for v in verdicts)
+        result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
+        # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
+        if not passed and diagnose and not fp8_failed:
+            try:
+                result.diagnosis = diagnose_pair(
+                    pair,
+                    failed_stage or config,
+                    (inputs, targets),
+                    variables=variables,
+                    sides=sides,
+                    shapes=shapes,
+                )
+                explain_failure(result.diagnosis, verdicts, probe)
+            except Exception as e:  # the verdicts stand without the table
+                result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
+        return result
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
+        torch.set_float32_matmul_precision(previous)
+
+
+# --- the run flow -------------------------------------------------------------------------------
+
+
+def run_step0(
+    config: RunConfig,
+    pair: Any,
+    stream: Any = None,
+    *,
+    frameworks: tuple[str, ...] = ("torch", "jax"),
+    echo: bool = True,
+) -> Step0Result | None:
+    """The step-0 gate of a training run (`parity.cli.commands.run_pair`, `parity.compare_models`).
+
+    Runs `check_step0` on the run's first batch when both frameworks are trained (one side alone
+    has nothing to compare with: returns None), and prints the one-line summary (and, on a
+    failure, the per-layer table) to stderr when `echo`.
+
+    Args:
+      config: the run's configuration.
+      pair: the model pair.
+      stream: the run's `BatchStream` (default: the pair's data at the run's data seed).
+      frameworks: the frameworks the run trains.
+      echo: print the outcome.
+
+    Returns:
+      The `Step0Result`, or None when fewer than two frameworks run. When the checks themselves
+      raise (say, torch has no kernel for the dtype on this CPU), a passing result with one
+      informational row saying why: the trainers then record the cell's real outcome.
+
+    Example:
+      >>> result = run_step0(config, pair)
+      >>> if result is not None and not result.passed: runs = blocked_records(config, result)
+    """
+    if set(frameworks) != {"torch", "jax"}:
+        return None
+    if stream is None:
+        seed = getattr(config, "stream_seed", config.seed)
+        stream = pair.make_data(seed, config.batch_size)
+    try:
+        result = check_step0(pair, config, stream.batch(0))
+    except Exception as e:  # e.g. no kernel for this dtype here: training reports it, not step 0
+        reason = f"{type(e).__name__}: {str(e)[:300]}"
+        row = Verdict(
+            model=config.model,
+            precision=config.precision,
+            device=config.device,
+            check="step 0",
+            compared="jax vs torch, step 0",
+            value=f"not run ({reason})",
+            tolerance="-",
+            passed=None,
+            detail="the step-0 checks raised; training goes on and records its own outcome",
+        )
+        result = Step0Result([row], True)
+    if echo:
+        print(f"{config.model} {config.precision}: {result.summary()}", file=sys.stderr)
+        if result.diagnosis is not None:
+            print(result.diagnosis.to_markdown(), file=sys.stderr)
+    return result
+
+
+def blocked_records(
+    config: RunConfig, result: Step0Result, frameworks: tuple[str, ...] = ("torch", "jax")
+) -> list[dict[str, Any]]:
+    """Error records for a run stopped before training by a failed step 0 (``compare`` fails
+    them with the step-0 summary: the worst output, parameter and first diverging layer), each
+    carrying the full step-0 result under ``"step0"``.
+
+    Example:
+      >>> runs = blocked_records(config, result)   # instead of training
+    """
+    return attach_step0(
+        [build_error_record(fw, config, Step0Failure(result)) for fw in frameworks], result
+    )
+
+
+def attach_step0(runs: list[dict[str, Any]], result: Step0Result | None) -> list[dict[str, Any]]:
+    """Stores ``result.to_dict()`` under ``"step0"`` in every run record (None: unchanged)."""
+    if result is not None:
+        for run in runs:
+            run["step0"] = result.to_dict()
+    return runs

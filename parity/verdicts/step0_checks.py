@@ -1,0 +1,186 @@
+"""Step-0 rows beyond the model's own init: the layer probe, stochastic layers, folded tensors.
+
+`parity.verdicts.step0.check_step0` adds these to the float32 stage of every run, whatever its precision:
+
+- ``step 0 fp32: each layer on its operating range`` (`probe_verdict`): every mapped layer on
+  probe weights, fed the same input on both sides, against a band of its own and its noise floor
+  (`parity.verdicts.layer_probe`): a port bug that the model's own init hides fails here, at any init and
+  any depth.
+- ``step 0: deterministic train-mode forward (torch)`` (`stochastic_verdict`): two identical
+  train-mode calls of the torch model must agree; a module whose output differs (a dropout the
+  harness did not turn off, such as transformers' ``BertSdpaSelfAttention``, which passes
+  ``dropout_prob`` to SDPA) is named and fails the run.
+- ``step 0: tensors folded by the mapping`` (`folded_verdict`, informational): Flax leaves that
+  hold the sum of several torch tensors (a GRU/LSTM cell's two biases); the forward pass is the
+  same, training is not (the optimizer moves each torch tensor on its own).
+
+`explain_failure` then names the cause of a failed step 0 on the diagnosis: a non-layer check
+(stochastic layers, the compute dtype) before any layer, and the probe's first failing layer
+when the model's own init showed none.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.automap.explain import folded_tensors
+from parity.pairs.adapters import torch_stochastic_modules
+from parity.verdicts.layer_probe import NOISE_K, PROBE_SCALES, LayerProbe, probe_layers
+from parity.verdicts.rows import Verdict
+
+__all__ = [
+    "PROBE_CHECK",
+    "STOCHASTIC_CHECK",
+    "explain_failure",
+    "folded_verdict",
+    "probe_verdict",
+    "stochastic_verdict",
+]
+
+PROBE_CHECK = "step 0 fp32: each layer on its operating range"
+STOCHASTIC_CHECK = "step 0: deterministic train-mode forward (torch)"
+FOLDED_CHECK = "step 0: tensors folded by the mapping"
+
+
+def _base(config) -> dict[str, Any]:
+    return {"model": config.model, "precision": config.precision, "device": config.device}
+
+
+def probe_verdict(pair: Any, config: Any, inputs: Any) -> tuple[Verdict, LayerProbe | None]:
+    """The probe's row (and the probe), or an informational row saying why it did not run."""
+    compared = "jax vs torch, each Flax layer fed torch's input, on probe weights"
+    try:
+        probe = probe_layers(pair, inputs)
+    except Exception as e:  # a model the probe cannot drive: the other rows stand without it
+        return Verdict(
+            check=PROBE_CHECK,
+            compared=compared,
+            value="not run",
+            tolerance="-",
+            passed=None,
+            detail=f"the probe raised {type(e).__name__}: {str(e)[:300]}",
+            mode="step 0",
+            **_base(config),
+        ), None
+    if not probe.rows:
+        return Verdict(
+            check=PROBE_CHECK,
+            compared=compared,
+            value="no layer probed",
+            tolerance="-",
+            passed=None,
+            detail="; ".join(f"{k}: {v}" for k, v in probe.skipped.items())[:500],
+            mode="step 0",
+            **_base(config),
+        ), probe
+    failed = probe.failed
+    row = failed[0] if failed else probe.worst
+    layers = {r["layer"] for r in probe.rows} - {"(model output)"}
+    # In execution order, so the first named is where the two models first part.
+    over = list(dict.fromkeys(f"{r['layer']} {r['kind']}" for r in probe.rows if not r["passed"]))
+    detail = (
+        f"worst: {probe.describe(row)}; "
+        + (
+            f"over their thresholds, in execution order: {', '.join(over[:8])}"
+            + (f" and {len(over) - 8} more" if len(over) > 8 else "")
+            + "; "
+            if failed
+            else ""
+        )
+        + f"{len(layers)} layers (and the model output), each fed torch's input, with every "
+        f"layer's output rescaled to RMS {' and '.join(f'{s:g}' for s in PROBE_SCALES)} and zero "
+        "biases / unit scales offset at random, eval and train mode; each output against "
+        f"{NOISE_K:g} x its noise floor (torch's float32 layer against float64), inputs and "
+        "running statistics against the layer's own band (8 x (sqrt(fan-in) + 1) x "
+        "u(float32)), never grown by the model's depth"
+        + (f"; not probed: {probe.skipped}" if probe.skipped else "")
+    )
+    return Verdict(
+        check=PROBE_CHECK,
+        compared=compared,
+        value=float(row["error"]),
+        tolerance=float(row["threshold"]),
+        passed=not failed,
+        detail=detail,
+        mode="step 0",
+        **_base(config),
+    ), probe
+
+
+def stochastic_verdict(pair: Any, config: Any, inputs: Any) -> Verdict:
+    """Two identical train-mode torch calls must agree; the modules that do not are named."""
+    model = copy.deepcopy(pair.torch_model).float().cpu()
+    x = torch.from_numpy(np.ascontiguousarray(inputs))
+    named = torch_stochastic_modules(model, lambda: pair.torch_forward(model, x, train=True))
+    detail = (
+        "two train-mode calls on the same batch agree"
+        if not named
+        else f"train-mode output differs between two identical calls in {', '.join(named)}: a "
+        "dropout (or other random draw) the harness did not turn off; the two frameworks would "
+        "draw different masks. Set its rate to 0 (for transformers: every *dropout* config "
+        "field, e.g. attention_probs_dropout_prob) or pass dropout='disable' to compare_models"
+    )
+    return Verdict(
+        check=STOCHASTIC_CHECK,
+        compared="torch train-mode forward, twice",
+        value=", ".join(named) if named else "deterministic",
+        tolerance="deterministic",
+        passed=not named,
+        detail=detail,
+        mode="step 0",
+        **_base(config),
+    )
+
+
+def folded_verdict(pair: Any, config: Any) -> Verdict | None:
+    """An informational row naming the Flax leaves that hold a sum of torch tensors."""
+    mapping = getattr(pair, "mapping", None)
+    if mapping is None or not hasattr(mapping, "entries"):
+        return None
+    shapes = {k: tuple(v.shape) for k, v in pair.torch_model.state_dict(keep_vars=True).items()}
+    folded = folded_tensors(mapping, shapes)
+    if not folded:
+        return None
+    listed = "; ".join(f"{' + '.join(names)} -> {'/'.join(path)}" for path, names in folded.items())
+    return Verdict(
+        check=FOLDED_CHECK,
+        compared="the weight mapping",
+        value=f"{len(folded)} Flax leaves",
+        tolerance="-",
+        passed=None,
+        detail=f"{listed}: the forward pass is the same (step 0 agrees), but Flax has one "
+        "trainable tensor where torch has several; an optimizer moves each torch tensor on its "
+        "own (AdamW about lr per tensor per step), so the summed bias moves about twice as far as "
+        "Flax's and the trajectories part from step 1 without a port bug. Keep torch's "
+        "parameterisation on the Flax side (e.g. parity.models.layers.TorchLSTM) to compare "
+        "training",
+        mode="informational",
+        **_base(config),
+    )
+
+
+def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: LayerProbe | None) -> None:
+    """Names the cause of a failed step 0 on `diagnosis` (in place): a failed non-layer check
+    first (stochastic layers, the compute dtype), and the probe's first failing layer (in
+    execution order) when the model's own init showed no diverging layer."""
+    failed = {v.check: v for v in verdicts if v.passed is False}
+    if STOCHASTIC_CHECK in failed:
+        diagnosis.cause = f"stochastic torch modules: {failed[STOCHASTIC_CHECK].value}"
+    else:
+        dtype = [v for check, v in failed.items() if check.startswith("compute dtype")]
+        if dtype:
+            diagnosis.cause = f"{dtype[0].check}: {dtype[0].detail}"
+    if PROBE_CHECK in failed and probe is not None and diagnosis.first_failing is None:
+        row = next(r for r in probe.rows if not r["passed"])  # execution order
+        diagnosis.first_failing = row["layer"]
+        diagnosis.first_failing_stage = "fp32"
+        diagnosis.first_failing_kind = (
+            f"{row['kind']} on probe weights ({row['mode']}, layer outputs at RMS {row['scale']:g})"
+        )
+    for verdict in verdicts:
+        if verdict.check == FOLDED_CHECK:
+            diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")
