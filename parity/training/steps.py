@@ -295,12 +295,17 @@ def torch_train_step(
     def finite(values) -> list[float | None]:
         return [x if math.isfinite(x) else None for x in values]
 
+    def whole(x):
+        # FSDP2 shards parameters and gradients (DTensor): a per-shard max or sum is reduced
+        # over the ranks, so every rank records the whole model's figure, as DDP's ranks do.
+        return x.full_tensor() if hasattr(x, "full_tensor") else x
+
     def observe_scaled() -> None:
         if names is not None:
             grads = [p.grad for p in params]
             maxima = torch.stack(
                 [
-                    g.detach().abs().max().float() if g is not None else torch.zeros(())
+                    whole(g.detach().abs().max()).float() if g is not None else torch.zeros(())
                     for g in grads
                 ]
             )
@@ -310,7 +315,9 @@ def torch_train_step(
         if names is None:
             return None
         grads = [p.grad.detach().float() for p in params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = torch.linalg.vector_norm(
+            torch.stack([whole(torch.linalg.vector_norm(g)) for g in grads])
+        )
         step.signals["grad_norm"] = finite([float(norm)])[0]
         return [p.detach().clone() for p in params]
 
@@ -318,7 +325,7 @@ def torch_train_step(
         if before is not None:
             with torch.no_grad():
                 squares = [
-                    torch.sum(torch.square(p.detach().float() - b.float()))
+                    whole(torch.sum(torch.square(p.detach().float() - b.float())))
                     for p, b in zip(params, before, strict=True)
                 ]
             step.signals["update_norm"] = finite([float(torch.sqrt(torch.stack(squares).sum()))])[0]
