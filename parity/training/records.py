@@ -51,6 +51,7 @@ __all__ = [
     "build_error_record",
     "build_run_record",
     "build_unsupported_record",
+    "comparable_labels",
     "config_differences",
     "config_run_key",
     "load_results",
@@ -206,6 +207,8 @@ def run_key(run: Mapping[str, Any]) -> tuple:
     other data (``config.data``; records without it ran on ``"synthetic"``).
     """
     mode = run.get("torch_mode", "") if run["framework"] == "torch" else ""
+    # A distributed run's sides ("torch ddp", "jax:jit ddp"...) live beside each other.
+    mode = run.get("distributed") or mode
     return (
         run["model"],
         run["precision"],
@@ -234,13 +237,36 @@ def config_run_key(framework: str, config: Any, variant: str = "") -> tuple:
 
 
 def run_label(run: Mapping[str, Any]) -> str:
-    """``"torch"``, ``"torch-compile"`` or ``"jax"``; a calibration variant adds ``"~noise"``."""
+    """``"torch"``, ``"torch-compile"`` or ``"jax"``; a distributed run's side names its arm
+    (``"torch ddp"``, ``"jax:shard_map ddp"``); a calibration variant adds ``"~noise"``."""
     label = run["framework"]
-    if run["framework"] == "torch" and run.get("torch_mode") == "compile":
+    if run.get("distributed"):
+        label = run["distributed"]
+    elif run["framework"] == "torch" and run.get("torch_mode") == "compile":
         label = "torch-compile"
     if run.get("variant"):
         label += f"~{run['variant']}"
     return label
+
+
+def comparable_labels(runs: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The (torch label, JAX label) pairs compared among one cell's main runs: each torch label
+    against each JAX label of the same arm (``run["arm"]``: one device, or a distributed
+    strategy, whose JAX side may run several modes).
+
+    Example:
+      >>> comparable_labels([{"framework": "torch"}, {"framework": "jax"}])
+      [('torch', 'jax')]
+    """
+    arms: dict[str, dict[str, str]] = {"torch": {}, "jax": {}}
+    for run in runs:
+        arms[run["framework"]][run_label(run)] = run.get("arm") or "single"
+    return sorted(
+        (ref, cand)
+        for ref, ref_arm in arms["torch"].items()
+        for cand, cand_arm in arms["jax"].items()
+        if ref_arm == cand_arm
+    )
 
 
 def run_status(run: Mapping[str, Any]) -> str:

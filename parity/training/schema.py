@@ -174,6 +174,10 @@ RUN_SCHEMA = {
     "policy": _STR,
     "torch_mode": Kind("'eager' or 'compile'", lambda x: x in ("eager", "compile")),
     "mixed_precision_method": _STR,
+    # A distributed run's side: its label ("jax:jit ddp"), its arm ("ddp"), the arm's checks.
+    "distributed": _STR,
+    "arm": _STR,
+    "distributed_verdicts": [_VERDICT],
     "versions": {},
     "hardware": Nullable(_HARDWARE),
     "config": Nullable({}),

@@ -58,7 +58,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from parity.training.recipes import get_recipe
-from parity.training.records import config_differences, run_label, run_seed, run_status
+from parity.training.records import (
+    comparable_labels,
+    config_differences,
+    run_label,
+    run_seed,
+    run_status,
+)
 from parity.verdicts.power import envelope_ratio, step_band, step_tolerances
 from parity.verdicts.rows import (
     LOSS_UNIT,
@@ -585,6 +591,8 @@ def _embedded_verdicts(runs: Iterable[Mapping[str, Any]]) -> list[Verdict]:
     for run in runs:
         step0 = run.get("step0")
         rows = step0.get("verdicts", []) if isinstance(step0, Mapping) else []
+        # A distributed run's own checks (ranks agree, reduction dtypes), stored with its sides.
+        rows = [*rows, *run.get("distributed_verdicts", [])]
         for row in rows:
             verdict = Verdict.from_dict(row)
             if not verdict.mode:
@@ -642,33 +650,27 @@ def compare_runs(
         main = [r for r in usable if not r.get("variant")]
         noise = [r for r in usable if r.get("variant") == "noise"]
         seeds = sorted({run_seed(r) for r in main})
-        torch_labels = sorted({run_label(r) for r in main if r["framework"] == "torch"})
+        label_pairs = comparable_labels(main)
         compared_any = judged_any = False
         for seed in seeds:
-            at_seed = [r for r in main if run_seed(r) == seed]
-            jax_runs = [r for r in at_seed if r["framework"] == "jax"]
-            for label in torch_labels:
-                refs = [r for r in at_seed if run_label(r) == label]
-                if refs and jax_runs:
-                    primary_seed = seed
-                    break
-            else:
-                continue
-            break
+            here = {run_label(r) for r in main if run_seed(r) == seed}
+            if any(label in here and jax_label in here for label, jax_label in label_pairs):
+                primary_seed = seed
+                break
         else:
             primary_seed = None
         if primary_seed is not None:
             at_seed = [r for r in main if run_seed(r) == primary_seed]
-            jax_main = next(r for r in at_seed if r["framework"] == "jax")
             noise_here = [r for r in noise if run_seed(r) == primary_seed]
             reported: set[int] = set()
-            for label in torch_labels:
+            for label, jax_label in label_pairs:
                 ref = next((r for r in at_seed if run_label(r) == label), None)
-                if ref is None:
+                jax_main = next((r for r in at_seed if run_label(r) == jax_label), None)
+                if ref is None or jax_main is None:
                     continue
                 ref_seeds, jax_seeds = [], []
                 for run in main:
-                    if run_label(run) == label or run["framework"] == "jax":
+                    if run_label(run) in (label, jax_label):
                         mine = ref if run["framework"] == "torch" else jax_main
                         left_out = config_differences(mine, run)
                         if left_out:

@@ -40,7 +40,13 @@ import numpy as np
 from scipy import stats
 
 from parity.training.recipes import get_recipe
-from parity.training.records import config_differences, run_label, run_seed, run_status
+from parity.training.records import (
+    comparable_labels,
+    config_differences,
+    run_label,
+    run_seed,
+    run_status,
+)
 from parity.verdicts.rows import (
     LOSS_UNIT,
     POWER_BOUNDS,
@@ -175,9 +181,9 @@ def _pairs(runs):
         groups.setdefault((run["model"], run["precision"], run["device"]), []).append(run)
     for cell, members in sorted(groups.items()):
         main = [r for r in members if not r.get("variant")]
-        jax_main = [r for r in main if r["framework"] == "jax"]
-        for label in sorted({run_label(r) for r in main if r["framework"] == "torch"}):
+        for label, jax_label in comparable_labels(main):
             refs = [r for r in main if run_label(r) == label]
+            jax_main = [r for r in main if run_label(r) == jax_label]
             seeds = sorted({run_seed(r) for r in refs} & {run_seed(r) for r in jax_main})
             if not seeds:
                 continue
