@@ -1,22 +1,33 @@
-"""``parity bisect``: the smallest set of Flax modules to keep in float32 for a cell to pass.
+"""``parity bisect``: the fewest Flax modules, then primitives, to keep in float32 for a cell to pass.
 
 A low-precision cell fails at step 0 when some module of the JAX port is numerically fragile in
 the compute dtype (a LayerNorm that takes its statistics in bfloat16, an ``exp`` without the max
-subtracted) where torch's autocast keeps the matching op in float32. `bisect` finds a
-1-minimal set of linen modules whose inputs, cast to float32, make the cell pass, by delta
-debugging (Zeller and Hildebrandt's ddmin) over the modules the forward pass calls.
+subtracted) where torch's autocast keeps the matching op in float32, or torch's kernel is
+stable. `bisect` delta debugs (Zeller and Hildebrandt's ddmin) in two stages:
+
+1. **modules**: a 1-minimal set of the linen modules the forward pass calls whose inputs, cast to
+   float32, make the cell pass. A module is kept in float32 the way torch's autocast keeps an op
+   on its float32 list: its floating inputs are cast to float32 (autocast honours a cast the
+   program writes) and the ops inside run on them; matmuls inside stay under autocast. Printed as
+   jaxamp's per-module rules (`jaxamp.flax.linen.with_policy(..., rules)`).
+2. **primitives** (where the modules stage found a set and the recipe's JAX forward pass is
+   ``jaxamp.autocast``): the primitives that ran on bfloat16/float16 operands inside those modules
+   and run in float32 once they are kept are the candidates; a 1-minimal set of them whose
+   ``jaxamp.autocast`` override to ``"fp32"`` (everywhere in the model, no module kept) makes the
+   cell pass. An override holds wherever the primitive runs, so candidates that run least
+   outside the kept modules come first, and the printed ``overrides`` say how many runs outside
+   they also move: one fragile op (an unguarded ``exp``) comes out alone; for a LayerNorm whose
+   mean is rounded by the cast inside ``jnp.mean`` no primitive of its own suffices, and the
+   answer (``add``, which moves every bias add too) is coarser than the module rule.
 
 One *run* is the cell's step-0 judgement at the run's precision: the JAX side
 (`parity.verdicts.sides.jax_side`, the harness's own, under the run's recipe) with the chosen
-modules kept in float32, against torch's side (from a golden file, `bisect_golden`, or computed
-once, `bisect_models`), judged by `parity.verdicts.step0_rows.stage_verdicts`. A module is kept
-in float32 the way torch's autocast keeps an op on its float32 list: its floating inputs are
-cast to float32 (autocast honours a cast the program writes) and the ops inside run on them;
-matmuls inside stay under autocast. The result prints the rules to paste: jaxamp's per-module
-policy (`jaxamp.flax.linen.with_policy(..., rules)`) for those modules.
+modules or overrides, against torch's side (from a golden file, `bisect_golden`, or given to
+`bisect`), judged by `parity.verdicts.step0_rows.stage_verdicts`.
 
-Runs: 2 to start (all modules kept must pass; none kept must fail), then ddmin's, at most
-``budget`` in all; each distinct set is run once.
+Runs, at most ``budget`` over both stages, each distinct set once: 2 to start (every module kept
+must pass; none kept must fail), ddmin's over the modules, then 1 for every candidate primitive
+overridden (must pass) and ddmin's over them.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import argparse
 import dataclasses
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,18 +44,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from parity.config import RunConfig
 from parity.golden.check import BAD_INPUT, flax_pair
 from parity.golden.format import Golden, load_golden
 from parity.pairs.adapters import FlaxModel
+from parity.training.recipes import Recipe, get_recipe
+from parity.training.steps import jax_forward
 from parity.verdicts.rows import Verdict
-from parity.verdicts.sides import Side, jax_side
+from parity.verdicts.sides import Side, jax_side, torch_device
 from parity.verdicts.step0_rows import stage_verdicts
 from parity.verdicts.tolerance import program_shapes
 
 __all__ = [
     "BisectResult",
+    "PrimitiveStage",
     "add_bisect_parser",
     "bisect",
     "bisect_golden",
@@ -53,6 +69,34 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET = 64
+_LOW_PRECISION = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
+_CASTS = frozenset({"convert_element_type", "jaxamp_explicit_cast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveStage:
+    """The primitives stage of `bisect`.
+
+    Attributes:
+      keep: the primitive names whose ``jaxamp.autocast`` override to ``"fp32"`` makes the cell
+        pass, 1-minimal when `minimal`.
+      candidates: the primitives the modules stage moved to float32 (what was searched).
+      outcome: as `BisectResult.outcome` (``"no set passes"``: every candidate overridden still
+        fails; the module rules are the answer).
+      minimal: whether `keep` is 1-minimal.
+      runs: the runs this stage took.
+      verdicts: the step-0 rows with `keep` overridden.
+      outside: for each primitive in `keep`, how many of its low-precision runs lie outside the
+        kept modules (an autocast override moves them too; candidates with fewest come first).
+    """
+
+    keep: list[str]
+    candidates: list[str]
+    outcome: str
+    minimal: bool
+    runs: int
+    verdicts: list[Verdict]
+    outside: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +105,17 @@ class BisectResult:
 
     Attributes:
       keep: the modules to keep in float32 ("/"-joined linen paths), 1-minimal when `minimal`.
-      runs: how many step-0 runs it took.
+      runs: how many step-0 runs it took, both stages.
       candidates: every module the forward pass calls (what was searched).
       outcome: ``"found"``, ``"passes already"`` (nothing to keep), ``"no set passes"`` (even
         every module in float32 fails: not a float32 question) or ``"budget spent"``.
       minimal: whether `keep` is 1-minimal (removing any one module makes the cell fail).
       precision: the cell's precision.
       verdicts: the step-0 rows with `keep` in float32.
+      primitives: the primitives stage, or None where it did not run (no module set found, or
+        the recipe's JAX forward pass is not ``jaxamp.autocast``).
+      autocast_args: the recipe's ``jaxamp.autocast`` arguments (``dtype``, ``device``) for the
+        overrides' code.
     """
 
     keep: list[str]
@@ -77,6 +125,8 @@ class BisectResult:
     minimal: bool
     precision: str
     verdicts: list[Verdict]
+    primitives: PrimitiveStage | None = None
+    autocast_args: str = ""
 
     def rules_code(self) -> str:
         """The rules as code to paste (jaxamp's per-module policies)."""
@@ -84,6 +134,19 @@ class BisectResult:
         return (
             f"rules = {{{rules}}}  # parity bisect: {self.runs} runs\n"
             f"apply = jaxamp.flax.linen.with_policy(model.apply, {self.precision!r}, rules)"
+        )
+
+    def overrides_code(self) -> str | None:
+        """The primitives stage's autocast overrides as code to paste, or None (none found)."""
+        stage = self.primitives
+        if stage is None or stage.outcome != "found":
+            return None
+        overrides = ", ".join(f"{name!r}: 'fp32'" for name in stage.keep)
+        also = ", ".join(f"{n} {name}" for name, n in stage.outside.items() if n)
+        also = f"; also moves {also} outside {', '.join(self.keep)}" if also else ""
+        return (
+            f"overrides = {{{overrides}}}  # parity bisect: {self.runs} runs{also}\n"
+            f"forward = jaxamp.autocast(forward, {self.autocast_args}, overrides=overrides)"
         )
 
     def report(self) -> str:
@@ -94,7 +157,18 @@ class BisectResult:
         )
         if self.outcome != "found":
             return head
-        return head + "\n" + self.rules_code()
+        lines = [head, self.rules_code()]
+        stage = self.primitives
+        if stage is not None:
+            lines.append(
+                f"or, primitives: {stage.outcome}; {len(stage.keep)} of {len(stage.candidates)} "
+                f"primitives overridden to float32 "
+                f"({'1-minimal' if stage.minimal else 'not shown minimal'}), "
+                f"{stage.runs} of the runs ({', '.join(stage.candidates) or 'no candidates'})"
+            )
+            if stage.outcome == "found":
+                lines.append(self.overrides_code())
+        return "\n".join(lines)
 
 
 def ddmin(items: Sequence[Any], passes: Callable[[list[Any]], bool]) -> tuple[list[Any], bool]:
@@ -175,6 +249,59 @@ class _KeptFloat32(FlaxModel):
             return super().apply(variables, inputs, train)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OverriddenConfig(RunConfig):
+    """The cell's `RunConfig` whose recipe runs ``jaxamp.autocast`` with `autocast_overrides`.
+
+    `RunConfig.recipe` is looked up by the precision's name; only bisect's runs change the
+    recipe's autocast rules, so they alone carry them.
+    """
+
+    autocast_overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def recipe(self) -> Recipe:
+        return get_recipe(self.precision).with_autocast_overrides(dict(self.autocast_overrides))
+
+
+def _low_precision_primitives(jaxpr: Any) -> Counter:
+    """How many times each primitive of `jaxpr` (nested ones included) runs on a bfloat16 or
+    float16 operand; casts are not counted (they are what moves a value between dtypes)."""
+    counts: Counter = Counter()
+    for eqn in jaxpr.eqns:
+        inner = list(jex_core.jaxprs_in_params(eqn.params))
+        for sub in inner:
+            counts += _low_precision_primitives(sub)
+        if inner or eqn.primitive.name in _CASTS:
+            continue
+        if any(getattr(v.aval, "dtype", None) in _LOW_PRECISION for v in eqn.invars):
+            counts[eqn.primitive.name] += 1
+    return counts
+
+
+def _primitive_candidates(
+    pair: Any, config: RunConfig, variables: dict, inputs: Any, keep: Sequence[str]
+) -> dict[str, int]:
+    """The primitives that run on low-precision operands in the cell's forward pass and no longer
+    (or fewer times) with the modules `keep` in float32 (those the modules stage moved), each
+    with how many low-precision runs of it remain outside `keep` (what a global override would
+    also move): fewest of those first, then in program order."""
+
+    def counts(model_pair):
+        forward = jax_forward(model_pair, config.recipe, config.device, train=True)
+        args = (variables["params"], variables.get("batch_stats"), jnp.asarray(inputs))
+        return _low_precision_primitives(jax.make_jaxpr(forward)(*args).jaxpr)
+
+    before, after = counts(pair), counts(_kept(pair, frozenset(keep)))
+    moved = [name for name in before if before[name] > after[name]]
+    return {name: after[name] for name in sorted(moved, key=lambda name: after[name])}
+
+
+def _kept(pair: Any, keep: frozenset) -> Any:
+    fields = {f.name: getattr(pair.flax_model, f.name) for f in dataclasses.fields(FlaxModel)}
+    return dataclasses.replace(pair, flax_model=_KeptFloat32(**fields, keep=keep))
+
+
 def bisect(
     pair: Any,
     config: RunConfig,
@@ -185,7 +312,7 @@ def bisect(
     *,
     budget: int = DEFAULT_BUDGET,
 ) -> BisectResult:
-    """Finds the smallest set of linen modules to keep in float32 for step 0 to pass.
+    """Finds the fewest linen modules, then primitives, to keep in float32 for step 0 to pass.
 
     Args:
       pair: the JAX half of the pair (``flax_model``: a linen `parity.pairs.adapters.FlaxModel`,
@@ -195,10 +322,10 @@ def bisect(
       torch_numbers: torch's step-0 `Side` at the run's precision.
       variables: the Flax variables both sides start from.
       loss_scale: the step-0 loss scale torch's side was taken at.
-      budget: the most step-0 runs (>= 2).
+      budget: the most step-0 runs over both stages (>= 2).
 
     Returns:
-      A `BisectResult`.
+      A `BisectResult` (its ``primitives`` holds the second stage).
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
         raise ValueError(f"bisect: `budget` must be an integer >= 2 runs; got {budget!r}.")
@@ -211,43 +338,89 @@ def bisect(
     inputs, targets = (np.asarray(b) for b in batch)
     shapes = program_shapes(pair, variables, inputs, targets)
     candidates = _module_paths(pair.flax_model, variables, inputs)
-    results: dict[frozenset, tuple[bool, list[Verdict]]] = {}
+    results: dict[tuple[frozenset, frozenset], tuple[bool, list[Verdict]]] = {}
 
-    def judge(keep: Sequence[str]) -> bool:
-        key = frozenset(keep)
+    def run(keep: Sequence[str] = (), overrides: Sequence[str] = ()) -> bool:
+        key = (frozenset(keep), frozenset(overrides))
         if key not in results:
             if len(results) >= budget:
                 raise StopIteration
-            model = pair.flax_model
-            fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(FlaxModel)}
-            kept = dataclasses.replace(pair, flax_model=_KeptFloat32(**fields, keep=key))
+            kept = _kept(pair, key[0])
+            cell = config
+            if overrides:
+                fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(RunConfig)}
+                cell = _OverriddenConfig(
+                    **fields, autocast_overrides=tuple((name, "fp32") for name in sorted(key[1]))
+                )
             jax_numbers = jax_side(
-                kept, variables, inputs, targets, config, loss_scale, trace_flops=False
+                kept, variables, inputs, targets, cell, loss_scale, trace_flops=False
             )
             rows, _, _ = stage_verdicts(
-                kept,
-                config,
-                config.precision,
-                config.compute_dtype,
-                torch_numbers,
-                jax_numbers,
-                shapes,
+                kept, cell, cell.precision, cell.compute_dtype, torch_numbers, jax_numbers, shapes
             )
             results[key] = (all(v.passed is not False for v in rows), rows)
         return results[key][0]
 
-    def done(keep, outcome, minimal):
-        rows = results.get(frozenset(keep), (None, []))[1]
+    def rows(keep=(), overrides=()):
+        return results.get((frozenset(keep), frozenset(overrides)), (None, []))[1]
+
+    def done(keep, outcome, minimal, primitives=None):
         return BisectResult(
-            list(keep), len(results), candidates, outcome, minimal, config.precision, rows
+            list(keep),
+            len(results),
+            candidates,
+            outcome,
+            minimal,
+            config.precision,
+            rows(keep),
+            primitives,
+            autocast_args,
         )
 
-    if judge([]):
+    try:  # the primitives stage needs a recipe whose JAX forward pass is jaxamp.autocast
+        config.recipe.with_autocast_overrides({})
+        autocast_args = f"dtype=jnp.{config.compute_dtype}, device={torch_device(config)!r}"
+    except ValueError:
+        autocast_args = ""
+    if run():
         return done([], "passes already", True)
-    if not judge(candidates):
+    try:
+        everything_passes = run(candidates)
+    except StopIteration:
+        return done([], "budget spent", False)
+    if not everything_passes:
         return done(candidates, "no set passes", False)
-    keep, minimal = ddmin(candidates, judge)
-    return done(keep, "found" if minimal else "budget spent", minimal)
+    keep, minimal = ddmin(candidates, run)
+    if not minimal or not autocast_args:
+        return done(keep, "found" if minimal else "budget spent", minimal)
+
+    module_runs = len(results)
+    outside = _primitive_candidates(pair, config, variables, inputs, keep)
+    primitives = list(outside)
+
+    def override(names: Sequence[str]) -> bool:
+        return run((), names)
+
+    def stage(found, outcome, stage_minimal):
+        return PrimitiveStage(
+            list(found),
+            primitives,
+            outcome,
+            stage_minimal,
+            len(results) - module_runs,
+            rows((), found),
+            {name: outside[name] for name in found},
+        )
+
+    try:
+        all_pass = bool(primitives) and override(primitives)
+    except StopIteration:
+        return done(keep, "found", True, stage([], "budget spent", False))
+    if not all_pass:
+        return done(keep, "found", True, stage([], "no set passes", False))
+    found, found_minimal = ddmin(primitives, override)
+    outcome = "found" if found_minimal else "budget spent"
+    return done(keep, "found", True, stage(found, outcome, found_minimal))
 
 
 def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_BUDGET):

@@ -5,6 +5,13 @@ is correct (autocast keeps layer_norm in float32). The Flax port is correct exce
 LayerNorm, which takes its variance as E[x^2] - E[x]^2 in the compute dtype: around a mean of
 20, bfloat16's ulp at 400 is 2, so the variance (~1) is lost and step 0 fails at bf16-mixed.
 bisect must name that module, and only it, within 8 runs (2 to start, ddmin's after).
+
+The second pair: Linear -> LayerNorm -> GELU -> Linear -> +12 -> softmax -> Linear, whose Flax
+port is correct except its softmax, written exp(x) / sum(exp(x)) without the max subtracted:
+around 12, float16's exp overflows (its largest value is 65504 = e^11.09), torch's softmax
+subtracts the max, and step 0 fails at fp16-mixed with non-finite outputs. Both stages must name
+it alone: the module "softmax" and the primitive "exp", within 10 runs (2 + 3 for ddmin over
+5 modules with one to find; 1 + 4 for ddmin over the softmax's 4 primitives).
 """
 
 from __future__ import annotations
@@ -12,20 +19,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+import jaxamp
 from parity.api import prepare_pair
 from parity.bisect import bisect, bisect_golden, ddmin
 from parity.config import RunConfig
 from parity.golden.format import BatchList
+from parity.training.recipes import get_recipe
 from parity.verdicts.torch_side import torch_stage_side
 
 pytestmark = pytest.mark.standard_promotion
 
 SHIFT = 20.0
+LOGIT_SHIFT = 12.0
 
 
 class TorchNet(torch.nn.Module):
@@ -64,6 +75,51 @@ class FlaxNet(nn.Module):
         return nn.Dense(10, name="fc3")(x)
 
 
+class TorchSoftmaxNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 32)
+        self.fc3 = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.gelu(self.norm(self.fc1(x)))
+        return self.fc3(torch.softmax(self.fc2(x) + LOGIT_SHIFT, -1))
+
+
+class UnguardedSoftmax(nn.Module):
+    """A softmax port without the max subtracted."""
+
+    @nn.compact
+    def __call__(self, x):
+        e = jnp.exp(x)
+        return e / e.sum(-1, keepdims=True)
+
+
+class FlaxSoftmaxNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.LayerNorm(epsilon=1e-5, name="norm")(nn.Dense(32, name="fc1")(x))
+        x = nn.gelu(x, approximate=False)
+        x = UnguardedSoftmax(name="softmax")(nn.Dense(32, name="fc2")(x) + LOGIT_SHIFT)
+        return nn.Dense(10, name="fc3")(x)
+
+
+def _bisected(torch_net, flax_net, precision, budget):
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch_model = torch_net()
+    pair = prepare_pair(torch_model, flax_net, None, BatchList([batch]))
+    config = RunConfig(model="fragile", precision=precision, batch_size=8)
+    torch_numbers, scale = torch_stage_side(pair, *batch, config, trace_flops=False)
+    variables = pair.torch_to_flax()
+    result = bisect(pair, config, batch, torch_numbers, variables, scale, budget=budget)
+    return result, variables, batch
+
+
 def test_ddmin_finds_a_one_minimal_set():
     assert ddmin(list("abcdefgh"), lambda s: {"c", "f"} <= set(s)) == (["c", "f"], True)
 
@@ -78,15 +134,7 @@ def test_ddmin_finds_a_one_minimal_set():
 
 
 def test_bisect_finds_the_fragile_layernorm_and_only_it():
-    rng = np.random.default_rng(0)
-    batch = (rng.normal(size=(8, 16)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        torch_model = TorchNet()
-    pair = prepare_pair(torch_model, FlaxNet(), None, BatchList([batch]))
-    config = RunConfig(model="fragile", precision="bf16-mixed", batch_size=8)
-    torch_numbers, scale = torch_stage_side(pair, *batch, config, trace_flops=False)
-    result = bisect(pair, config, batch, torch_numbers, pair.torch_to_flax(), scale, budget=8)
+    result, _, _ = _bisected(TorchNet, FlaxNet(), "bf16-mixed", budget=8)
     assert result.candidates == ["fc1", "norm", "fc2", "norm2", "fc3"]
     assert result.outcome == "found" and result.minimal, result.report()
     assert result.keep == ["norm"]
@@ -94,6 +142,25 @@ def test_bisect_finds_the_fragile_layernorm_and_only_it():
     assert all(v.passed for v in result.verdicts)
     assert "rules = {'norm': 'fp32'}" in result.rules_code()
     assert f"{result.runs} runs" in result.report()
+    # the primitives stage had the budget's last 2 runs: every candidate overridden passes,
+    # then ddmin's first chunk spends the budget
+    stage = result.primitives
+    assert (stage.outcome, stage.minimal, stage.runs) == ("budget spent", False, 2)
+    assert "norm" not in stage.outside and result.overrides_code() is None
+
+
+def test_autocast_overrides_reach_the_recipes_jax_forward_only_where_it_is_autocast():
+    recipe = get_recipe("fp16-mixed").with_autocast_overrides({"exp": "fp32"})
+    assert "overrides={'exp': 'fp32'}" in recipe.jax_method("cpu")
+    x, w = jnp.ones((1, 2)), jnp.full((2, 2), 6.0)
+    overridden = recipe.jax_forward(lambda x, w: jnp.exp(x @ w), "cpu")(x, w)
+    plain = get_recipe("fp16-mixed").jax_forward(lambda x, w: jnp.exp(x @ w), "cpu")(x, w)
+    assert (overridden.dtype, plain.dtype) == (jnp.float32, jnp.float16)
+    assert np.isfinite(overridden).all() and np.isinf(np.asarray(plain, np.float32)).all()
+    with pytest.raises(
+        ValueError, match="'bf16-true': the JAX forward pass is not jaxamp.autocast"
+    ):
+        get_recipe("bf16-true").with_autocast_overrides({"exp": "fp32"})
 
 
 def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
@@ -103,3 +170,29 @@ def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
     result = bisect_golden(golden)  # the correct port: its bf16 step 0 passes as it is
     assert (result.outcome, result.keep, result.runs) == ("passes already", [], 1)
     assert result.candidates == ["fc1", "norm", "fc2"]
+
+
+def test_bisect_finds_the_unguarded_exp_and_only_it():
+    result, variables, batch = _bisected(TorchSoftmaxNet, FlaxSoftmaxNet(), "fp16-mixed", 10)
+    assert result.candidates == ["fc1", "norm", "fc2", "softmax", "fc3"]
+    assert result.outcome == "found" and result.minimal, result.report()
+    assert result.keep == ["softmax"]
+    stage = result.primitives
+    assert stage is not None and stage.outcome == "found" and stage.minimal, result.report()
+    assert stage.keep == ["exp"] and stage.outside == {"exp": 0}
+    assert set(stage.candidates) >= {"exp", "reduce_sum", "div"}
+    assert result.runs <= 10 and 0 < stage.runs < result.runs
+    assert all(v.passed for v in stage.verdicts) and all(v.passed for v in result.verdicts)
+    code = result.overrides_code()
+    assert "overrides = {'exp': 'fp32'}" in code and code.splitlines()[0] in result.report()
+
+    # the code printed runs as written: the float16 forward overflows without it, not with it
+    def forward(x):
+        return FlaxSoftmaxNet().apply(variables, x)
+
+    plain = jaxamp.autocast(forward, dtype=jnp.float16, device="cpu")(batch[0])
+    scope = {"jaxamp": jaxamp, "jnp": jnp, "forward": forward}
+    exec(code, scope)
+    fixed = jax.jit(scope["forward"])(batch[0])
+    assert not np.isfinite(np.asarray(plain, np.float32)).all()
+    assert np.isfinite(np.asarray(fixed, np.float32)).all()

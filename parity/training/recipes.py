@@ -172,6 +172,16 @@ class Recipe:
         """Params, batch statistics or inputs as the recipe holds them (floating leaves only)."""
         return tree
 
+    def with_autocast_overrides(self, overrides: dict[str, str]) -> Recipe:
+        """This recipe with ``jaxamp.autocast(..., overrides=overrides)`` as its JAX forward pass
+        (`parity.bisect`'s primitive stage); torch.autocast has no per-op overrides, so the torch
+        face is unchanged. Raises ValueError where the JAX forward pass is not autocast."""
+        del overrides
+        raise ValueError(
+            f"precision {self.name!r}: the JAX forward pass is not jaxamp.autocast, so it takes "
+            "no autocast overrides (bf16-mixed and fp16-mixed do)."
+        )
+
     def jax_value_and_grad(self, loss_fn: Callable, arm: str = "single") -> Callable:
         """``jaxamp.value_and_grad`` of `loss_fn` (``has_aux=True``) for the recipe on `arm`."""
         del arm
@@ -228,6 +238,13 @@ class _Mixed(Recipe):
     """
 
     torch_dtype_name: ClassVar[str] = "bfloat16"
+    # jaxamp.autocast's per-op overrides on the JAX side (`with_autocast_overrides`); None: its lists
+    autocast_overrides: dict[str, str] | None = None
+
+    def with_autocast_overrides(self, overrides: dict[str, str]) -> Recipe:
+        recipe = type(self)()
+        recipe.autocast_overrides = dict(overrides)
+        return recipe
 
     def _torch_dtype(self):
         import torch  # torch: optional for JAX users
@@ -263,7 +280,10 @@ class _Mixed(Recipe):
         if arm == "fsdp":  # the policy casts params and inputs in jax_value_and_grad
             return forward
         return jaxamp.autocast(
-            forward, dtype=self.policy.compute_dtype, device=_torch_device_type(device)
+            forward,
+            dtype=self.policy.compute_dtype,
+            device=_torch_device_type(device),
+            overrides=self.autocast_overrides,
         )
 
     def jax_value_and_grad(self, loss_fn: Callable, arm: str = "single") -> Callable:
@@ -280,7 +300,8 @@ class _Mixed(Recipe):
     def jax_method(self, device: str, arm: str = "single") -> str:
         if arm == "fsdp":
             return f"jaxamp policy {self.policy}"
-        method = f"jaxamp.autocast(device={_torch_device_type(device)!r})"
+        overrides = f", overrides={self.autocast_overrides!r}" if self.autocast_overrides else ""
+        method = f"jaxamp.autocast(device={_torch_device_type(device)!r}{overrides})"
         if arm == "ddp":
             method += f" + value_and_grad(reduce_dtype={self.policy.reduce_dtype.name})"
         return method
