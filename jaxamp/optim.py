@@ -478,14 +478,9 @@ class _LossScaler:
     def _one_decision(self, scaled_grads, unscale, state, params, extra_args, *, apply):
         """One skip decision for every leaf: torch with one optimizer."""
         # The scaled gradients are checked element by element, and what reaches `inner` too
-        # where unscaling may overflow (a scale below 1); the unscaled gradients are
-        # recomputed where they are read (the check, the applied branch), not materialised.
-        grads_finite = finite_after(
-            scaled_grads,
-            unscale,
-            self.axis_name,
-            fn_keeps_finiteness=_unscaling_keeps_finiteness(state, unscale),
-        )
+        # (with a scale below 1 unscaling may overflow); the unscaled gradients are
+        # recomputed where they are read (the applied branch), never materialised.
+        grads_finite = finite_after(scaled_grads, unscale, self.axis_name)
         out, inner_state = _skip_if_not(
             grads_finite,
             self.inner,
@@ -506,13 +501,10 @@ class _LossScaler:
         grads = scaled_grads if unscale is None else unscale(scaled_grads)
         updates, inner_state = self.inner.update(grads, state.inner_state, params, **extra_args)
         labels = _labels_for(self.param_labels, grads)
-        # As `_one_decision`'s check: the scaled gradients element by element, the unscaled
-        # ones too where unscaling may overflow.
-        keeps_finiteness = _unscaling_keeps_finiteness(state, unscale)
+        # As `_one_decision`'s check: the scaled gradients element by element, and what
+        # reaches `inner` too.
         group_finite = {
-            label: finite_after(
-                leaves, unscale, self.axis_name, fn_keeps_finiteness=keeps_finiteness
-            )
+            label: finite_after(leaves, unscale, self.axis_name)
             for label, leaves in _leaves_per_group(scaled_grads, labels).items()
         }
         grads_finite = jnp.stack(list(group_finite.values())).all()
@@ -637,13 +629,6 @@ def _group_transform(transforms: Any, param_labels: Any) -> optax.GradientTransf
 
 def _labels_for(param_labels: Any, tree: Any) -> Any:
     return param_labels(tree) if callable(param_labels) else param_labels
-
-
-def _unscaling_keeps_finiteness(state: LossScaledState, unscale: Any) -> Any:
-    """True (or a traced bool) where unscaling cannot overflow: a scale >= 1 (or none)."""
-    if unscale is None:
-        return True
-    return jnp.asarray(state.loss_scale.loss_scale, jnp.float32) >= 1
 
 
 def _leaves_per_group(grads: Any, labels: Any) -> dict[Any, list]:
