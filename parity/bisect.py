@@ -455,8 +455,8 @@ def add_bisect_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds ``bisect`` to `parity.cli.commands`'s subcommands."""
     parser = sub.add_parser(
         "bisect",
-        help="the smallest set of Flax modules to keep in float32 for a low-precision golden "
-        "cell to pass (delta debugging; no torch needed)",
+        help="the fewest Flax modules, then autocast primitives, to keep in float32 for a "
+        "low-precision golden cell to pass (delta debugging; no torch needed)",
     )
     parser.add_argument("--golden", required=True, help="golden file at a low precision")
     parser.add_argument("--flax-model", default=None, metavar="MODULE:ATTR")
