@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import sys
 from collections import Counter
@@ -47,7 +48,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from parity.config import RunConfig
-from parity.golden.check import BAD_INPUT, flax_pair
+from parity.golden.check import BAD_INPUT, check_pair, flax_pair
 from parity.golden.format import Golden, load_golden
 from parity.pairs.adapters import FlaxModel
 from parity.training.recipes import Recipe, get_recipe
@@ -58,6 +59,7 @@ from parity.verdicts.step0_rows import stage_verdicts
 from parity.verdicts.tolerance import program_shapes
 
 __all__ = [
+    "JUDGES",
     "BisectResult",
     "PrimitiveStage",
     "add_bisect_parser",
@@ -69,6 +71,8 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET = 64
+# what one run judges: the step-0 rows, or a golden's whole check (step 0, training, trajectory)
+JUDGES = ("step0", "cell")
 _LOW_PRECISION = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 _CASTS = frozenset({"convert_element_type", "jaxamp_explicit_cast"})
 
@@ -116,6 +120,10 @@ class BisectResult:
         the recipe's JAX forward pass is not ``jaxamp.autocast``).
       autocast_args: the recipe's ``jaxamp.autocast`` arguments (``dtype``, ``device``) for the
         overrides' code.
+      judged_by: what one run judged (`JUDGES`): ``"step0"`` (the step-0 rows at the run's
+        precision) or ``"cell"`` (a golden's whole check: step 0, training on the recorded
+        batches, the trajectory's verdicts; a run passes only on PASS, so INCONCLUSIVE cells
+        are bisected too).
     """
 
     keep: list[str]
@@ -127,6 +135,7 @@ class BisectResult:
     verdicts: list[Verdict]
     primitives: PrimitiveStage | None = None
     autocast_args: str = ""
+    judged_by: str = "step0"
 
     def rules_code(self) -> str:
         """The rules as code to paste (jaxamp's per-module policies)."""
@@ -150,8 +159,9 @@ class BisectResult:
         )
 
     def report(self) -> str:
+        judged = "" if self.judged_by == "step0" else " (judged by the whole cell)"
         head = (
-            f"bisect {self.precision}: {self.outcome}; {len(self.keep)} of "
+            f"bisect {self.precision}{judged}: {self.outcome}; {len(self.keep)} of "
             f"{len(self.candidates)} modules in float32 "
             f"({'1-minimal' if self.minimal else 'not shown minimal'}), {self.runs} runs"
         )
@@ -261,7 +271,17 @@ class _OverriddenConfig(RunConfig):
 
     @property
     def recipe(self) -> Recipe:
-        return get_recipe(self.precision).with_autocast_overrides(dict(self.autocast_overrides))
+        recipe = get_recipe(self.precision)
+        if recipe.baseline:  # a golden's float32 stage of step 0: no autocast to override
+            return recipe
+        return recipe.with_autocast_overrides(dict(self.autocast_overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        # the run record's config, comparable with torch's recorded one; the overrides show in
+        # the record's JAX method (`Recipe.jax_method`)
+        out = super().to_dict()
+        del out["autocast_overrides"]
+        return out
 
 
 def _low_precision_primitives(jaxpr: Any) -> Counter:
@@ -327,6 +347,23 @@ def bisect(
     Returns:
       A `BisectResult` (its ``primitives`` holds the second stage).
     """
+    inputs, targets = (np.asarray(b) for b in batch)
+    _check_cell(pair, config, budget)
+    shapes = program_shapes(pair, variables, inputs, targets)
+
+    def step0(kept: Any, cell: RunConfig) -> tuple[bool, list[Verdict]]:
+        jax_numbers = jax_side(
+            kept, variables, inputs, targets, cell, loss_scale, trace_flops=False
+        )
+        rows, _, _ = stage_verdicts(
+            kept, cell, cell.precision, cell.compute_dtype, torch_numbers, jax_numbers, shapes
+        )
+        return all(v.passed is not False for v in rows), rows
+
+    return _search(pair, config, variables, inputs, step0, budget, "step0")
+
+
+def _check_cell(pair: Any, config: RunConfig, budget: Any) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
         raise ValueError(f"bisect: `budget` must be an integer >= 2 runs; got {budget!r}.")
     if config.recipe.baseline or config.compute_dtype == "float32":
@@ -335,8 +372,18 @@ def bisect(
         )
     if getattr(pair.flax_model, "kind", "linen") != "linen":
         raise ValueError("bisect: the module search runs on flax.linen models only.")
-    inputs, targets = (np.asarray(b) for b in batch)
-    shapes = program_shapes(pair, variables, inputs, targets)
+
+
+def _search(
+    pair: Any,
+    config: RunConfig,
+    variables: dict,
+    inputs: Any,
+    judge: Callable[[Any, RunConfig], tuple[bool, list[Verdict]]],
+    budget: int,
+    judged_by: str,
+) -> BisectResult:
+    """Both stages of delta debugging; `judge(pair, config)` is one run: (passes, rows)."""
     candidates = _module_paths(pair.flax_model, variables, inputs)
     results: dict[tuple[frozenset, frozenset], tuple[bool, list[Verdict]]] = {}
 
@@ -345,20 +392,13 @@ def bisect(
         if key not in results:
             if len(results) >= budget:
                 raise StopIteration
-            kept = _kept(pair, key[0])
             cell = config
             if overrides:
                 fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(RunConfig)}
                 cell = _OverriddenConfig(
                     **fields, autocast_overrides=tuple((name, "fp32") for name in sorted(key[1]))
                 )
-            jax_numbers = jax_side(
-                kept, variables, inputs, targets, cell, loss_scale, trace_flops=False
-            )
-            rows, _, _ = stage_verdicts(
-                kept, cell, cell.precision, cell.compute_dtype, torch_numbers, jax_numbers, shapes
-            )
-            results[key] = (all(v.passed is not False for v in rows), rows)
+            results[key] = judge(_kept(pair, key[0]), cell)
         return results[key][0]
 
     def rows(keep=(), overrides=()):
@@ -375,6 +415,7 @@ def bisect(
             rows(keep),
             primitives,
             autocast_args,
+            judged_by,
         )
 
     try:  # the primitives stage needs a recipe whose JAX forward pass is jaxamp.autocast
@@ -423,14 +464,24 @@ def bisect(
     return done(keep, "found", True, stage(found, outcome, found_minimal))
 
 
-def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_BUDGET):
+def bisect_golden(
+    golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_BUDGET, judge: str = "step0"
+) -> BisectResult:
     """`bisect` against a golden file's torch side (no torch needed).
 
     Args:
       golden: a golden file recorded at a low precision (or a loaded `Golden`).
       flax_model: as `parity.golden.check.check_golden`.
       budget: the most runs.
+      judge: one of `JUDGES`: ``"step0"`` (a run is the step-0 rows at the run's precision) or
+        ``"cell"`` (a run is `parity.golden.check.check_pair`: step 0, then training on the
+        recorded batches and the trajectory's verdicts; it passes only on PASS, so a cell that
+        fails or is INCONCLUSIVE after step 0 is bisected too, at a run's cost of training).
     """
+    if judge not in JUDGES:
+        close = difflib.get_close_matches(str(judge), JUDGES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"bisect: `judge` must be one of {JUDGES}; got {judge!r}{hint}.")
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
     config = golden.config
     stage = {s["stage"]: s for s in golden.stages}.get(config.precision)
@@ -440,15 +491,24 @@ def bisect_golden(golden: Any, flax_model: Any = None, *, budget: int = DEFAULT_
             "float32: nothing to keep in float32."
         )
     pair = flax_pair(golden, flax_model)
-    return bisect(
-        pair,
-        config,
-        golden.batch(0),
-        golden.side(stage["stage"]),
-        golden.variables(),
-        stage["loss_scale"],
-        budget=budget,
-    )
+    if judge == "step0":
+        return bisect(
+            pair,
+            config,
+            golden.batch(0),
+            golden.side(stage["stage"]),
+            golden.variables(),
+            stage["loss_scale"],
+            budget=budget,
+        )
+    _check_cell(pair, config, budget)
+
+    def whole_cell(kept: Any, cell: RunConfig) -> tuple[bool, list[Verdict]]:
+        result = check_pair(golden, kept, cell)
+        return result.passed, result.verdicts
+
+    inputs = np.asarray(golden.batch(0)[0])
+    return _search(pair, config, golden.variables(), inputs, whole_cell, budget, "cell")
 
 
 def add_bisect_parser(sub: Any) -> argparse.ArgumentParser:
@@ -460,8 +520,14 @@ def add_bisect_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--golden", required=True, help="golden file at a low precision")
     parser.add_argument("--flax-model", default=None, metavar="MODULE:ATTR")
+    parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="most runs (default 64)")
     parser.add_argument(
-        "--budget", type=int, default=DEFAULT_BUDGET, help="most step-0 runs (default 64)"
+        "--judge",
+        choices=JUDGES,
+        default="step0",
+        help="one run: the step-0 rows (default), or the whole cell (step 0, training on the "
+        "recorded batches, the trajectory's verdicts; PASS only passes, so a FAIL or "
+        "INCONCLUSIVE after step 0 is bisected too)",
     )
     return parser
 
@@ -469,7 +535,7 @@ def add_bisect_parser(sub: Any) -> argparse.ArgumentParser:
 def run_bisect(args: argparse.Namespace) -> int:
     """``bisect``'s body: prints the rules and the run count; exit 0 when a set was found."""
     try:
-        result = bisect_golden(args.golden, args.flax_model, budget=args.budget)
+        result = bisect_golden(args.golden, args.flax_model, budget=args.budget, judge=args.judge)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return BAD_INPUT

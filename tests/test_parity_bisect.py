@@ -134,7 +134,7 @@ def test_ddmin_finds_a_one_minimal_set():
 
 
 def test_bisect_finds_the_fragile_layernorm_and_only_it():
-    result, _, _ = _bisected(TorchNet, FlaxNet(), "bf16-mixed", budget=8)
+    result, _, _ = _bisected(TorchNet, FlaxNet(), "bf16-mixed", budget=7)
     assert result.candidates == ["fc1", "norm", "fc2", "norm2", "fc3"]
     assert result.outcome == "found" and result.minimal, result.report()
     assert result.keep == ["norm"]
@@ -142,10 +142,10 @@ def test_bisect_finds_the_fragile_layernorm_and_only_it():
     assert all(v.passed for v in result.verdicts)
     assert "rules = {'norm': 'fp32'}" in result.rules_code()
     assert f"{result.runs} runs" in result.report()
-    # the primitives stage had the budget's last 2 runs: every candidate overridden passes,
-    # then ddmin's first chunk spends the budget
+    # the primitives stage had the budget's last run: every candidate overridden passes, then
+    # ddmin's first chunk finds the budget spent
     stage = result.primitives
-    assert (stage.outcome, stage.minimal, stage.runs) == ("budget spent", False, 2)
+    assert (stage.outcome, stage.minimal, stage.runs, result.runs) == ("budget spent", False, 1, 7)
     assert "norm" not in stage.outside and result.overrides_code() is None
 
 
@@ -167,9 +167,20 @@ def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
     golden = Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
     with pytest.raises(ValueError, match="`budget` must be an integer >= 2 runs; got 1"):
         bisect_golden(golden, budget=1)
+    with pytest.raises(
+        ValueError,
+        match=r"`judge` must be one of \('step0', 'cell'\); got 'cells' \(did you mean 'cell'\?\)",
+    ):
+        bisect_golden(golden, judge="cells")
     result = bisect_golden(golden)  # the correct port: its bf16 step 0 passes as it is
     assert (result.outcome, result.keep, result.runs) == ("passes already", [], 1)
     assert result.candidates == ["fc1", "norm", "fc2"]
+    # judged by the whole cell, one run is the golden's check: step 0, training, trajectory
+    result = bisect_golden(golden, judge="cell")
+    assert (result.outcome, result.keep, result.runs) == ("passes already", [], 1)
+    checks = {v.check for v in result.verdicts}
+    assert {"step 0 bf16-mixed: gradients", "final loss (mean of last 5)"} <= checks
+    assert "(judged by the whole cell)" in result.report()
 
 
 def test_bisect_finds_the_unguarded_exp_and_only_it():

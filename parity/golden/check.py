@@ -75,6 +75,7 @@ __all__ = [
     "GoldenResult",
     "add_check_parser",
     "check_golden",
+    "check_pair",
     "flax_pair",
     "hardware_allowance",
     "load_flax_model",
@@ -414,8 +415,28 @@ def check_golden(
       GoldenFileError: the file breaks the schema. ValueError: no Flax model can be found.
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
-    config = golden.config
     pair = flax_pair(golden, flax_model, flax_kwargs=flax_kwargs)
+    return check_pair(golden, pair, progress=progress, current_hardware=current_hardware)
+
+
+def check_pair(
+    golden: Golden,
+    pair: Any,
+    config: RunConfig | None = None,
+    *,
+    progress: bool = False,
+    current_hardware: Mapping[str, Any] | None = None,
+) -> GoldenResult:
+    """`check_golden`'s body for a pair already built (`flax_pair`; `parity.bisect` passes one
+    with modules kept in float32, and a `config` whose recipe carries autocast overrides).
+
+    Args:
+      golden: the loaded golden file.
+      pair: the JAX half of the pair.
+      config: the cell's config (default the recorded one; another must be comparable with it).
+      progress, current_hardware: as `check_golden`.
+    """
+    config = golden.config if config is None else config
     variables = golden.variables()
     stream = BatchList(
         [golden.batch(k) for k in range(golden.header["data"]["train_batches"])],
