@@ -36,6 +36,7 @@ from jaxamp.optim import apply_gradients as apply_gradients
 from jaxamp.optim import apply_updates as apply_updates
 from jaxamp.optim import get_loss_scale as get_loss_scale
 from jaxamp.optim import loss_scaled as loss_scaled
+from jaxamp.optim import loss_scaled_states as loss_scaled_states
 from jaxamp.optim import set_loss_scale as set_loss_scale
 from jaxamp.optim_precision import KahanSummationState as KahanSummationState
 from jaxamp.optim_precision import LowPrecisionState as LowPrecisionState
@@ -81,6 +82,7 @@ __all__ = [
     "get_policy",
     "kahan_summation",
     "loss_scaled",
+    "loss_scaled_states",
     "low_precision_state",
     "multi_steps",
     "set_loss_scale",

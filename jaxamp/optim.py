@@ -40,12 +40,17 @@ __all__ = [
     "apply_updates",
     "get_loss_scale",
     "loss_scaled",
+    "loss_scaled_states",
     "set_loss_scale",
 ]
 
 
 class LossScaledState(NamedTuple):
     """State of `loss_scaled`.
+
+    One vocabulary: `loss_scaled` makes a `LossScaledState`; `loss_scaled_states` finds every
+    one inside a larger optimizer state; `amp_info` summarises one as an `AmpInfo` (scalars to
+    log).
 
     Attributes:
       inner_state: the wrapped optimizer's state; bit-for-bit unchanged on a skipped step.
@@ -109,7 +114,8 @@ jax.tree_util.register_pytree_with_keys(
 
 
 class AmpInfo(NamedTuple):
-    """In-graph telemetry from `amp_info`; every field is a scalar array (log it, no sync needed).
+    """In-graph telemetry from `amp_info`: a `LossScaledState` summarised, every field a scalar
+    array (log it, no sync needed).
 
     Attributes:
       loss_scale: the current loss scale (float32).
@@ -853,7 +859,7 @@ def get_loss_scale(opt_state: Any) -> Any:
 
     Raises:
       ValueError: no loss-scaled state is found, or several are (one per `multi_transform`
-        group): then pick one with `jaxamp.amp_states(opt_state)`; or it sits in a chain
+        group): then pick one with `jaxamp.loss_scaled_states(opt_state)`; or it sits in a chain
         beside other transformations (they would see scaled gradients: make `loss_scaled`
         the outermost transformation).
 
@@ -870,18 +876,46 @@ def get_loss_scale(opt_state: Any) -> Any:
     return jax.tree_util.tree_map(_unwrap_variable, loss_scale, is_leaf=_is_variable)
 
 
-def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
+def loss_scaled_states(opt_state: Any) -> dict[str, LossScaledState]:
     """Every `LossScaledState` inside `opt_state`, keyed by its path (e.g. ``"[0]"``).
+
+    The states `loss_scaled` made (one per `optax.multi_transform` group that has its own);
+    `amp_info` summarises one of them as an `AmpInfo`.
 
     Example:
       >>> tx = optax.multi_transform(
       ...     {"a": jaxamp.loss_scaled(optax.sgd(0.1)), "b": jaxamp.loss_scaled(optax.adam(0.1))},
       ...     {"w": "a", "v": "b"},
       ... )
-      >>> list(jaxamp.amp_states(tx.init({"w": jnp.ones(2), "v": jnp.ones(2)})))
+      >>> states = jaxamp.loss_scaled_states(tx.init({"w": jnp.ones(2), "v": jnp.ones(2)}))
+      >>> list(states)
       [".inner_states['a'].inner_state", ".inner_states['b'].inner_state"]
+      >>> float(jaxamp.amp_info(states[".inner_states['a'].inner_state"]).loss_scale)
+      65536.0
     """
     return dict(_find_states(opt_state))
+
+
+def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
+    """Deprecated: `loss_scaled_states` (the same dict; the name says what it returns).
+
+    Warns with a `DeprecationWarning`; it will be removed from the public API in a later
+    release.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", DeprecationWarning)
+      ...     list(jaxamp.amp_states(jaxamp.loss_scaled(optax.sgd(0.1)).init(jnp.ones(2))))
+      ['']
+    """
+    warnings.warn(
+        "jaxamp.amp_states is deprecated: call jaxamp.loss_scaled_states(opt_state), which "
+        "returns the same dict of LossScaledState by path.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return loss_scaled_states(opt_state)
 
 
 def _one_state(opt_state: Any, caller: str) -> LossScaledState:
@@ -896,7 +930,7 @@ def _one_state(opt_state: Any, caller: str) -> LossScaledState:
         raise ValueError(
             f"{caller}(opt_state=...): found {len(found)} loss-scaled states (at {paths}); "
             "wrap the whole optimizer in one loss_scaled for a single scale, or pick one from "
-            "jaxamp.amp_states(opt_state)."
+            "jaxamp.loss_scaled_states(opt_state)."
         )
     return found[0][1]
 

@@ -287,6 +287,37 @@ def test_loss_scaled_skips_exactly_when_the_unscaled_gradients_are_not_finite(
         assert int(jaxamp.amp_info(state).skipped_steps) == int(expected_skip)
 
 
+@settings(max_examples=6, deadline=None)
+@example(dtype="float16", size=17, scale=2.0**-4, at=16, seed=0)  # a lone element past a row
+@example(dtype="bfloat16", size=48, scale=0.5, at=0, seed=1)
+@given(
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    size=st.integers(1, 50),
+    scale=st.sampled_from([2.0**-4, 0.5, 0.75, 1.0]),
+    at=st.integers(0, 49),
+    seed=st.integers(0, 2**16),
+)
+def test_unscaled_overflow_of_16_bit_leaves_is_decided_element_by_element(
+    dtype, size, scale, at, seed
+):
+    """Only each leaf's largest magnitude is unscaled for the check (unscaling rounds
+    monotonically): on 16-bit leaves of every length (rows of 16, 8, 4, 2 or 1) the step
+    skips iff numpy finds a non-finite element after unscaling in the leaf's dtype."""
+    dtype = jnp.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    top = float(jnp.finfo(dtype).max)
+    flat = (rng.uniform(-1.0, 1.0, size=size) * top * scale * 0.9).astype(dtype)
+    flat[at % size] = rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.0) * top
+    tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.StaticLossScale(scale))
+    params = {"w": jnp.zeros(size, jnp.float32)}
+    with np.errstate(over="ignore"):
+        unscaled = (flat.astype(np.float32) * np.float32(1.0 / scale)).astype(dtype)
+    expected_skip = not np.isfinite(unscaled.astype(np.float32)).all()
+    for step in (tx.update, jax.jit(tx.update)):
+        _, state = step({"w": jnp.asarray(flat)}, tx.init(params), params)
+        assert int(jaxamp.amp_info(state).skipped_steps) == int(expected_skip)
+
+
 @pytest.mark.parametrize(
     ("scale", "skipped"), [(0.25, True), (0.5, True), (1.0, False), (2.0**127, False)]
 )

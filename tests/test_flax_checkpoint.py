@@ -213,14 +213,14 @@ def test_linen_loss_scale_mismatch(worker, tmp_path):
     assert float(restored.amp_info().loss_scale) == 2.0**10  # the target's fresh scale
     assert int(restored.amp_info().skipped_steps) == 0
     assert w["digest"](restored.params) == w["digest"](plain.params)
-    inner = jaxamp.amp_states(restored.opt_state)[""].inner_state
+    inner = jaxamp.loss_scaled_states(restored.opt_state)[""].inner_state
     assert w["digest"](inner) == w["digest"](plain.opt_state)
     # The reverse.
     with pytest.raises(ValueError, match="target has no loss scaling"):
         ckpt.restore(tmp_path / "scaled", plain)
     back = ckpt.restore(tmp_path / "scaled", plain, on_loss_scale_mismatch="reset")
     assert w["digest"](back.opt_state) == w["digest"](
-        jaxamp.amp_states(scaled.opt_state)[""].inner_state
+        jaxamp.loss_scaled_states(scaled.opt_state)[""].inner_state
     )
     # Another loss-scale type (NoOp: bf16) into a dynamic run.
     model = w["LinenMLP"]()

@@ -110,8 +110,8 @@ def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     info = state.amp_info()
     assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
     assert _same(state.params, before.params)
-    inner_before = jaxamp.amp_states(before.opt_state)[""].inner_state
-    assert _same(jaxamp.amp_states(state.opt_state)[""].inner_state, inner_before)
+    inner_before = jaxamp.loss_scaled_states(before.opt_state)[""].inner_state
+    assert _same(jaxamp.loss_scaled_states(state.opt_state)[""].inner_state, inner_before)
     assert float(state.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
     assert int(state.step) == (2 if count_skipped_steps else 1)
     state, _ = step(state, X, Y)
@@ -136,8 +136,8 @@ def test_nnx_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     info = optimizer.amp_info()
     assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
     assert _same(nnx.as_pure(nnx.state(model, nnx.Param)), params)
-    inner = jaxamp.amp_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
-    assert _same(inner, jaxamp.amp_states(opt_state)[""].inner_state)
+    inner = jaxamp.loss_scaled_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    assert _same(inner, jaxamp.loss_scaled_states(opt_state)[""].inner_state)
     assert float(optimizer.loss_scale.loss_scale) == scale / 2
     assert int(optimizer.step[...]) == (2 if count_skipped_steps else 1)
 
@@ -149,7 +149,7 @@ def test_schedule_inside_optimizer_does_not_advance_on_skips():
     step = jax.jit(linen_step)
     for x in (X, X_BAD, X_BAD, X):
         state, _ = step(state, x, Y)
-    inner = jaxamp.amp_states(state.opt_state)[""].inner_state
+    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
     assert int(inner.count) == 2 == int(state.step)
 
 
@@ -175,7 +175,7 @@ def test_optimizer_state_float32_under_mixed_policy(compute):
     state = make_linen(policy, tx=optax.adam(1e-3))
     zero = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.zeros_like, s.params)))
     state = zero(zero(state))
-    inner = jaxamp.amp_states(state.opt_state)[""].inner_state
+    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
     assert {leaf.dtype for leaf in jax.tree.leaves((inner[0].mu, inner[0].nu))} == {F32}
     assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(state.params))
     state, loss = jax.jit(linen_step)(state, X, Y)
@@ -190,7 +190,7 @@ def test_optimizer_state_float32_under_mixed_policy(compute):
 
     zero_step(model, optimizer)
     zero_step(model, optimizer)
-    opt = jaxamp.amp_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    opt = jaxamp.loss_scaled_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
     assert {leaf.dtype for leaf in jax.tree.leaves((opt[0].mu, opt[0].nu))} == {F32}
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     assert {p.dtype for p in jax.tree.leaves(params)} == {F32}

@@ -313,6 +313,22 @@ def test_last_step_applied_and_finite_differ_when_one_group_skips(maybe_jit):
     assert not bool(info.last_step_finite) and not bool(info.last_step_applied)
 
 
+def test_amp_states_is_deprecated_for_loss_scaled_states():
+    """One vocabulary: `loss_scaled` makes a LossScaledState, `loss_scaled_states` finds them;
+    the old name still answers, with a DeprecationWarning naming the new one."""
+    tx = optax.multi_transform(
+        {"a": jaxamp.loss_scaled(optax.sgd(0.1)), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}
+    )
+    state = tx.init(_params())
+    found = jaxamp.loss_scaled_states(state)
+    assert list(found) == [".inner_states['a'].inner_state"]
+    assert all(isinstance(s, jaxamp.LossScaledState) for s in found.values())
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.loss_scaled_states\(opt_state\)"):
+        old = jaxamp.amp_states(state)
+    assert list(old) == list(found)
+    assert jax.tree.structure(old) == jax.tree.structure(found)
+
+
 # --- item 10: no parameter or state buffer copied on every step, donated or not -----------------
 
 

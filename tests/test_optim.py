@@ -299,7 +299,7 @@ def test_multi_transform_per_group_skip():
     updates, new_state = tx.update(grads, state, params)
     assert not np.any(np.asarray(updates["w"]))
     assert np.all(np.asarray(updates["b"]) != 0)  # group "b" is finite: it steps
-    states = jaxamp.amp_states(new_state)
+    states = jaxamp.loss_scaled_states(new_state)
     assert len(states) == 2
     finite = sorted(bool(s.last_step_finite) for s in states.values())
     assert finite == [False, True]

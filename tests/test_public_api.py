@@ -40,6 +40,7 @@ EXPECTED_ALL = sorted(
         "get_policy",
         "kahan_summation",
         "loss_scaled",
+        "loss_scaled_states",
         "low_precision_state",
         "multi_steps",
         "set_loss_scale",

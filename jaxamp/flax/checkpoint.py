@@ -101,7 +101,7 @@ def _describe_scale(scale: Any) -> dict[str, Any]:
     return {"type": kind, "config": config}
 
 
-def _amp_states(target: Any) -> list[tuple[tuple[str, ...], LossScaledState]]:
+def _loss_scaled_states(target: Any) -> list[tuple[tuple[str, ...], LossScaledState]]:
     """Every `loss_scaled` state in `target`, with its path in `_as_tree(target)`."""
 
     def find(tree, prefix):
@@ -140,7 +140,7 @@ def amp_metadata(target: Any, policy: Any = None) -> dict[str, Any]:
         "policy": None if policy is None else str(policy),
         "loss_scaled": [
             {"path": list(path), **_describe_scale(state.loss_scale)}
-            for path, state in _amp_states(target)
+            for path, state in _loss_scaled_states(target)
         ],
     }
 
