@@ -20,6 +20,10 @@ stable. `bisect` delta debugs (Zeller and Hildebrandt's ddmin) in two stages:
    mean is rounded by the cast inside ``jnp.mean`` no primitive of its own suffices, and the
    answer (``add``, which moves every bias add too) is coarser than the module rule.
 
+A model that is not linen (flax.nnx, Hugging Face) has no module tree to intercept: the primitives
+stage runs alone, over every primitive that runs on low-precision operands except those autocast
+runs in low precision by design (matmuls, convolutions), fewest runs first.
+
 One *run* is the cell's step-0 judgement at the run's precision: the JAX side
 (`parity.verdicts.sides.jax_side`, the harness's own, under the run's recipe) with the chosen
 modules or overrides, against torch's side (from a golden file, `bisect_golden`, or given to
@@ -47,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+import jaxamp
 from parity.config import RunConfig
 from parity.golden.check import BAD_INPUT, check_pair, flax_pair
 from parity.golden.format import Golden, load_golden
@@ -71,6 +76,7 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET = 64
+NOT_SEARCHED = "not searched (not a linen model: primitives only)"
 # what one run judges: the step-0 rows, or a golden's whole check (step 0, training, trajectory)
 JUDGES = ("step0", "cell")
 _LOW_PRECISION = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
@@ -112,7 +118,8 @@ class BisectResult:
       runs: how many step-0 runs it took, both stages.
       candidates: every module the forward pass calls (what was searched).
       outcome: ``"found"``, ``"passes already"`` (nothing to keep), ``"no set passes"`` (even
-        every module in float32 fails: not a float32 question) or ``"budget spent"``.
+        every module in float32 fails: not a float32 question), ``"budget spent"`` or
+        `NOT_SEARCHED` (an NNX or Hugging Face model: the primitives stage alone ran).
       minimal: whether `keep` is 1-minimal (removing any one module makes the cell fail).
       precision: the cell's precision.
       verdicts: the step-0 rows with `keep` in float32.
@@ -152,7 +159,7 @@ class BisectResult:
             return None
         overrides = ", ".join(f"{name!r}: 'fp32'" for name in stage.keep)
         also = ", ".join(f"{n} {name}" for name, n in stage.outside.items() if n)
-        also = f"; also moves {also} outside {', '.join(self.keep)}" if also else ""
+        also = f"; also moves {also} outside {', '.join(self.keep)}" if also and self.keep else ""
         return (
             f"overrides = {{{overrides}}}  # parity bisect: {self.runs} runs{also}\n"
             f"forward = jaxamp.autocast(forward, {self.autocast_args}, overrides=overrides)"
@@ -160,19 +167,23 @@ class BisectResult:
 
     def report(self) -> str:
         judged = "" if self.judged_by == "step0" else " (judged by the whole cell)"
-        head = (
-            f"bisect {self.precision}{judged}: {self.outcome}; {len(self.keep)} of "
-            f"{len(self.candidates)} modules in float32 "
-            f"({'1-minimal' if self.minimal else 'not shown minimal'}), {self.runs} runs"
-        )
-        if self.outcome != "found":
+        if self.outcome == NOT_SEARCHED:
+            head = f"bisect {self.precision}{judged}: modules {self.outcome}, {self.runs} runs"
+        else:
+            head = (
+                f"bisect {self.precision}{judged}: {self.outcome}; {len(self.keep)} of "
+                f"{len(self.candidates)} modules in float32 "
+                f"({'1-minimal' if self.minimal else 'not shown minimal'}), {self.runs} runs"
+            )
+        if self.outcome not in ("found", NOT_SEARCHED):
             return head
-        lines = [head, self.rules_code()]
+        lines = [head, self.rules_code()] if self.outcome == "found" else [head]
         stage = self.primitives
         if stage is not None:
+            alternative = "or, " if self.keep else ""
             lines.append(
-                f"or, primitives: {stage.outcome}; {len(stage.keep)} of {len(stage.candidates)} "
-                f"primitives overridden to float32 "
+                f"{alternative}primitives: {stage.outcome}; {len(stage.keep)} of "
+                f"{len(stage.candidates)} primitives overridden to float32 "
                 f"({'1-minimal' if stage.minimal else 'not shown minimal'}), "
                 f"{stage.runs} of the runs ({', '.join(stage.candidates) or 'no candidates'})"
             )
@@ -300,20 +311,35 @@ def _low_precision_primitives(jaxpr: Any) -> Counter:
 
 
 def _primitive_candidates(
-    pair: Any, config: RunConfig, variables: dict, inputs: Any, keep: Sequence[str]
+    pair: Any,
+    config: RunConfig,
+    variables: dict,
+    inputs: Any,
+    keep: Sequence[str],
+    whole_model: bool = False,
 ) -> dict[str, int]:
     """The primitives that run on low-precision operands in the cell's forward pass and no longer
     (or fewer times) with the modules `keep` in float32 (those the modules stage moved), each
     with how many low-precision runs of it remain outside `keep` (what a global override would
-    also move): fewest of those first, then in program order."""
+    also move): fewest of those first, then in program order. `whole_model` (no module tree):
+    every primitive on low-precision operands but those autocast runs in low precision by
+    design (matmuls, convolutions), with all their runs counted as outside."""
 
     def counts(model_pair):
         forward = jax_forward(model_pair, config.recipe, config.device, train=True)
         args = (variables["params"], variables.get("batch_stats"), jnp.asarray(inputs))
         return _low_precision_primitives(jax.make_jaxpr(forward)(*args).jaxpr)
 
-    before, after = counts(pair), counts(_kept(pair, frozenset(keep)))
-    moved = [name for name in before if before[name] > after[name]]
+    before = counts(pair)
+    if whole_model:
+        by_design = jaxamp.autocast_rules(torch_device(config))
+        after = Counter(
+            {n: c for n, c in before.items() if by_design.get(n) != "lower_precision_fp"}
+        )
+        moved = list(after)
+    else:
+        after = counts(_kept(pair, frozenset(keep)))
+        moved = [name for name in before if before[name] > after[name]]
     return {name: after[name] for name in sorted(moved, key=lambda name: after[name])}
 
 
@@ -371,7 +397,13 @@ def _check_cell(pair: Any, config: RunConfig, budget: Any) -> None:
             f"bisect: precision {config.precision!r} computes in float32; bisect a low precision."
         )
     if getattr(pair.flax_model, "kind", "linen") != "linen":
-        raise ValueError("bisect: the module search runs on flax.linen models only.")
+        try:
+            config.recipe.with_autocast_overrides({})
+        except ValueError as e:
+            raise ValueError(
+                f"bisect: the module search runs on flax.linen models only, and for this "
+                f"{pair.flax_model.kind} model the primitives stage cannot run: {e}"
+            ) from None
 
 
 def _search(
@@ -384,7 +416,8 @@ def _search(
     judged_by: str,
 ) -> BisectResult:
     """Both stages of delta debugging; `judge(pair, config)` is one run: (passes, rows)."""
-    candidates = _module_paths(pair.flax_model, variables, inputs)
+    linen = getattr(pair.flax_model, "kind", "linen") == "linen"
+    candidates = _module_paths(pair.flax_model, variables, inputs) if linen else None
     results: dict[tuple[frozenset, frozenset], tuple[bool, list[Verdict]]] = {}
 
     def run(keep: Sequence[str] = (), overrides: Sequence[str] = ()) -> bool:
@@ -408,7 +441,7 @@ def _search(
         return BisectResult(
             list(keep),
             len(results),
-            candidates,
+            candidates or [],
             outcome,
             minimal,
             config.precision,
@@ -425,18 +458,22 @@ def _search(
         autocast_args = ""
     if run():
         return done([], "passes already", True)
-    try:
-        everything_passes = run(candidates)
-    except StopIteration:
-        return done([], "budget spent", False)
-    if not everything_passes:
-        return done(candidates, "no set passes", False)
-    keep, minimal = ddmin(candidates, run)
-    if not minimal or not autocast_args:
-        return done(keep, "found" if minimal else "budget spent", minimal)
+    if candidates is None:  # not linen: no module tree to search, the primitives stage alone
+        keep, module_outcome = [], NOT_SEARCHED
+    else:
+        try:
+            everything_passes = run(candidates)
+        except StopIteration:
+            return done([], "budget spent", False)
+        if not everything_passes:
+            return done(candidates, "no set passes", False)
+        keep, minimal = ddmin(candidates, run)
+        if not minimal or not autocast_args:
+            return done(keep, "found" if minimal else "budget spent", minimal)
+        module_outcome = "found"
 
     module_runs = len(results)
-    outside = _primitive_candidates(pair, config, variables, inputs, keep)
+    outside = _primitive_candidates(pair, config, variables, inputs, keep, candidates is None)
     primitives = list(outside)
 
     def override(names: Sequence[str]) -> bool:
@@ -453,15 +490,16 @@ def _search(
             {name: outside[name] for name in found},
         )
 
+    modules_minimal = module_outcome == "found"
     try:
         all_pass = bool(primitives) and override(primitives)
     except StopIteration:
-        return done(keep, "found", True, stage([], "budget spent", False))
+        return done(keep, module_outcome, modules_minimal, stage([], "budget spent", False))
     if not all_pass:
-        return done(keep, "found", True, stage([], "no set passes", False))
+        return done(keep, module_outcome, modules_minimal, stage([], "no set passes", False))
     found, found_minimal = ddmin(primitives, override)
     outcome = "found" if found_minimal else "budget spent"
-    return done(keep, "found", True, stage(found, outcome, found_minimal))
+    return done(keep, module_outcome, modules_minimal, stage(found, outcome, found_minimal))
 
 
 def bisect_golden(

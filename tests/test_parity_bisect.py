@@ -11,7 +11,10 @@ port is correct except its softmax, written exp(x) / sum(exp(x)) without the max
 around 12, float16's exp overflows (its largest value is 65504 = e^11.09), torch's softmax
 subtracts the max, and step 0 fails at fp16-mixed with non-finite outputs. Both stages must name
 it alone: the module "softmax" and the primitive "exp", within 10 runs (2 + 3 for ddmin over
-5 modules with one to find; 1 + 4 for ddmin over the softmax's 4 primitives).
+5 modules with one to find; 1 + 4 for ddmin over the softmax's 4 primitives). Its NNX port
+(Linear -> +12 -> the same softmax -> Linear) has no module tree to intercept: the primitives
+stage alone names "exp", within 8 runs (1 to start; 1 + ddmin's over the 6 primitives on float16
+operands that autocast does not run in float16 by design).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import jaxamp
 from parity.api import prepare_pair
-from parity.bisect import bisect, bisect_golden, ddmin
+from parity.bisect import NOT_SEARCHED, bisect, bisect_golden, ddmin
 from parity.config import RunConfig
 from parity.golden.format import BatchList
 from parity.training.recipes import get_recipe
@@ -104,6 +108,27 @@ class FlaxSoftmaxNet(nn.Module):
         x = nn.gelu(x, approximate=False)
         x = UnguardedSoftmax(name="softmax")(nn.Dense(32, name="fc2")(x) + LOGIT_SHIFT)
         return nn.Dense(10, name="fc3")(x)
+
+
+class TorchSoftmaxPair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.softmax(self.fc1(x) + LOGIT_SHIFT, -1))
+
+
+class NnxSoftmaxPair(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+        self.fc2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        e = jnp.exp(self.fc1(x) + LOGIT_SHIFT)
+        return self.fc2(e / e.sum(-1, keepdims=True))
 
 
 def _bisected(torch_net, flax_net, precision, budget):
@@ -207,3 +232,16 @@ def test_bisect_finds_the_unguarded_exp_and_only_it():
     fixed = jax.jit(scope["forward"])(batch[0])
     assert not np.isfinite(np.asarray(plain, np.float32)).all()
     assert np.isfinite(np.asarray(fixed, np.float32)).all()
+
+
+def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
+    result, _, _ = _bisected(TorchSoftmaxPair, NnxSoftmaxPair(), "fp16-mixed", 8)
+    assert (result.outcome, result.keep, result.candidates) == (NOT_SEARCHED, [], [])
+    stage = result.primitives
+    assert stage.outcome == "found" and stage.minimal, result.report()
+    assert stage.keep == ["exp"] and "dot_general" not in stage.candidates
+    assert result.runs == stage.runs + 1 <= 8
+    assert all(v.passed for v in stage.verdicts)
+    assert "overrides = {'exp': 'fp32'}" in result.report() and "rules =" not in result.report()
+    with pytest.raises(ValueError, match="for this nnx model the primitives stage cannot run"):
+        _bisected(TorchSoftmaxPair, NnxSoftmaxPair(), "bf16-true", 8)
