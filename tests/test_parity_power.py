@@ -388,3 +388,36 @@ def test_the_report_shows_power_inconclusive_rows_and_the_gap_panel(tmp_path):
     assert "Overall: **INCONCLUSIVE**" in text and "could detect" in text
     assert "**inconclusive**" in text and "--seeds 5" in text
     assert (tmp_path / "gaps.png").exists() and "gaps.png" in text
+
+
+# --- a departure from the rounding floor (a threshold crossed), not a port difference ----------
+
+
+def _departing(gaps):
+    base = np.linspace(2.3, 1.5, len(gaps))
+    return base, base * (1 + np.asarray(gaps))
+
+
+def test_a_departure_from_the_rounding_floor_is_inconclusive_a_gap_from_step_1_fails():
+    n = 12
+    floor = [1e-7 * (-1) ** i for i in range(n)]  # the noise run: float32 rounding, no chaos
+    base, noisy = _departing(floor)
+    # The built-in resnet at lr 1e-2, a correct port: at rounding for two steps, then a ReLU
+    # input crossed by rounding parts the runs (3e-5 at step 2, 2.9% at step 14).
+    crossed = [1e-7, 2e-7, 3e-5, 4e-6, 4e-4, 9e-4, 1e-5, 2e-3, 2e-3, 1e-3, 8e-4, 2e-2]
+    _, jax = _departing(crossed)
+    runs = [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+    raw = compare_runs(runs)
+    assert overall_status(raw) == "FAIL"  # compare alone: the fixed bands fail it
+    judged = judge(runs, raw)
+    per_step = [v for v in judged if v.check.startswith("per-step loss")]
+    assert per_step and all(v.passed is None and v.mode == "inconclusive" for v in per_step)
+    assert "left it at step 2" in per_step[0].detail and "--seeds 5" in per_step[0].detail
+    assert overall_status(judged) == "INCONCLUSIVE"
+    assert "--seeds 5" in cell_bottom_lines(judged)[CELL]
+    # A gap above the floor from step 1 on is a port difference: it fails.
+    _, systematic = _departing([1e-7, 5e-5, 1e-4, 3e-4, 6e-4] + [1e-3] * (n - 5))
+    runs = [_run("torch", base), _run("jax", systematic), _run("torch", noisy, variant="noise")]
+    assert overall_status(_judged(runs)) == "FAIL"
+    # Without a noise run nothing measured the floor: the fixed bands decide.
+    assert overall_status(_judged([_run("torch", base), _run("jax", jax)])) == "FAIL"

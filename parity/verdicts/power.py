@@ -16,6 +16,14 @@ returns the rows the outputs are written from:
   margin (`SEED_MARGINS`), FAIL when it lies wholly outside, else INCONCLUSIVE with the number
   of seeds that would decide. Welch's test of a difference stays as an informational row: not
   rejecting "equal means" with three seeds proves nothing.
+- **A departure from the rounding floor** (`_rounding_departure`): in a calibrated fp32 pair whose
+  loss gap stayed within ``k`` times the model's own self-divergence for at least one step past
+  step 0 and then left it, failing trajectory rows from that step on are inconclusive: the two
+  steps agreed to float32 rounding, and only a threshold that rounding crosses (a ReLU input
+  near 0, whose gradient jump AdamW scales per element) parts runs that agree that closely. The
+  1-ulp noise run does not date such a crossing: it perturbs the weights once, where another
+  framework's arithmetic differs at every step. Seed statistics decide (``--seeds 5``). A gap
+  above that floor from step 1 on still fails.
 - **Structural differences**: where the run records' weight mapping folds trainable tensors
   (`parity.automap`), failing rows past step 0 are inconclusive, saying why (`_structural`).
 - **Gradient norm and update norm** (run records' ``grad_norm`` / ``update_norm`` per step,
@@ -592,6 +600,73 @@ def fp16_skip_rows(ref, cand) -> list[Verdict]:
     return rows
 
 
+# Measured on the built-in resnet at lr 1e-2 (AdamW, batch 8, 20 steps), a correct port: loss gap
+# 1e-7, 2e-7, then 3e-5 at step 2 and 2.9% at step 14, while torch's 1-ulp noise run stayed
+# within 2.3e-7. At torch's own parameters the JAX gradients agree to 4e-6 of each tensor's
+# largest, and optax's AdamW step agrees with torch's to 5e-7 given the same gradients. torch
+# itself, run from JAX's step-2 parameters (5e-7 away), reproduces JAX's gradient jump: one
+# ReLU input of blocks.0.bn1 sat 1e-6 from zero. torch with gradient noise of 4-16 float32 ulps
+# per step parts from itself the same way (3e-4 to 1e-2 by step 14) in 3 of 4 seeds.
+DEPARTURE_NOTE = (
+    "inconclusive, not failed: the loss gap stayed within {k:g} x the model's own rounding "
+    "divergence through step {last} and left it at step {step} ({gap} against {floor}); runs "
+    "that agree to float32 rounding part only where rounding crosses a threshold (a ReLU input "
+    "near 0, whose gradient jump AdamW scales per element), which a 1-ulp noise run does not "
+    "date; decide with --seeds 5 (equivalence)"
+)
+
+
+def _departure(gaps: Sequence[float], envelope: Sequence[float] | None) -> tuple[int, str] | None:
+    """``(step, note)`` where a calibrated loss gap left the rounding floor (``k`` times the
+    self-divergence envelope, at least ``k`` float32 half-ulps) after agreeing to it for at
+    least one step past step 0; None when it never agreed past step 0 or never left it."""
+    if not envelope or len(gaps) < 3:
+        return None
+    k = TOLERANCES["noise_k"]
+
+    def floor(s):
+        level = envelope[min(s, len(envelope) - 1)]
+        return k * max(level if math.isfinite(level) else math.inf, TOLERANCES["noise_floor"])
+
+    step = next((s for s in range(1, len(gaps)) if not gaps[s] <= floor(s)), None)
+    if step is None or step < 2:
+        return None
+    note = DEPARTURE_NOTE.format(
+        k=k,
+        last=step - 1,
+        step=step,
+        gap=fmt_value(gaps[step]),
+        floor=fmt_value(floor(step)),
+    )
+    return step, note
+
+
+def _rounding_departure(out, new, cell, compared, ref, cand, noise, mains) -> list[Verdict]:
+    """Failing fp32 trajectory rows (per-step loss and gradient norm, final loss) of a pair
+    whose loss gap departed from the rounding floor (`_departure`) at or before their first
+    failing step become inconclusive, saying why; `new` is changed in place."""
+    if not _is_fp32(ref):
+        return out
+    envelope = _envelope(noise, mains)
+    ref_l, cand_l = run_losses(ref), run_losses(cand)
+    found = _departure(relative_gaps(ref_l, cand_l, loss_floor(ref_l)), envelope)
+    if found is None:
+        return out
+    step, note = found
+
+    def soften(v: Verdict) -> Verdict:
+        trajectory = v.check.startswith(("per-step loss", "per-step gradient norm", "final loss"))
+        late = v.first_failing_step is None or v.first_failing_step >= step
+        if v.passed is False and trajectory and late and "over seeds" not in v.check:
+            return dataclasses.replace(
+                v, passed=None, mode="inconclusive", detail=f"{v.detail}; {note}"
+            )
+        return v
+
+    new[:] = [soften(v) for v in new]
+    return [soften(v) if v.cell == cell and v.compared == compared else v for v in out]
+
+
 def _folded(run) -> list[dict[str, Any]]:
     rows = run.get("weight_mapping") or []
     return [r for r in rows if isinstance(r, Mapping) and "folded" in str(r.get("note", ""))]
@@ -694,6 +769,7 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
                 for v in out
             ]
         out = _structural(out, new, cell, compared, ref, cand)
+        out = _rounding_departure(out, new, cell, compared, ref, cand, noise, mains)
         kept = [
             v
             for v in out
