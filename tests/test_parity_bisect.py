@@ -30,6 +30,7 @@ import torch
 from flax import nnx
 
 import jaxamp
+import jaxamp.flax
 from parity.api import prepare_pair
 from parity.bisect import NOT_SEARCHED, bisect, bisect_golden, ddmin
 from parity.config import RunConfig
@@ -232,6 +233,12 @@ def test_bisect_finds_the_unguarded_exp_and_only_it():
     fixed = jax.jit(scope["forward"])(batch[0])
     assert not np.isfinite(np.asarray(plain, np.float32)).all()
     assert np.isfinite(np.asarray(fixed, np.float32)).all()
+    # and so do the module rules, under jaxamp's per-module policies
+    scope = {"jaxamp": jaxamp, "model": FlaxSoftmaxNet()}
+    exec(result.rules_code(), scope)
+    unruled = jaxamp.flax.linen.with_policy(FlaxSoftmaxNet().apply, "fp16-mixed")
+    assert not np.isfinite(np.asarray(unruled(variables, batch[0]), np.float32)).all()
+    assert np.isfinite(np.asarray(scope["apply"](variables, batch[0]), np.float32)).all()
 
 
 def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
