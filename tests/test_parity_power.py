@@ -244,6 +244,16 @@ def test_seed_statistics_pass_only_on_shown_equivalence():
     assert row.passed is False and overall_status(judged) == "FAIL"
 
 
+def test_an_undecided_equivalence_asks_for_the_seeds_its_spread_needs():
+    # Re-running the default --seeds 5 after five undecided seeds would decide nothing again.
+    row, judged = _seed_cell([1.0, 1.6, 0.5, 1.4, 0.6], [1.2, 0.5, 1.5, 0.7, 1.3])
+    assert row.passed is None
+    needed = int(row.detail.split("about ")[1].split(" seeds")[0])
+    assert needed > 5
+    line = cell_bottom_lines(judged)[("m", "bf16-mixed", "cpu")]
+    assert f"--seeds {needed} " in line and f"seeds={needed})" in line
+
+
 # --- fp16: which parameter overflowed, and whether it was a rounding flip ----------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -197,9 +198,10 @@ def is_decisive(v: Verdict) -> bool:
     return v.power is None or v.power <= (power_bound(v.check) or math.inf)
 
 
-def deciding_command(cell: tuple[str, str, str]) -> str:
-    """The command that decides an inconclusive cell: seed statistics (an equivalence test)
-    and 1-ulp calibration runs, for a built-in model or through `parity.compare_models`.
+def deciding_command(cell: tuple[str, str, str], seeds: int = DECIDING_SEEDS) -> str:
+    """The command that decides an inconclusive cell: seed statistics (an equivalence test,
+    `seeds` data seeds per framework) and 1-ulp calibration runs, for a built-in model or
+    through `parity.compare_models`.
 
     Example:
       >>> deciding_command(("resnet", "fp32", "cpu"))[:60]
@@ -208,8 +210,8 @@ def deciding_command(cell: tuple[str, str, str]) -> str:
     model, precision, device = cell
     return (
         f"python -m parity run --model {model} --precision {precision} --device {device} "
-        f"--noise torch --seeds {DECIDING_SEEDS} --out runs/{model}-{precision}-seeds "
-        f"(your own pair: compare_models(..., noise='torch', seeds={DECIDING_SEEDS}))"
+        f"--noise torch --seeds {seeds} --out runs/{model}-{precision}-seeds "
+        f"(your own pair: compare_models(..., noise='torch', seeds={seeds}))"
     )
 
 
@@ -400,12 +402,24 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
             out[cell] = (
                 "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
                 + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
-                + f"; to decide: {deciding_command(cell)}"
+                + f"; to decide: {deciding_command(cell, _seeds_to_decide(rows))}"
             )
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
             out[cell] = "nothing judged (never a pass): " + "; ".join(reasons)[:300]
     return out
+
+
+_SEEDS_NEEDED = re.compile(r"about (\d+) seeds per framework would decide")
+
+
+def _seeds_to_decide(rows: Sequence[Verdict]) -> int:
+    """`DECIDING_SEEDS`, or more where an undecided equivalence row (`parity.verdicts.power`)
+    says how many seeds its observed spread needs (the fewest of its rows: one decides)."""
+    needed = [
+        int(m.group(1)) for v in rows if (m := _SEEDS_NEEDED.search(v.detail or "")) is not None
+    ]
+    return max(DECIDING_SEEDS, min(needed, default=DECIDING_SEEDS))
 
 
 def verdict_mark(v: Verdict) -> str:
