@@ -144,6 +144,14 @@ class BisectResult:
     autocast_args: str = ""
     judged_by: str = "step0"
 
+    @property
+    def found(self) -> bool:
+        """A set that passes was found (modules or primitives), or none is needed: the
+        command's exit 0."""
+        if self.outcome in ("found", "passes already"):
+            return True
+        return self.primitives is not None and self.primitives.outcome == "found"
+
     def rules_code(self) -> str:
         """The rules as code to paste (jaxamp's per-module policies)."""
         rules = ", ".join(f"{path!r}: 'fp32'" for path in self.keep)
@@ -578,7 +586,7 @@ def run_bisect(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return BAD_INPUT
     print(result.report())
-    return 0 if result.outcome in ("found", "passes already") else 1
+    return 0 if result.found else 1
 
 
 def main(argv: list[str] | None = None) -> int:

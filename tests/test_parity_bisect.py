@@ -172,7 +172,7 @@ def test_bisect_finds_the_fragile_layernorm_and_only_it():
     # ddmin's first chunk finds the budget spent
     stage = result.primitives
     assert (stage.outcome, stage.minimal, stage.runs, result.runs) == ("budget spent", False, 1, 7)
-    assert "norm" not in stage.outside and result.overrides_code() is None
+    assert "norm" not in stage.outside and result.overrides_code() is None and result.found
 
 
 def test_autocast_overrides_reach_the_recipes_jax_forward_only_where_it_is_autocast():
@@ -247,7 +247,7 @@ def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
     stage = result.primitives
     assert stage.outcome == "found" and stage.minimal, result.report()
     assert stage.keep == ["exp"] and "dot_general" not in stage.candidates
-    assert result.runs == stage.runs + 1 <= 8
+    assert result.runs == stage.runs + 1 <= 8 and result.found
     assert all(v.passed for v in stage.verdicts)
     assert "overrides = {'exp': 'fp32'}" in result.report() and "rules =" not in result.report()
     with pytest.raises(ValueError, match="for this nnx model the primitives stage cannot run"):
