@@ -20,9 +20,9 @@ import parity  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
 from parity.training.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows  # noqa: E402
 from parity.verdicts.power import (  # noqa: E402
     equivalence,
-    fp16_skip_rows,
     judge,
     step_tolerances,
 )
@@ -431,3 +431,80 @@ def test_a_departure_from_the_rounding_floor_is_inconclusive_a_gap_from_step_1_f
     assert overall_status(_judged(runs)) == "FAIL"
     # Without a noise run nothing measured the floor: the fixed bands decide.
     assert overall_status(_judged([_run("torch", base), _run("jax", jax)])) == "FAIL"
+
+
+def _scaled_runs(torch_skips, jax_skips, maxima, steps=10, init=1024.0, interval=3):
+    """An fp16 pair whose recorded scales follow GradScaler from each side's own skips;
+    `maxima[(framework, step)]` is that side's {parameter: largest |scaled gradient|}."""
+    runs = []
+    for framework, skips in (("torch", torch_skips), ("jax", jax_skips)):
+        scale, tracker, extra = init, 0, {}
+        for i in range(steps):
+            default = {"fc.weight": 100.0, "fc.bias": 10.0}
+            extra[i] = {
+                "loss_scale": scale,
+                "skipped": i in skips,
+                "max_scaled_grad": maxima.get((framework, i), default),
+            }
+            if i in skips:
+                scale, tracker = scale / 2, 0
+            else:
+                tracker += 1
+                if tracker == interval:
+                    scale, tracker = scale * 2, 0
+        run = _run(
+            "torch" if framework == "torch" else "jax",
+            [2.0] * steps,
+            "fp16-mixed",
+            steps_extra=extra,
+        )
+        run["config"].update(init_scale=init, growth_interval=interval)
+        runs.append(run)
+    return runs
+
+
+def test_after_a_rounding_flip_the_scales_are_realigned_and_the_comparison_goes_on():
+    overflow = {"fc.weight": None, "fc.bias": 10.0}
+    flip = {("torch", 2): overflow, ("jax", 2): {"fc.weight": 65490.0, "fc.bias": 9.0}}
+    # After the flip the sides back off and grow at different steps: at step 7 jax's scale is
+    # 4x torch's, and jax overflows where torch holds 40000 (160000 at jax's scale: explained).
+    later = {("jax", 7): overflow, ("torch", 7): {"fc.weight": 40000.0, "fc.bias": 9.0}}
+    runs = _scaled_runs({2, 6}, {6, 7}, {**flip, **later})
+    judged = _judged(runs)
+    cell = ("m", "fp16-mixed", "cpu")
+    by_check = {v.check: v for v in judged if v.cell == cell}
+    realigned = by_check["skip decisions after the flip at step 2 (scales realigned)"]
+    assert realigned.passed is True and "[7]" in realigned.detail
+    replayed = by_check["loss-scale trajectory (each side replayed from its own skips)"]
+    assert replayed.passed is True
+    # compare's exact rows part at the flip (skips at 2, scales from 3): explained, not failed
+    assert by_check["loss-scale trajectory"].passed is None
+    assert by_check["skip decisions"].passed is None
+    assert overall_status(judged) != "FAIL"
+    # A later difference the scales do not explain fails, naming the step and the parameter.
+    later[("torch", 7)] = {"fc.weight": 10000.0, "fc.bias": 9.0}  # 40000 at jax's scale
+    judged = _judged(_scaled_runs({2, 6}, {6, 7}, {**flip, **later}))
+    (row,) = [v for v in judged if v.check.startswith("skip decisions after the flip")]
+    assert row.passed is False and row.first_failing_step == 7 and "fc.weight" in row.detail
+    assert overall_status(judged) == "FAIL"
+    # A side whose scale does not follow its own skips fails the replay.
+    runs = _scaled_runs({2, 6}, {6}, flip)
+    runs[1]["steps"][8]["loss_scale"] *= 4
+    (row,) = [v for v in _judged(runs) if v.check.startswith("loss-scale trajectory (each")]
+    assert row.passed is False and row.first_failing_step == 8 and "jax step 8" in row.detail
+
+
+def test_an_overflow_in_an_intermediate_is_named_as_such():
+    applied = {"fc.weight": 65500.0, "fc.bias": 9.0}
+    for skipper, words in (
+        ({"fc.weight": None, "fc.bias": None}, "every parameter's gradient (2 of 2)"),
+        ({"fc.weight": 5.0, "fc.bias": 1.0}, "no parameter's gradient overflowed"),
+    ):
+        runs = _scaled_runs({2}, set(), {("torch", 2): skipper, ("jax", 2): applied})
+        (row,) = fp16_skip_rows(*runs)
+        assert words in row.detail and "intermediate" in row.detail
+        assert "fc.weight" not in row.detail.split("applied")[0]
+    # Nothing happened after the flip: the continued comparison tested nothing (never a pass).
+    runs = _scaled_runs({2}, set(), {("torch", 2): {"fc.weight": None}, ("jax", 2): applied})
+    (row,) = [r for r in fp16_realigned_rows(*runs, flip=2) if r.check.startswith("skip")]
+    assert row.passed is None and row.mode == "informational"

@@ -30,7 +30,10 @@ returns the rows the outputs are written from:
   `parity.training.steps`): judged step by step like the loss, at `SIGNAL_FACTOR` times the
   loss tolerance of the step, up to the same horizon; an fp16 run's largest |scaled gradient|
   per parameter names, where skip decisions differ, the parameter that overflowed on each side
-  (`fp16_skip_rows`).
+  (`parity.verdicts.fp16`), or an intermediate where no parameter (or every one) overflowed. After a
+  rounding flip the comparison goes on with the scales realigned (`fp16_realigned_rows`):
+  every later differing skip must be explained by the two scales, and each side's scale must
+  follow its own skips by GradScaler's rule.
 
 Rows are `parity.verdicts.rows.Verdict`; a row that would pass with a tolerance above its bound
 is made inconclusive where it is built (``Verdict.__post_init__``).
@@ -55,6 +58,7 @@ from parity.training.records import (
     run_seed,
     run_status,
 )
+from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows
 from parity.verdicts.rows import (
     LOSS_UNIT,
     POWER_BOUNDS,
@@ -63,17 +67,16 @@ from parity.verdicts.rows import (
     final_mean,
     fmt_value,
     loss_floor,
+    pair_fields,
     relative_gaps,
     run_losses,
     self_divergence,
 )
 
 __all__ = [
-    "FP16_FLIP_ULPS",
     "SEED_MARGINS",
     "SIGNAL_FACTOR",
     "equivalence",
-    "fp16_skip_rows",
     "judge",
     "envelope_ratio",
     "step_band",
@@ -90,10 +93,6 @@ SEED_MARGINS = {"loss": TOLERANCES["final_loss_rel"], "accuracy": 0.02}
 # this many times the loss tolerance of the same step.
 SIGNAL_FACTOR = 10.0
 
-# A skip decision that differs because both sides sat within this many float16 ulps of
-# float16's largest value is a rounding flip, not a port difference.
-FP16_FLIP_ULPS = 4
-FP16_MAX = 65504.0
 
 _STEPS = re.compile(r"^per-step loss, steps (\d+)-(\d+)$")
 
@@ -236,15 +235,6 @@ def _envelope(noise, mains):
             env if envelope is None else [max(a, b) for a, b in zip(envelope, env, strict=False)]
         )
     return envelope
-
-
-def _base(ref, cand) -> dict[str, Any]:
-    return {
-        "model": ref["model"],
-        "precision": ref["precision"],
-        "device": ref["device"],
-        "compared": f"{run_label(cand)} vs {run_label(ref)}",
-    }
 
 
 def _window_row(base, check, gaps, tolerances, start, stop, bound, what, calibrated=False):
@@ -426,7 +416,7 @@ def _is_fp32(run) -> bool:
 def _trajectory_rows(verdicts, ref, cand, noise, mains):
     """New per-step rows for one pair; the names of compare's rows they replace; the power
     (largest tolerance) of compare's per-step rows that stay."""
-    base = _base(ref, cand)
+    base = pair_fields(ref, cand)
     bound = POWER_BOUNDS["loss"]
     ref_l, cand_l = run_losses(ref), run_losses(cand)
     gaps = relative_gaps(ref_l, cand_l, loss_floor(ref_l))
@@ -548,58 +538,6 @@ def _seed_rows(cell, refs, cands) -> list[Verdict]:
     return rows
 
 
-def fp16_skip_rows(ref, cand) -> list[Verdict]:
-    """Where two fp16 runs' skip decisions first differ: the parameter that overflowed on the
-    skipping side, the other side's largest |scaled gradient| of it against float16's maximum,
-    and whether that is a rounding flip (within `FP16_FLIP_ULPS` ulps of the maximum).
-
-    Needs the runs' per-step ``max_scaled_grad`` ({parameter: largest |scaled gradient|},
-    null where non-finite); [] without it or without a difference.
-    """
-    n = min(len(ref["steps"]), len(cand["steps"]))
-    rows = []
-    for i in range(n):
-        a, b = ref["steps"][i], cand["steps"][i]
-        if bool(a.get("skipped")) == bool(b.get("skipped")):
-            continue
-        skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
-        maxima_s = skipper["steps"][i].get("max_scaled_grad")
-        maxima_o = other["steps"][i].get("max_scaled_grad")
-        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
-            return rows
-        overflowed = sorted(k for k, v in maxima_s.items() if v is None)
-        largest = max(
-            (v for v in maxima_o.values() if isinstance(v, int | float)), default=math.nan
-        )
-        threshold = FP16_MAX * (1 - FP16_FLIP_ULPS * 2.0**-11)
-        flip = math.isfinite(largest) and largest >= threshold
-        rows.append(
-            Verdict(
-                check=f"fp16 skip at step {i}",
-                value=largest / FP16_MAX if math.isfinite(largest) else math.inf,
-                tolerance=f">= 1 - {FP16_FLIP_ULPS} ulps of float16 max",
-                passed=None,
-                detail=(
-                    f"{run_label(skipper)} skipped: non-finite gradient of "
-                    f"{', '.join(overflowed[:3]) or 'no parameter (an intermediate overflowed)'}; "
-                    f"{run_label(other)} applied the step, its largest |scaled gradient| "
-                    f"{fmt_value(largest)} = {fmt_value(largest / FP16_MAX)} of float16's max"
-                    + (
-                        ": a rounding flip (both sides at the threshold), not a port difference"
-                        if flip
-                        else ": not at the threshold, so the sides' gradients differ"
-                    )
-                ),
-                mode="informational" if flip else "exact",
-                first_failing_step=i,
-                power=0.0,
-                **_base(ref, cand),
-            )
-        )
-        break
-    return rows
-
-
 # Measured on the built-in resnet at lr 1e-2 (AdamW, batch 8, 20 steps), a correct port: loss gap
 # 1e-7, 2e-7, then 3e-5 at step 2 and 2.9% at step 14, while torch's 1-ulp noise run stayed
 # within 2.3e-7. At torch's own parameters the JAX gradients agree to 4e-6 of each tensor's
@@ -707,7 +645,7 @@ def _structural(out, new, cell, compared, ref, cand) -> list[Verdict]:
             passed=None,
             detail=f"{reason}. {folded[0].get('note', '')}",
             mode="informational",
-            **_base(ref, cand),
+            **pair_fields(ref, cand),
         )
     )
     return [soften(v) if v.cell == cell and v.compared.startswith(compared) else v for v in out]
@@ -752,19 +690,21 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
         new += explained
         if explained and explained[0].mode == "informational":  # a rounding flip
             flip = explained[0].first_failing_step
+            new += fp16_realigned_rows(ref, cand, flip)
             out = [
                 dataclasses.replace(
                     v,
                     passed=None,
                     mode="informational",
                     detail=f"{v.detail}; explained: a rounding flip at step {flip} (both sides "
-                    "at float16's threshold); the scales part there, and the final-loss row "
-                    "decides",
+                    "at float16's threshold); the scales part there, and the rows after the "
+                    "flip (scales realigned) decide",
                 )
                 if v.cell == cell
                 and v.compared == compared
                 and v.check in ("loss-scale trajectory", "skip decisions")
-                and v.first_failing_step == flip
+                # the skip is at the flip; the scales it used part from the next step
+                and v.first_failing_step in (flip, flip + 1)
                 else v
                 for v in out
             ]

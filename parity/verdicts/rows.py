@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from parity.training.records import run_label
+
 __all__ = [
     "LOSS_UNIT",
     "TOLERANCES",
@@ -28,6 +30,7 @@ __all__ = [
     "is_decisive",
     "loss_floor",
     "overall_status",
+    "pair_fields",
     "power_bound",
     "relative_gaps",
     "run_losses",
@@ -213,6 +216,16 @@ def deciding_command(cell: tuple[str, str, str], seeds: int = DECIDING_SEEDS) ->
         f"--noise torch --seeds {seeds} --out runs/{model}-{precision}-seeds "
         f"(your own pair: compare_models(..., noise='torch', seeds={seeds}))"
     )
+
+
+def pair_fields(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
+    """The cell and ``compared`` fields of a `Verdict` on the runs `cand` vs `ref`."""
+    return {
+        "model": ref["model"],
+        "precision": ref["precision"],
+        "device": ref["device"],
+        "compared": f"{run_label(cand)} vs {run_label(ref)}",
+    }
 
 
 def run_losses(run: Mapping[str, Any]) -> list[float | None]:

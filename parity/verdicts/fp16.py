@@ -1,0 +1,231 @@
+"""fp16 runs whose skip decisions differ: what overflowed, whether it was a rounding flip, and
+the comparison continued past a flip with the scales realigned (`parity.verdicts.power.judge`
+adds these rows to an fp16 pair).
+
+- `fp16_skip_rows`: the first step where the two sides' skip decisions differ. The skipping
+  side's non-finite gradients are named (`_overflow_text`: the parameters, or an intermediate
+  where none or every one of them overflowed); the applying side's largest |scaled gradient|
+  is set against float16's maximum. Within `FP16_FLIP_ULPS` ulps of it, it is a rounding flip.
+- `fp16_realigned_rows`: after a rounding flip the sides' scales differ (one backed off). Every
+  later differing skip must then be explained by the two scales: the applying side's largest
+  |scaled gradient| rescaled to the skipping side's scale reaches float16's maximum. Each
+  side's recorded scale must also follow its own skips by torch's GradScaler rule.
+
+Runs record ``max_scaled_grad`` per step ({parameter: largest |scaled gradient|}, null where
+non-finite) and the loss scale each step used (`parity.training.steps`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from parity.training.records import run_label
+from parity.verdicts.rows import Verdict, fmt_value, pair_fields
+
+__all__ = ["FP16_FLIP_ULPS", "FP16_MAX", "fp16_realigned_rows", "fp16_skip_rows"]
+
+# A skip decision that differs because both sides sat within this many float16 ulps of
+# float16's largest value is a rounding flip, not a port difference.
+FP16_FLIP_ULPS = 4
+FP16_MAX = 65504.0
+
+
+def _overflow_text(maxima: Mapping[str, Any]) -> str:
+    """Which gradients were non-finite on a skipping side: named parameters, or an
+    intermediate when none or every one of them was."""
+    overflowed = sorted(k for k, v in maxima.items() if v is None)
+    if not overflowed:
+        return (
+            "no parameter's gradient overflowed (every one is finite): an intermediate (an "
+            "activation, its gradient, or the loss) did"
+        )
+    if len(overflowed) == len(maxima) and len(maxima) > 1:
+        return (
+            f"every parameter's gradient ({len(maxima)} of {len(maxima)}) is non-finite: the "
+            "overflow came through an intermediate of the backward pass, not from one parameter"
+        )
+    return f"non-finite gradient of {', '.join(overflowed[:3])}"
+
+
+def _largest(maxima: Mapping[str, Any]) -> float:
+    return max((v for v in maxima.values() if isinstance(v, int | float)), default=math.nan)
+
+
+def _flip_threshold() -> float:
+    return FP16_MAX * (1 - FP16_FLIP_ULPS * 2.0**-11)
+
+
+def fp16_skip_rows(ref, cand) -> list[Verdict]:
+    """Where two fp16 runs' skip decisions first differ: what overflowed on the skipping side
+    (the parameters, or an intermediate: `_overflow_text`), the other side's largest |scaled
+    gradient| against float16's maximum, and whether that is a rounding flip (within
+    `FP16_FLIP_ULPS` ulps of the maximum).
+
+    Needs the runs' per-step ``max_scaled_grad`` ({parameter: largest |scaled gradient|},
+    null where non-finite); [] without it or without a difference.
+    """
+    n = min(len(ref["steps"]), len(cand["steps"]))
+    rows = []
+    for i in range(n):
+        a, b = ref["steps"][i], cand["steps"][i]
+        if bool(a.get("skipped")) == bool(b.get("skipped")):
+            continue
+        skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
+        maxima_s = skipper["steps"][i].get("max_scaled_grad")
+        maxima_o = other["steps"][i].get("max_scaled_grad")
+        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
+            return rows
+        largest = _largest(maxima_o)
+        flip = math.isfinite(largest) and largest >= _flip_threshold()
+        rows.append(
+            Verdict(
+                check=f"fp16 skip at step {i}",
+                value=largest / FP16_MAX if math.isfinite(largest) else math.inf,
+                tolerance=f">= 1 - {FP16_FLIP_ULPS} ulps of float16 max",
+                passed=None,
+                detail=(
+                    f"{run_label(skipper)} skipped: {_overflow_text(maxima_s)}; "
+                    f"{run_label(other)} applied the step, its largest |scaled gradient| "
+                    f"{fmt_value(largest)} = {fmt_value(largest / FP16_MAX)} of float16's max"
+                    + (
+                        ": a rounding flip (both sides at the threshold), not a port difference"
+                        if flip
+                        else ": not at the threshold, so the sides' gradients differ"
+                    )
+                ),
+                mode="informational" if flip else "exact",
+                first_failing_step=i,
+                power=0.0,
+                **pair_fields(ref, cand),
+            )
+        )
+        break
+    return rows
+
+
+def _replayed_scales(run) -> list[float] | None:
+    """`run`'s loss scale per step as torch's GradScaler moves it from the run's own skips
+    (x0.5 on a skip, x2 after ``growth_interval`` finite steps in a row); None without the
+    settings."""
+    config = run.get("config") or {}
+    steps = run["steps"]
+    scale = config.get("init_scale", steps[0].get("loss_scale") if steps else None)
+    interval = config.get("growth_interval")
+    if not isinstance(scale, int | float) or not isinstance(interval, int) or interval < 1:
+        return None
+    out, tracker = [], 0
+    for step in steps:
+        out.append(float(scale))
+        if step.get("skipped"):
+            scale, tracker = scale * 0.5, 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                grown = float(np.float32(scale * 2.0))
+                scale, tracker = (grown if math.isfinite(grown) else scale), 0
+    return out
+
+
+def fp16_realigned_rows(ref, cand, flip: int) -> list[Verdict]:
+    """The fp16 comparison continued past a rounding flip at step `flip`: the scales realigned.
+
+    - ``skip decisions after the flip (scales realigned)``: at every later step where the
+      decisions differ, the applying side's largest |scaled gradient|, rescaled to the skipping
+      side's loss scale, must reach float16's maximum to within `FP16_FLIP_ULPS` ulps (at the
+      skipper's scale it overflows too: the scales explain the difference); else FAIL naming
+      what overflowed and the step. Informational when nothing happened after the flip (no
+      differing step and no skip on either side): nothing was tested.
+    - ``loss-scale trajectory (each side replayed from its own skips)``: each side's recorded
+      scale equals torch's GradScaler rule replayed from its own skip decisions, every step.
+    """
+    n = min(len(ref["steps"]), len(cand["steps"]))
+    base = pair_fields(ref, cand)
+    unexplained, explained, events = None, [], 0
+    for i in range(flip + 1, n):
+        a, b = ref["steps"][i], cand["steps"][i]
+        events += bool(a.get("skipped")) + bool(b.get("skipped"))
+        if bool(a.get("skipped")) == bool(b.get("skipped")):
+            continue
+        skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
+        maxima_s = skipper["steps"][i].get("max_scaled_grad")
+        maxima_o = other["steps"][i].get("max_scaled_grad")
+        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
+            unexplained = (i, f"step {i}: skip decisions differ and no gradient maxima recorded")
+            break
+        scale_s = skipper["steps"][i].get("loss_scale")
+        scale_o = other["steps"][i].get("loss_scale")
+        ratio = scale_s / scale_o if isinstance(scale_s, int | float) and scale_o else 1.0
+        rescaled = _largest(maxima_o) * ratio
+        text = (
+            f"step {i}: {run_label(skipper)} skipped ({_overflow_text(maxima_s)}) at scale "
+            f"{scale_s}; {run_label(other)}'s largest |scaled gradient| at that scale "
+            f"{fmt_value(rescaled)} = {fmt_value(rescaled / FP16_MAX)} of float16's max"
+        )
+        if math.isfinite(rescaled) and rescaled >= _flip_threshold():
+            explained.append(i)
+        else:
+            unexplained = (i, text + ": below the threshold, so the sides' gradients differ")
+            break
+    if unexplained is not None:
+        passed, mode, detail = False, "exact", unexplained[1]
+    elif not explained and not events:
+        passed, mode = None, "informational"
+        detail = f"no skip on either side after step {flip}: nothing after the flip was tested"
+    else:
+        passed, mode = True, "exact"
+        detail = (
+            f"{events} skip(s) after step {flip}; differing steps {explained[:5] or 'none'}, "
+            "each explained by the realigned scales (the applying side's gradient, at the "
+            f"skipping side's scale, reaches float16's max to within {FP16_FLIP_ULPS} ulps)"
+        )
+    rows = [
+        Verdict(
+            check=f"skip decisions after the flip at step {flip} (scales realigned)",
+            value="explained" if passed else ("untested" if passed is None else "differ"),
+            tolerance=f"each difference within {FP16_FLIP_ULPS} ulps of float16 max",
+            passed=passed,
+            detail=detail,
+            mode=mode,
+            first_failing_step=unexplained[0] if unexplained else None,
+            **base,
+        )
+    ]
+    mismatches = []
+    for run in (ref, cand):
+        replay = _replayed_scales(run)
+        if replay is None:
+            continue
+        recorded = [s.get("loss_scale") for s in run["steps"]]
+        step = next(
+            (i for i, (x, y) in enumerate(zip(recorded, replay, strict=False)) if x != y), None
+        )
+        mismatches.append((run, step, replay))
+    if mismatches:
+        bad = [(run, step, replay) for run, step, replay in mismatches if step is not None]
+        detail = (
+            "; ".join(
+                f"{run_label(run)} step {step}: recorded {run['steps'][step].get('loss_scale')}, "
+                f"its own skips give {replay[step]}"
+                for run, step, replay in bad
+            )
+            if bad
+            else "each side's scale follows torch's GradScaler rule (x0.5 on a skip, x2 after "
+            "the growth interval of finite steps) from its own skips, every step"
+        )
+        rows.append(
+            Verdict(
+                check="loss-scale trajectory (each side replayed from its own skips)",
+                value="follows" if not bad else "differs",
+                tolerance="identical",
+                passed=not bad,
+                detail=detail,
+                mode="exact",
+                first_failing_step=min((step for _, step, _ in bad), default=None),
+                **base,
+            )
+        )
+    return rows
