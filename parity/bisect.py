@@ -27,7 +27,10 @@ runs in low precision by design (matmuls, convolutions), fewest runs first.
 One *run* is the cell's step-0 judgement at the run's precision: the JAX side
 (`parity.verdicts.sides.jax_side`, the harness's own, under the run's recipe) with the chosen
 modules or overrides, against torch's side (from a golden file, `bisect_golden`, or given to
-`bisect`), judged by `parity.verdicts.step0_rows.stage_verdicts`.
+`bisect`), judged by `parity.verdicts.step0_rows.stage_verdicts`. With
+``bisect_golden(judge="cell")`` a run is the golden's whole check instead
+(`parity.golden.check.check_pair`: step 0, training on the recorded batches, the trajectory's
+verdicts), which passes only on PASS: a cell that fails or is INCONCLUSIVE after step 0.
 
 Runs, at most ``budget`` over both stages, each distinct set once: 2 to start (every module kept
 must pass; none kept must fail), ddmin's over the modules, then 1 for every candidate primitive
@@ -369,8 +372,8 @@ def bisect(
     """Finds the fewest linen modules, then primitives, to keep in float32 for step 0 to pass.
 
     Args:
-      pair: the JAX half of the pair (``flax_model``: a linen `parity.pairs.adapters.FlaxModel`,
-        ``task``, ``name``).
+      pair: the JAX half of the pair (``flax_model``: a `parity.pairs.adapters.FlaxModel`,
+        ``task``, ``name``); linen: both stages; NNX or Hugging Face: the primitives stage alone.
       config: the cell at its low precision.
       batch: ``(inputs, targets)`` of step 0.
       torch_numbers: torch's step-0 `Side` at the run's precision.
