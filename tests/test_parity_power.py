@@ -385,6 +385,38 @@ def test_a_folded_mapping_makes_a_later_trajectory_failure_inconclusive_with_the
     assert overall_status(_judged(runs)) == "FAIL"
 
 
+def test_a_padding_row_torch_never_trains_makes_a_later_failure_inconclusive_with_the_reason():
+    from parity.verdicts.rows import PADDING_CHECK
+
+    base = np.linspace(2.3, 1.0, 12)
+    cand = base * (1 + 3e-5)
+    cand[7:] = base[7:] * (1 + 5e-3)
+    named = Verdict(
+        *CELL,
+        PADDING_CHECK,
+        "the weight mapping",
+        "1 embedding(s)",
+        "-",
+        None,
+        detail="emb.weight row 0 -> emb/embedding",
+        mode="informational",
+    ).to_dict()
+    runs = [_run("torch", base), _run("jax", cand)]
+    assert overall_status(_judged(runs)) == "FAIL"
+    for run in runs:
+        run["step0"] = {"passed": True, "verdicts": [named]}
+    judged = _judged(runs)
+    assert overall_status(judged) != "FAIL"
+    (late,) = [v for v in judged if v.first_failing_step == 7]
+    assert late.mode == "inconclusive" and "padding rows" in late.detail
+    assert any(v.check == "structural difference (embedding padding rows)" for v in judged)
+    # A gap at step 0 still fails.
+    runs = [_run("torch", base), _run("jax", base * 1.01)]
+    for run in runs:
+        run["step0"] = {"passed": True, "verdicts": [named]}
+    assert overall_status(_judged(runs)) == "FAIL"
+
+
 def test_the_report_shows_power_inconclusive_rows_and_the_gap_panel(tmp_path):
     from parity.report.markdown import write_report
 

@@ -357,3 +357,61 @@ def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational
     verdicts = compare_runs([train_torch(calm, pair), train_jax(calm, pair)])
     trajectory = _rows(verdicts, "loss-scale trajectory")[0]
     assert trajectory.passed is None and "no scale event" in trajectory.detail
+
+
+# --- embedding rows torch never trains (nn.Embedding(padding_idx=...)) --------------------------
+
+
+@pytest.mark.torch
+@pytest.mark.standard_promotion  # optax/flax internals
+def test_a_padding_row_is_named_at_step_0_and_left_out_of_the_gradient_comparison():
+    import flax.linen as fnn
+    import torch
+
+    from parity import api
+    from parity.config import RunConfig
+    from parity.verdicts.rows import PADDING_CHECK
+    from parity.verdicts.sides import jax_side
+    from parity.verdicts.step0 import check_step0
+    from parity.verdicts.step0_checks import padding_rows
+    from parity.verdicts.torch_side import torch_stage_side
+
+    class Torch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(12, 4, padding_idx=0)
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens).mean(1))
+
+    class Flax(fnn.Module):
+        @fnn.compact
+        def __call__(self, tokens):
+            return fnn.Dense(3, name="head")(fnn.Embed(12, 4, name="emb")(tokens).mean(1))
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 12, (4, 5)).astype(np.int32)
+    tokens[:, -1] = 0  # padded batches: token 0 in every row
+    batch = (tokens, rng.integers(0, 3, 4).astype(np.int32))
+    pair = api.prepare_pair(Torch(), Flax(), None, api._UserBatches([batch], None))
+    assert padding_rows(pair) == {"emb/embedding": ("emb.weight", 0)}
+    config = RunConfig(model="padded", precision="fp32", batch_size=4)
+    # Unmasked, the two frameworks' row-0 gradients differ by construction: torch's is zero.
+    torch_grads, scale = torch_stage_side(pair, *batch, config, trace_flops=False)
+    flax_grads = jax_side(pair, pair.torch_to_flax(), *batch, config, scale, False)
+    assert not torch_grads.grads["emb/embedding"][0].any()
+    assert np.abs(flax_grads.grads["emb/embedding"][0]).max() > 1e-3
+    result = check_step0(pair, config, batch)
+    assert result.passed, result.summary()
+    rows = {v.check: v for v in result.verdicts}
+    named = rows[PADDING_CHECK]
+    assert named.passed is None and "emb.weight row 0 -> emb/embedding" in named.detail
+    assert "left out of the step-0 gradient comparison" in named.detail
+    assert rows["step 0 fp32: gradients"].passed is True
+    # A real difference in the same embedding (its other rows) still fails.
+    flax_wrong = pair.torch_to_flax()
+    flax_wrong["params"]["emb"]["embedding"] = flax_wrong["params"]["emb"]["embedding"] * 1.01
+    wrong = check_step0(pair, config, batch, variables=flax_wrong, diagnose=False)
+    assert wrong.passed is False

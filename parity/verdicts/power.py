@@ -61,6 +61,7 @@ from parity.training.records import (
 from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows
 from parity.verdicts.rows import (
     LOSS_UNIT,
+    PADDING_CHECK,
     POWER_BOUNDS,
     TOLERANCES,
     Verdict,
@@ -610,21 +611,56 @@ def _folded(run) -> list[dict[str, Any]]:
     return [r for r in rows if isinstance(r, Mapping) and "folded" in str(r.get("note", ""))]
 
 
+def _padding(run) -> Mapping[str, Any] | None:
+    for row in (run.get("step0") or {}).get("verdicts") or []:
+        if isinstance(row, Mapping) and row.get("check") == PADDING_CHECK:
+            return row
+    return None
+
+
 def _structural(out, new, cell, compared, ref, cand) -> list[Verdict]:
     """Where the weight mapping folds trainable tensors (torch's b_ih + b_hh summed into one
-    Flax bias), the two models are different models from step 1 on: a trajectory that parts
-    says nothing about the port. Its failing rows past step 0 become inconclusive, saying why,
-    and a row names the folded tensors; step 0 (same weights on both sides) still decides.
+    Flax bias), or torch never trains an embedding row the Flax model trains (``padding_idx``,
+    named by step 0), the two models are different models from step 1 on: a trajectory that
+    parts says nothing about the port. Its failing rows past step 0 become inconclusive, saying
+    why, and a row names the difference; step 0 (same weights on both sides) still decides.
     `new` (this pair's rows from `judge`) is changed in place."""
     folded = _folded(ref) or _folded(cand)
-    if not folded:
+    padding = _padding(ref) or _padding(cand)
+    reasons, rows = [], []
+    if folded:
+        names = ", ".join(str(r.get("torch")) for r in folded)
+        reason = (
+            f"the weight mapping folds trainable tensors ({names}): the Flax model trains one "
+            "tensor where torch trains several, so the trajectories part by construction; past "
+            "step 0 this row cannot tell that from a port bug (step 0 decides)"
+        )
+        reasons.append(reason)
+        rows.append(
+            (
+                "structural difference (weight mapping)",
+                f"{len(folded)} folded",
+                f"{reason}. {folded[0].get('note', '')}",
+            )
+        )
+    if padding is not None:
+        reason = (
+            f"torch never trains its embeddings' padding rows ({padding.get('value')}; "
+            "nn.Embedding(padding_idx=...)), the Flax Embed trains them: past step 0 the models "
+            "train differently wherever a batch holds that token, and this row cannot tell that "
+            "from a port bug (step 0 decides)"
+        )
+        reasons.append(reason)
+        rows.append(
+            (
+                "structural difference (embedding padding rows)",
+                str(padding.get("value")),
+                f"{reason}. {padding.get('detail', '')}",
+            )
+        )
+    if not reasons:
         return out
-    names = ", ".join(str(r.get("torch")) for r in folded)
-    reason = (
-        f"the weight mapping folds trainable tensors ({names}): the Flax model trains one tensor "
-        "where torch trains several, so the trajectories part by construction; past step 0 this "
-        "row cannot tell that from a port bug (step 0 decides)"
-    )
+    reason = "; ".join(reasons)
 
     def soften(v: Verdict) -> Verdict:
         past_step0 = v.check.startswith(("per-step", "final loss")) and (
@@ -637,17 +673,18 @@ def _structural(out, new, cell, compared, ref, cand) -> list[Verdict]:
         return v
 
     new[:] = [soften(v) for v in new]
-    new.append(
-        Verdict(
-            check="structural difference (weight mapping)",
-            value=f"{len(folded)} folded",
-            tolerance="—",
-            passed=None,
-            detail=f"{reason}. {folded[0].get('note', '')}",
-            mode="informational",
-            **pair_fields(ref, cand),
+    for check, value, detail in rows:
+        new.append(
+            Verdict(
+                check=check,
+                value=value,
+                tolerance="—",
+                passed=None,
+                detail=detail,
+                mode="informational",
+                **pair_fields(ref, cand),
+            )
         )
-    )
     return [soften(v) if v.cell == cell and v.compared.startswith(compared) else v for v in out]
 
 

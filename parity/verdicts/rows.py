@@ -19,6 +19,7 @@ __all__ = [
     "TOLERANCES",
     "Verdict",
     "DECIDING_SEEDS",
+    "PADDING_CHECK",
     "POWER_BOUNDS",
     "WEAK_CHECKS",
     "cell_bottom_lines",
@@ -64,6 +65,10 @@ POWER_BOUNDS = {"loss": 0.2, "norm": 0.2, "relative error": 1.0}
 
 # Checks that can pass a wrong port whatever their figures: they never make a cell PASS.
 WEAK_CHECKS = ("no divergence", "run completed")
+
+# The step-0 row naming torch embedding rows that never train (`parity.verdicts.step0_checks`);
+# `parity.verdicts.power` reads it from the run records to explain a trajectory that parts.
+PADDING_CHECK = "step 0: embedding rows torch never trains (padding_idx)"
 
 # Data seeds the bottom line asks for when a cell is inconclusive.
 DECIDING_SEEDS = 5

@@ -60,6 +60,9 @@ from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_checks import (
     explain_failure,
     folded_verdict,
+    mask_padding_rows,
+    padding_rows,
+    padding_verdict,
     probe_verdict,
     stochastic_verdict,
 )
@@ -310,6 +313,10 @@ def check_step0(
         folded = folded_verdict(pair, config)
         if folded is not None:
             structure.append(folded)
+        padded = padding_rows(pair)  # rows torch never trains: out of the gradient comparison
+        padding = padding_verdict(config, padded)
+        if padding is not None:
+            structure.append(padding)
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
             fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets) if low else None
@@ -320,6 +327,7 @@ def check_step0(
                 break
             t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
             j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
+            t, j = mask_padding_rows(t, padded), mask_padding_rows(j, padded)
             sides[stage] = (t, j)
             rows, w_out, w_param = stage_verdicts(
                 pair, config, stage, stage_config.compute_dtype, t, j, shapes

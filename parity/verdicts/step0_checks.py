@@ -13,6 +13,11 @@
 - ``step 0: tensors folded by the mapping`` (`folded_verdict`, informational): Flax leaves that
   hold the sum of several torch tensors (a GRU/LSTM cell's two biases); the forward pass is the
   same, training is not (the optimizer moves each torch tensor on its own).
+- ``step 0: embedding rows torch never trains (padding_idx)`` (`padding_verdict`,
+  informational): a torch ``nn.Embedding(padding_idx=i)`` gives row ``i`` a zero gradient, where
+  the Flax ``Embed`` it maps to trains it (BERT's word embeddings, ``pad_token_id`` 0). That row
+  is left out of the gradient comparison (`mask_padding_rows`), and the trajectory rows past step
+  0 say it (`parity.verdicts.power`).
 
 `explain_failure` then names the cause of a failed step 0 on the diagnosis: a non-layer check
 (stochastic layers, the compute dtype) before any layer, and the probe's first failing layer
@@ -22,6 +27,7 @@ when the model's own init showed none.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -30,13 +36,17 @@ import torch
 from parity.automap.explain import folded_tensors
 from parity.pairs.adapters import torch_stochastic_modules
 from parity.verdicts.layer_probe import NOISE_K, PROBE_SCALES, LayerProbe, probe_layers
-from parity.verdicts.rows import Verdict
+from parity.verdicts.rows import PADDING_CHECK, Verdict
+from parity.verdicts.sides import Side
 
 __all__ = [
     "PROBE_CHECK",
     "STOCHASTIC_CHECK",
     "explain_failure",
     "folded_verdict",
+    "mask_padding_rows",
+    "padding_rows",
+    "padding_verdict",
     "probe_verdict",
     "stochastic_verdict",
 ]
@@ -163,6 +173,84 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
     )
 
 
+def padding_rows(pair: Any) -> dict[str, tuple[str, int]]:
+    """``{Flax gradient key: (torch weight name, padding_idx)}`` for every torch
+    ``nn.Embedding`` with a ``padding_idx`` whose weight the mapping copies unchanged to one Flax
+    leaf (rows on axis 0).
+
+    Example:
+      >>> import flax.linen as fnn, numpy as np
+      >>> from parity import api
+      >>> batches = [(np.ones((2, 3), np.int32), np.zeros(2, np.int32))]
+      >>> class T(torch.nn.Module):
+      ...     def __init__(self):
+      ...         super().__init__()
+      ...         self.emb = torch.nn.Embedding(5, 2, padding_idx=0)
+      ...     def forward(self, x):
+      ...         return self.emb(x).mean(1)
+      >>> class F(fnn.Module):
+      ...     @fnn.compact
+      ...     def __call__(self, x):
+      ...         return fnn.Embed(5, 2, name="emb")(x).mean(1)
+      >>> padding_rows(api.prepare_pair(T(), F(), None, api._UserBatches(batches, None)))
+      {'emb/embedding': ('emb.weight', 0)}
+    """
+    mapping = getattr(pair, "mapping", None)
+    if mapping is None or not hasattr(mapping, "entries"):
+        return {}
+    padded = {
+        f"{name}.weight": (module.padding_idx, tuple(module.weight.shape))
+        for name, module in pair.torch_model.named_modules()
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None
+    }
+    out = {}
+    for entry in mapping.entries:
+        if entry.torch_name not in padded:
+            continue
+        index, shape = padded[entry.torch_name]
+        path = tuple(entry.flax_path)
+        if path and path[0] == "params":
+            path = path[1:]
+        if getattr(entry, "transform", "identity") == "identity":  # rows stay on axis 0
+            out["/".join(path)] = (entry.torch_name, int(index) % shape[0])
+    return out
+
+
+def mask_padding_rows(side: Side, rows: dict[str, tuple[str, int]]) -> Side:
+    """`side` with each padding row (`padding_rows`) left out of its gradients."""
+    if not rows:
+        return side
+    grads = dict(side.grads)
+    for key, (_, index) in rows.items():
+        grad = grads.get(key)
+        if grad is not None and grad.ndim == 2 and index < grad.shape[0]:
+            grads[key] = np.delete(grad, index, axis=0)
+    return dataclasses.replace(side, grads=grads)
+
+
+def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | None:
+    """The informational row naming the embedding rows torch never trains (None: none)."""
+    if not rows:
+        return None
+    listed = "; ".join(f"{name} row {index} -> {key}" for key, (name, index) in rows.items())
+    return Verdict(
+        check=PADDING_CHECK,
+        compared="the weight mapping",
+        value=f"{len(rows)} embedding(s)",
+        tolerance="-",
+        passed=None,
+        detail=f"{listed}: torch's nn.Embedding(padding_idx=...) gives that row a zero gradient "
+        "(it never trains: only weight decay moves it), while the Flax Embed it maps to trains it "
+        "wherever a batch holds that token. The row is left out of the step-0 gradient "
+        "comparison (the forward pass is the same); past step 0 the two models train it "
+        "differently, so a trajectory that parts cannot tell that from a port bug (step 0 "
+        "decides). To compare training, zero that row's gradient on the Flax side (e.g. "
+        "optax.masked / a stop_gradient on the row)",
+        mode="informational",
+        **_base(config),
+    )
+
+
 def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: LayerProbe | None) -> None:
     """Names the cause of a failed step 0 on `diagnosis` (in place): a failed non-layer check
     first (stochastic layers, the compute dtype), and the probe's first failing layer (in
@@ -184,3 +272,5 @@ def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: LayerProbe |
     for verdict in verdicts:
         if verdict.check == FOLDED_CHECK:
             diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")
+        if verdict.check == PADDING_CHECK:
+            diagnosis.notes.append(f"{verdict.value} with a padding row: {verdict.detail}")
