@@ -40,7 +40,9 @@ params and optimizer state donated (``donate_argnums=(0, 1)``) and without (as t
 step, and many training scripts, are written); ``--donate`` picks which. Every (variant,
 donation) step is timed interleaved with the others (the order rotates); each ratio is to
 ``plain`` with the same donation and comes with a bootstrap 95% confidence interval
-(resampling the paired step indices). Compile times are reported apart.
+(resampling the paired step indices); each ``loss_scaled*`` variant also gets its ratio to
+``flax`` and to ``jmp`` (``ratio_to_peer``, same CI), printed after its row. Compile times are
+reported apart.
 
     python benchmarks/bench_loss_scaled.py --steps 100 --repeats 2
 """
@@ -288,8 +290,12 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
     raise ValueError(f"variant must be one of {VARIANTS + OPT_IN + DIAGNOSTICS}; got {variant!r}")
 
 
+PEERS = ("flax", "jmp")
+
+
 def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
-    """95% CI of median(times) / median(plain), resampling paired step indices."""
+    """95% CI of median(times) / median(plain), resampling paired step indices (`plain` may be
+    any step timed in the same interleaved run: the reference or a peer)."""
     times, plain = np.asarray(times), np.asarray(plain)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(times), size=(n_boot, len(times)))
@@ -372,6 +378,20 @@ def bench(
                 "ratio_ci95": _bootstrap_ratio_ci(times, plain_times),
                 "compile_s": runs[variant, d]["compile_s"],
             }
+        # loss_scaled against each peer directly (same run, same donation): below 1 with the
+        # whole CI below 1 is "ahead of that peer".
+        for variant in variants:
+            if not variant.startswith("loss_scaled"):
+                continue
+            result["variants"][variant]["ratio_to_peer"] = {
+                peer: {
+                    "ratio": statistics.median(runs[variant, d]["times"])
+                    / statistics.median(runs[peer, d]["times"]),
+                    "ci95": _bootstrap_ratio_ci(runs[variant, d]["times"], runs[peer, d]["times"]),
+                }
+                for peer in PEERS
+                if peer in variants
+            }
         results.append(result)
     return results
 
@@ -381,10 +401,14 @@ def _print_rows(r: dict) -> None:
         iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
         ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
         donated = "yes" if r["donated"] else "no"
+        peers = "".join(
+            f"  /{peer} {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
+            for peer, c in v.get("ratio_to_peer", {}).items()
+        )
         print(
             f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{donated:>8}{variant:>22}"
             f"{v['median_s'] * 1e3:>11.2f}{iqr:>17}{v['ratio_to_plain']:>8.3f}{ci:>15}"
-            f"{v['compile_s']:>11.2f}",
+            f"{v['compile_s']:>11.2f}{peers}",
             flush=True,
         )
 

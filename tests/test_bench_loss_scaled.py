@@ -105,3 +105,21 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
         bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
     with pytest.raises(ValueError, match="must start with 'plain'"):
         bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
+
+
+def test_loss_scaled_rows_carry_their_ratio_to_each_peer(bench):
+    """ "Ahead of a peer" is read from loss_scaled's own ratio to it (paired CI), not from two
+    ratios to plain."""
+    (result,) = bench.bench(
+        "mlp", "fp32", 3, 1, 8, variants=("plain", "loss_scaled", "jmp"), donate=(False,)
+    )
+    rows = result["variants"]
+    assert "ratio_to_peer" not in rows["plain"] and "ratio_to_peer" not in rows["jmp"]
+    peers = rows["loss_scaled"]["ratio_to_peer"]
+    assert list(peers) == ["jmp"]  # the peers timed in this run only
+    for peer, compared in peers.items():
+        assert compared["ratio"] == pytest.approx(
+            rows["loss_scaled"]["median_s"] / rows[peer]["median_s"]
+        )
+        lo, hi = compared["ci95"]
+        assert 0 < lo <= hi
