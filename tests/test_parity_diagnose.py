@@ -202,3 +202,50 @@ def test_nnx_pair_diagnosis_names_the_broken_layer():
     assert diagnosis.first_failing == "fc2" and diagnosis.first_failing_kind == "eval output"
     rows = {r["layer"]: r for r in diagnosis.rows}
     assert rows["fc1"]["eval output"] < rows["fc1"]["band"]
+
+
+# --- linen dropout: refused, naming each module and its rate ------------------------------------
+
+
+@pytest.mark.torch
+def test_an_active_linen_dropout_is_refused_naming_each_module_and_its_rate():
+    """torch dropout is set to 0 in the harness's own copy; a linen module's rate and
+    `deterministic` flag are its own code, so an active linen nn.Dropout is refused, naming
+    every one (nested too) with its rate; one the harness can turn off is not."""
+    import flax.linen as fnn
+    import torch
+
+    from parity import api
+    from parity.pairs import adapters
+
+    class Block(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            return fnn.Dropout(0.3)(fnn.Dense(3)(x), deterministic=False)
+
+    class Net(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, train: bool = False):
+            x = Block(name="block")(x)
+            return fnn.Dense(2)(fnn.Dropout(0.5, deterministic=not train)(x))
+
+    class Switchable(fnn.Module):  # takes `deterministic`: the harness passes True
+        @fnn.compact
+        def __call__(self, x, deterministic: bool = False):
+            return fnn.Dense(2)(fnn.Dropout(0.5)(x, deterministic=deterministic))
+
+    batches = api._UserBatches([(np.ones((4, 3), np.float32), np.zeros(4, np.int32))], None)
+    torch_model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    with pytest.raises(adapters.AdapterError) as refused:
+        api.prepare_pair(torch_model, Net(), None, batches)
+    message = str(refused.value)
+    assert "block/Dropout_0 (rate 0.3)" in message and "Dropout_0 (rate 0.5)" in message
+    assert "deterministic" in message and "rate 0" in message
+    assert adapters.linen_dropouts(Net(), jnp.ones((4, 3)), {"train": False}) == [
+        "block/Dropout_0 (rate 0.3)"
+    ]
+    pair = api.prepare_pair(torch.nn.Linear(3, 2), Switchable(), None, batches)
+    x = jnp.ones((4, 3))
+    first, _ = pair.flax_apply(pair.torch_to_flax(), x, train=True)
+    second, _ = pair.flax_apply(pair.torch_to_flax(), x, train=True)
+    np.testing.assert_array_equal(first, second)

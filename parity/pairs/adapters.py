@@ -16,7 +16,9 @@ failure into a message that names the problem and the fix:
   ``attn_pdrop``...), are set to 0 in the copy the harness trains (`torch_stochastic_modules`
   names any module whose train-mode output is still random), NNX
   ``Dropout`` layers are made deterministic, linen modules get ``deterministic=True`` when they
-  take it; a Flax module that still asks for a ``'dropout'`` PRNG key is refused with a message;
+  take it; a Flax module that still asks for a ``'dropout'`` PRNG key is refused, naming every
+  active linen ``nn.Dropout`` and its rate (`linen_dropouts`): a linen module's rate and
+  ``deterministic`` flag are its own code, where torch's rates are set in the harness's copy;
 - image layout: NHWC data, NCHW torch models (`check_image_layout`).
 """
 
@@ -44,6 +46,7 @@ __all__ = [
     "check_image_layout",
     "disable_torch_dropout",
     "intercept_calls",
+    "linen_dropouts",
     "nnx_load",
     "output_logits",
     "torch_dropout_layers",
@@ -540,7 +543,7 @@ class FlaxModel:
                 return output_logits(out, "flax"), updates["batch_stats"]
             return output_logits(self.module.apply(variables, inputs, **kwargs), "flax"), None
         except Exception as error:
-            raise _explain(error, self) from error
+            raise _explain(error, self, inputs, kwargs) from error
 
     def _apply_nnx(self, variables, inputs, train):
         nnx = _nnx()
@@ -595,22 +598,73 @@ class FlaxModel:
                 inputs,
             )
         except Exception as error:
-            raise _explain(error, self) from error
+            raise _explain(error, self, inputs, kwargs) from error
         return as_variables(shapes)
 
 
-def _explain(error: Exception, model: FlaxModel) -> Exception:
+def linen_dropouts(module: Any, inputs: Any, kwargs: Mapping[str, Any]) -> list[str]:
+    """``"path (rate r)"`` of every linen ``nn.Dropout`` with a rate above 0 that `module`
+    calls in a non-deterministic way on `inputs` (an abstract ``init``: nothing is computed).
+
+    Example:
+      >>> import flax.linen as fnn
+      >>> class Net(fnn.Module):
+      ...     @fnn.compact
+      ...     def __call__(self, x):
+      ...         return fnn.Dropout(0.3, deterministic=False)(fnn.Dense(2)(x))
+      >>> linen_dropouts(Net(), jnp.ones((1, 3)), {})
+      ['Dropout_0 (rate 0.3)']
+    """
+    import flax.linen as fnn
+
+    found: list[str] = []
+
+    def record(next_fun, args, call_kwargs, context):
+        dropout = context.module
+        if isinstance(dropout, fnn.Dropout) and context.method_name == "__call__":
+            deterministic = call_kwargs.get("deterministic", dropout.deterministic)
+            if len(args) > 1:
+                deterministic = args[1]
+            if dropout.rate > 0 and not deterministic:
+                path = "/".join(str(p) for p in dropout.scope.path) or type(dropout).__name__
+                found.append(f"{path} (rate {dropout.rate:g})")
+        return next_fun(*args, **call_kwargs)
+
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    try:
+        with fnn.intercept_methods(record):
+            jax.eval_shape(lambda x: module.init(keys, x, **kwargs), inputs)
+    except Exception:  # what was recorded before the failure stands
+        pass
+    return list(dict.fromkeys(found))
+
+
+def _explain(
+    error: Exception,
+    model: FlaxModel,
+    inputs: Any = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> Exception:
     text = str(error)
     if isinstance(error, AdapterError):
         return error
     if "dropout" in text and ("rng" in text.lower() or "PRNG" in text):
         asking = re.search(r"(\S+) needs PRNG for", text)
         where = f" (its submodule {asking.group(1)!r})" if asking else ""
+        named = (
+            linen_dropouts(model.module, inputs, kwargs or {})
+            if model.kind != "nnx" and inputs is not None
+            else []
+        )
+        if named:
+            where = f": linen nn.Dropout {', '.join(named)}"
         return AdapterError(
-            f"the Flax module {type(model.module).__name__}{where} applies dropout in training "
+            f"the Flax module {type(model.module).__name__} applies dropout in training{where} "
             "(it asked for a 'dropout' PRNG key): the two frameworks would draw different masks, "
-            "so parity cannot be checked. Build it with dropout rate 0, or give its __call__ a "
-            "`deterministic` argument (the harness passes deterministic=True)."
+            "so parity cannot be checked. The harness sets torch dropout rates to 0 in its own "
+            "copy, but a linen module's rate and `deterministic` flag are its own code: build it "
+            "with dropout rate 0, or give its __call__ a `deterministic` argument (the harness "
+            "passes deterministic=True)."
         )
     if "unexpected keyword argument" in text:
         return AdapterError(
