@@ -336,6 +336,7 @@ def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational
     from parity.models import get_model_pair
     from parity.training.train_jax import train_jax
     from parity.training.train_torch import train_torch
+    from parity.verdicts.fp16 import fp16_realigned_rows
 
     tiny = {"image_shape": (8, 8, 3), "hidden": 16}
     pair = get_model_pair("mlp", seed=0, **tiny)
@@ -349,10 +350,16 @@ def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational
         model_overrides=tiny,
     )
     stressed = RunConfig(**base, **FP16_STRESS)
-    verdicts = compare_runs([train_torch(stressed, pair), train_jax(stressed, pair)])
+    torch_run, jax_run = train_torch(stressed, pair), train_jax(stressed, pair)
+    verdicts = compare_runs([torch_run, jax_run])
     trajectory = _rows(verdicts, "loss-scale trajectory")[0]
     assert trajectory.passed is True and trajectory.mode == "exact", trajectory.detail
     assert "0 scale events" not in trajectory.detail
+    # The rule the fp16 comparison past a rounding flip replays (x0.5 on a skip, x2 after the
+    # growth interval) is GradScaler's and jaxamp's, step for step, on real records.
+    replayed = fp16_realigned_rows(torch_run, jax_run, flip=0)[-1]
+    assert replayed.check.startswith("loss-scale trajectory (each side replayed")
+    assert replayed.passed is True, replayed.detail
     calm = RunConfig(**{**base, "steps": 4})  # torch's defaults: 2**16, growth every 2000 steps
     verdicts = compare_runs([train_torch(calm, pair), train_jax(calm, pair)])
     trajectory = _rows(verdicts, "loss-scale trajectory")[0]
