@@ -40,6 +40,7 @@ import jaxamp
 from parity.config import ConfigError, RunConfig
 from parity.perf import measure
 from parity.perf.hardware import hardware_info
+from parity.training.eval_logits import eval_logit_sample
 from parity.training.losses import eval_metric_name
 from parity.training.recipes import get_recipe
 from parity.training.schema import MAX_DEPTH, RUN_SCHEMA, check_schema, depth_exceeds, describe
@@ -373,6 +374,7 @@ def build_run_record(
     extra: dict[str, Any] | None = None,
     memory_detail: dict[str, Any] | None = None,
     optimizer_state: dict[str, Any] | None = None,
+    eval_logits: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The record of a completed (possibly diverged) run; both trainers call it.
 
@@ -392,6 +394,8 @@ def build_run_record(
       optimizer_state: ``optimizer_state_bytes``, ``param_count``,
         ``optimizer_state_bytes_per_param`` and ``optimizer_state_method``
         (`parity.perf.measure.torch_optimizer_state` / `jax_optimizer_state`), into the summary.
+      eval_logits: a language model's `parity.training.eval_logits.eval_logit_point` per eval
+        point (``run["eval_logits"]``).
 
     Returns:
       The run record (see the module docstring); `validate_run` accepts it.
@@ -446,6 +450,8 @@ def build_run_record(
     }
     run["steps"] = steps_log
     run["summary"] = summary
+    if eval_logits:
+        run["eval_logits"] = list(eval_logits)
     run.update(extra or {})
     return run
 
@@ -583,6 +589,11 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
             fail(
                 f"steps[{i}].loss_scale", "is 0 on a step that was not skipped (a zero scale skips)"
             )
+    for i, point in enumerate(run.get("eval_logits") or []):
+        try:
+            eval_logit_sample(point)
+        except ValueError as e:
+            fail(f"eval_logits[{i}].logits_b64", str(e))
     cell = (run["model"], recipe.name, run["device"])
     for i, row in enumerate((run.get("step0") or {}).get("verdicts") or []):
         try:

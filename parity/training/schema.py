@@ -165,6 +165,14 @@ _DIAGNOSIS = {
     "first_failing_kind": _SCALAR,
     "first_failing_stage": _SCALAR,
 }
+# `parity.training.records.eval_logit_point`: a language model's eval logits, sampled.
+_EVAL_LOGITS = {
+    "!step": _COUNT.not_null(),
+    "!vocab": Kind("an integer >= 1", lambda x: _is_int(x) and x >= 1, nullable=False),
+    "!positions": [_COUNT.not_null()],
+    "inputs_sha256": _STR,
+    "!logits_b64": _STR.not_null(),
+}
 RUN_SCHEMA = {
     **{f"!{name}": _STR.not_null() for name in ("framework", "model", "precision", "device")},
     "status": Kind(f"one of {RUN_STATUSES}", lambda x: x in RUN_STATUSES),
@@ -197,6 +205,7 @@ RUN_SCHEMA = {
         }
     ),
     "diagnosis": Nullable(_DIAGNOSIS),
+    "eval_logits": Nullable([_EVAL_LOGITS]),
 }
 
 

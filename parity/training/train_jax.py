@@ -27,6 +27,7 @@ from parity.cli.progress import progress as progress_lines
 from parity.config import RunConfig
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere, unsupported_reason
+from parity.training.eval_logits import eval_logit_point
 from parity.training.losses import eval_metric_jax, loss_jax
 from parity.training.records import build_run_record
 from parity.training.steps import (
@@ -189,6 +190,10 @@ def train_jax(
     params, batch_stats, opt_state = side.params, side.batch_stats, side.opt_state
     compile_time = side.compile_time_s
     recipe = config.recipe
+    # A language model's eval logits at the initial weights (before step 0 donates them) and
+    # after training: `parity.verdicts.logits` compares them with torch's.
+    eval_logits = _EvalLogits(config, pair, stream, device)
+    eval_logits.capture(0, params, batch_stats)
 
     log = measure.StepLog()
     iterator = range(config.steps)
@@ -215,6 +220,7 @@ def train_jax(
     eval_metric = None
     if config.eval and log.stopped_reason is None:
         eval_metric = _evaluate(config, pair, stream, params, batch_stats, device)
+        eval_logits.capture(len(log.steps), params, batch_stats)
 
     memory_detail = None
     if config.device == "gpu":
@@ -244,7 +250,32 @@ def train_jax(
         extra={"mixed_precision_method": config.recipe.jax_method(config.device)},
         memory_detail=memory_detail,
         optimizer_state=optimizer_state,
+        eval_logits=eval_logits.points,
     )
+
+
+class _EvalLogits:
+    """The eval logits a language-model run records (`parity.training.records.eval_logit_point`):
+    the first eval batch's, through the eval-mode forward at the run's precision, compiled once.
+    Nothing for other tasks or with ``config.eval`` off."""
+
+    def __init__(self, config, pair, stream, device):
+        self.points: list[dict[str, Any]] = []
+        self.active = config.eval and pair.task == "lm"
+        if not self.active:
+            return
+        recipe = config.recipe
+        forward = jax_forward(pair, recipe, config.device, train=False)
+        self.logits = jax.jit(lambda p, s, x: forward(p, s, x)[0].astype(jnp.float32))
+        self.raw_inputs = stream.eval_batches()[0][0]
+        self.inputs = jax.device_put(recipe.jax_cast(jnp.asarray(self.raw_inputs)), device)
+
+    def capture(self, step, params, batch_stats) -> None:
+        if not self.active:
+            return
+        with jax.default_matmul_precision("highest"):
+            logits = np.asarray(self.logits(params, batch_stats, self.inputs))
+        self.points.append(eval_logit_point(step, logits, self.raw_inputs))
 
 
 def _evaluate(config, pair, stream, params, batch_stats, device) -> float:

@@ -27,6 +27,7 @@ from parity.cli.progress import progress as progress_lines
 from parity.config import RunConfig, torch_device_type
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere, unsupported_reason
+from parity.training.eval_logits import eval_logit_point
 from parity.training.losses import eval_metric_torch, loss_torch
 from parity.training.records import build_run_record
 from parity.training.steps import build_torch_optimizer, torch_train_step
@@ -129,6 +130,16 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
     )
 
 
+def _eval_logit_point(side: TorchStep, stream: Any, step: int) -> dict[str, Any]:
+    """The first eval batch's logits through the eval-mode forward (`eval_logit_point`)."""
+    raw_inputs, raw_targets = stream.eval_batches()[0]
+    inputs = _to_device(raw_inputs, side.device, side.input_dtype)
+    targets = _to_device(raw_targets, side.device, None)
+    with torch.no_grad():
+        logits, _ = side.forward_loss(inputs, targets, train=False)
+    return eval_logit_point(step, logits.float().cpu().numpy(), raw_inputs)
+
+
 def train_torch(
     config: RunConfig,
     pair: Any,
@@ -155,6 +166,12 @@ def train_torch(
     device_type = torch_device_type(config.device)
     recipe = config.recipe
 
+    # A language model's eval logits at the initial weights and after training
+    # (`parity.verdicts.logits` compares them with JAX's).
+    eval_logits: list[dict[str, Any]] = []
+    capture_logits = config.eval and pair.task == "lm"
+    if capture_logits:
+        eval_logits.append(_eval_logit_point(side, stream, 0))
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     log = measure.StepLog()
@@ -194,6 +211,8 @@ def train_torch(
                 logits, _ = forward_loss(inputs, targets, train=False)
                 values.append(float(eval_metric_torch(pair.task, logits.float(), targets)))
         eval_metric = float(np.mean(values))
+        if capture_logits:
+            eval_logits.append(_eval_logit_point(side, stream, len(log.steps)))
 
     if device_type == "cuda":
         peak_memory = measure.torch_gpu_peak_memory()
@@ -228,6 +247,7 @@ def train_torch(
         eval_metric=eval_metric,
         stopped_reason=log.stopped_reason,
         optimizer_state=optimizer_state,
+        eval_logits=eval_logits,
         extra={
             "torch_mode": "compile" if config.torch_compile else "eager",
             "mixed_precision_method": recipe.torch_method(),

@@ -65,6 +65,7 @@ from parity.training.records import (
     run_seed,
     run_status,
 )
+from parity.verdicts.logits import logit_rows
 from parity.verdicts.power import envelope_ratio, step_band, step_tolerances
 from parity.verdicts.rows import (
     LOSS_UNIT,
@@ -464,6 +465,7 @@ def _pair_verdicts(
             absolute=abs(ea - eb),
             unit="" if name == "accuracy" else LOSS_UNIT,
         )
+    out.rows.extend(logit_rows(ref, cand, envelope))  # language models: eval-logit KL, top-1
     return out.rows
 
 
