@@ -24,6 +24,7 @@ from parity.training.steps import (  # noqa: E402
 )
 from parity.training.train_jax import train_jax  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
+from parity.verdicts.compare import compare_runs  # noqa: E402
 
 # optax/flax internals need JAX's standard promotion; torch's profiler and autocast are quiet.
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -195,7 +196,7 @@ def test_every_model_and_precision_runs(model, precision):
         steps=3,
         batch_size=2 if precision == "fp16-mixed" else 4,
         timing_warmup=1,
-        eval=model == "mlp",
+        eval=model in ("mlp", "transformer"),
         model_overrides=TINY[model],
     )
     torch_run, jax_run = _both(config)
@@ -216,10 +217,13 @@ def test_every_model_and_precision_runs(model, precision):
             "torch_profiler_cpu_allocations",
         )
         assert summary["peak_memory_bytes"] > 0
-        assert (summary["eval_metric"] is not None) == (model == "mlp")
+        assert (summary["eval_metric"] is not None) == (model in ("mlp", "transformer"))
     assert jax_run["summary"]["compile_time_s"] > 0
     # Same weights, same first batch: the first losses agree closely at any precision.
     assert _rel(torch_run["steps"][0]["loss"], jax_run["steps"][0]["loss"]) < 0.02
+    if model == "transformer":  # a correct port passes the eval-logit KL and top-1 rows
+        rows = [v for v in compare_runs([torch_run, jax_run]) if v.check.startswith("eval logits")]
+        assert len(rows) == 4 and all(v.passed is True for v in rows), rows
 
 
 # --- robustness -----------------------------------------------------------------------------
