@@ -1,19 +1,20 @@
 """One cell of a parity run (a model pair at one precision), and the one writer of its outputs.
 
 `run_cell` is the pipeline every entry point runs: ``python -m parity run`` and ``matrix``,
-`parity.compare_models`, ``benchmarks/bench_parity.py``. In order: the pair (built in, or the
-caller's), the step-0 gate (`parity.verdicts.step0`: outputs and gradients before any training; a broken
-port is not trained), each framework's training run (`parity.training.trainers`), then the
-calibration runs (`calibration_runs`: 1-ulp-nudged weights, extra data seeds). It returns run
-records; `write_outputs` merges them into ``results.json`` and writes ``verdicts.json`` and
-``report.md`` from everything the folder holds.
+`parity.compare_models`, ``benchmarks/bench_parity.py`` and the distributed runner
+(`parity.distributed.run`: its workers train in place of the single-device trainers). In order:
+the pair (built in, or the caller's), the step-0 gate (`parity.verdicts.step0`: outputs and
+gradients before any training; a broken port is not trained), each framework's training run
+(`parity.training.trainers`), then the calibration runs (`calibration_runs`: 1-ulp-nudged
+weights, extra data seeds). It returns run records; `write_outputs` merges them into
+``results.json`` and writes ``verdicts.json`` and ``report.md`` from everything the folder holds.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,7 @@ def run_cell(
     seeds: int = 1,
     skip_keys: set | frozenset = frozenset(),
     speed_blocks: int = 0,
+    train: Callable[..., list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs one cell; returns its run records (main runs, then calibration runs).
 
@@ -136,6 +138,9 @@ def run_cell(
       speed_blocks: when both frameworks complete, time them again in this many alternating
         blocks (`parity.perf.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
         records); 0: not timed (the report's speed is then the sequential runs', indicative).
+      train: ``train(frameworks, config, pair, stream) -> records`` trains the frameworks that
+        passed the gate, in place of `parity.training.trainers.train_framework` for each (the
+        distributed runner's workers: one record per side, always a record); None: one device.
     """
     check_speed_blocks(speed_blocks)
     if pair is None and frameworks:
@@ -164,9 +169,12 @@ def run_cell(
         if step0 is not None and not step0.passed:
             # The mapping goes into the records: a port blocked at step 0 shows its pairing.
             return runs + record_mapping(blocked_records(config, step0, frameworks), pair)
-        trained = [
-            train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
-        ]
+        if train is None:
+            trained = [
+                train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
+            ]
+        else:
+            trained = train(frameworks, config, pair, stream)
         attach_speed_blocks(trained, config, pair, stream, blocks=speed_blocks)
         runs += record_mapping(attach_step0(trained, step0), pair)
     return runs + calibration_runs(

@@ -165,28 +165,15 @@ def _failed(result):
 
 
 @pytest.mark.slow
-def test_ddp_bf16_mixed_two_ranks_jit_and_multiprocess(tmp_path):
-    config = RunConfig(
-        model="mlp", precision="bf16-mixed", steps=4, batch_size=8, lr_warmup_steps=2, eval=False
-    )
-    plan = DistributedPlan(devices=2, strategy="ddp", jax_modes=("jit", "multiprocess"))
-    result = run_distributed(
-        config,
-        plan,
-        tmp_path,
-    )
-    assert result.status == "PASS", _failed(result)
-    checks = {(v.check, v.compared) for v in result.verdicts}
-    assert ("gradient reduction dtype", "jax:jit") in checks
-    assert ("loss scale and skips identical across ranks", "jax:multiprocess") in checks
-    assert (tmp_path / "distributed.json").exists()
-    _assert_no_strays(result)
-
-
-@pytest.mark.slow
 def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
     config = RunConfig(
-        model="mlp", precision="fp16-mixed", steps=4, batch_size=8, lr_warmup_steps=2, eval=False
+        model="mlp",
+        precision="fp16-mixed",
+        steps=4,
+        batch_size=8,
+        lr_warmup_steps=2,
+        eval=False,
+        model_overrides={"image_shape": (4, 4, 3), "hidden": 8},
     )
     plan = DistributedPlan(
         devices=4, torch_ranks=2, strategy="ddp", jax_modes=("jit",), inject_overflow=(2, 1)
@@ -199,6 +186,9 @@ def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
     for results in result.ranks.values():
         for r in results:
             assert [s["skipped"] for s in r["steps"]] == [False, False, True, False]
+            # The single-device trainers' signals: the overflow's gradient norm is not finite.
+            assert [s["grad_norm"] is None for s in r["steps"]] == [False, False, True, False]
+            assert all(len(s["max_scaled_grad"]) == 6 for s in r["steps"])
     _assert_no_strays(result)
 
 

@@ -454,7 +454,7 @@ def _cmd_run(args) -> int:
     out = Path(args.out)
     _check_out(out)
     if args.devices > 1 or args.strategy is not None or args.torch_ranks is not None:
-        return cli_run(args, config, frameworks)
+        return _exit_code(cli_run(args, config, frameworks))
     options = _cell_options(args)
     if args.framework != "both":  # calibration needs both frameworks' main runs
         options.update(noise="none", seeds=1)

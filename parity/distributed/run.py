@@ -1,16 +1,23 @@
 """Multi-device parity runs: torch DDP/FSDP2 ranks vs JAX jit / shard_map / multi-process.
 
-`run_distributed` starts every worker (`parity.distributed.worker`) as a subprocess it owns
-(`WorkerGroup`: bounded by a timeout, ended by PID on success, failure and Ctrl-C), collects the
-per-rank results and judges them:
+`run_distributed` is one cell (`parity.cell.run_cell`: the step-0 gate, then training) whose
+training starts every worker (`parity.distributed.worker`) as a subprocess it owns
+(`WorkerGroup`: bounded by a timeout, ended by PID on success, failure and Ctrl-C). Each side
+(torch, each JAX mode) is one run record, labelled ``"torch ddp"``, ``"jax:jit ddp"``...; the one
+writer (`parity.cell.write_outputs`) judges them as every cell is judged (`compare_runs` pairs
+torch with each JAX mode of the arm, `parity.verdicts.power.judge` adds power: PASS, FAIL or
+INCONCLUSIVE) and writes ``results.json``, ``verdicts.json`` and ``report.md``. The arm's own
+checks are rows stored with the sides (``distributed_verdicts``), judged with the others:
 
-- per-step loss, torch vs each JAX mode, with `parity.verdicts.compare.compare_runs` (the usual bands);
-- loss-scale trajectory and skip decisions identical across ranks, and across frameworks;
+- loss-scale trajectory and skip decisions identical across the ranks of each side;
 - an injected non-finite gradient on one rank (fp16) skipped on every rank, on both sides;
 - replicated parameters bit-identical across ranks (torch ranks, JAX devices and processes);
 - the gradient-reduction dtype on each side equal to the policy's ``reduce_dtype`` (torch: DDP
   bucket dtype / FSDP2 reduction dtype; JAX: the post-SPMD HLO's all-reduce/reduce-scatter);
-- step time and memory per device, reported with their methods (not judged).
+- a JAX mode the recipe cannot run: "unsupported here" with the reason (never another precision).
+
+``distributed.json`` adds what is per rank (each rank's steps, digests and collectives); step
+time and memory per device are reported with their methods (not judged).
 """
 
 from __future__ import annotations
@@ -26,15 +33,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parity.cell import builtin_pair, run_cell, write_outputs
 from parity.config import RunConfig
-from parity.distributed.procs import WorkerGroup, free_port
-from parity.models import get_model_pair
+from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere
-from parity.training.records import build_run_record, write_json_atomic
-from parity.verdicts.compare import compare_runs
-from parity.verdicts.rows import Verdict, format_verdicts, overall_status
-from parity.verdicts.step0 import run_step0
+from parity.training.records import build_error_record, build_run_record, write_json_atomic
+from parity.verdicts.rows import Verdict, format_verdicts
 
 __all__ = [
     "JAX_MODES",
@@ -42,6 +47,8 @@ __all__ = [
     "DistributedPlan",
     "DistributedResult",
     "format_distributed",
+    "load_pair_factory",
+    "make_pair",
     "run_distributed",
 ]
 
@@ -145,9 +152,9 @@ class DistributedResult:
     Attributes:
       config, plan: what was run.
       ranks: per-side worker results: ``{"torch": [rank0, ...], "jax:jit": [...], ...}``.
-      runs: run records (`parity.training.records` schema), one per side/mode.
-      verdicts: `parity.verdicts.rows.Verdict` rows.
-      status: ``"PASS"``, ``"FAIL"`` or ``"NOTHING COMPARED"``.
+      runs: this run's records (`parity.training.records` schema), one per side/mode.
+      verdicts: `parity.verdicts.rows.Verdict` rows of ``results.json`` (`write_outputs`'s).
+      status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``.
     """
 
     config: RunConfig
@@ -198,7 +205,13 @@ def _run_group(
     return [json.loads(Path(spec["out"]).read_text()) for spec in specs]
 
 
-def _record(side: str, config: RunConfig, pair: Any, stream: Any, rank0: dict, label: str):
+def _labels(side: str, plan: DistributedPlan) -> dict[str, str]:
+    """A side's record fields: its label (``"jax:jit ddp"``) and arm (the strategy), which keep
+    it apart from the other sides and pair it with them (`parity.training.records.run_label`)."""
+    return {"distributed": f"{side} {plan.strategy}", "arm": plan.strategy}
+
+
+def _record(side: str, config: RunConfig, plan: DistributedPlan, pair, stream, rank0: dict):
     timing = measure.step_time_summary(rank0["times"], config.timing_warmup)
     return build_run_record(
         framework="torch" if side == "torch" else "jax",
@@ -214,7 +227,7 @@ def _record(side: str, config: RunConfig, pair: Any, stream: Any, rank0: dict, l
         eval_metric=None,
         stopped_reason=rank0.get("stopped_reason"),
         extra={
-            "distributed": label,
+            **_labels(side, plan),
             "mixed_precision_method": rank0.get("method"),
             "memory_method_detail": rank0.get("memory_method"),
         },
@@ -229,23 +242,29 @@ def run_distributed(
     frameworks: tuple[str, ...] = ("torch", "jax"),
     pair_factory: str | None = None,
     step0_checks: bool = True,
+    echo: bool = False,
 ) -> DistributedResult:
-    """Runs the torch side and every JAX mode of `plan` on `config`; returns verdicts.
+    """Runs the torch side and every JAX mode of `plan` on `config` as one cell; returns verdicts.
 
     Args:
       config: the run (model, precision, steps, global batch size...). The global batch size
         must divide by the number of ranks and devices.
       plan: the layout (`DistributedPlan`).
-      out: folder for ``distributed.json`` (written atomically) and the worker logs; default a
-        temporary folder.
+      out: folder for ``results.json``, ``verdicts.json``, ``report.md`` (`parity.cell.write_outputs`:
+        merged with what the folder holds), ``distributed.json`` (per rank) and the worker logs;
+        default a temporary folder.
       frameworks: ``("torch", "jax")`` or one of them.
       pair_factory: ``"package.module:function"`` returning a `parity.models.ModelPair` (called
         with ``seed=`` in every worker): a user's own pair. Default: ``config.model`` built in.
-      step0_checks: the step-0 gate of every cell (`parity.verdicts.step0.run_step0`) before any worker
-        starts: a port that fails it is not trained (its verdicts are the result).
+      step0_checks: the step-0 gate of every cell (`parity.verdicts.step0.run_step0`) before any
+        worker starts: a port that fails it is not trained (its verdicts are the result).
+      echo: print the step-0 outcome to stderr.
 
     Returns:
       A `DistributedResult`.
+
+    Raises:
+      UnsupportedHere: the recipe cannot run on this arm (``plan.strategy``), with the reason.
 
     Example:
       >>> config = RunConfig(model="mlp", precision="bf16-mixed", steps=6, batch_size=8)
@@ -281,7 +300,7 @@ def run_distributed(
         raise ValueError(f"run_distributed: `frameworks` must be 'torch' and/or 'jax'; got {bad}.")
     work = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="parity-dist-"))
     work.mkdir(parents=True, exist_ok=True)
-    pair = _pair(config, pair_factory)
+    pair = make_pair(config, pair_factory)
     if pair.torch_to_flax().get("batch_stats") is not None:
         raise ValueError(
             f"run_distributed: model {config.model!r} has BatchNorm statistics; distributed "
@@ -289,12 +308,32 @@ def run_distributed(
             "JAX's jit synchronises them over the global batch)."
         )
     stream = pair.make_data(config.stream_seed, config.batch_size)
-    # The gate of every cell (parity.cell.run_cell runs the same): a broken port is not trained.
-    step0 = run_step0(config, pair, stream, frameworks=frameworks) if step0_checks else None
-    if step0 is not None and not step0.passed:
-        result = DistributedResult(config, plan, {}, [], step0.verdicts, "FAIL")
-        write_json_atomic(work / "distributed.json", result.to_dict())
-        return result
+    ranks: dict[str, list[dict[str, Any]]] = {}
+
+    def train(frameworks, config, pair, stream):
+        return _train_sides(
+            frameworks, config, plan, pair, stream, work, pair_factory, refused, ranks
+        )
+
+    # The one cell pipeline: the step-0 gate (a broken port is not trained), then the workers.
+    runs = run_cell(
+        config,
+        frameworks,
+        pair=pair,
+        stream=stream,
+        step0_checks=step0_checks,
+        echo=echo,
+        train=train,
+    )
+    status, verdicts, _ = write_outputs(work, runs)
+    result = DistributedResult(config, plan, ranks, runs, verdicts, status)
+    write_json_atomic(work / "distributed.json", result.to_dict())
+    return result
+
+
+def _train_sides(frameworks, config, plan, pair, stream, work, pair_factory, refused, ranks):
+    """Every side's workers (torch ranks, then each JAX mode not refused); one record per side,
+    an error record where a worker failed, each carrying its distributed rows."""
     base = {
         "config": config.to_dict(),
         "strategy": plan.strategy,
@@ -310,10 +349,10 @@ def run_distributed(
         },
         "pair_factory": pair_factory,
     }
-    ranks: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     if "torch" in frameworks:
         port = free_port()
-        specs = [
+        groups["torch"] = [
             dict(
                 base,
                 side="torch",
@@ -325,12 +364,11 @@ def run_distributed(
             )
             for r in range(plan.ranks)
         ]
-        ranks["torch"] = _run_group("torch", specs, plan.timeout_s, work)
     if "jax" in frameworks:
         for mode in (m for m in plan.jax_modes if m not in refused):
             n_proc = plan.devices if mode == "multiprocess" else 1
             port = free_port() if mode == "multiprocess" else 0
-            specs = [
+            groups[f"jax:{mode}"] = [
                 dict(
                     base,
                     side="jax",
@@ -344,26 +382,38 @@ def run_distributed(
                 )
                 for r in range(n_proc)
             ]
-            ranks[f"jax:{mode}"] = _run_group(f"jax-{mode}", specs, plan.timeout_s, work)
-    runs = {
-        side: _record(side, config, pair, stream, results[0], f"{side} {plan.strategy}")
-        for side, results in ranks.items()
-    }
-    verdicts = _verdicts(config, plan, ranks, runs)
+    records = []
+    for side, specs in groups.items():
+        try:
+            ranks[side] = _run_group(side.replace(":", "-"), specs, plan.timeout_s, work)
+        except WorkerError as e:  # recorded and failed by compare, as a trainer's exception is
+            print(f"error: {side} {config.model} {config.precision}: {e}", file=sys.stderr)
+            record = build_error_record("torch" if side == "torch" else "jax", config, e)
+            records.append(dict(record, **_labels(side, plan)))
+            continue
+        records.append(_record(side, config, plan, pair, stream, ranks[side][0]))
+    rows = _rank_rows(config, plan, ranks)
     if "jax" in frameworks:
-        verdicts += [
+        rows += [
             _verdict(config, "JAX mode", f"jax:{mode}", "unsupported here", "-", None, reason)
             for mode, reason in refused.items()
         ]
-    status = overall_status(verdicts)
-    result = DistributedResult(config, plan, ranks, list(runs.values()), verdicts, status)
-    write_json_atomic(work / "distributed.json", result.to_dict())
-    return result
+    for record in records:
+        side = record["distributed"].rsplit(" ", 1)[0]
+        record["distributed_verdicts"] = [
+            v.to_dict()
+            for v in rows
+            if v.compared == side or v.check == "JAX mode"  # a refused mode: the arm's row
+        ]
+    return records
 
 
-def _pair(config: RunConfig, pair_factory: str | None):
+def make_pair(config: RunConfig, pair_factory: str | None = None):
+    """The run's pair, built alike here (for step 0) and in every worker: the built-in pair of
+    ``config.model`` (`parity.cell.builtin_pair`: seed, data, overrides), or the user's
+    factory's (``"package.module:function"``, called with ``seed=``)."""
     if pair_factory is None:
-        return get_model_pair(config.model, seed=config.seed, **config.model_overrides)
+        return builtin_pair(config)
     return load_pair_factory(pair_factory)(seed=config.seed)
 
 
@@ -403,17 +453,11 @@ def _trajectory(result: dict) -> list[tuple]:
     return [(s["loss_scale"], s["skipped"]) for s in result["steps"]]
 
 
-def _verdicts(config, plan, ranks, runs) -> list[Any]:
+def _rank_rows(config, plan, ranks) -> list[Verdict]:
+    """The arm's own checks, one side each (``compared`` names the side): what compare cannot
+    see from rank 0's record. Torch against JAX is compare's (every step, the usual bands)."""
     rows = []
-    policy = config.policy
-    # 1. per-step loss: torch vs each JAX mode, the usual bands.
-    torch_run = runs.get("torch")
-    for side, run in runs.items():
-        if side == "torch" or torch_run is None:
-            continue
-        for v in compare_runs([torch_run, run]):
-            rows.append(dataclasses.replace(v, compared=f"{side} vs torch {plan.strategy}"))
-    # 2. loss-scale trajectory and skip decisions identical across ranks and frameworks.
+    # 1. loss-scale trajectory and skip decisions identical across ranks.
     for side, results in ranks.items():
         if len(results) > 1:
             first = _trajectory(results[0])
@@ -429,29 +473,7 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
                     f"{len(results)} ranks, {len(first)} steps",
                 )
             )
-    if "torch" in ranks:
-        ref = _trajectory(ranks["torch"][0])
-        for side, results in ranks.items():
-            if side == "torch":
-                continue
-            mine = _trajectory(results[0])
-            same = mine == ref
-            first_diff = next(
-                (i for i, (a, b) in enumerate(zip(ref, mine, strict=False)) if a != b), None
-            )
-            rows.append(
-                _verdict(
-                    config,
-                    "loss scale and skips identical to torch",
-                    f"{side} vs torch",
-                    "identical" if same else f"differ from step {first_diff}",
-                    "identical",
-                    same,
-                    f"skipped steps torch {[i for i, s in enumerate(ref) if s[1]]}, "
-                    f"{side} {[i for i, s in enumerate(mine) if s[1]]}",
-                )
-            )
-    # 3. the injected overflow is skipped on every rank of every side.
+    # 2. the injected overflow is skipped on every rank of every side.
     if plan.inject_overflow is not None:
         step, rank = plan.inject_overflow
         for side, results in ranks.items():
@@ -469,7 +491,7 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
                     ok,
                 )
             )
-    # 4. replicated parameters identical across ranks.
+    # 3. replicated parameters identical across ranks.
     for side, results in ranks.items():
         # One digest per parameter copy: per device where the worker saw several, else per rank.
         digests = []
@@ -491,8 +513,8 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
                     f"{len(digests)} copies (sha256 of every parameter)",
                 )
             )
-    # 5. the gradient-reduction dtype on each side.
-    expected = policy.reduce_dtype.name
+    # 4. the gradient-reduction dtype on each side.
+    expected = config.policy.reduce_dtype.name
     for side, results in ranks.items():
         seen = results[0]["reduce_dtypes"]
         if plan.devices == 1 and side != "torch" or not seen and plan.ranks == 1:
@@ -511,9 +533,10 @@ def _verdicts(config, plan, ranks, runs) -> list[Any]:
     return rows
 
 
-def format_distributed(result: DistributedResult) -> str:
-    """A text table of the verdicts plus per-device speed and memory per side."""
-    lines = [format_verdicts(result.verdicts), "", "speed and memory per device:"]
+def format_distributed(result: DistributedResult, *, table: bool = True) -> str:
+    """The verdicts (`table`) plus per-device speed and memory per side, and the status."""
+    lines = [format_verdicts(result.verdicts), ""] if table else []
+    lines.append("speed and memory per device:")
     for side, results in result.ranks.items():
         times = results[0]["times"][result.config.timing_warmup :] or results[0]["times"]
         median = statistics.median(times) if times else float("nan")
@@ -527,9 +550,14 @@ def format_distributed(result: DistributedResult) -> str:
     return "\n".join(lines)
 
 
-def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
-    """``python -m parity run --devices N --strategy {ddp,fsdp}``: exit 0 pass, 1 fail, 2 a
-    recipe this arm cannot run (the reason on stderr)."""
+def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> str:
+    """``python -m parity run --devices N --strategy {ddp,fsdp}``: returns `write_outputs`'s
+    status (the CLI's exit code follows it).
+
+    Raises:
+      ValueError: bad input, or a recipe this arm cannot run ("unsupported here: " and the
+        reason; the CLI exits 2).
+    """
     inject = None
     if args.inject_overflow:
         parts = args.inject_overflow.split(":")
@@ -538,6 +566,15 @@ def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
                 f"--inject-overflow takes STEP:RANK (e.g. 3:1); got {args.inject_overflow!r}."
             )
         inject = (int(parts[0]), int(parts[1]))
+    # Calibration runs train on one device: a nudged single-device run is no envelope for a
+    # distributed one. (--speed-blocks times one device too: a distributed run reports each
+    # side's step time per device instead.)
+    asked = [n for n, on in (("--noise", args.noise != "none"), ("--seeds", args.seeds > 1)) if on]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)}: calibration runs train on one device; with --devices "
+            f"{args.devices} leave {'them' if len(asked) > 1 else 'it'} out."
+        )
     plan = DistributedPlan(
         devices=args.devices,
         strategy=args.strategy or "ddp",
@@ -550,11 +587,17 @@ def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> int:
     )
     try:
         result = run_distributed(
-            config, plan, args.out, frameworks=frameworks, step0_checks=not args.no_step0
+            config,
+            plan,
+            args.out,
+            frameworks=frameworks,
+            step0_checks=not args.no_step0,
+            echo=True,
         )
     except UnsupportedHere as e:
-        print(f"error: unsupported here: {e.reason}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unsupported here: {e.reason}") from e
     print(format_distributed(result))
-    print(f"results: {(Path(args.out) / 'distributed.json').resolve()}")
-    return {"PASS": 0, "FAIL": 1}.get(result.status, 3)
+    out = Path(args.out).resolve()
+    print(f"results: {out / 'results.json'} (per rank: {out / 'distributed.json'})")
+    print(f"report: {out / 'report.md'}")
+    return result.status

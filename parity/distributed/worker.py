@@ -38,16 +38,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parity.config import RunConfig
 from parity.distributed.hlo import dump_flags, reduction_collectives, reduction_dtypes
-from parity.distributed.run import load_pair_factory
-from parity.models import get_model_pair
+from parity.distributed.run import make_pair
 from parity.perf import measure
 from parity.training.losses import loss_jax, loss_torch
 from parity.training.records import write_json_atomic
 from parity.training.steps import (
     build_jax_optimizer,
     build_torch_optimizer,
-    jax_train_step,
-    scheduled,
+    observed_step,
+    step_signals,
     torch_train_step,
 )
 
@@ -111,12 +110,6 @@ def _torch_poison():
     return Poison
 
 
-def _make_pair(spec: dict, config: Any):
-    if spec.get("pair_factory"):
-        return load_pair_factory(spec["pair_factory"])(seed=config.seed)
-    return get_model_pair(config.model, seed=config.seed, **config.model_overrides)
-
-
 # -- torch ---------------------------------------------------------------------------------------
 
 
@@ -144,7 +137,7 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     reduce_dtypes: set[str] = set()
     try:
-        pair = _make_pair(spec, config)
+        pair = make_pair(config, spec.get("pair_factory"))
         model, _ = recipe.torch_convert(pair.torch_model.to(device), device)
         input_dtype = recipe.torch_input_dtype()
         if any(b.numel() for b in model.buffers()):
@@ -186,7 +179,8 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             method = f"FSDP2 fully_shard ({backend}), {recipe.torch_method('fsdp')}"
         optimizer = build_torch_optimizer(config, model.parameters())
         scaler = recipe.torch_grad_scaler(config, device.type, sharded=strategy == "fsdp")
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
 
         def forward_loss(inputs, targets, factor):
             with recipe.torch_autocast(device.type, strategy):
@@ -194,7 +188,11 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 logits = _TorchPoison.apply(logits, factor)
                 return loss_torch(pair.task, logits.float(), targets)
 
-        train_step = torch_train_step(config, forward_loss, optimizer, scaler, params)
+        # names=: the single-device trainer's per-step signals (gradient norm before clipping,
+        # update norm, largest |scaled gradient|), measured on the reduced gradients.
+        train_step = torch_train_step(
+            config, forward_loss, optimizer, scaler, params, names=[n for n, _ in named]
+        )
         stream = pair.make_data(config.stream_seed, config.batch_size)
         rows = config.batch_size // world
         log = measure.StepLog()
@@ -218,7 +216,9 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             if scaler is not None:
                 scale = float(scaler.get_scale())
                 skipped = scale < scale_used
-            if log.record(step, loss_value, scale_used, skipped, elapsed):
+            stop = log.record(step, loss_value, scale_used, skipped, elapsed)
+            log.steps[-1].update(train_step.signals)
+            if stop:
                 break
         state = {}
         for name, value in model.state_dict().items():
@@ -289,7 +289,8 @@ def _fsdp_spec(leaf, world: int):
 
 def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
     """The JAX side on a mesh: the recipe's forward, gradient function and optimizer, the
-    README's step (`parity.training.steps.jax_train_step`) under ``jit`` or ``shard_map``."""
+    README's step with its signals (`parity.training.steps.observed_step`, as the single-device
+    trainer) under ``jit`` or ``shard_map``."""
     config = RunConfig.from_dict(spec["config"])
     recipe = config.recipe
     world, mode, strategy = spec["world"], spec["mode"], spec["strategy"]
@@ -299,7 +300,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"JAX sees {len(devices)} devices; the run needs {world}.")
     mesh = Mesh(np.array(devices[:world]), ("data",))
     multiprocess = mode == "multiprocess"
-    pair = _make_pair(spec, config)
+    pair = make_pair(config, spec.get("pair_factory"))
     variables = pair.torch_to_flax()
     if "batch_stats" in variables:
         raise ValueError(
@@ -365,7 +366,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
             grads = jax.tree_util.tree_map(lambda g: g / world, grads)
             return (jax.lax.psum(loss / world, "data"), aux), grads
 
-        step = scheduled(jax_train_step(local_grad_fn, tx))
+        step = observed_step(local_grad_fn, tx)
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
             def local(params, opt_state, inputs, targets, factor, learning_rate):
@@ -382,7 +383,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
             )(params, opt_state, inputs, targets, factor, learning_rate)
 
     else:
-        step = scheduled(jax_train_step(grad_fn, tx))
+        step = observed_step(grad_fn, tx)
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
             params, opt_state, (loss, _), metrics = step(
@@ -423,7 +424,9 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
         host = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)), metrics)
         loss_scale = recipe.logged_scale(host["loss_scale"])
-        if log.record(step, float(host["loss"]), loss_scale, bool(host["skipped"]), elapsed):
+        stop = log.record(step, float(host["loss"]), loss_scale, bool(host["skipped"]), elapsed)
+        log.steps[-1].update(step_signals(host, scaled=loss_scale is not None))
+        if stop:
             break
 
     # Replicated params: every addressable copy must be bit-identical.
