@@ -143,3 +143,12 @@ def test_a_planted_wrong_port_fails_at_step_0_and_in_training(tmp_path, monkeypa
     assert all(v.passed for v in trained.verdicts if v.mode == "distributed")
     assert json.loads((tmp_path / "trained" / "verdicts.json").read_text())["status"] == "FAIL"
     _no_strays(trained)
+
+
+def test_calibration_with_devices_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "x"
+    args = ["run", "--model", "mlp", "--devices", "2", "--noise", "torch", "--out", str(out)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--noise" in err and "one device" in err and "Traceback" not in err
+    assert not (out / "results.json").exists()
