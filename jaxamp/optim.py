@@ -565,12 +565,12 @@ def _skip_if_not(
     Eagerly (a concrete decision) the step runs op by op, exactly as an unwrapped eager step.
     Under `jit`, a select (the default): the new values where `applied`, the old ones kept bit
     for bit elsewhere. Without donation its outputs are fresh buffers, as an unscaled step's
-    are (6 scalar copies in the benchmark MLP's program, none of a parameter or state buffer).
+    are (5 scalar copies in the benchmark MLP's program, none of a parameter or state buffer).
     With `in_place` (the step donates params and state) a branch (`lax.cond`) on CPU: the
     skipped branch passes the donated buffers through, so the applied one updates them in
-    place (11 copies, against 27 for the select and 19-20 for Flax's and jmp's selects); but a
+    place (10 copies, against 26 for the select and 19-20 for Flax's and jmp's selects); but a
     branch output that may be an argument makes XLA copy every parameter and state buffer on
-    every step when they are not donated (31 copies). Without scaling (`noop`) a select keeps
+    every step when they are not donated (30 copies). Without scaling (`noop`) a select keeps
     finite steps bit-identical to an unwrapped jitted step. Every form computes the same
     values. `applied_step` and `skipped_step` say what each decision computes: a diagnostic
     only a skipped step needs goes into `skipped_step` (eagerly) and into a `lax.cond` on
