@@ -190,10 +190,11 @@ def train_jax(
     params, batch_stats, opt_state = side.params, side.batch_stats, side.opt_state
     compile_time = side.compile_time_s
     recipe = config.recipe
-    # A language model's eval logits at the initial weights (before step 0 donates them) and
-    # after training: `parity.verdicts.logits` compares them with torch's.
-    eval_logits = _EvalLogits(config, pair, stream, device)
-    eval_logits.capture(0, params, batch_stats)
+    # Evaluation compiled once; a language model's eval logits at the initial weights (before
+    # step 0 donates them) and after training: `parity.verdicts.logits` compares them with torch's.
+    evaluation = _Evaluation(config, pair, stream, device) if config.eval else None
+    if evaluation is not None:
+        evaluation.capture_logits(0, params, batch_stats)
 
     log = measure.StepLog()
     iterator = range(config.steps)
@@ -219,8 +220,7 @@ def train_jax(
 
     eval_metric = None
     if config.eval and log.stopped_reason is None:
-        eval_metric = _evaluate(config, pair, stream, params, batch_stats, device)
-        eval_logits.capture(len(log.steps), params, batch_stats)
+        eval_metric = evaluation.evaluate(len(log.steps), params, batch_stats)
 
     memory_detail = None
     if config.device == "gpu":
@@ -250,47 +250,49 @@ def train_jax(
         extra={"mixed_precision_method": config.recipe.jax_method(config.device)},
         memory_detail=memory_detail,
         optimizer_state=optimizer_state,
-        eval_logits=eval_logits.points,
+        eval_logits=evaluation.logit_points if evaluation is not None else None,
     )
 
 
-class _EvalLogits:
-    """The eval logits a language-model run records (`parity.training.records.eval_logit_point`):
-    the first eval batch's, through the eval-mode forward at the run's precision, compiled once.
-    Nothing for other tasks or with ``config.eval`` off."""
+class _Evaluation:
+    """The held-out metric and, for a language model, the eval logits the record keeps
+    (`parity.training.eval_logits.eval_logit_point` of the first eval batch): one compiled
+    eval-mode forward at the run's precision returns both."""
 
     def __init__(self, config, pair, stream, device):
-        self.points: list[dict[str, Any]] = []
-        self.active = config.eval and pair.task == "lm"
-        if not self.active:
-            return
         recipe = config.recipe
         forward = jax_forward(pair, recipe, config.device, train=False)
-        self.logits = jax.jit(lambda p, s, x: forward(p, s, x)[0].astype(jnp.float32))
-        self.raw_inputs = stream.eval_batches()[0][0]
-        self.inputs = jax.device_put(recipe.jax_cast(jnp.asarray(self.raw_inputs)), device)
+        self.task = pair.task
+        self.logit_points: list[dict[str, Any]] = []
 
-    def capture(self, step, params, batch_stats) -> None:
-        if not self.active:
+        @jax.jit
+        def metric_and_logits(params, batch_stats, inputs, targets):
+            logits = forward(params, batch_stats, inputs)[0].astype(jnp.float32)
+            return eval_metric_jax(pair.task, logits, targets), logits
+
+        self.run = metric_and_logits
+        self.raw = stream.eval_batches()
+        self.batches = [
+            jax.device_put((recipe.jax_cast(jnp.asarray(x)), jnp.asarray(y)), device)
+            for x, y in self.raw
+        ]
+
+    def capture_logits(self, step, params, batch_stats, logits=None) -> None:
+        """Records the first eval batch's logits after `step` updates (language models only)."""
+        if self.task != "lm":
             return
+        if logits is None:
+            with jax.default_matmul_precision("highest"):
+                _, logits = self.run(params, batch_stats, *self.batches[0])
+        self.logit_points.append(eval_logit_point(step, np.asarray(logits), self.raw[0][0]))
+
+    def evaluate(self, step, params, batch_stats) -> float:
+        """The mean metric over the eval batches; the logits of the first are captured."""
+        values = []
         with jax.default_matmul_precision("highest"):
-            logits = np.asarray(self.logits(params, batch_stats, self.inputs))
-        self.points.append(eval_logit_point(step, logits, self.raw_inputs))
-
-
-def _evaluate(config, pair, stream, params, batch_stats, device) -> float:
-    recipe = config.recipe
-    forward = jax_forward(pair, recipe, config.device, train=False)
-
-    @jax.jit
-    def metric(params, batch_stats, inputs, targets):
-        logits, _ = forward(params, batch_stats, inputs)
-        return eval_metric_jax(pair.task, logits.astype(jnp.float32), targets)
-
-    values = []
-    with jax.default_matmul_precision("highest"):
-        for raw_inputs, raw_targets in stream.eval_batches():
-            inputs = recipe.jax_cast(jnp.asarray(raw_inputs))
-            inputs, targets = jax.device_put((inputs, jnp.asarray(raw_targets)), device)
-            values.append(float(metric(params, batch_stats, inputs, targets)))
-    return float(np.mean(values))
+            for index, (inputs, targets) in enumerate(self.batches):
+                metric, logits = self.run(params, batch_stats, inputs, targets)
+                values.append(float(metric))
+                if index == 0:
+                    self.capture_logits(step, params, batch_stats, logits)
+        return float(np.mean(values))
