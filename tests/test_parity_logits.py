@@ -314,3 +314,12 @@ def test_other_tokens_chaos_and_no_logits(runs):
     assert [v.passed for v in kl] == [False, None] and kl[1].mode == "inconclusive"
     assert logit_rows({**ref, "eval_logits": None}, ref) == []
     assert math.isfinite(kl[0].value)
+
+
+def test_fp8_band_can_fail_but_never_decides_a_pass(runs):
+    ref = _at(runs[0], "fp8-rowwise")
+    close = [v for v in logit_rows(ref, _at(_as_jax(runs[0], scale=0.01), "fp8-rowwise"))]
+    assert all(v.passed is None and v.mode == "inconclusive" for v in close), close
+    assert {v.power for v in close} == {0.5}  # 8 roundoffs of float8_e4m3
+    far = logit_rows(ref, _at(_as_jax(runs[0], scale=5.0), "fp8-rowwise"))
+    assert [v.passed for v in far if "KL" in v.check] == [False, False]

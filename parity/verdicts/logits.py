@@ -22,8 +22,8 @@ the sources the loss rows use (`eval_logit_band`):
 
 - step 0 (the same weights on both sides): ``max(1e-4, 8 u(compute dtype))``: the fp32 loss band
   of step 0 (`parity.verdicts.power.step_band`), or 8 unit roundoffs of the dtype the logits
-  are computed in (bfloat16 3.1e-2, float16 3.9e-3), `parity.verdicts.tolerance.SAFETY` times
-  the one rounding a stored logit carries.
+  are computed in (bfloat16 3.1e-2, float16 3.9e-3, float8_e4m3 0.5: inconclusive unless it
+  fails), `parity.verdicts.tolerance.SAFETY` times the one rounding a stored logit carries.
 - after training, fp32: the per-step loss tolerance of the last step
   (`parity.verdicts.power.step_tolerances`: the fixed bands, or noise-calibrated with
   calibration runs); past step 30 uncalibrated a failure is inconclusive, as the loss rows'
@@ -177,6 +177,16 @@ def top1_agrees(reference: Any, candidate: Any, margin: Any) -> np.ndarray:
     return picked >= np.max(b, axis=-1) - np.asarray(margin, np.float64)
 
 
+# Unit roundoff of the dtypes logits are computed in below float32 (torchao's fp8 recipes:
+# float8_e4m3, 3 mantissa bits): 8 of them make a band of 0.5, above the loss bound, so an fp8
+# row can fail but never decides a pass.
+_ROUNDOFF = {
+    "bfloat16": unit_roundoff("bfloat16"),
+    "float16": unit_roundoff("float16"),
+    "float8": 2.0**-4,
+}
+
+
 def _compute_dtype(run: Mapping[str, Any]) -> str:
     try:
         return get_recipe(run["precision"]).compute_dtype_name
@@ -190,7 +200,7 @@ def eval_logit_band(
     """``(eps, mode, source)``: the relative logit difference the eval point after `step`
     updates is held to (module docstring), what decides, and where ``eps`` comes from."""
     dtype = _compute_dtype(ref)
-    rounding = SAFETY * unit_roundoff(dtype) if dtype in ("bfloat16", "float16") else 0.0
+    rounding = SAFETY * _ROUNDOFF.get(dtype, 0.0)
     step0 = max(step_band(0), rounding)
     if step == 0:
         source = (
