@@ -232,6 +232,26 @@ def _check_logits(task: str, shape: tuple[int, ...], targets: np.ndarray, side: 
         )
 
 
+def resolve_eval(function: str, config: dict[str, Any], available: bool) -> bool:
+    """Whether a library run evaluates: on when held-out batches are `available`, unless the
+    caller's ``eval=False`` (popped from `config`) turns it off; ``eval=True`` without them is
+    refused, naming what to pass.
+
+    Example:
+      >>> resolve_eval("compare_models", {"eval": False}, True)
+      False
+    """
+    wanted = config.pop("eval", available)
+    if not isinstance(wanted, bool):
+        raise TypeError(f"{function}(eval={wanted!r}): eval must be True or False")
+    if wanted and not available:
+        raise ValueError(
+            f"{function}(eval=True): no held-out batches to evaluate on; pass eval_batches=[...] "
+            "(or a BatchStream as batches), or leave eval out"
+        )
+    return wanted
+
+
 def compare_models(
     torch_module: Any,
     flax_module: Any,
@@ -281,7 +301,8 @@ def compare_models(
         float targets of one shape): mean squared error. Losses are computed in float32.
       steps: training steps (default: the number of batches in a sequence, else 30).
       eval_batches: held-out ``(inputs, targets)`` pairs for the eval metric (default: none;
-        a BatchStream brings its own).
+        a BatchStream brings its own). Evaluation runs when there are some; ``eval=False``
+        turns it off, ``eval=True`` without them is refused (`resolve_eval`).
       out_dir: if given, ``results.json``, ``steps.csv``, ``report.md`` and plots go there.
       name: the model name in records and the report.
       torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module; None
@@ -353,7 +374,9 @@ def compare_models(
         precision=precision,
         steps=default_steps if steps is None else steps,
         batch_size=int(stream.batch_size),
-        eval=bool(eval_batches) or isinstance(batches, BatchStream),
+        eval=resolve_eval(
+            "compare_models", config, bool(eval_batches) or isinstance(batches, BatchStream)
+        ),
         **config,
     )
     pair = prepare_pair(

@@ -559,3 +559,26 @@ def test_a_nan_in_the_first_batch_is_reported_as_the_datas_fault(monkeypatch):
     assert all(run["step0"]["diagnosis"] is None for run in runs)  # no layer is blamed
     assert all(run["step0"]["verdicts"] == [data_rows[0].to_dict()] for run in runs)
     assert math.isnan(stream.batch(0)[0][0, 1, 2, 0])
+
+
+def test_library_eval_setting_is_taken_refused_or_derived():
+    # compare_models / export_models(eval=False) raised "got multiple values for keyword
+    # argument 'eval'": the caller's setting now turns evaluation off, and eval=True without
+    # held-out batches is refused before any work, naming what to pass.
+    import torch
+
+    from parity.api import compare_models, resolve_eval
+    from parity.golden.export import export_models
+
+    assert resolve_eval("f", {}, True) is True
+    assert resolve_eval("f", {}, False) is False
+    config = {"eval": False, "lr": 0.1}
+    assert resolve_eval("f", config, True) is False and config == {"lr": 0.1}
+    with pytest.raises(TypeError, match=r"f\(eval='yes'\): eval must be True or False"):
+        resolve_eval("f", {"eval": "yes"}, True)
+    batches = [(np.zeros((2, 4), np.float32), np.zeros(2, np.int32))]
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"compare_models\(eval=True\): no held-out batches"):
+        compare_models(linear, None, None, batches, eval=True)
+    with pytest.raises(ValueError, match=r"export_models\(eval=True\): no held-out batches"):
+        export_models("/nonexistent/g.npz", linear, "pkg.mod:Model", batches, eval=True)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.api import prepare_pair
+from parity.api import prepare_pair, resolve_eval
 from parity.cell import builtin_pair
 from parity.config import RunConfig
 from parity.golden.check import load_flax_model, resolve_object
@@ -164,6 +164,7 @@ def export_models(
     Returns:
       The written path.
     """
+    evaluate = resolve_eval("export_models", config, bool(eval_batches))
     stream = BatchList(batches, eval_batches or ())
     flax = load_flax_model(flax_module)
     pair = prepare_pair(
@@ -174,7 +175,7 @@ def export_models(
         precision=precision,
         steps=len(batches) if steps is None else steps,
         batch_size=int(stream.batch_size),
-        eval=bool(eval_batches),
+        eval=evaluate,
         **config,
     )
     return export_golden(
