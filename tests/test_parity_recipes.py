@@ -194,7 +194,7 @@ def _spec(precision, **fields):
 
 def _torch_rank(precision, strategy, monkeypatch):
     # One rank in this process (world 1): the worker's own code, no subprocess.
-    for name in ("reduce_scatter_tensor", "all_reduce"):
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
         monkeypatch.setattr(dist, name, getattr(dist, name))  # the FSDP2 recorder is undone
     threads = torch.get_num_threads()
     try:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from torch.distributed import distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -167,12 +168,21 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 if sub is not model and direct and all(owners[id(p)] == 1 for p in direct):
                     fully_shard(sub, mp_policy=mp)
             wrapped = fully_shard(model, mp_policy=mp)
-            for name in ("reduce_scatter_tensor", "all_reduce"):
-                orig = getattr(dist, name)
+            # FSDP2 reduces gradients through dist.reduce_scatter_single (torch >= 2.10, keyword
+            # arguments) or reduce_scatter_tensor (earlier), and all_reduce for a replicate
+            # dimension; the worker's own loss all-reduce goes around this recorder.
+            for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
+                orig = getattr(dist, name, None)
+                if orig is None:
+                    continue
 
                 def recording(*args, _orig=orig, _name=name, **kwargs):
-                    tensor = args[1] if _name == "reduce_scatter_tensor" else args[0]
-                    reduce_dtypes.add(str(tensor.dtype).replace("torch.", ""))
+                    if _name == "all_reduce":
+                        tensor = kwargs.get("tensor", args[0] if args else None)
+                    else:
+                        tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+                    if isinstance(tensor, torch.Tensor):
+                        reduce_dtypes.add(str(tensor.dtype).replace("torch.", ""))
                     return _orig(*args, **kwargs)
 
                 setattr(dist, name, recording)
@@ -209,7 +219,9 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             start = time.perf_counter()
             loss = train_step(step, inputs, targets, factor)
             global_loss = loss.detach().float().clone()
-            dist.all_reduce(global_loss)
+            # The logged loss's own all-reduce (float32) goes around the FSDP arm's recorder of
+            # gradient reductions (`dist.all_reduce` is patched there): it reduces no gradient.
+            distributed_c10d.all_reduce(global_loss)
             loss_value = float(global_loss) / world
             elapsed = time.perf_counter() - start
             skipped, scale_used = False, scale
