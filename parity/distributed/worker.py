@@ -168,9 +168,9 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 if sub is not model and direct and all(owners[id(p)] == 1 for p in direct):
                     fully_shard(sub, mp_policy=mp)
             wrapped = fully_shard(model, mp_policy=mp)
-            # FSDP2 reduces gradients through dist.reduce_scatter_single (torch >= 2.10, keyword
-            # arguments) or reduce_scatter_tensor (earlier), and all_reduce for a replicate
-            # dimension; the worker's own loss all-reduce goes around this recorder.
+            # FSDP2 reduces gradients through dist.reduce_scatter_single (the pinned torch 2.13,
+            # keyword arguments) or reduce_scatter_tensor (older releases), and all_reduce for a
+            # replicate dimension; the worker's own loss all-reduce goes around this recorder.
             for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
                 orig = getattr(dist, name, None)
                 if orig is None:
