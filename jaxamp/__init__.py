@@ -31,7 +31,6 @@ from jaxamp.optim import LossScaleDivergedError as LossScaleDivergedError
 from jaxamp.optim import LossScaledState as LossScaledState
 from jaxamp.optim import LossScaledTransformation as LossScaledTransformation
 from jaxamp.optim import amp_info as amp_info
-from jaxamp.optim import amp_states as amp_states
 from jaxamp.optim import apply_gradients as apply_gradients
 from jaxamp.optim import apply_updates as apply_updates
 from jaxamp.optim import get_loss_scale as get_loss_scale
@@ -69,7 +68,6 @@ __all__ = [
     "StochasticRoundingState",
     "all_finite",
     "amp_info",
-    "amp_states",
     "apply_gradients",
     "apply_updates",
     "autocast",
@@ -90,6 +88,19 @@ __all__ = [
     "stochastic_rounding",
     "value_and_grad",
 ]
+
+
+# Names removed from the API, with what replaces each: `jaxamp.<old>` says what to call instead.
+_REMOVED = {
+    "amp_states": "jaxamp.loss_scaled_states(opt_state), which returns the same dict of "
+    "LossScaledState by path",
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:
+        raise AttributeError(f"jaxamp.{name} was removed: call {_REMOVED[name]}.", name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
 
 
 def __dir__() -> list[str]:

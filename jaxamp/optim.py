@@ -896,28 +896,6 @@ def loss_scaled_states(opt_state: Any) -> dict[str, LossScaledState]:
     return dict(_find_states(opt_state))
 
 
-def amp_states(opt_state: Any) -> dict[str, LossScaledState]:
-    """Deprecated: `loss_scaled_states` (the same dict; the name says what it returns).
-
-    Warns with a `DeprecationWarning`; it will be removed from the public API in a later
-    release.
-
-    Example:
-      >>> import warnings
-      >>> with warnings.catch_warnings():
-      ...     warnings.simplefilter("ignore", DeprecationWarning)
-      ...     list(jaxamp.amp_states(jaxamp.loss_scaled(optax.sgd(0.1)).init(jnp.ones(2))))
-      ['']
-    """
-    warnings.warn(
-        "jaxamp.amp_states is deprecated: call jaxamp.loss_scaled_states(opt_state), which "
-        "returns the same dict of LossScaledState by path.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return loss_scaled_states(opt_state)
-
-
 def _one_state(opt_state: Any, caller: str) -> LossScaledState:
     found = _find_states(opt_state)
     if not found:

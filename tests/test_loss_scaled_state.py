@@ -313,9 +313,9 @@ def test_last_step_applied_and_finite_differ_when_one_group_skips(maybe_jit):
     assert not bool(info.last_step_finite) and not bool(info.last_step_applied)
 
 
-def test_amp_states_is_deprecated_for_loss_scaled_states():
+def test_loss_scaled_states_finds_them_and_amp_states_is_gone():
     """One vocabulary: `loss_scaled` makes a LossScaledState, `loss_scaled_states` finds them;
-    the old name still answers, with a DeprecationWarning naming the new one."""
+    the old name `amp_states` is removed, and asking for it names its replacement."""
     tx = optax.multi_transform(
         {"a": jaxamp.loss_scaled(optax.sgd(0.1)), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}
     )
@@ -323,10 +323,13 @@ def test_amp_states_is_deprecated_for_loss_scaled_states():
     found = jaxamp.loss_scaled_states(state)
     assert list(found) == [".inner_states['a'].inner_state"]
     assert all(isinstance(s, jaxamp.LossScaledState) for s in found.values())
-    with pytest.warns(DeprecationWarning, match=r"jaxamp\.loss_scaled_states\(opt_state\)"):
-        old = jaxamp.amp_states(state)
-    assert list(old) == list(found)
-    assert jax.tree.structure(old) == jax.tree.structure(found)
+    assert "amp_states" not in jaxamp.__all__ and "amp_states" not in dir(jaxamp)
+    with pytest.raises(AttributeError, match=r"removed: call jaxamp\.loss_scaled_states\("):
+        jaxamp.amp_states  # noqa: B018
+    with pytest.raises(ImportError):
+        from jaxamp import amp_states  # noqa: F401
+    with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
+        jaxamp.not_a_name  # noqa: B018
 
 
 # --- item 10: no parameter or state buffer copied on every step, donated or not -----------------

@@ -27,7 +27,6 @@ EXPECTED_ALL = sorted(
         "StochasticRoundingState",
         "all_finite",
         "amp_info",
-        "amp_states",
         "apply_gradients",
         "apply_updates",
         "autocast",
