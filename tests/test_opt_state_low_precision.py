@@ -86,7 +86,7 @@ def test_quantize_zeros_and_pytree_round_trip():
     leaves, treedef = jax.tree_util.tree_flatten(q)
     assert len(leaves) == 2  # codes and scale; the rest is static
     again = jax.tree_util.tree_unflatten(treedef, leaves)
-    meta = ("state_format", "signed", "shape", "block_size")
+    meta = ("state_format", "signed", "shape", "block_size", "order")
     assert [getattr(again, f) for f in meta] == [getattr(q, f) for f in meta]
     assert {f.name for f in dataclasses.fields(q)} == {"codes", "scale", *meta}
     assert q.nbytes == 256 + 4
@@ -332,3 +332,72 @@ def test_checkpoint_round_trip_keeps_codes_static_fields_and_key(tmp_path):
             np.testing.assert_array_equal(
                 np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
             )
+
+
+# --- block order ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_format", BLOCK)
+def test_block_order_blocks_the_permuted_elements(state_format, float_dtype, maybe_jit):
+    """With an order, the codes and scales are those of the permuted elements (a (64, 32)
+    kernel blocked as its (32, 64) transpose), and dequantize puts every value back in place."""
+    x = (jax.random.normal(jax.random.key(1), (64, 32)) * 3.0).astype(float_dtype)
+    order = optim_precision.BlockOrder(np.arange(x.size).reshape(x.shape).T.reshape(-1))
+    q = maybe_jit(lambda v: optim_precision.quantize(v, state_format, order=order))(x)
+    plain = optim_precision.quantize(x.T, state_format)
+    assert q.order is order and q.codes.ndim == 1 and q.scale.shape == plain.scale.shape
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(plain.scale))
+    np.testing.assert_array_equal(
+        np.asarray(q.codes).reshape(-1).view(np.uint8),
+        np.asarray(plain.codes).reshape(-1).view(np.uint8),
+    )
+    back = maybe_jit(optim_precision.dequantize)(q)
+    assert back.shape == x.shape and back.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(optim_precision.dequantize(plain)).T)
+
+
+def test_block_order_in_the_optimizer_keeps_its_order_and_stays_finite(maybe_jit):
+    params = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    order = np.arange(4096).reshape(64, 64).T.reshape(-1)
+    tx = optim_precision.adamw_8bit(block_order={"w": order, "b": None})
+    state = tx.init(params)
+    for seed in range(2):
+        updates, state = maybe_jit(tx.update)(_grads(seed), state, params)
+        params = optax.apply_updates(params, updates)
+    mu = state.inner_state[0].mu["w"]
+    assert mu.order == optim_precision.BlockOrder(order) and mu.codes.shape == (4096,)
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree_util.tree_leaves(params))
+
+
+def test_block_order_errors_name_the_parameter_and_the_closest_name():
+    params = {"dense": {"kernel": jnp.ones((64, 64))}}
+    order = np.arange(4096)
+    tx = jaxamp.low_precision_state(
+        optax.adam(1e-3), "8bit", block_order={"dense": {"kernal": order}}
+    )
+    with pytest.raises(
+        ValueError, match=r"'dense/kernal' is not a parameter.*Did you mean 'dense/kernel'"
+    ):
+        tx.init(params)
+    tx = jaxamp.low_precision_state(
+        optax.adam(1e-3), "8bit", block_order={"dense": {"kernel": order[:100]}}
+    )
+    with pytest.raises(
+        ValueError, match=r"'dense/kernel' has 100 elements; the parameter has 4096"
+    ):
+        tx.init(params)
+    with pytest.raises(
+        ValueError,
+        match=r"dense/kernel.*each of 0 .. 4095 exactly once; index 0 appears 4096 times",
+    ):
+        jaxamp.low_precision_state(
+            optax.adam(1e-3), "8bit", block_order={"dense": {"kernel": np.zeros(4096, int)}}
+        )
+    with pytest.raises(ValueError, match=r"1-D integer array.*float64"):
+        optim_precision.BlockOrder(np.zeros(8))
+    with pytest.raises(ValueError, match=r"state_format='bf16', block_order.*block formats"):
+        jaxamp.low_precision_state(
+            optax.adam(1e-3), "bf16", block_order={"dense": {"kernel": order}}
+        )
+    with pytest.raises(ValueError, match=r"quantize\(order=.*BlockOrder of size 256"):
+        optim_precision.quantize(jnp.zeros(256), "8bit", order=optim_precision.BlockOrder(order))

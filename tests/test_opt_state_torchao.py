@@ -273,3 +273,138 @@ def test_bf16_stochastic_rounding_equals_torchaos_given_the_same_random_bits(
     # The bits matter: with other random bits some elements round the other way.
     other = _masters._round_bf16(jnp.asarray(x), jnp.asarray((random16 ^ 0x8000).astype(np.uint32)))
     assert (np.asarray(other).view(np.int16) != theirs).any()
+
+
+# --- step by step, in torch's element order -----------------------------------------------------
+# A Flax kernel is torch's Linear weight transposed. torchao blocks the torch weight row-major;
+# blocked in the Flax layout, a block holds other elements under another scale (what the
+# harness's adamw-8bit/4bit/fp8 cells did until the state took torch's order). Linear(64, 96):
+# a (96, 64) weight of 6144 elements (a multiple of both block sizes).
+IN, OUT, STEPS = 64, 96, 3
+TORCH_ORDER = np.arange(IN * OUT).reshape(IN, OUT).T.reshape(-1)  # kernel (in, out) -> (out, in)
+
+
+def _torchao_trajectory(torch_cls, seed=0):
+    """torchao's own run: states (codes, scales) and weights before and after each step."""
+    rng = np.random.default_rng(seed)
+    weight = torch.nn.Parameter(torch.from_numpy(rng.uniform(-1, 1, (OUT, IN)).astype(np.float32)))
+    opt = torch_cls([weight])
+    steps = []
+    for _ in range(STEPS):
+        grad = rng.standard_normal((OUT, IN)).astype(np.float32)
+        before = weight.detach().numpy().copy()
+        state = {
+            k: (v.codes.clone(), v.scale.clone())
+            for k, v in opt.state[weight].items()
+            if hasattr(v, "codes")
+        }
+        weight.grad = torch.from_numpy(grad)
+        opt.step()
+        after = {
+            k: (v.codes.clone(), v.scale.clone())
+            for k, v in opt.state[weight].items()
+            if hasattr(v, "codes")
+        }
+        steps.append((before, grad, state, after, weight.detach().numpy().copy()))
+    return steps
+
+
+def _load(state, field, torch_state):
+    """Our state with `field`'s codes and scales replaced by torchao's (torch's order is ours)."""
+    adam = state.inner_state[0]
+    ours = getattr(adam, field)["w"]
+    codes, scale = torch_state
+    codes = jnp.asarray(codes.view(torch.uint8).numpy().reshape(ours.codes.shape))
+    if ours.state_format == "fp8":
+        codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    loaded = optim_precision.QuantizedArray(
+        codes,
+        jnp.asarray(scale.numpy()),
+        ours.state_format,
+        ours.signed,
+        ours.shape,
+        ours.block_size,
+        ours.order,
+    )
+    return state._replace(
+        inner_state=(adam._replace(**{field: {"w": loaded}}), *state.inner_state[1:])
+    )
+
+
+def _nibbles(bits, state_format):
+    return np.stack([bits >> 4, bits & 15]) if state_format == "4bit" else bits
+
+
+@pytest.mark.usefixtures("eager_torchao")
+@pytest.mark.parametrize("state_format", sorted(OPTIMIZERS))
+def test_states_and_weights_follow_torchao_step_by_step_in_torch_block_order(
+    state_format, maybe_jit
+):
+    """Each step from torchao's own state and weights, the same gradient on both sides: the
+    first step's codes and scales equal torchao's bit for bit; later steps' within one code at
+    rounding midpoints (optax's EMA ``(1 - b) * g + b * m`` against torch's fused ``lerp``: one
+    float32 rounding apart) and the scales (block maxima) within a few ulps; the weights within
+    the few roundings by which the two AdamW formulas differ (8 ulps of 1.0, |w| <= 1). Blocked
+    in the Flax layout instead, the codes and scales are another quantization altogether."""
+    torch_cls, factory = OPTIMIZERS[state_format]
+    trajectory = _torchao_trajectory(torch_cls)
+    tx = factory(block_order={"w": TORCH_ORDER})
+    update = maybe_jit(tx.update)
+    state = tx.init({"w": jnp.zeros((IN, OUT))})
+    for step, (before, grad, torch_state, after, weight) in enumerate(trajectory):
+        if step:  # torchao's state before this step, its step count
+            for field, key in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+                state = _load(state, field, torch_state[key])
+            adam = state.inner_state[0]
+            state = state._replace(
+                inner_state=(
+                    adam._replace(count=jnp.asarray(step, jnp.int32)),
+                    *state.inner_state[1:],
+                )
+            )
+        params = {"w": jnp.asarray(before.T)}
+        updates, state = update({"w": jnp.asarray(grad.T)}, state, params)
+        np.testing.assert_allclose(
+            np.asarray(params["w"] + updates["w"]).T,
+            weight,
+            rtol=0,
+            atol=8 * 2.0**-23,
+            err_msg=f"weights after step {step}",
+        )
+        for field, key in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+            ours = getattr(state.inner_state[0], field)["w"]
+            codes, scale = after[key]
+            ours_bits = _nibbles(_codes_bits(ours.codes), state_format)
+            their_bits = _nibbles(_codes_bits(codes), state_format)
+            where = f"{field} after step {step}"
+            if step == 0:
+                np.testing.assert_array_equal(ours_bits, their_bits, err_msg=where)
+                np.testing.assert_array_equal(
+                    np.asarray(ours.scale).view(np.uint32),
+                    scale.numpy().view(np.uint32),
+                    err_msg=where,
+                )
+                continue
+            np.testing.assert_allclose(
+                np.asarray(ours.scale), scale.numpy(), rtol=4 * 2.0**-23, atol=0, err_msg=where
+            )
+            diff = np.abs(ours_bits - their_bits)
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (where, int(diff.max()))
+
+
+@pytest.mark.usefixtures("eager_torchao")
+@pytest.mark.parametrize("state_format", sorted(OPTIMIZERS))
+def test_blocks_in_the_flax_layout_are_not_torchaos(state_format):
+    """The order matters: from zeros, the first step's scales of the transposed kernel blocked
+    row-major differ from torchao's (so the step-by-step test above fails without it)."""
+    torch_cls, factory = OPTIMIZERS[state_format]
+    (before, grad, _, after, _), *_ = _torchao_trajectory(torch_cls)
+    for block_order, equal in ((None, False), ({"w": TORCH_ORDER}, True)):
+        tx = factory(block_order=block_order)
+        _, state = jax.jit(tx.update)(
+            {"w": jnp.asarray(grad.T)},
+            tx.init({"w": jnp.zeros((IN, OUT))}),
+            {"w": jnp.asarray(before.T)},
+        )
+        ours = np.asarray(state.inner_state[0].mu["w"].scale)
+        assert np.array_equal(ours, after["exp_avg"][1].numpy()) is equal, block_order

@@ -2,6 +2,7 @@
 quantized tensor subclasses taken apart into their codes, scales and maps; jaxamp's
 ``low_precision_state`` through ``state_bytes``. The two agree to what each side keeps elsewhere."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -32,27 +33,33 @@ def _eager_torch_compile():
 @pytest.mark.parametrize("precision", sorted(QMAP_ENTRIES))
 def test_state_bytes_per_parameter_agree_to_what_each_side_keeps_elsewhere(precision):
     recipe = get_recipe(precision)
-    config = RunConfig(model="mlp", precision=precision)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
+    # 256 inputs, hidden 32: fc1's weight (8192 elements) is the one quantized tensor.
+    overrides = {"image_shape": (16, 16, 1), "hidden": 32}
+    config = RunConfig(model="mlp", precision=precision, model_overrides=overrides)
+    pair = cell.builtin_pair(config)
+    model = pair.torch_model
     optimizer = recipe.torch_optimizer(config, list(model.parameters()))
-    model(torch.randn(4, 64)).sum().backward()
+    model(torch.randn(4, 16, 16, 1)).sum().backward()
     optimizer.step()
     theirs = measure.torch_optimizer_state(optimizer, model.parameters())
 
-    params = {str(i): jnp.zeros(tuple(p.shape)) for i, p in enumerate(model.parameters())}
-    tx = recipe.jax_optimizer(optax.adamw(config.lr, weight_decay=config.weight_decay), config)
+    params = jax.tree_util.tree_map(jnp.zeros_like, pair.torch_to_flax()["params"])
+    tx = recipe.jax_optimizer(
+        optax.adamw(config.lr, weight_decay=config.weight_decay), config, pair=pair
+    )
     ours = measure.jax_optimizer_state(tx.init(params), params)
 
-    assert theirs["param_count"] == ours["param_count"] == 64 * 128 + 128 + 128 * 10 + 10
+    small = 32 + 32 * 32 + 32 + 32 * 10 + 10  # fc1's bias, fc2, fc3
+    assert theirs["param_count"] == ours["param_count"] == 256 * 32 + small
     quantized = 2  # the 8192-element weight's two moments (the rest is under 4096 elements)
-    tensors = len(params)
+    tensors = len(jax.tree_util.tree_leaves(params))
     # torch: a float32 step per parameter tensor and a map per quantized moment;
     # jaxamp: one int32 count.
     extra = 4 * tensors + 4 * QMAP_ENTRIES[precision] * quantized - 4
     assert theirs["optimizer_state_bytes"] - ours["optimizer_state_bytes"] == extra
     # 8192 codes of 1 byte (8-bit, fp8) or half a byte (4-bit), float32 scales per block
     codes = {"adamw-8bit": 8192 + 4 * 32, "adamw-4bit": 4096 + 4 * 64, "adamw-fp8": 8192 + 4 * 32}
-    plain = 4 * (128 + 128 * 10 + 10)  # float32 moments of the small tensors
+    plain = 4 * small  # float32 moments of the small tensors
     assert ours["optimizer_state_bytes"] == 2 * (codes[precision] + plain) + 4
 
 
@@ -90,3 +97,26 @@ def test_the_report_shows_each_sides_state_bytes_per_parameter(tmp_path):
     section = report.split("## Optimizer state", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| mlp | adamw-8bit")]
     assert len(rows) == 2 and f"{per_param['torch']:.3f}" in section
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_jax_state_blocks_each_parameter_in_its_torch_tensors_order(model):
+    """torchao blocks each torch tensor row-major; the JAX state of the low-bit recipes takes
+    each Flax leaf in that order (a Dense kernel transposed, a conv kernel HWIO -> OIHW, cnn's
+    ``fc`` rows also CHW -> HWC), so that its blocks hold the same elements."""
+    overrides = {"image_shape": (8, 8, 3)}
+    pair = cell.builtin_pair(RunConfig(model=model, model_overrides=overrides))
+    orders = get_recipe("adamw-8bit").torch_block_order(pair)
+    flax = pair.torch_to_flax()["params"]
+    torch_params = dict(pair.torch_model.named_parameters())
+    ordered = 0
+    for entry in pair.mapping.entries:
+        if entry.flax_path[0] != "params":
+            continue
+        leaf = np.asarray(flax[entry.flax_path[1]][entry.flax_path[2]]).reshape(-1)
+        order = orders.get(entry.flax_path[1], {}).get(entry.flax_path[2])
+        ordered += order is not None
+        in_order = leaf if order is None else leaf[order]
+        expected = torch_params[entry.torch_name].detach().numpy().reshape(-1)
+        np.testing.assert_array_equal(in_order, expected, err_msg=entry.torch_name)
+    assert ordered == 3  # every weight; the biases keep their order

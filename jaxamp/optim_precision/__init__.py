@@ -4,6 +4,7 @@ schemes, bit-identical codes), and bf16 parameters without float32 masters that 
 `jaxamp.loss_scaled` and `jaxamp.multi_steps`."""
 
 from jaxamp.optim_precision._codecs import STATE_FORMATS as STATE_FORMATS
+from jaxamp.optim_precision._codecs import BlockOrder as BlockOrder
 from jaxamp.optim_precision._codecs import QuantizedArray as QuantizedArray
 from jaxamp.optim_precision._codecs import dequantize as dequantize
 from jaxamp.optim_precision._codecs import quantize as quantize
@@ -24,6 +25,7 @@ from jaxamp.optim_precision._state import state_bytes as state_bytes
 __all__ = [
     "PRESETS",
     "STATE_FORMATS",
+    "BlockOrder",
     "KahanSummationState",
     "LowPrecisionState",
     "QuantizedArray",

@@ -15,6 +15,11 @@ reshapes to ``(-1, block_size)``):
 
 Codes round as torchao's do: the map code at or below the value, or the next one up when the
 value lies at or above the midpoint (``quantize_8bit_with_qmap``); fp8 rounds to nearest even.
+
+A `BlockOrder` takes the blocks in another element order: that of the same tensor in another
+layout, e.g. a Flax ``Dense`` kernel ``(in, out)`` blocked as torch's ``Linear`` weight
+``(out, in)`` is (torchao blocks torch's row-major order: a twin's codes equal torchao's only when
+its blocks hold the same elements).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jaxamp.optim_precision import _qmaps
 
 __all__ = [
     "BLOCK_FORMATS",
+    "BlockOrder",
     "DEFAULT_BLOCK_SIZE",
     "STATE_FORMATS",
     "QuantizedArray",
@@ -57,6 +63,90 @@ _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _TINY_AMAX = np.float32(1e-12)
 
 
+class BlockOrder:
+    """The element order blocks are taken in: element ``i`` of the blocked sequence is
+    ``x.reshape(-1)[order[i]]`` (a permutation of ``range(x.size)``).
+
+    Static (hashable, compared by value) so that it can live in a `QuantizedArray`'s static
+    fields: the order is part of the state's structure, not of its arrays (no bytes in the state).
+
+    Args:
+      order: a 1-D integer array holding each of ``0 .. size - 1`` once.
+
+    Raises:
+      ValueError: `order` is not a permutation (names the first missing or repeated index).
+
+    Example:
+      Torch's ``Linear`` weight ``(out, in)`` is a Flax kernel ``(in, out)`` transposed; its
+      blocks in torch's row-major order:
+
+      >>> from jaxamp.optim_precision import BlockOrder
+      >>> kernel_shape = (3, 2)  # (in, out)
+      >>> BlockOrder(np.arange(6).reshape(kernel_shape).T.reshape(-1)).order
+      array([0, 2, 4, 1, 3, 5], dtype=int32)
+    """
+
+    __slots__ = ("_hash", "inverse", "order")
+
+    def __init__(self, order: Any):
+        try:
+            array = np.asarray(order)
+        except Exception:  # noqa: BLE001 - a value numpy cannot read is reported as such
+            array = None
+        if array is None or array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(
+                f"BlockOrder(order=...): must be a 1-D integer array (a permutation of "
+                f"0 .. size - 1); got {_describe(order)}."
+            )
+        size = array.shape[0]
+        counts = np.bincount(np.clip(array, 0, max(size - 1, 0)), minlength=size)
+        if size and (array.min() < 0 or array.max() >= size or (counts != 1).any()):
+            bad = (array < 0) | (array >= size)
+            if bad.any():
+                detail = f"index {int(array[np.argmax(bad)])} is outside 0 .. {size - 1}"
+            else:
+                detail = f"index {int(np.argmax(counts != 1))} appears {int(counts.max())} times"
+            raise ValueError(
+                f"BlockOrder(order=...): must hold each of 0 .. {size - 1} exactly once; {detail}."
+            )
+        self.order = array.astype(np.int32)
+        self.order.setflags(write=False)
+        self.inverse = np.argsort(self.order).astype(np.int32)
+        self.inverse.setflags(write=False)
+        self._hash = hash((size, self.order.tobytes()))
+
+    @property
+    def size(self) -> int:
+        return int(self.order.shape[0])
+
+    @property
+    def is_identity(self) -> bool:
+        return bool((self.order == np.arange(self.size)).all())
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, BlockOrder)
+            and self._hash == other._hash
+            and np.array_equal(self.order, other.order)
+        )
+
+    def __repr__(self) -> str:
+        return f"BlockOrder(size={self.size})"
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    return repr(value)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -71,6 +161,8 @@ class QuantizedArray:
         static).
       shape: the shape of the float32 value (static).
       block_size: elements per scale (static).
+      order: the `BlockOrder` the blocks are taken in, or None (row-major; static). With an
+        order, 8-bit and fp8 codes are 1-D, in block order.
 
     Example:
       >>> from jaxamp.optim_precision import quantize, dequantize
@@ -87,6 +179,7 @@ class QuantizedArray:
     signed: bool = dataclasses.field(metadata={"static": True})
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
+    order: BlockOrder | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def nbytes(self) -> int:
@@ -110,8 +203,11 @@ def _search(x: jax.Array, qmap: jax.Array, bits: int) -> jax.Array:
     return jnp.where(round_up, codes_up, codes).astype(jnp.uint8)
 
 
-def _blocks(x: jax.Array, block_size: int) -> jax.Array:
-    return x.astype(jnp.float32).reshape(-1, block_size)
+def _blocks(x: jax.Array, block_size: int, order: BlockOrder | None) -> jax.Array:
+    x = x.astype(jnp.float32).reshape(-1)
+    if order is not None:
+        x = jnp.take(x, jnp.asarray(order.order))
+    return x.reshape(-1, block_size)
 
 
 def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -123,7 +219,12 @@ def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
 
 
 def quantize(
-    x: jax.Array, state_format: str, *, signed: bool = True, block_size: int | None = None
+    x: jax.Array,
+    state_format: str,
+    *,
+    signed: bool = True,
+    block_size: int | None = None,
+    order: BlockOrder | None = None,
 ) -> QuantizedArray:
     """Encodes `x` as block-wise codes, exactly as torchao 0.18 stores an optimizer state.
 
@@ -134,6 +235,8 @@ def quantize(
       signed: the signed map (first moments) or the unsigned one (second moments); fp8 ignores
         it (its codes carry a sign).
       block_size: elements per scale; default torchao's (256, 128, 256).
+      order: a `BlockOrder` of `x`'s size (the blocks in another layout's element order), or
+        None (row-major).
 
     Returns:
       A `QuantizedArray`; `dequantize` gives float32 back.
@@ -153,22 +256,31 @@ def quantize(
             f"quantize(x=...): size {size} (shape {tuple(x.shape)}) is not a multiple of "
             f"block_size={block_size}; low_precision_state keeps such leaves unquantized."
         )
-    blocks = _blocks(x, block_size)
+    if order is not None and (not isinstance(order, BlockOrder) or order.size != size):
+        raise ValueError(
+            f"quantize(order={order!r}): must be a BlockOrder of size {size} (x's shape "
+            f"{tuple(x.shape)}) or None."
+        )
+    blocks = _blocks(x, block_size, order)
+    # Row-major codes keep x's shape (they shard like it); codes in another order are 1-D.
+    code_shape = tuple(x.shape) if order is None else (size,)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     if state_format == "fp8":
         scale = _divide(jnp.maximum(amax, _TINY_AMAX), jnp.float32(_FP8_MAX))
-        codes = _divide(blocks, scale[:, None]).astype(_FP8).reshape(x.shape)
-        return QuantizedArray(codes, scale, "fp8", bool(signed), tuple(x.shape), block_size)
+        codes = _divide(blocks, scale[:, None]).astype(_FP8).reshape(code_shape)
+        return QuantizedArray(codes, scale, "fp8", bool(signed), tuple(x.shape), block_size, order)
     scale = jnp.maximum(amax, _TINY_AMAX)
     qmap = jnp.asarray(_QMAPS[state_format, bool(signed)])
     bits = 8 if state_format == "8bit" else 4
     codes = _search(_divide(blocks, scale[:, None]), qmap, bits)
     if state_format == "8bit":
-        codes = codes.reshape(x.shape)
+        codes = codes.reshape(code_shape)
     else:
         pairs = codes.reshape(-1, 2)
         codes = (pairs[:, 0] << 4) | pairs[:, 1]
-    return QuantizedArray(codes, scale, state_format, bool(signed), tuple(x.shape), block_size)
+    return QuantizedArray(
+        codes, scale, state_format, bool(signed), tuple(x.shape), block_size, order
+    )
 
 
 def dequantize(q: QuantizedArray) -> jax.Array:
@@ -194,7 +306,10 @@ def dequantize(q: QuantizedArray) -> jax.Array:
             codes = jnp.stack([codes >> 4, codes & 0b1111], axis=-1)
         qmap = jnp.asarray(_QMAPS[q.state_format, q.signed])
         values = jnp.take(qmap, codes.astype(jnp.int32).reshape(-1, q.block_size))
-    return (values * q.scale[:, None]).reshape(q.shape)
+    values = (values * q.scale[:, None]).reshape(-1)
+    if q.order is not None:
+        values = jnp.take(values, jnp.asarray(q.order.inverse))
+    return values.reshape(q.shape)
 
 
 def _unknown_format(caller: str, value: Any, allowed: tuple[str, ...]) -> str:

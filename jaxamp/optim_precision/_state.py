@@ -18,6 +18,7 @@ from jaxamp.optim import LossScaledTransformation
 from jaxamp.optim_precision._codecs import (
     BLOCK_FORMATS,
     STATE_FORMATS,
+    BlockOrder,
     QuantizedArray,
     _check_block_size,
     _unknown_format,
@@ -93,7 +94,13 @@ def like_stored(new: Any, stored: Any) -> Any:
         if _is_quantized(value):  # encoded already, by a low_precision_state inside
             return value
         if _is_quantized(old):
-            return quantize(value, old.state_format, signed=old.signed, block_size=old.block_size)
+            return quantize(
+                value,
+                old.state_format,
+                signed=old.signed,
+                block_size=old.block_size,
+                order=old.order,
+            )
         if _is_float_array(old) and value.dtype != old.dtype:
             return value.astype(old.dtype)
         return value
@@ -109,6 +116,7 @@ def low_precision_state(
     unsigned: Iterable[str] = ("nu",),
     block_size: int | None = None,
     min_size: int | None = None,
+    block_order: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps chosen leaves of `inner`'s state in a narrower format, dequantized inside `update`.
 
@@ -138,6 +146,12 @@ def low_precision_state(
       min_size: leaves with fewer elements, or whose size is not a multiple of `block_size`,
         stay in their own dtype, as in torchao (bitsandbytes' rule); default 4096 for the block
         formats, 0 for ``"bf16"``.
+      block_order: the element order each parameter's state is blocked in (block formats): a
+        pytree with the parameters' structure whose leaves are None (row-major) or a
+        permutation of ``range(leaf.size)`` (an integer array or a `BlockOrder`; see
+        `BlockOrder`). A Flax model whose twin is a torch model gives each kernel torch's
+        order, so that blocks hold the elements torchao's hold (a ``Dense`` kernel ``k``:
+        ``np.arange(k.size).reshape(k.shape).T.reshape(-1)``). Default: row-major throughout.
 
     Returns:
       A `GradientTransformationExtraArgs`; its state is a `LowPrecisionState`. Updates have the
@@ -145,7 +159,10 @@ def low_precision_state(
 
     Raises:
       ValueError: an unknown `state_format` (with the closest name), a bad `block_size` or
-        `min_size`, or (at ``init``) `fields` naming no leaf of `inner`'s state.
+        `min_size`, a `block_order` with the bf16 format or whose leaf is not a permutation,
+        or (at ``init``) `fields` naming no leaf of `inner`'s state, or a `block_order` whose
+        structure or sizes differ from the parameters' (names the parameter and the closest
+        valid name).
 
     Example:
       >>> tx = jaxamp.loss_scaled(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))
@@ -186,6 +203,12 @@ def low_precision_state(
         raise ValueError(f"low_precision_state(min_size={min_size!r}): must be an int >= 0.")
     if min_size < 0:
         raise ValueError(f"low_precision_state(min_size={min_size!r}): must be an int >= 0.")
+    orders = _block_orders(block_order)
+    if orders and not block:
+        raise ValueError(
+            f"low_precision_state(state_format={state_format!r}, block_order=...): only the "
+            f"block formats ({', '.join(BLOCK_FORMATS)}) have blocks to order."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def encode(path, leaf):
@@ -198,21 +221,42 @@ def low_precision_state(
             return leaf
         if not block:
             return leaf.astype(jnp.bfloat16)
+        order = orders.get(_param_path(path, chosen[-1]))
+        if order is not None and order.size != size:
+            raise ValueError(
+                f"low_precision_state(block_order=...): the order of parameter "
+                f"{_path_name(_param_path(path, chosen[-1]))} has {order.size} elements; the "
+                f"parameter has {size} (shape {tuple(leaf.shape)})."
+            )
+        if order is not None and order.is_identity:
+            order = None
         return quantize(
-            leaf, state_format, signed=chosen[-1] not in unsigned, block_size=block_size
+            leaf,
+            state_format,
+            signed=chosen[-1] not in unsigned,
+            block_size=block_size,
+            order=order,
         )
 
     def encode_initial(path, leaf):
         # torchao starts a state from `zeros` (codes 0, scales 0: exactly zero), not from
         # quantizing zeros (scales clipped to 1e-12: the 4-bit unsigned map holds no zero, so
         # the second moment would start at 1/16 * 1e-12 and bend the first update).
+        if _is_float_array(leaf):
+            # The initial state is a constant: XLA would fold the whole encoding (a gather of
+            # every element, with a block order) at compile time, seconds per leaf.
+            leaf = jax.lax.optimization_barrier(leaf)
         stored = encode(path, leaf)
         if not isinstance(stored, QuantizedArray):
             return stored
-        zero = jnp.all(leaf.reshape(-1, stored.block_size) == 0, axis=-1)
+        blocks = jnp.reshape(leaf, -1)
+        if stored.order is not None:
+            blocks = jnp.take(blocks, jnp.asarray(stored.order.order))
+        zero = jnp.all(blocks.reshape(-1, stored.block_size) == 0, axis=-1)
         return dataclasses.replace(stored, scale=jnp.where(zero, 0.0, stored.scale))
 
     def init(params):
+        _check_orders(orders, params)
         inner_state = inner.init(params)
         present = {
             name
@@ -246,6 +290,76 @@ def low_precision_state(
         return new_updates, LowPrecisionState(like_stored(inner_state, state.inner_state))
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _key(k: Any) -> Any:
+    # One path key as a plain value: a dict key, a sequence index or an attribute name.
+    for attribute in ("key", "idx", "name"):
+        if hasattr(k, attribute):
+            return getattr(k, attribute)
+    return str(k)
+
+
+def _path_name(path: tuple) -> str:
+    return "/".join(str(k) for k in path) or "(the root)"
+
+
+def _param_path(state_path, field: str) -> tuple:
+    """The parameter path inside a state field (``mu`` / ``nu``...): the keys after it."""
+    keys = list(state_path)
+    last = max(
+        i for i, k in enumerate(keys) if isinstance(k, jax.tree_util.GetAttrKey) and k.name == field
+    )
+    return tuple(_key(k) for k in keys[last + 1 :])
+
+
+def _block_orders(block_order: Any) -> dict[tuple, BlockOrder]:
+    """``{parameter path: BlockOrder}`` of a `block_order` pytree (None leaves left out)."""
+    if block_order is None:
+        return {}
+    orders = {}
+    leaves = jax.tree_util.tree_flatten_with_path(
+        block_order, is_leaf=lambda x: x is None or isinstance(x, (BlockOrder, np.ndarray))
+    )[0]
+    for path, leaf in leaves:
+        name = tuple(_key(k) for k in path)
+        if leaf is None:
+            continue
+        if isinstance(leaf, BlockOrder):
+            orders[name] = leaf
+            continue
+        try:
+            orders[name] = BlockOrder(leaf)
+        except ValueError as error:
+            raise ValueError(
+                f"low_precision_state(block_order=...): parameter {_path_name(name)}: {error}"
+            ) from None
+    return orders
+
+
+def _check_orders(orders: dict[tuple, BlockOrder], params: Any) -> None:
+    """Every ordered path is a parameter of the same size (else the order would be ignored)."""
+    if not orders:
+        return
+    sizes = {
+        tuple(_key(k) for k in path): math.prod(np.shape(leaf))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    for name, order in orders.items():
+        if name not in sizes:
+            valid = sorted(_path_name(p) for p in sizes)
+            close = difflib.get_close_matches(_path_name(name), valid, n=1, cutoff=0.4)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"low_precision_state(block_order=...): {_path_name(name)!r} is not a parameter; "
+                f"the parameters are {valid}.{hint}"
+            )
+        if sizes[name] != order.size:
+            raise ValueError(
+                f"low_precision_state(block_order=...): the order of parameter "
+                f"{_path_name(name)!r} has {order.size} elements; the parameter has "
+                f"{sizes[name]}."
+            )
 
 
 def _names(argument: str, value: Any) -> tuple[str, ...]:
@@ -294,12 +408,14 @@ def _adamw(
         *,
         block_size: int = default_block,
         min_size: int = DEFAULT_MIN_SIZE,
+        block_order: Any = None,
     ) -> optax.GradientTransformationExtraArgs:
         return low_precision_state(
             optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
             state_format,
             block_size=block_size,
             min_size=min_size,
+            block_order=block_order,
         )
 
     factory.__name__ = factory.__qualname__ = f"adamw_{state_format}"
@@ -308,6 +424,7 @@ def _adamw(
     ``low_precision_state(optax.adamw(...), {state_format!r})`` with torchao's defaults (lr 1e-3,
     betas (0.9, 0.999), eps 1e-8, weight decay 1e-2, block size {default_block}, leaves of at
     least 4096 elements); the first moment on the signed map, the second on the unsigned one.
+    `block_order`: see `low_precision_state` (torch's element order for a Flax twin's kernels).
 
     Warning:
       torchao adds eps to ``sqrt(nu) / sqrt(1 - b2**t)``, optax to ``sqrt(nu / (1 - b2**t))``:

@@ -35,9 +35,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import optax
 
 import jaxamp
+from parity.pairs.mapping import apply_transform
 from parity.perf.hardware import UnsupportedHere
 from parity.training import fp8 as parity_fp8
 
@@ -518,14 +520,69 @@ class _LowBitAdamW(Fp32):
         return f"float32, torchao.optim.{self.torchao_class}"
 
     def jax_optimizer(
-        self, inner: optax.GradientTransformation, config: Any, axis_name: str | None = None
+        self,
+        inner: optax.GradientTransformation,
+        config: Any,
+        axis_name: str | None = None,
+        pair: Any = None,
     ) -> optax.GradientTransformation:
-        low = jaxamp.low_precision_state(inner, self.state_format)
+        """``low_precision_state`` whose blocks hold the elements torchao's hold: each JAX
+        parameter's state blocked in its torch tensor's order (`torch_block_order` of `pair`,
+        default the run's built-in pair)."""
+        if pair is None:
+            pair = self._builtin_pair(config)
+        low = jaxamp.low_precision_state(
+            inner, self.state_format, block_order=self.torch_block_order(pair)
+        )
         return jaxamp.loss_scaled(low, self.jax_loss_scale(config), axis_name=axis_name)
+
+    @staticmethod
+    def _builtin_pair(config: Any) -> Any:
+        from parity import models  # torch: optional for JAX users (the pairs build torch models)
+
+        if config.model not in models.MODEL_NAMES:
+            raise UnsupportedHere(
+                f"{config.precision} on model {config.model!r}: torchao blocks each torch "
+                "tensor's own row-major order; the JAX state needs the pair's weight mapping to "
+                "hold the same blocks, and no pair was given (built-in models: "
+                f"{', '.join(models.MODEL_NAMES)})"
+            )
+        return models.get_model_pair(
+            config.model, seed=config.seed, data=config.data, **config.model_overrides
+        )
+
+    @staticmethod
+    def torch_block_order(pair: Any) -> dict:
+        """``{flax module: {leaf: order}}``: each parameter's elements in the row-major order of
+        the torch tensor it maps from (``pair.mapping``: a Dense kernel is torch's weight
+        transposed, a conv kernel HWIO of OIHW, cnn's ``fc`` rows also CHW -> HWC), for
+        ``low_precision_state(block_order=...)``. torchao blocks each torch tensor row-major;
+        blocked in the Flax layout, a block would hold other elements under another scale.
+        Leaves assembled from several torch tensors (pieces, sums) keep the Flax order."""
+        shapes = {name: tuple(t.shape) for name, t in pair.torch_model.state_dict().items()}
+        entries: dict[tuple, list] = {}
+        for entry in pair.mapping.entries:
+            entries.setdefault(tuple(entry.flax_path), []).append(entry)
+        orders: dict = {}
+        for path, found in entries.items():
+            if path[0] != "params" or len(found) != 1:
+                continue
+            shape = shapes[found[0].torch_name]
+            index = apply_transform(found[0].transform, np.arange(np.prod(shape)).reshape(shape))
+            order = np.argsort(index.reshape(-1), kind="stable")
+            if (order != np.arange(order.size)).any():
+                node = orders
+                for key in path[1:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = order
+        return orders
 
     def jax_method(self, device: str, arm: str = "single") -> str:
         del device, arm
-        return f"float32, jaxamp.low_precision_state(adamw, {self.state_format!r})"
+        return (
+            f"float32, jaxamp.low_precision_state(adamw, {self.state_format!r}; "
+            "blocked in torch's element order)"
+        )
 
 
 class AdamW8bit(_LowBitAdamW):
