@@ -2,8 +2,8 @@
 
 One home for: finite checks, scaling and exact unscaling, torch's float32 rounding of scale
 updates, identity updates, selects that keep skipped values bit for bit, saturating counters
-(`optax.safe_increment`) and the check that a mapped axis is not forgotten. Private: the public
-names are re-exported from `jaxamp.loss_scale` and `jaxamp.optim`.
+(`optax.safe_increment`) and the check that a mapped axis is not forgotten. Private: its one
+public name, `all_finite`, is exported by `jaxamp`.
 """
 
 from __future__ import annotations

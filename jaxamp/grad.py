@@ -13,7 +13,7 @@ from jaxamp._autocast.api import transform
 from jaxamp._numerics import scale_tree
 from jaxamp._reduce import needs_reduce_transform, reduce_in
 from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.optim import get_loss_scale
+from jaxamp.loss_scaled_state import get_loss_scale
 from jaxamp.policy import Policy, check_param_dtypes, get_policy, parse_dtype
 
 __all__ = ["value_and_grad", "scaled_loss"]

@@ -23,7 +23,6 @@ from jaxamp._numerics import (
     F32_MAX,
     F32_TINY,
     INT32_MAX,
-    all_finite,
     mul_like_torch,
     scale_tree,
     unscale_tree,
@@ -34,7 +33,7 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
-    "all_finite",
+    "as_loss_scale",
     "default_loss_scale",
     "PRESET_NAMES",
 ]
@@ -575,6 +574,27 @@ def default_loss_scale(policy: Any) -> LossScale:
       'NoOpLossScale'
     """
     return DynamicLossScale.create() if policy.needs_loss_scaling else NoOpLossScale()
+
+
+def as_loss_scale(loss_scale: Any, caller: str = "loss_scaled") -> Any:
+    """`loss_scale` as a loss scale object: None gives torch's defaults
+    (`DynamicLossScale.create()`), a string a preset, a loss scale (jaxamp's or jmp's) itself.
+
+    Raises:
+      TypeError: anything else, naming `caller`'s ``loss_scale`` parameter and what it takes.
+    """
+    if loss_scale is None:
+        return DynamicLossScale.create()
+    if isinstance(loss_scale, str):
+        return DynamicLossScale.from_preset(loss_scale)
+    if isinstance(loss_scale, LossScale):  # jaxamp's and jmp's loss scales alike
+        return loss_scale
+    raise TypeError(
+        f"{caller}(loss_scale=...) takes None (torch's defaults), a preset name "
+        f"({', '.join(repr(p) for p in PRESET_NAMES)}), a jaxamp loss scale "
+        "(DynamicLossScale, StaticLossScale, NoOpLossScale) or a jmp loss scale; got "
+        f"{type(loss_scale).__name__} {loss_scale!r}."
+    )
 
 
 _JAXAMP_SETTINGS = ("min_scale", "max_scale", "hysteresis", "hysteresis_tracker", "growth_rule")

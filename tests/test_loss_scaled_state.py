@@ -332,6 +332,18 @@ def test_loss_scaled_states_finds_them_and_amp_states_is_gone():
         jaxamp.not_a_name  # noqa: B018
 
 
+def test_set_loss_scale_names_itself_when_refusing_a_value():
+    state = jaxamp.loss_scaled(optax.sgd(0.1)).init(_params())
+    with pytest.raises(
+        TypeError, match=r"^set_loss_scale\(loss_scale=\.\.\.\) takes None .*got float"
+    ):
+        jaxamp.set_loss_scale(state, 2.0)
+    with pytest.raises(
+        TypeError, match=r"^loss_scaled\(loss_scale=\.\.\.\) takes None .*got float"
+    ):
+        jaxamp.loss_scaled(optax.sgd(0.1), 2.0)
+
+
 # --- item 10: no parameter or state buffer copied on every step, donated or not -----------------
 
 

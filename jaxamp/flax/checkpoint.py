@@ -38,7 +38,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxamp.optim import LossScaledState
+from jaxamp.loss_scaled_state import LossScaledState
 
 __all__ = ["save", "restore", "latest_step", "all_steps", "amp_metadata"]
 

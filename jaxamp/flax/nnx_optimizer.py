@@ -22,7 +22,8 @@ from jaxamp.flax._glue import (
 from jaxamp.flax.nnx import module_policies
 from jaxamp.grad import scaled_loss
 from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.optim import AmpInfo, amp_info, apply_updates, get_loss_scale
+from jaxamp.loss_scaled_state import AmpInfo, amp_info, get_loss_scale
+from jaxamp.optim import apply_updates
 from jaxamp.policy import Policy, check_param_dtypes, get_policy, parse_dtype
 
 __all__ = ["Optimizer", "nnx_value_and_grad"]

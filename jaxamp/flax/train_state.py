@@ -21,7 +21,8 @@ from jaxamp.flax._glue import (
 )
 from jaxamp.flax.linen import with_policy
 from jaxamp.grad import value_and_grad as _value_and_grad
-from jaxamp.optim import AmpInfo, amp_info, apply_gradients, get_loss_scale
+from jaxamp.loss_scaled_state import AmpInfo, amp_info, get_loss_scale
+from jaxamp.optim import apply_gradients
 from jaxamp.policy import Policy, check_param_dtypes, get_policy
 
 __all__ = ["TrainState"]
