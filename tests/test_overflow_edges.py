@@ -62,6 +62,13 @@ def _step(tx):
     return step
 
 
+# One optimizer for every edge: the loss scale lives in the state (traced under `jit`), so one
+# compiled step per gradient shape serves every scale.
+_FLAX_SGD = jaxamp.loss_scaled(optax.sgd(1e-3), "flax")
+_FLAX_SGD_STEP = _step(_FLAX_SGD)
+_FLAX_SGD_JIT_STEP = jax.jit(_FLAX_SGD_STEP)
+
+
 def _expected_skip(x: np.ndarray, scale: float) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):
         return not bool(np.isfinite(x.astype(np.float32) * np.float32(scale)).all())
@@ -89,11 +96,13 @@ def test_overflow_when_scaled_is_skipped_at_every_binade_edge(edge, above, sign,
     skip = _expected_skip(x, scale)
     assert skip == above  # the row is built to sit on the edge
     loss_scale = jaxamp.DynamicLossScale.from_preset("flax", init_scale=scale)
-    tx = jaxamp.loss_scaled(optax.sgd(1e-3), loss_scale)
     params = jnp.zeros(x.shape)
-    step = _step(tx)
-    for run in (step, jax.jit(step)):
-        new_params, state = run(params, tx.init(params), jnp.asarray(x))
+    opt_state = jaxamp.set_loss_scale(_FLAX_SGD.init(params), loss_scale)
+    for run in (_FLAX_SGD_STEP, _FLAX_SGD_JIT_STEP):
+        new_params, state = run(params, opt_state, jnp.asarray(x))
+        assert float(jaxamp.amp_info(state).loss_scale) == float(
+            loss_scale.adjust(jnp.array(not skip)).loss_scale
+        )
         assert bool(jnp.isfinite(new_params).all())
         assert int(jaxamp.amp_info(state).skipped_steps) == int(skip)
         if skip:
@@ -208,14 +217,21 @@ def test_compiled_check_has_no_float_arithmetic_reduction():
 
 
 def test_all_finite_at_every_binade_edge(maybe_jit):
-    """Scaled by the scale itself inside the program, every edge: just below it finite,
-    just above it not."""
-    for scale in EDGE_SCALES:
-        loss_scale = jaxamp.StaticLossScale(scale)
-        check = maybe_jit(lambda x, s=loss_scale: jaxamp.all_finite(s.scale(x)))
-        for above in (False, True):
-            x = jnp.asarray(_overflowing_row(scale, above))
-            assert bool(check(x)) is not above, (scale, above)
+    """Scaled by the scale itself inside the program (a compile-time constant under `jit`),
+    every edge: just below it finite, just above it not. Under `jit` one program holds every
+    edge's check, each on its own input."""
+    scales = [jaxamp.StaticLossScale(scale) for scale in EDGE_SCALES]
+    check = maybe_jit(
+        lambda rows: [jaxamp.all_finite(s.scale(row)) for s, row in zip(scales, rows, strict=True)]
+    )
+    for above in (False, True):
+        rows = [jnp.asarray(_overflowing_row(scale, above)) for scale in EDGE_SCALES]
+        wrong = [
+            scale
+            for scale, finite in zip(EDGE_SCALES, check(rows), strict=True)
+            if bool(finite) is above
+        ]
+        assert not wrong, (above, wrong)
 
 
 # --- item 2: exact unscaling with the scale a compile-time constant --------------------------------
@@ -228,15 +244,13 @@ def _torch_rule(x: np.ndarray, scale: float) -> np.ndarray:
     return x.astype(np.float32) * inverse
 
 
-@settings(max_examples=40, deadline=None)
-@example(edge=127, significand=1.0)
-@example(edge=128, significand=1.0)
-@example(edge=126, significand=1.5)
-@given(edge=st.integers(0, len(EDGE_SCALES) - 1), significand=st.floats(1.0, 1.9999999))
-def test_unscale_exact_with_a_constant_scale(edge, significand):
-    """`unscale` at every edge (and scales between, up to float32 max) equals torch's rule
-    bit for bit wherever torch's result is a normal float32: eagerly, jitted with the scale
-    traced and jitted with the scale a constant."""
+# The scale traced: one compiled program for every scale.
+_UNSCALE_TRACED = jax.jit(lambda loss_scale, x: loss_scale.unscale(x))
+
+
+def _unscale_case(edge: int, significand: float):
+    """A scale at (or past) a binade edge, gradients around it, torch's result for them and
+    where that result is a normal float32."""
     scale = float(np.float32(min(EDGE_SCALES[edge] * significand, F32_MAX)))
     rng = np.random.default_rng(edge)
     x = (rng.uniform(1.0, 2.0, 16) * np.float32(min(scale, 2.0**126))).astype(np.float32)
@@ -244,15 +258,36 @@ def test_unscale_exact_with_a_constant_scale(edge, significand):
     expected = _torch_rule(x, scale)
     normal = np.abs(expected) >= np.finfo(np.float32).tiny
     assert normal.any()
-    loss_scale = jaxamp.DynamicLossScale.create(init_scale=scale)
-    results = {
-        "eager": loss_scale.unscale(jnp.asarray(x)),
-        "jit, traced scale": jax.jit(lambda s, t: s.unscale(t))(loss_scale, jnp.asarray(x)),
-        "jit, constant scale": jax.jit(lambda t: loss_scale.unscale(t))(jnp.asarray(x)),
-    }
-    for how, out in results.items():
-        out = np.asarray(out)
-        assert out[normal].tobytes() == expected[normal].tobytes(), (how, scale)
+    return jaxamp.DynamicLossScale.create(init_scale=scale), jnp.asarray(x), expected, normal
+
+
+_EDGE_AND_SIGNIFICAND = st.tuples(st.integers(0, len(EDGE_SCALES) - 1), st.floats(1.0, 1.9999999))
+
+
+@settings(max_examples=6, deadline=None)
+@example(cases=[(127, 1.0), (128, 1.0), (126, 1.5)])
+@given(cases=st.lists(_EDGE_AND_SIGNIFICAND, min_size=4, max_size=12))
+def test_unscale_exact_with_a_constant_scale(cases):
+    """`unscale` at every edge (and scales between, up to float32 max) equals torch's rule
+    bit for bit wherever torch's result is a normal float32: eagerly, jitted with the scale
+    traced and jitted with the scale a constant (one program holds every case's unscaling,
+    each with its own constant scale and its own input)."""
+    built = [_unscale_case(edge, significand) for edge, significand in cases]
+    constant = jax.jit(
+        lambda xs: [loss_scale.unscale(x) for (loss_scale, *_), x in zip(built, xs, strict=True)]
+    )([x for _, x, _, _ in built])
+    for (loss_scale, x, expected, normal), with_constant in zip(built, constant, strict=True):
+        results = {
+            "eager": loss_scale.unscale(x),
+            "jit, traced scale": _UNSCALE_TRACED(loss_scale, x),
+            "jit, constant scale": with_constant,
+        }
+        for how, out in results.items():
+            out = np.asarray(out)
+            assert out[normal].tobytes() == expected[normal].tobytes(), (
+                how,
+                float(loss_scale.loss_scale),
+            )
 
 
 def test_the_issues_unscale_is_one_half():
