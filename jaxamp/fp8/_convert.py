@@ -335,20 +335,26 @@ class _Rewrite:
         return out
 
     def _capture(self, name: str, lhs, rhs, dn, out):
-        """Keeps the matmul's 2-D operands (concrete runs) and, via the VJP, its grad_output."""
+        """Keeps the matmul's 2-D operands and, via the VJP, its grad_output (host callbacks)."""
         entry = self.capture.setdefault(name, {})
         (lc, _), _ = dn
         rows = int(np.prod([d for i, d in enumerate(lhs.shape) if i not in tuple(lc)]))
-        if not isinstance(lhs, jax.core.Tracer) and not isinstance(rhs, jax.core.Tracer):
-            entry["lhs2d"], entry["rhs2d"], _ = to_2d(lhs, rhs, dn)
+        x2, w2, _ = to_2d(lhs, rhs, dn)
+
+        def keep(key: str):
+            def store(*values):
+                entry.update(zip(key.split(","), (np.asarray(v) for v in values), strict=True))
+
+            return store
+
+        jax.debug.callback(keep("lhs2d,rhs2d"), x2, w2)
 
         @jax.custom_vjp
         def tap(y):
             return y
 
         def tap_bwd(_, g):
-            if not isinstance(g, jax.core.Tracer):
-                entry["grad_output2d"] = g.reshape(rows, -1)
+            jax.debug.callback(keep("grad_output2d"), g.reshape(rows, -1))
             return (g,)
 
         tap.defvjp(lambda y: (y, None), tap_bwd)
@@ -515,14 +521,14 @@ def capture_operands(
     """The operands every fp8 matmul of ``fn(*args, **kwargs)`` receives, forward and backward.
 
     Runs ``fn`` (a scalar loss) converted per `recipe` and its gradient with respect to
-    ``args[argnums]``, eagerly, and keeps each selected matmul's input, weight and grad_output
-    as 2-D arrays, before quantization: what a comparison of scales and fp8 codes against
+    ``args[argnums]`` (compiled once; the operands leave through host callbacks) and keeps each
+    selected matmul's input, weight and grad_output as 2-D arrays, before quantization: what a comparison of scales and fp8 codes against
     another framework (torchao's ``Float8Linear``) needs. Quantize them with
     `jaxamp.fp8.quantize` and the recipe's casts.
 
     Args:
       fn: returns a scalar floating loss.
-      *args, **kwargs: its arguments (concrete arrays: this runs eagerly).
+      *args, **kwargs: its arguments (concrete arrays: the operands come back as NumPy arrays).
       recipe, fp8_filter: as for `convert`.
       fp8_state: a delayed recipe's state (`init_state`); a fresh one if None.
       argnums: which positional argument the gradient is taken with respect to.
@@ -549,8 +555,7 @@ def capture_operands(
     check_hardware(rec)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
         raise ValueError(
-            "jaxamp.fp8.capture_operands runs eagerly and keeps concrete arrays: call it outside "
-            "jit/grad/vmap."
+            "jaxamp.fp8.capture_operands returns concrete arrays: call it outside jit/grad/vmap."
         )
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise TypeError(f"capture_operands(argnums=...) takes an int; got {argnums!r}.")
@@ -563,15 +568,28 @@ def capture_operands(
     index = argnums % len(args)
     captured: dict[str, dict] = {}
     records: list[MatmulRecord] = []
-    _run(fn, rec, fp8_filter, args, kwargs, fp8_state, records, captured)
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [_is_array(x) for x in flat]
+
+    def grad_of_loss(dyn_vals):
+        it = iter(dyn_vals)
+        a, k = jax.tree_util.tree_unflatten(
+            treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+        )
+
+        def loss(diff_arg):
+            full = list(a)
+            full[index] = diff_arg
+            return _run(fn, rec, fp8_filter, tuple(full), k, fp8_state, records, captured)
+
+        return jax.grad(loss)(a[index])
+
+    # One compiled program (operands leave through host callbacks), not one per primitive.
+    jax.block_until_ready(
+        jax.jit(grad_of_loss)([x for x, d in zip(flat, dynamic, strict=True) if d])
+    )
+    jax.effects_barrier()
     _check_selected(records, fp8_filter, "jaxamp.fp8.capture_operands")
-
-    def loss(diff_arg):
-        full = list(args)
-        full[index] = diff_arg
-        return _run(fn, rec, fp8_filter, tuple(full), kwargs, fp8_state, None, captured)
-
-    jax.grad(loss)(args[index])
     return {
         name: MatmulOperands(ops["lhs2d"], ops["rhs2d"], ops["grad_output2d"])
         for name, ops in captured.items()

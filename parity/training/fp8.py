@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,6 +29,9 @@ import jaxamp.fp8
 from parity.pairs.mapping import apply_transform
 from parity.pairs.variables import flatten_variables
 from parity.training.losses import loss_jax, loss_torch
+
+# One compiled quantizer per (shape, cast, axis), not one program per primitive run eagerly.
+_quantize = jax.jit(jaxamp.fp8.quantize, static_argnums=(1, 2, 3))
 
 __all__ = [
     "FP8_PRECISIONS",
@@ -212,7 +216,7 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
             ("weight", ops.weight, rec.weight, 0),
             ("grad_output", ops.grad_output, rec.grad_output, -1),
         ):
-            q, s = jaxamp.fp8.quantize(value, cast, axis, rec.power_of_2_scales)
+            q, s = _quantize(value, cast, axis, rec.power_of_2_scales)
             entry[key] = (np.asarray(s), np.asarray(q).view(np.uint8))
         out[name] = entry
     return out
@@ -328,7 +332,7 @@ _TENSORS = ("input", "weight", "grad_output")
 
 def _quantizer_exact(hp: np.ndarray, scale: np.ndarray, codes: np.ndarray, cast, axis, rec) -> bool:
     """jaxamp.fp8.quantize of torch's own high-precision tensor gives torchao's scale and codes."""
-    q, s = jaxamp.fp8.quantize(hp, cast, axis, rec.power_of_2_scales)
+    q, s = _quantize(hp, cast, axis, rec.power_of_2_scales)
     s, q = np.asarray(s), np.asarray(q).view(np.uint8)
     return (
         s.size == scale.size
