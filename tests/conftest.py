@@ -41,3 +41,70 @@ def float_dtype(request):
 def maybe_jit(request):
     """Run a function as is, then under jax.jit."""
     return jax.jit if request.param else (lambda f, **kw: f)
+
+
+# --- CPU seconds per test (`--cpu-durations=N`) ----------------------------------------------------
+# On a shared machine wall-clock durations measure the neighbours as much as the test; the CPU
+# time this process (and the subprocesses it waited for) spent is what a test costs CI.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="list the N tests (and every test file) with the most CPU seconds, setup included",
+    )
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+_CPU_BY_TEST: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # user_properties accumulate over the phases: the teardown report carries all three.
+    if report.when == "teardown":
+        _CPU_BY_TEST[report.nodeid] = sum(v for k, v in report.user_properties if k == "cpu_s")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None or not _CPU_BY_TEST:
+        return
+    tr = terminalreporter
+    total = sum(_CPU_BY_TEST.values())
+    tr.write_sep("=", f"CPU seconds: {total:.0f} over {len(_CPU_BY_TEST)} tests")
+    by_file: dict[str, float] = {}
+    for nodeid, seconds in _CPU_BY_TEST.items():
+        by_file[nodeid.split("::")[0]] = by_file.get(nodeid.split("::")[0], 0.0) + seconds
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"{seconds:8.1f}s  {path}")
+    tr.write_sep("-", f"slowest {n} tests by CPU seconds")
+    for nodeid, seconds in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
+        tr.write_line(f"{seconds:8.1f}s  {nodeid}")
