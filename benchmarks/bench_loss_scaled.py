@@ -129,14 +129,18 @@ def _naive_loss_scaled(inner: optax.GradientTransformation) -> optax.GradientTra
     return optax.GradientTransformation(init, update)
 
 
-def _problem(name: str, batch_size: int):
+def _problem(name: str, batch_size: int, tiny: bool = False):
+    """(params, x, y, loss_fn) of one model. `tiny`: the same model code at a fraction of the
+    compile time (an MLP with no hidden layer, a one-block 16-wide TinyLM): the same kinds of
+    leaves (kernels, biases, embeddings) and so the same code paths, for tests and smoke runs,
+    never for timings."""
     rng = np.random.default_rng(0)
     if name == "mlp":
-        model = MLP()
+        model = MLP(features=()) if tiny else MLP()
         x = jnp.asarray(rng.normal(size=(batch_size, 784)), jnp.float32)
         y = jnp.asarray(rng.integers(0, 10, size=(batch_size,)), jnp.int32)
     elif name == "transformer":
-        model = TinyLM()
+        model = TinyLM(vocab=32, d_model=16, layers=1, heads=2, seq_len=8) if tiny else TinyLM()
         x = jnp.asarray(rng.integers(0, model.vocab, size=(batch_size, model.seq_len)), jnp.int32)
         y = jnp.roll(x, -1, axis=1)
     else:
@@ -311,13 +315,15 @@ def bench(
     batch_size: int,
     variants: tuple[str, ...] = VARIANTS,
     donate: tuple[bool, ...] = (True, False),
+    tiny: bool = False,
 ) -> list[dict]:
-    """One interleaved run of every (variant, donation) step; one result per donation mode."""
+    """One interleaved run of every (variant, donation) step; one result per donation mode.
+    `tiny` times the tiny models of `_problem` (tests and smoke runs)."""
     if not variants or variants[0] != "plain":
         raise ValueError(f"variants must start with 'plain' (the reference); got {variants!r}")
     if not donate:
         raise ValueError("donate must hold True (donated), False (not donated) or both")
-    params, x, y, loss_fn = _problem(model, batch_size)
+    params, x, y, loss_fn = _problem(model, batch_size, tiny)
     n_params = sum(p.size for p in jax.tree.leaves(params))
     cells = [(variant, d) for d in donate for variant in variants]
     runs = {}
@@ -362,6 +368,7 @@ def bench(
             "policy": policy,
             "params": int(n_params),
             "batch_size": batch_size,
+            "tiny": tiny,
             "donated": d,
             "steps": steps,
             "warmup": warmup,
@@ -448,6 +455,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny models with the same code paths (tests and smoke runs; not for timings)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 50 and not args.smoke:
         parser.error(f"--steps must be >= 50 for a stable median; got {args.steps}")
@@ -466,7 +478,14 @@ def main(argv=None) -> None:
             for model in args.models:
                 for batch_size in args.batch_sizes:
                     for r in bench(
-                        model, policy, args.steps, args.warmup, batch_size, variants, donate
+                        model,
+                        policy,
+                        args.steps,
+                        args.warmup,
+                        batch_size,
+                        variants,
+                        donate,
+                        tiny=args.tiny,
                     ):
                         r["repeat"] = repeat
                         results.append(r)

@@ -1,7 +1,6 @@
 """The loss-scaling benchmark compares like with like: every variant trains the same model to
 the same parameters (the benchmark itself is timed by hand, never in a test)."""
 
-import functools
 import importlib.util
 import json
 import pathlib
@@ -18,20 +17,20 @@ pytestmark = pytest.mark.standard_promotion
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss_scaled.py"
 
 
-@pytest.fixture()
-def bench(monkeypatch):
+@pytest.fixture(scope="module")
+def bench():
     spec = importlib.util.spec_from_file_location("bench_loss_scaled", _PATH)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_loss_scaled", module)  # dataclasses look it up
-    spec.loader.exec_module(module)
-    # A small MLP: the same code paths as the benchmark's 784-1024-1024-1024-10 one.
-    monkeypatch.setattr(module, "MLP", functools.partial(module.MLP, features=(32, 32)))
-    return module
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "bench_loss_scaled", module)  # dataclasses look it up
+        spec.loader.exec_module(module)
+        yield module
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_every_variant_trains_to_the_same_parameters(bench, policy):
-    params, x, y, loss_fn = bench._problem("mlp", 8)
+    # The tiny MLP: the same code paths as the benchmark's 784-1024-1024-1024-10 one.
+    params, x, y, loss_fn = bench._problem("mlp", 8, tiny=True)
     results = {}
     for variant in bench.VARIANTS + bench.DIAGNOSTICS:
         # Donation changes buffers, not values: both forms once (fp32) for the two forms of
@@ -70,6 +69,7 @@ def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
             "--warmup",
             "1",
             "--smoke",
+            "--tiny",
             "--out",
             str(out),
         ]
@@ -89,30 +89,21 @@ def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
 
 
 def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
+    """``--variants`` times plain and the chosen ones, in that order; "ahead of a peer" is read
+    from loss_scaled's own ratio to it (paired CI), not from two ratios to plain."""
     out = tmp_path / "r.json"
-    common = ["--models", "mlp", "--policies", "fp32", "--steps", "2", "--smoke"]
+    common = ["--models", "mlp", "--policies", "fp32", "--steps", "3", "--smoke", "--tiny"]
     bench.main(
         [
             *common,
-            *("--warmup", "1", "--donate", "no", "--variants", "order_floor", "loss_scaled"),
+            *("--warmup", "1", "--donate", "no"),
+            *("--variants", "order_floor", "loss_scaled", "jmp"),
             *("--out", str(out)),
         ]
     )
     (result,) = json.loads(out.read_text())["results"]
-    assert list(result["variants"]) == ["plain", "order_floor", "loss_scaled"]
-    assert result["donated"] is False
-    with pytest.raises(SystemExit):
-        bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
-    with pytest.raises(ValueError, match="must start with 'plain'"):
-        bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
-
-
-def test_loss_scaled_rows_carry_their_ratio_to_each_peer(bench):
-    """ "Ahead of a peer" is read from loss_scaled's own ratio to it (paired CI), not from two
-    ratios to plain."""
-    (result,) = bench.bench(
-        "mlp", "fp32", 3, 1, 8, variants=("plain", "loss_scaled", "jmp"), donate=(False,)
-    )
+    assert list(result["variants"]) == ["plain", "order_floor", "loss_scaled", "jmp"]
+    assert result["donated"] is False and result["tiny"] is True
     rows = result["variants"]
     assert "ratio_to_peer" not in rows["plain"] and "ratio_to_peer" not in rows["jmp"]
     peers = rows["loss_scaled"]["ratio_to_peer"]
@@ -123,3 +114,7 @@ def test_loss_scaled_rows_carry_their_ratio_to_each_peer(bench):
         )
         lo, hi = compared["ci95"]
         assert 0 < lo <= hi
+    with pytest.raises(SystemExit):
+        bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
+    with pytest.raises(ValueError, match="must start with 'plain'"):
+        bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
