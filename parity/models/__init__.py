@@ -56,7 +56,10 @@ _SPECS: dict[str, _Spec] = {
     "mlp": _Spec(mlp, "classification", mlp.DEFAULTS, False),
     "mlp_nnx": _Spec(mlp_nnx, "classification", mlp_nnx.DEFAULTS, False),
     "cnn": _Spec(cnn, "classification", cnn.DEFAULTS, True),
-    "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True),
+    # BatchNorm: fp32 drifts past the fixed bands on rounding alone (torch's own 1-ulp-nudged
+    # run parts from torch by 8.9e-4 at step 19 and 1.2e-3 at step 26 of the matrix's fp32 cell,
+    # where JAX's gap is 1.4e-3 and 1.3e-3): calibrated verdicts, `--noise torch`
+    "cnn_bn": _Spec(cnn, "classification", cnn.BN_DEFAULTS, True, {"noise": "torch"}),
     "lstm": _Spec(lstm, "classification", lstm.DEFAULTS, False),
     "transformer": _Spec(transformer, "lm", transformer.DEFAULTS, False),
     # chaotic (BatchNorm, AdamW): the README's calibrated verdicts, `--noise torch --seeds 3`
@@ -70,13 +73,17 @@ MODEL_NAMES: tuple[str, ...] = tuple(_SPECS)
 def calibration_prescribed(name: str) -> dict[str, Any]:
     """The calibration runs the README prescribes for model `name`: ``{"noise", "seeds"}``.
 
-    ``{"noise": "none", "seeds": 1}`` for models judged by the fixed bands; ``resnet`` (chaotic)
-    gets a noise run of torch and three data seeds. The matrix applies it to every cell of the
-    model unless ``--noise`` / ``--seeds`` say otherwise.
+    ``{"noise": "none", "seeds": 1}`` for models judged by the fixed bands; the BatchNorm
+    models, whose float32 runs drift past the fixed bands on rounding alone, get a noise run of
+    torch (calibrated bands): ``cnn_bn`` that, ``resnet`` (chaotic) also three data seeds. The
+    matrix applies it to every cell of the model unless ``--noise`` / ``--seeds`` say
+    otherwise.
 
     Example:
       >>> calibration_prescribed("resnet")
       {'noise': 'torch', 'seeds': 3}
+      >>> calibration_prescribed("cnn_bn")
+      {'noise': 'torch', 'seeds': 1}
     """
     if name not in _SPECS:
         raise ValueError(f"Unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}.")
