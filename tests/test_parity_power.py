@@ -5,8 +5,11 @@ compare_models takes the command line's options."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
+import shlex
 
 import flax.linen as fnn
 import numpy as np
@@ -18,6 +21,7 @@ pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]  # optax/flax i
 
 import parity  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
+from parity.cli import flags  # noqa: E402
 from parity.training.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
 from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows  # noqa: E402
@@ -143,6 +147,65 @@ def test_three_outcomes_and_their_exit_codes():
         3,
         4,
     ]
+
+
+def test_the_deciding_command_reruns_the_cells_own_run_with_only_the_deciding_options(tmp_path):
+    from parity.config import RunConfig
+    from parity.report.markdown import write_report
+
+    config = RunConfig(
+        model="resnet",
+        precision="fp32",
+        steps=20,
+        batch_size=8,
+        seed=4,
+        data="digits",
+        optimizer="sgd",
+        lr=1e-2,
+        weight_decay=0.05,
+        momentum=0.8,
+        schedule="constant",
+        lr_warmup_steps=3,
+        clip_norm=None,
+        timing_warmup=1,
+        init_scale=2.0**10,
+        growth_interval=7,
+        torch_compile=True,
+        eval=False,
+        model_overrides={"image_shape": (8, 8, 3), "channels": (4, 8, 8)},
+    )
+    cell = ("resnet", "fp32", "cpu")
+    rows = [
+        Verdict(*cell, "step 0 fp32: gradients", "jax vs torch", 0.0, 1e-4, True, mode="step 0"),
+        Verdict(*cell, "per-step loss, steps 10-19", "jax vs torch", 0.0, 1.22, True),
+    ]
+    runs = [
+        {**_run(fw, [2.0, 1.5, 1.2]), "model": "resnet", "config": config.to_dict()}
+        for fw in ("torch", "jax")
+    ]
+    # the report's bottom line reads the cell's config from its runs
+    report = write_report(tmp_path, runs, rows).read_text()
+    line = next(x for x in report.splitlines() if x.startswith("- **resnet fp32 (cpu)**"))
+    assert "parity INCONCLUSIVE" in line
+    assert cell_bottom_lines(rows, {cell: config.to_dict()})[cell] in line
+    command = line.split("to decide: ", 1)[1].split(" (your own pair", 1)[0]
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "parity", "run"]
+    args = cli.build_parser().parse_args(argv[3:])
+    # the run's own config, every setting, and only the deciding options added
+    assert cli._config_from_args(args, args.model, args.precision) == config
+    assert (args.noise, args.seeds, args.framework) == ("torch", 5, "both")
+    settings = {flags.option(f.name) for f in dataclasses.fields(RunConfig)}
+    settings |= {"--torch-compile", "--no-eval"}
+    options = {a for a in argv[4:] if a.startswith("--")}
+    assert options - settings == {"--noise", "--seeds", "--out"}
+    # without a config, the cell alone; a setting the command line cannot set is named
+    assert "--steps" not in cell_bottom_lines(rows)[cell]
+    betas = {**config.to_dict(), "betas": [0.8, 0.9]}
+    assert (
+        "not settable from the command line: betas=[0.8, 0.9]"
+        in (cell_bottom_lines(rows, {cell: betas})[cell])
+    )
 
 
 # --- every step judged, chaos stops at its horizon ---------------------------------------------
@@ -461,6 +524,20 @@ def test_a_departure_from_the_rounding_floor_is_inconclusive_a_gap_from_step_1_f
     _, systematic = _departing([1e-7, 5e-5, 1e-4, 3e-4, 6e-4] + [1e-3] * (n - 5))
     runs = [_run("torch", base), _run("jax", systematic), _run("torch", noisy, variant="noise")]
     assert overall_status(_judged(runs)) == "FAIL"
+    # Where seed runs left the equivalence undecided, the departure's note and the cell's
+    # deciding command ask for the same seeds: those the equivalence row's spread needs.
+    runs = [_run("torch", base), _run("jax", jax), _run("torch", noisy, variant="noise")]
+    rng = np.random.default_rng(0)
+    for seed in range(1, 5):
+        runs.append(_run("torch", base * (1 + rng.normal(0, 0.1)), data_seed=seed))
+        runs.append(_run("jax", base * (1 + rng.normal(0, 0.1)), data_seed=seed))
+    judged = _judged(runs)
+    (equivalence_row,) = [v for v in judged if v.check.startswith("final loss over seeds (eq")]
+    needed = int(re.search(r"about (\d+) seeds", equivalence_row.detail).group(1))
+    assert needed > 5
+    per_step = [v for v in judged if v.check.startswith("per-step loss")]
+    assert per_step and all(f"--seeds {needed} (equivalence)" in v.detail for v in per_step)
+    assert f"--seeds {needed} " in cell_bottom_lines(judged)[CELL]
     # Without a noise run nothing measured the floor: the fixed bands decide.
     assert overall_status(_judged([_run("torch", base), _run("jax", jax)])) == "FAIL"
 

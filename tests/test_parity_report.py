@@ -283,3 +283,33 @@ def test_compare_models_with_noise_calibration(tmp_path):
     assert result.passed and (tmp_path / "divergence.png").exists()
     with pytest.raises(ValueError, match="noise"):
         parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, batches, noise="all", step0=False)
+
+
+def test_a_distributed_cell_states_one_speed_ratio_per_jax_mode(tmp_path):
+    from parity.report.markdown import speed_ratios
+
+    def side(framework, label, time_s):
+        run = _run(framework)
+        for step in run["steps"]:
+            step["time_s"] = time_s
+        return {**run, "distributed": label, "arm": "ddp"}
+
+    # jit 2x, multiprocess 4x torch's step time: two figures, each its own mode's.
+    runs = [
+        side("torch", "torch ddp", 0.010),
+        side("jax", "jax:jit ddp", 0.020),
+        side("jax", "jax:multiprocess ddp", 0.040),
+    ]
+    ratios = speed_ratios(runs)
+    assert list(ratios) == ["jax:jit ddp vs torch ddp", "jax:multiprocess ddp vs torch ddp"]
+    assert "2.00x slower" in ratios["jax:jit ddp vs torch ddp"]
+    assert "4.00x slower" in ratios["jax:multiprocess ddp vs torch ddp"]
+    text = write_report(tmp_path, runs, compare_runs(runs)).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("- **mlp fp32 (cpu)**"))
+    assert "jax:jit ddp vs torch ddp: JAX 2.00x slower" in line
+    assert "jax:multiprocess ddp vs torch ddp: JAX 4.00x slower" in line
+    # a single-device cell keeps its one figure, unnamed
+    single = [_run("torch"), _run("jax")]
+    assert list(speed_ratios(single)) == ["jax vs torch"]
+    text = write_report(tmp_path / "one", single, compare_runs(single)).read_text()
+    assert "Speed: JAX" in text and " vs torch: " not in text

@@ -28,6 +28,7 @@ from typing import Any
 
 from parity import cell
 from parity.bisect import add_bisect_parser, run_bisect
+from parity.cli import flags
 from parity.cli.progress import progress as progress_lines
 from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from parity.data import DataSpec
@@ -95,14 +96,6 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0; got {text}")
     return value
-
-
-# The option behind a RunConfig field where it is not spelled "--" + field with dashes.
-_OPTIONS = {"timing_warmup": "--warmup", "model_overrides": "--model-override"}
-
-
-def _option(field: str) -> str:
-    return _OPTIONS.get(field, "--" + field.replace("_", "-"))
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -191,7 +184,7 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         default=None if matrix else "none",
         help="calibration runs from 1-ulp-nudged weights (noise-calibrated verdicts; "
         + (
-            "default: the model's prescription, resnet torch, others none)"
+            "default: the model's prescription, resnet and cnn_bn torch, others none)"
             if matrix
             else "default none)"
         ),
@@ -373,7 +366,7 @@ def _config_from_args(
         seeds = getattr(args, "seeds", None) or 1
         config.replace(data_seed=config.stream_seed + seeds - 1)
     except ConfigError as e:
-        option = _option(e.field) if e.field != "data_seed" else "--seed with --seeds"
+        option = flags.option(e.field) if e.field != "data_seed" else "--seed with --seeds"
         raise ValueError(f"{option}: {e}") from None
     return config
 

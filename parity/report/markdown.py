@@ -38,10 +38,16 @@ from parity.report.plots import (
     plot_memory,
     plot_step_times,
 )
-from parity.training.records import run_label, run_seed, run_status, write_text_atomic
+from parity.training.records import (
+    comparable_labels,
+    run_label,
+    run_seed,
+    run_status,
+    write_text_atomic,
+)
 from parity.verdicts.rows import cell_bottom_lines, fmt_value, overall_status, verdict_mark
 
-__all__ = ["report_sections", "write_report", "write_steps_csv"]
+__all__ = ["report_sections", "speed_ratios", "write_report", "write_steps_csv"]
 
 # Names that lived here before parity.training.records held them: one deprecation path, no re-export.
 _MOVED = {
@@ -126,16 +132,43 @@ def _ms(value: Any, spec: str = ".3f") -> str:
     return "—" if not finite(value) else format(value * 1e3, spec)
 
 
+def speed_ratios(members) -> dict[str, str]:
+    """One JAX/torch speed figure per compared pair of a cell's completed main runs: each JAX
+    side against the torch side of its arm (`parity.training.records.comparable_labels`), so a
+    distributed cell gets one per JAX mode (``"jax:jit ddp vs torch ddp"``,
+    ``"jax:multiprocess ddp vs torch ddp"``) and a single-device cell one (``"jax vs torch"``),
+    each `parity.perf.speed.bottom_line`'s text.
+
+    Example:
+      >>> steps = [{"time_s": t} for t in [1.0] * 12]
+      >>> run = {"model": "m", "precision": "fp32", "device": "cpu", "config": {}, "steps": steps}
+      >>> sides = [dict(run, framework="torch", distributed="torch ddp", arm="ddp")] + [
+      ...     dict(run, framework="jax", distributed=f"jax:{m} ddp", arm="ddp")
+      ...     for m in ("jit", "multiprocess")]
+      >>> list(speed_ratios(sides))
+      ['jax:jit ddp vs torch ddp', 'jax:multiprocess ddp vs torch ddp']
+    """
+    main: dict[str, Any] = {}
+    for run in members:
+        if not run.get("variant") and run_status(run) == "completed" and run["steps"]:
+            main.setdefault(run_label(run), run)  # the first of a label, as the cell's own
+    out = {}
+    for torch_label, jax_label in comparable_labels(list(main.values())):
+        try:
+            text = speed.bottom_line(main[jax_label], main[torch_label])
+        except Exception as e:  # a speed figure must not cost the parity report
+            text = f"speed: not computed ({type(e).__name__}: {e})"
+        out[f"{jax_label} vs {torch_label}"] = text
+    return out
+
+
 def _speed_sentence(members) -> str | None:
-    main = [r for r in members if not r.get("variant") and run_status(r) == "completed"]
-    jax_run = next((r for r in main if r["framework"] == "jax" and r["steps"]), None)
-    torch_run = next((r for r in main if r["framework"] == "torch" and r["steps"]), None)
-    if jax_run is None or torch_run is None:
-        return None
-    try:
-        return speed.bottom_line(jax_run, torch_run)
-    except Exception as e:  # a speed figure must not cost the parity report
-        return f"speed: not computed ({type(e).__name__}: {e})"
+    """The bottom line's speed: the one pair's figure, or each pair's, named (one per JAX mode
+    of a distributed cell)."""
+    ratios = speed_ratios(members)
+    if len(ratios) <= 1:
+        return next(iter(ratios.values()), None)
+    return "; ".join(f"{pair}: {text}" for pair, text in ratios.items())
 
 
 def report_sections(runs: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -292,7 +325,14 @@ def _header(runs, verdicts) -> list[str]:
 def _bottom_lines(verdicts, groups) -> list[str]:
     """One line per cell: parity and speed."""
     lines: list[str] = []
-    bottom = cell_bottom_lines(verdicts)
+    # each cell's deciding command reruns the cell's own run (its config) with the deciding
+    # options added
+    configs = {
+        key: main[0]["config"]
+        for key, members in groups.items()
+        if (main := [r for r in members if not r.get("variant") and r.get("config")])
+    }
+    bottom = cell_bottom_lines(verdicts, configs)
     if bottom or groups:
         lines += ["", "## Bottom line", ""]
         for key in sorted(set(bottom) | set(groups)):

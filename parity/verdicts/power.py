@@ -22,7 +22,8 @@ returns the rows the outputs are written from:
   steps agreed to float32 rounding, and only a threshold that rounding crosses (a ReLU input
   near 0, whose gradient jump AdamW scales per element) parts runs that agree that closely. The
   1-ulp noise run does not date such a crossing: it perturbs the weights once, where another
-  framework's arithmetic differs at every step. Seed statistics decide (``--seeds 5``). A gap
+  framework's arithmetic differs at every step. Seed statistics decide (``--seeds N``, N from
+  `parity.verdicts.rows.seeds_to_decide`, as in the cell's deciding command). A gap
   above that floor from step 1 on still fails.
 - **Structural differences**: where the run records' weight mapping folds trainable tensors
   (`parity.automap`), failing rows past step 0 are inconclusive, saying why (`_structural`).
@@ -71,6 +72,7 @@ from parity.verdicts.rows import (
     pair_fields,
     relative_gaps,
     run_losses,
+    seeds_to_decide,
     self_divergence,
 )
 
@@ -326,7 +328,8 @@ CHAOS_STEP = TOLERANCES["fp32_next"][0]
 UNCALIBRATED_NOTE = (
     f"inconclusive, not failed: from step {CHAOS_STEP} on, no band is calibrated to this "
     "model's own float32 divergence (a correct port's gap grows by chaotic amplification); "
-    "decide with --noise torch (self-divergence) or --seeds 5 (equivalence)"
+    "decide with --noise torch (self-divergence) or seed statistics (equivalence: the seeds "
+    "the cell's deciding command names)"
 )
 
 
@@ -551,14 +554,18 @@ DEPARTURE_NOTE = (
     "divergence through step {last} and left it at step {step} ({gap} against {floor}); runs "
     "that agree to float32 rounding part only where rounding crosses a threshold (a ReLU input "
     "near 0, whose gradient jump AdamW scales per element), which a 1-ulp noise run does not "
-    "date; decide with --seeds 5 (equivalence)"
+    "date; decide with --seeds {seeds} (equivalence)"
 )
 
 
-def _departure(gaps: Sequence[float], envelope: Sequence[float] | None) -> tuple[int, str] | None:
+def _departure(
+    gaps: Sequence[float], envelope: Sequence[float] | None, seeds: int
+) -> tuple[int, str] | None:
     """``(step, note)`` where a calibrated loss gap left the rounding floor (``k`` times the
     self-divergence envelope, at least ``k`` float32 half-ulps) after agreeing to it for at
-    least one step past step 0; None when it never agreed past step 0 or never left it."""
+    least one step past step 0; None when it never agreed past step 0 or never left it. The
+    note asks for `seeds` data seeds (`seeds_to_decide` of the cell's rows: the number its
+    deciding command asks for)."""
     if not envelope or len(gaps) < 3:
         return None
     k = TOLERANCES["noise_k"]
@@ -576,6 +583,7 @@ def _departure(gaps: Sequence[float], envelope: Sequence[float] | None) -> tuple
         step=step,
         gap=fmt_value(gaps[step]),
         floor=fmt_value(floor(step)),
+        seeds=seeds,
     )
     return step, note
 
@@ -588,7 +596,10 @@ def _rounding_departure(out, new, cell, compared, ref, cand, noise, mains) -> li
         return out
     envelope = _envelope(noise, mains)
     ref_l, cand_l = run_losses(ref), run_losses(cand)
-    found = _departure(relative_gaps(ref_l, cand_l, loss_floor(ref_l)), envelope)
+    # the seeds the note asks for are those the cell's deciding command asks for (the
+    # cell's rows so far: its undecided equivalence rows say how many their spread needs)
+    seeds = seeds_to_decide([v for v in (*out, *new) if v.cell == cell])
+    found = _departure(relative_gaps(ref_l, cand_l, loss_floor(ref_l)), envelope, seeds)
     if found is None:
         return out
     step, note = found

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from parity.cli.flags import run_arguments
 from parity.training.records import run_label
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "power_bound",
     "relative_gaps",
     "run_losses",
+    "seeds_to_decide",
     "self_divergence",
     "verdict_mark",
 ]
@@ -206,21 +209,33 @@ def is_decisive(v: Verdict) -> bool:
     return v.power is None or v.power <= (power_bound(v.check) or math.inf)
 
 
-def deciding_command(cell: tuple[str, str, str], seeds: int = DECIDING_SEEDS) -> str:
+def deciding_command(
+    cell: tuple[str, str, str],
+    seeds: int = DECIDING_SEEDS,
+    config: Mapping[str, Any] | None = None,
+) -> str:
     """The command that decides an inconclusive cell: seed statistics (an equivalence test,
     `seeds` data seeds per framework) and 1-ulp calibration runs, for a built-in model or
     through `parity.compare_models`.
+
+    `config` (the cell's run record ``config``): the command reruns that run, with every setting
+    the command line can set (`parity.cli.flags.run_arguments`: steps, batch size, learning
+    rate, data, model overrides...) and only the deciding options added; settings the command
+    line cannot set are named. Without it, the cell's model, precision and device alone.
 
     Example:
       >>> deciding_command(("resnet", "fp32", "cpu"))[:60]
       'python -m parity run --model resnet --precision fp32 --devic'
     """
     model, precision, device = cell
-    return (
-        f"python -m parity run --model {model} --precision {precision} --device {device} "
-        f"--noise torch --seeds {seeds} --out runs/{model}-{precision}-seeds "
-        f"(your own pair: compare_models(..., noise='torch', seeds={seeds}))"
+    args, unset = run_arguments(
+        {"model": model, "precision": precision, "device": device, **(config or {})}
     )
+    args += ["--noise", "torch", "--seeds", str(seeds), "--out", f"runs/{model}-{precision}-seeds"]
+    own = f"your own pair: compare_models(..., noise='torch', seeds={seeds})"
+    if unset:
+        own += f"; not settable from the command line: {', '.join(unset)}"
+    return f"{shlex.join(['python', '-m', 'parity', 'run', *args])} ({own})"
 
 
 def pair_fields(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
@@ -360,9 +375,14 @@ def _why_inconclusive(v: Verdict) -> str:
     return f"{v.check}: undecided"
 
 
-def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str], str]:
+def cell_bottom_lines(
+    verdicts: Sequence[Verdict],
+    configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
+) -> dict[tuple[str, str, str], str]:
     """One parity sentence per cell: PASS naming its decisive check, FAIL naming the first
-    failing one, or INCONCLUSIVE naming what lacked power and the command that would decide.
+    failing one, or INCONCLUSIVE naming what lacked power and the command that would decide
+    (`deciding_command`: with the cell's run config from `configs`, where given, that run's
+    settings).
 
     Example:
       >>> cell_bottom_lines([])
@@ -420,7 +440,8 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
             out[cell] = (
                 "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
                 + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
-                + f"; to decide: {deciding_command(cell, _seeds_to_decide(rows))}"
+                + "; to decide: "
+                + deciding_command(cell, seeds_to_decide(rows), (configs or {}).get(cell))
             )
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
@@ -431,7 +452,7 @@ def cell_bottom_lines(verdicts: Sequence[Verdict]) -> dict[tuple[str, str, str],
 _SEEDS_NEEDED = re.compile(r"about (\d+) seeds per framework would decide")
 
 
-def _seeds_to_decide(rows: Sequence[Verdict]) -> int:
+def seeds_to_decide(rows: Sequence[Verdict]) -> int:
     """`DECIDING_SEEDS`, or more where an undecided equivalence row (`parity.verdicts.power`)
     says how many seeds its observed spread needs (the fewest of its rows: one decides)."""
     needed = [
