@@ -193,7 +193,7 @@ def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
 
 
 def test_pair_factory_import_path():
-    from parity.distributed.run import load_pair_factory
+    from parity.distributed.pairs import load_pair_factory
     from parity.models import get_model_pair
 
     assert load_pair_factory("parity.models:get_model_pair") is get_model_pair

@@ -99,7 +99,13 @@ def test_a_distributed_run_writes_the_cell_outputs_and_passes_a_correct_port(cor
     for run in runs.values():
         for step in run["steps"]:
             assert step["grad_norm"] > 0 and step["update_norm"] > 0
-    assert "jax:jit ddp vs torch ddp" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "jax:jit ddp vs torch ddp" in report
+    # One JAX/torch speed figure per JAX mode, in the report's bottom line and distributed.json.
+    speed = json.loads((out / "distributed.json").read_text())["speed"]
+    assert set(speed) == {"jax:jit ddp vs torch ddp", "jax:multiprocess ddp vs torch ddp"}
+    line = next(x for x in report.splitlines() if x.startswith("- **mlp bf16-mixed (cpu)**"))
+    assert all(f"{pair}: {text}" in line for pair, text in speed.items()), line
     # `parity compare` judges the folder again to the same status.
     assert cli.main(["compare", str(out)]) == 0
 

@@ -9,15 +9,12 @@
 Library: `run_distributed(config, DistributedPlan(...), out, pair_factory="pkg.mod:make_pair")`.
 """
 
+import importlib
+from typing import Any
+
 from parity.distributed.procs import WorkerError as WorkerError
 from parity.distributed.procs import WorkerGroup as WorkerGroup
 from parity.distributed.procs import free_port as free_port
-from parity.distributed.run import JAX_MODES as JAX_MODES
-from parity.distributed.run import STRATEGIES as STRATEGIES
-from parity.distributed.run import DistributedPlan as DistributedPlan
-from parity.distributed.run import DistributedResult as DistributedResult
-from parity.distributed.run import format_distributed as format_distributed
-from parity.distributed.run import run_distributed as run_distributed
 
 __all__ = [
     "JAX_MODES",
@@ -30,3 +27,24 @@ __all__ = [
     "free_port",
     "run_distributed",
 ]
+
+# The runner's names load on first use: a worker process (``python -m
+# parity.distributed.worker``) imports this package first and needs none of the runner's cell
+# pipeline (verdicts, report, plots), which every worker would otherwise import for nothing.
+_LAZY = {
+    name: "parity.distributed.run"
+    for name in (
+        "JAX_MODES",
+        "STRATEGIES",
+        "DistributedPlan",
+        "DistributedResult",
+        "format_distributed",
+        "run_distributed",
+    )
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parity.distributed' has no attribute {name!r}")

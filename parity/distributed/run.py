@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
 import statistics
@@ -33,11 +32,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from parity.cell import builtin_pair, run_cell, write_outputs
+from parity.cell import run_cell, write_outputs
 from parity.config import RunConfig
+from parity.distributed.pairs import make_pair
 from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere
+from parity.report.markdown import speed_ratios
 from parity.training.records import build_error_record, build_run_record, write_json_atomic
 from parity.verdicts.rows import Verdict, format_verdicts
 
@@ -47,8 +48,6 @@ __all__ = [
     "DistributedPlan",
     "DistributedResult",
     "format_distributed",
-    "load_pair_factory",
-    "make_pair",
     "run_distributed",
 ]
 
@@ -155,6 +154,9 @@ class DistributedResult:
       runs: this run's records (`parity.training.records` schema), one per side/mode.
       verdicts: `parity.verdicts.rows.Verdict` rows of ``results.json`` (`write_outputs`'s).
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``.
+      speed: one JAX/torch speed figure per JAX mode, keyed by the compared pair
+        (``"jax:jit ddp vs torch ddp"``: `parity.report.markdown.speed_ratios`, the report's
+        bottom line).
     """
 
     config: RunConfig
@@ -163,6 +165,7 @@ class DistributedResult:
     runs: list[dict[str, Any]]
     verdicts: list[Any]
     status: str
+    speed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -173,6 +176,7 @@ class DistributedResult:
             "config": self.config.to_dict(),
             "plan": dataclasses.asdict(self.plan),
             "status": self.status,
+            "speed": self.speed,
             "verdicts": [v.to_dict() for v in self.verdicts],
             "ranks": self.ranks,
             "runs": self.runs,
@@ -326,7 +330,7 @@ def run_distributed(
         train=train,
     )
     status, verdicts, _ = write_outputs(work, runs)
-    result = DistributedResult(config, plan, ranks, runs, verdicts, status)
+    result = DistributedResult(config, plan, ranks, runs, verdicts, status, speed_ratios(runs))
     write_json_atomic(work / "distributed.json", result.to_dict())
     return result
 
@@ -406,29 +410,6 @@ def _train_sides(frameworks, config, plan, pair, stream, work, pair_factory, ref
             if v.compared == side or v.check == "JAX mode"  # a refused mode: the arm's row
         ]
     return records
-
-
-def make_pair(config: RunConfig, pair_factory: str | None = None):
-    """The run's pair, built alike here (for step 0) and in every worker: the built-in pair of
-    ``config.model`` (`parity.cell.builtin_pair`: seed, data, overrides), or the user's
-    factory's (``"package.module:function"``, called with ``seed=``)."""
-    if pair_factory is None:
-        return builtin_pair(config)
-    return load_pair_factory(pair_factory)(seed=config.seed)
-
-
-def load_pair_factory(spec: str):
-    """Imports ``"package.module:function"`` (a user's `ModelPair` factory)."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"pair_factory must be 'package.module:function'; got {spec!r}.")
-    module_name, attr = spec.split(":")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, attr):
-        names = [n for n in dir(module) if not n.startswith("_")]
-        raise ValueError(
-            f"pair_factory: {module_name} has no {attr!r}.{_closest(attr, tuple(names))}"
-        )
-    return getattr(module, attr)
 
 
 # -- verdicts ------------------------------------------------------------------------------------
@@ -546,6 +527,7 @@ def format_distributed(result: DistributedResult, *, table: bool = True) -> str:
             f"{(mem or 0) / 2**20:8.1f} MiB ({results[0].get('memory_method')}) "
             f"[{results[0].get('method')}]"
         )
+    lines += [f"  speed, {pair}: {text}" for pair, text in result.speed.items()]
     lines.append(f"status: {result.status}")
     return "\n".join(lines)
 

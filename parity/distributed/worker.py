@@ -34,12 +34,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch.distributed import distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from parity.config import RunConfig
 from parity.distributed.hlo import dump_flags, reduction_collectives, reduction_dtypes
-from parity.distributed.run import make_pair
+from parity.distributed.pairs import make_pair
 from parity.perf import measure
 from parity.training.losses import loss_jax, loss_torch
 from parity.training.records import write_json_atomic
@@ -157,6 +156,8 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
             wrapped.register_comm_hook(dist.group.WORLD, recording_hook)
             method = f"DDP ({backend}) + {recipe.torch_method('ddp')}"
         else:
+            from torch.distributed.fsdp import fully_shard  # heavy (DTensor, sympy): fsdp only
+
             mp = recipe.torch_fsdp_policy()
             # One FSDP group per module owning parameters; tied parameters (e.g. a language
             # model's shared embedding/output matrix) stay with the root group.
