@@ -19,6 +19,7 @@ operands that autocast does not run in float16 by design).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import flax.linen as nn
@@ -34,7 +35,7 @@ import jaxamp.flax
 from parity.api import prepare_pair
 from parity.bisect import NOT_SEARCHED, bisect, bisect_golden, ddmin
 from parity.config import RunConfig
-from parity.golden.format import BatchList
+from parity.golden.format import BatchList, load_golden
 from parity.training.recipes import get_recipe
 from parity.verdicts.torch_side import torch_stage_side
 
@@ -205,6 +206,30 @@ def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
     assert (result.outcome, result.keep, result.runs) == ("passes already", [], 1)
     checks = {v.check for v in result.verdicts}
     assert {"step 0 bf16-mixed: gradients", "final loss (mean of last 5)"} <= checks
+    assert "(judged by the whole cell)" in result.report()
+
+
+def test_the_whole_cell_judge_fails_a_cell_whose_step_0_passes_and_trajectory_fails():
+    golden = load_golden(
+        Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+    )
+    # torch's recorded trajectory parts from the port's after step 0 (its losses from step 1
+    # on 30% higher): step 0, recorded apart, still agrees; only the training can tell
+    torch_run = dict(golden.torch_run)
+    torch_run["steps"] = [
+        {**s, "loss": s["loss"] * (1.3 if s["step"] else 1.0)} for s in torch_run["steps"]
+    ]
+    parted = dataclasses.replace(golden, header={**golden.header, "torch_run": torch_run})
+    # the whole cell fails it (step 0 alone would pass it as it is): nothing kept fails, and
+    # every module kept fails too
+    result = bisect_golden(parted, judge="cell", budget=2)
+    assert (result.outcome, result.runs, result.found) == ("no set passes", 2, False)
+    assert result.keep == result.candidates == ["fc1", "norm", "fc2"]
+    step0 = [v for v in result.verdicts if v.mode == "step 0"]
+    assert step0 and all(v.passed for v in step0)
+    failed = [v for v in result.verdicts if v.passed is False]
+    assert failed and all(v.mode != "step 0" for v in failed)
+    assert any(v.check.startswith("final loss") for v in failed), [v.check for v in failed]
     assert "(judged by the whole cell)" in result.report()
 
 
