@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -232,6 +233,55 @@ def test_all_finite_at_every_binade_edge(maybe_jit):
             if bool(finite) is above
         ]
         assert not wrong, (above, wrong)
+
+
+_EDGES_AT_DEFAULT_LEVEL = textwrap.dedent(
+    """
+    import json, sys
+    import jax, numpy as np, jaxamp
+    rows = np.load(sys.argv[1])  # (edge, below/above, 4)
+    scales = [jaxamp.StaticLossScale(float(s)) for s in np.load(sys.argv[2])]
+    check = jax.jit(lambda rows: [jaxamp.all_finite(s.scale(r)) for s, r in zip(scales, rows)])
+    print(json.dumps([[bool(f) for f in check(list(rows[:, side]))] for side in (0, 1)]))
+    """
+)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's optimisation level")
+def test_all_finite_at_every_binade_edge_at_xla_default_optimisation(tmp_path):
+    """The jitted edge check above, compiled at XLA:CPU's default optimisation level, which
+    users run (the test suite compiles at LLVM level 0 to save compile time; LLVM's passes at the
+    default level are what turned a row sum of scaled gradients into scale * sum, finite, and at
+    level 0 that defect goes unseen). In a fresh process: the flags are read once per process."""
+    rows = np.stack(
+        [[_overflowing_row(scale, above) for above in (False, True)] for scale in EDGE_SCALES]
+    )
+    np.save(tmp_path / "rows.npy", rows)
+    np.save(tmp_path / "scales.npy", np.asarray(EDGE_SCALES, np.float64))
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_backend_optimization_level")
+    ]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _EDGES_AT_DEFAULT_LEVEL,
+            str(tmp_path / "rows.npy"),
+            str(tmp_path / "scales.npy"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    below, above = json.loads(result.stdout)
+    assert below == [True] * len(EDGE_SCALES), result.stdout + result.stderr
+    wrong = [scale for scale, finite in zip(EDGE_SCALES, above, strict=True) if finite]
+    assert not wrong, wrong
 
 
 # --- item 2: exact unscaling with the scale a compile-time constant --------------------------------
