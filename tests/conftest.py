@@ -6,8 +6,10 @@ import os
 # Tests compile thousands of small programs and run each a few times: LLVM's optimisation passes
 # are most of XLA:CPU's compile time and buy nothing at these sizes (level 0 takes 40% off the
 # CPU seconds of tests/test_parity_train.py). XLA's HLO passes (fusion, the algebraic simplifier)
-# still run and fast-math stays off (XLA's default) at every level.
-# Subprocesses the tests start (distributed ranks) inherit it.
+# still run. What only LLVM's passes at the default level do (they once turned a row sum of
+# scaled gradients into scale * sum) is tested at the default level in a fresh process:
+# tests/test_overflow_edges.py::test_all_finite_at_every_binade_edge_at_xla_default_optimisation.
+# Subprocesses the tests start (distributed ranks) inherit the flags.
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
