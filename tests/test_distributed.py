@@ -201,3 +201,13 @@ def test_pair_factory_import_path():
         load_pair_factory("parity.models.get_model_pair")
     with pytest.raises(ValueError, match="Did you mean 'get_model_pair'"):
         load_pair_factory("parity.models:get_model_pairs")
+
+
+def test_workers_get_the_callers_xla_flags_but_those_they_set_themselves(monkeypatch):
+    from parity.distributed.run import _worker_env
+
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", flags + " --xla_dump_to=/tmp/elsewhere")
+    assert _worker_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in _worker_env()  # a multi-process worker sees its own device

@@ -183,9 +183,25 @@ class DistributedResult:
         }
 
 
+# XLA flags each worker sets itself (its device count, its HLO dump); the caller's others
+# (e.g. an optimisation level) reach the workers as they reach the single-device trainers.
+_WORKER_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count",
+    "--xla_dump_to",
+    "--xla_dump_hlo_pass_re",
+    "--xla_dump_hlo_module_re",
+)
+
+
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # each worker sets its own device count
+    flags = [
+        flag
+        for flag in env.pop("XLA_FLAGS", "").split()
+        if flag.split("=", 1)[0] not in _WORKER_XLA_FLAGS
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
