@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchao.optim")
 
 import jaxamp  # noqa: E402
+import parity  # noqa: E402
+import parity.api  # noqa: E402
 from parity import cell  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
 from parity.perf import measure  # noqa: E402
@@ -120,3 +122,39 @@ def test_jax_state_blocks_each_parameter_in_its_torch_tensors_order(model):
         expected = torch_params[entry.torch_name].detach().numpy().reshape(-1)
         np.testing.assert_array_equal(in_order, expected, err_msg=entry.torch_name)
     assert ordered == 3  # every weight; the biases keep their order
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_user_pair_runs_the_low_bit_recipes_with_its_own_mappings_block_order():
+    """compare_models on user models: the JAX state takes torchao's block order from the user
+    pair's (automatic) weight mapping, the pair the trainer is handed, no built-in pair."""
+    overrides = {"image_shape": (4, 4, 3), "hidden": 128}  # fc1: 6144 elements, quantized
+    builtin = cell.builtin_pair(RunConfig(model="mlp", model_overrides=overrides))
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(4, 4, 4, 3)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(2)
+    ]
+    result = parity.compare_models(
+        builtin.torch_model,
+        builtin.flax_model,
+        None,
+        batches,
+        precision="adamw-8bit",
+        name="mine",
+        step0=False,
+    )
+    assert result.passed, result.status
+    assert {r["framework"] for r in result.runs} == {"torch", "jax"}
+    for run in result.runs:
+        assert run["precision"] == "adamw-8bit" and len(run["steps"]) == 2
+    assert "blocked in torch's element order" in str(result.runs)
+
+    stream = parity.api._UserBatches(batches, None)
+    user = parity.api.prepare_pair(builtin.torch_model, builtin.flax_model, None, stream)
+    recipe = get_recipe("adamw-8bit")
+    ours, theirs = recipe.torch_block_order(user), recipe.torch_block_order(builtin)
+    assert ours.keys() == theirs.keys() == {"fc1", "fc2", "fc3"}
+    for module in ours:
+        np.testing.assert_array_equal(ours[module]["kernel"], theirs[module]["kernel"])
+    with pytest.raises(ValueError, match=r"adamw-8bit.jax_optimizer\(pair=None\)"):
+        recipe.jax_optimizer(optax.adamw(1e-3), RunConfig(model="mine", precision="adamw-8bit"))

@@ -323,7 +323,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
     params = jax.tree_util.tree_map(np.asarray, recipe.jax_cast(variables["params"]))
     # Inside shard_map the skip decision is taken per device: loss_scaled is told the axis (the
     # gradients are already summed over it, so every device decides the same).
-    tx = build_jax_optimizer(config, axis_name="data" if mode == "shard_map" else None)
+    tx = build_jax_optimizer(config, axis_name="data" if mode == "shard_map" else None, pair=pair)
 
     if strategy == "fsdp" and mode != "shard_map":
         param_specs = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, world), params)

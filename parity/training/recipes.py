@@ -195,10 +195,16 @@ class Recipe:
         return jaxamp.NoOpLossScale()
 
     def jax_optimizer(
-        self, inner: optax.GradientTransformation, config: Any, axis_name: str | None = None
+        self,
+        inner: optax.GradientTransformation,
+        config: Any,
+        axis_name: str | None = None,
+        pair: Any = None,
     ) -> optax.GradientTransformation:
         """``jaxamp.loss_scaled(inner, scale)``: the README's optimizer for every recipe (with
-        `NoOpLossScale` a finite step is bit-identical to `inner`'s)."""
+        `NoOpLossScale` a finite step is bit-identical to `inner`'s). `pair` is the run's
+        `parity.models.ModelPair`, for recipes whose optimizer depends on the model."""
+        del pair
         return jaxamp.loss_scaled(inner, self.jax_loss_scale(config), axis_name=axis_name)
 
     def jax_method(self, device: str, arm: str = "single") -> str:
@@ -528,28 +534,21 @@ class _LowBitAdamW(Fp32):
     ) -> optax.GradientTransformation:
         """``low_precision_state`` whose blocks hold the elements torchao's hold: each JAX
         parameter's state blocked in its torch tensor's order (`torch_block_order` of `pair`,
-        default the run's built-in pair)."""
+        the run's built-in or user pair).
+
+        Raises:
+          ValueError: `pair` is None.
+        """
         if pair is None:
-            pair = self._builtin_pair(config)
+            raise ValueError(
+                f"{self.name}.jax_optimizer(pair=None): torchao blocks each torch tensor in its "
+                "own row-major order, and the JAX state needs the pair's weight mapping to hold "
+                "the same blocks; pass the run's ModelPair (build_jax_optimizer(config, pair=...))."
+            )
         low = jaxamp.low_precision_state(
             inner, self.state_format, block_order=self.torch_block_order(pair)
         )
         return jaxamp.loss_scaled(low, self.jax_loss_scale(config), axis_name=axis_name)
-
-    @staticmethod
-    def _builtin_pair(config: Any) -> Any:
-        from parity import models  # torch: optional for JAX users (the pairs build torch models)
-
-        if config.model not in models.MODEL_NAMES:
-            raise UnsupportedHere(
-                f"{config.precision} on model {config.model!r}: torchao blocks each torch "
-                "tensor's own row-major order; the JAX state needs the pair's weight mapping to "
-                "hold the same blocks, and no pair was given (built-in models: "
-                f"{', '.join(models.MODEL_NAMES)})"
-            )
-        return models.get_model_pair(
-            config.model, seed=config.seed, data=config.data, **config.model_overrides
-        )
 
     @staticmethod
     def torch_block_order(pair: Any) -> dict:
@@ -559,6 +558,12 @@ class _LowBitAdamW(Fp32):
         ``low_precision_state(block_order=...)``. torchao blocks each torch tensor row-major;
         blocked in the Flax layout, a block would hold other elements under another scale.
         Leaves assembled from several torch tensors (pieces, sums) keep the Flax order."""
+        if pair.mapping is None:
+            raise ValueError(
+                f"pair {pair.name!r}: no weight mapping (a `transfer` callable was given), so "
+                "the JAX state cannot take torchao's block order; pass transfer=None (the "
+                "automatic mapping) or a mapping for the low-bit AdamW precisions."
+            )
         shapes = {name: tuple(t.shape) for name, t in pair.torch_model.state_dict().items()}
         entries: dict[tuple, list] = {}
         for entry in pair.mapping.entries:
@@ -646,8 +651,13 @@ class Bf16TrueSR(Bf16True):
         return f"{super().torch_method(arm)}, torchao _AdamW(bf16_stochastic_round=True)"
 
     def jax_optimizer(
-        self, inner: optax.GradientTransformation, config: Any, axis_name: str | None = None
+        self,
+        inner: optax.GradientTransformation,
+        config: Any,
+        axis_name: str | None = None,
+        pair: Any = None,
     ) -> optax.GradientTransformation:
+        del pair
         policy, tx = jaxamp.optim_precision.preset(self.name, inner, seed=config.seed)
         if policy != self.policy:  # the preset and the recipe name one precision
             raise ValueError(

@@ -194,9 +194,13 @@ def _sgd(learning_rate, momentum, weight_decay):
     )
 
 
-def build_jax_optimizer(config: Any, axis_name: str | None = None) -> optax.GradientTransformation:
+def build_jax_optimizer(
+    config: Any, axis_name: str | None = None, pair: Any = None
+) -> optax.GradientTransformation:
     """The optax twin of `build_torch_optimizer`, clipped, wrapped by the recipe
-    (``jaxamp.loss_scaled``; `axis_name` for a step inside ``shard_map``).
+    (``jaxamp.loss_scaled``; `axis_name` for a step inside ``shard_map``). `pair` is the run's
+    `parity.models.ModelPair` (built-in or the user's), for recipes whose optimizer depends on
+    the model (the low-bit AdamW states take each torch tensor's block order from its mapping).
 
     The learning rate is injected (``optax.inject_hyperparams``) so the host-computed rate of
     each iteration is fed in; the other hyperparameters stay static Python floats (as float32
@@ -220,7 +224,7 @@ def build_jax_optimizer(config: Any, axis_name: str | None = None) -> optax.Grad
         )(learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     if config.clip_norm is not None:
         inner = optax.chain(clip_by_global_norm_torch(config.clip_norm), inner)
-    return config.recipe.jax_optimizer(inner, config, axis_name)
+    return config.recipe.jax_optimizer(inner, config, axis_name, pair=pair)
 
 
 def _is_inject_state(x) -> bool:

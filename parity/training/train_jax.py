@@ -123,7 +123,7 @@ def build_jax_step(
     params = recipe.jax_cast(variables["params"])
     batch_stats = recipe.jax_cast(variables.get("batch_stats"))
     params, batch_stats = jax.device_put((params, batch_stats), device)
-    tx = build_jax_optimizer(config)
+    tx = build_jax_optimizer(config, pair=pair)
     opt_state = jax.jit(tx.init)(params)
     task = pair.task
     forward = jax_forward(pair, recipe, config.device, train=True)
