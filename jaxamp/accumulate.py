@@ -102,15 +102,31 @@ def multi_steps(
             grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
             return inner.update(grads, inner_state, params, **extra_args)
 
-        out_shapes = jax.eval_shape(step, state.inner_state)
-
-        def wait(inner_state):
+        def wait(inner_state, out_shapes):
             return identity_updates(out_shapes[0]), inner_state
 
-        new_updates, inner_state = jax.lax.cond(emit, step, wait, state.inner_state)
-        # A select, not a multiply by 0: a NaN accumulator must not leak into the next window.
-        acc = select_tree(emit, jax.tree.map(jnp.zeros_like, acc), acc)
-        mini_step = jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32)
+        if isinstance(emit, jax.core.Tracer):
+            # Under `jit`: one `lax.cond`, traced once per trace of the caller's step.
+            out_shapes = jax.eval_shape(step, state.inner_state)
+            new_updates, inner_state = jax.lax.cond(
+                emit, step, lambda s: wait(s, out_shapes), state.inner_state
+            )
+            # A select, not a multiply by 0: a NaN accumulator must not leak into the next
+            # window.
+            acc = select_tree(emit, jax.tree.map(jnp.zeros_like, acc), acc)
+            mini_step = jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32)
+        elif bool(emit):
+            # Eagerly the decision is concrete: branch in Python, as `loss_scaled` does. A
+            # `lax.cond` here would compile afresh on every call (its branches are new
+            # closures each time), about a second per micro-step.
+            new_updates, inner_state = step(state.inner_state)
+            acc = jax.tree.map(jnp.zeros_like, acc)
+            mini_step = jnp.zeros((), jnp.int32)
+        else:
+            new_updates, inner_state = wait(
+                state.inner_state, jax.eval_shape(step, state.inner_state)
+            )
+            mini_step = (state.mini_step + 1).astype(jnp.int32)
         return new_updates, MultiStepsState(mini_step, acc, inner_state)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -253,6 +253,36 @@ def test_multi_steps_matches_large_batch_step():
         jaxamp.multi_steps(optax.sgd(0.1), every_k=0)
 
 
+def test_multi_steps_compiles_nothing_after_its_first_window(maybe_jit):
+    """An eager `multi_steps` update once built a `lax.cond` from new closures on every call,
+    so XLA compiled a program per micro-step (about a second each). Once one window has run
+    (every eager op and the jitted step compiled), later micro-steps compile nothing."""
+    k = 2
+    tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.adam(1e-2)), every_k=k)
+    params = _params()
+    state = tx.init(params)
+    grads = jax.grad(_loss)(params, *_batches(1)[0])
+    update = maybe_jit(tx.update)
+    compiles = []
+
+    def on_event(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        for window in range(3):
+            if window == 1:
+                compiles.clear()  # the first window compiles every op once
+            for _ in range(k):
+                updates, state = update(grads, state, params)
+                params = optax.apply_updates(params, updates)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == [], f"{len(compiles)} compilations in {2 * k} micro-steps after warm-up"
+    assert int(state.inner_state.inner_state[0].count) == 3
+
+
 def test_optax_multisteps_never_recovers_from_an_overflow():
     """Why jaxamp.multi_steps exists: optax.MultiSteps clears its accumulator with `0 * acc`.
 
