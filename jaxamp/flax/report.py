@@ -30,8 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
+from flax import nnx
 
 from jaxamp.flax import _rules
+from jaxamp.flax import linen as jl
+from jaxamp.flax import nnx as jn
 from jaxamp.policy import Policy, short_dtype_name
 
 __all__ = ["ModuleReport", "PrecisionReport", "precision_report"]
@@ -187,9 +191,6 @@ def precision_report(
       >>> report["layers_1"].compute, report["layers_2"].compute, report.traps
       ('float32', 'bfloat16', ())
     """
-    from flax import linen as nn
-    from flax import nnx
-
     if isinstance(model, nn.Module):
         return _linen_report(
             model, inputs, kwargs, policy, rules, variables, defaults, float32_softmax
@@ -208,10 +209,6 @@ def precision_report(
 
 
 def _linen_report(model, inputs, kwargs, policy, rules, variables, defaults, float32_softmax):
-    from flax import linen as nn
-
-    from jaxamp.flax import linen as jl
-
     records: dict[str, dict[str, Any]] = {}
     interceptor = None
     if policy is not None:
@@ -290,10 +287,6 @@ def _linen_path(module) -> str:
 
 
 def _nnx_report(model, inputs, kwargs):
-    from flax import nnx
-
-    from jaxamp.flax import nnx as jn
-
     graphdef, state = nnx.split(model)
     records: dict[str, dict[str, Any]] = {}
     classes = {}
