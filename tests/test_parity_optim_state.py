@@ -2,6 +2,8 @@
 quantized tensor subclasses taken apart into their codes, scales and maps; jaxamp's
 ``low_precision_state`` through ``state_bytes``. The two agree to what each side keeps elsewhere."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ import parity.api  # noqa: E402
 from parity import cell  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
 from parity.perf import measure  # noqa: E402
-from parity.training.recipes import get_recipe  # noqa: E402
+from parity.training.recipes import _LowBitAdamW, get_recipe  # noqa: E402
+from parity.verdicts.optim_step0 import optimizer_state_verdicts  # noqa: E402
+from parity.verdicts.step0 import check_step0  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax.adamw's bias correction
 
@@ -158,3 +162,51 @@ def test_a_user_pair_runs_the_low_bit_recipes_with_its_own_mappings_block_order(
         np.testing.assert_array_equal(ours[module]["kernel"], theirs[module]["kernel"])
     with pytest.raises(ValueError, match=r"adamw-8bit.jax_optimizer\(pair=None\)"):
         recipe.jax_optimizer(optax.adamw(1e-3), RunConfig(model="mine", precision="adamw-8bit"))
+
+
+@pytest.fixture(scope="module")
+def low_bit_step0():
+    """A tiny mlp (fc1 and fc2: 4096 elements each, both quantized by torchao) and its batch."""
+    overrides = {"image_shape": (8, 8, 1), "hidden": 64}
+    config = RunConfig(model="mlp", precision="adamw-4bit", batch_size=4, model_overrides=overrides)
+    pair = cell.builtin_pair(config)
+    return config, pair, pair.make_data(config.seed, config.batch_size).batch(0)
+
+
+def _planted(monkeypatch, bug):
+    if bug == "flax layout blocks":  # the state blocked in the Flax layout (no order)
+        monkeypatch.setattr(_LowBitAdamW, "torch_block_order", staticmethod(lambda pair: {}))
+    elif bug == "doubled block size":
+        doubled = functools.partial(jaxamp.low_precision_state, block_size=256)
+        monkeypatch.setattr(jaxamp, "low_precision_state", doubled)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("bug", [None, "flax layout blocks"])
+def test_step0_optimizer_state_row_is_bit_exact_and_fails_planted_block_bugs(
+    low_bit_step0, monkeypatch, bug
+):
+    """One torchao step and one jaxamp step from torch's step-0 gradients: the codes and scales
+    equal bit for bit; blocks in the Flax layout or twice as long are other quantizations."""
+    config, pair, batch = low_bit_step0
+    _planted(monkeypatch, bug)
+    codes_row, weights_row = optimizer_state_verdicts(pair, config, *batch)
+    assert codes_row.check == "step 0 adamw-4bit: optimizer state codes and scales"
+    assert codes_row.passed is (bug is None), codes_row.detail
+    assert "fc1.weight, fc2.weight" in codes_row.detail
+    assert codes_row.value == ("0/4 moments off" if bug is None else "4/4 moments off")
+    assert weights_row.passed is True  # a first step's update does not read the stored codes
+    assert optimizer_state_verdicts(pair, RunConfig(model="mlp"), *batch) is None  # fp32
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_planted_block_bug_stops_the_run_at_step0(low_bit_step0, monkeypatch):
+    """The row gates: the model's own rows pass, the optimizer's fails step 0 (state blocks of
+    256 elements where torchao's 4-bit blocks hold 128)."""
+    config, pair, batch = low_bit_step0
+    _planted(monkeypatch, "doubled block size")
+    result = check_step0(pair, config, batch, diagnose=False)
+    assert not result.passed
+    failed = [v for v in result.verdicts if v.passed is False]
+    assert [v.check for v in failed] == ["step 0 adamw-4bit: optimizer state codes and scales"]
+    assert "16 scales of 256 elements, torchao 32 of 128" in failed[0].detail

@@ -55,6 +55,7 @@ import torch
 from parity.config import RunConfig
 from parity.training.records import build_error_record
 from parity.verdicts.diagnose import diagnose_pair
+from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_checks import (
@@ -278,7 +279,11 @@ def check_step0(
       low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
       precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
       scales and codes`` from `parity.training.fp8.step0_fp8` (torchao against jaxamp.fp8, every
-      converted layer; mode ``"step 0"``) instead.
+      converted layer; mode ``"step 0"``) instead. For a low-bit AdamW precision (torchao's
+      quantized optimizer state), once the model's rows pass: ``step 0 <precision>: optimizer
+      state codes and scales`` and ``... weights after one optimizer step``
+      (`parity.verdicts.optim_step0`: one torchao and one jaxamp step from torch's gradients,
+      codes and scales bit-identical).
 
     Example:
       >>> result = check_step0(get_model_pair("resnet", wrong_port="padding"))
@@ -344,10 +349,15 @@ def check_step0(
             if stage_failed and failed_stage is None:
                 failed_stage = stage_config
                 break  # a broken fp32 port makes the low-precision comparison meaningless
+        optim_rows = None
+        if not any(v.passed is False for v in verdicts):  # the model agrees: its optimizer?
+            optim_rows = optimizer_state_verdicts(pair, config, inputs, targets)
+            verdicts.extend(optim_rows or [])
         passed = not any(v.passed is False for v in verdicts)
         result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
         # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
-        if not passed and diagnose and not fp8_failed:
+        # nor would it see an optimizer state's blocks (the model's own rows passed)
+        if not passed and diagnose and not fp8_failed and optim_rows is None:
             try:
                 result.diagnosis = diagnose_pair(
                     pair,
