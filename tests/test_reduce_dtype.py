@@ -27,7 +27,8 @@ _PROBE = textwrap.dedent(
     dump = sys.argv[1]
     os.environ["XLA_FLAGS"] = (
         "--xla_force_host_platform_device_count=4 "
-        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
+        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning "
+        + os.environ.get("PROBE_XLA_FLAGS", "")
     )
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -141,6 +142,10 @@ _PROBE = textwrap.dedent(
 def collectives(tmp_path_factory):
     dump = tmp_path_factory.mktemp("spmd_dump")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the suite's compile-time flag (conftest) only: the probe sets its own device count and dump
+    env["PROBE_XLA_FLAGS"] = " ".join(
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f
+    )
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, str(dump)],
         capture_output=True,
