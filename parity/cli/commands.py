@@ -184,7 +184,8 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         default=None if matrix else "none",
         help="calibration runs from 1-ulp-nudged weights (noise-calibrated verdicts; "
         + (
-            "default: the model's prescription, resnet and cnn_bn torch, others none)"
+            "default: the model's prescription, resnet and cnn_bn torch, others none; "
+            "adamw-4bit cells torch)"
             if matrix
             else "default none)"
         ),
@@ -503,7 +504,8 @@ def _cmd_matrix(args) -> int:
         iterator = progress_lines(cells, "matrix", unit="cell", leave=True)
     for model, precision in iterator:
         config = _config_from_args(args, model, precision, matrix_plan(precision))
-        prescribed = calibration_prescribed(model)  # the README's per-model calibration
+        # the README's per-model calibration, and the recipe's (adamw-4bit: torch noise)
+        prescribed = {**calibration_prescribed(model), **getattr(config.recipe, "calibration", {})}
         options["noise"] = prescribed["noise"] if args.noise is None else args.noise
         options["seeds"] = prescribed["seeds"] if args.seeds is None else args.seeds
         keys = {fw: config_run_key(fw, config) for fw in ("torch", "jax")}
