@@ -505,7 +505,7 @@ def _cmd_matrix(args) -> int:
     for model, precision in iterator:
         config = _config_from_args(args, model, precision, matrix_plan(precision))
         # the README's per-model calibration, and the recipe's (adamw-4bit: torch noise)
-        prescribed = {**calibration_prescribed(model), **getattr(config.recipe, "calibration", {})}
+        prescribed = {**calibration_prescribed(model), **config.recipe.calibration}
         options["noise"] = prescribed["noise"] if args.noise is None else args.noise
         options["seeds"] = prescribed["seeds"] if args.seeds is None else args.seeds
         keys = {fw: config_run_key(fw, config) for fw in ("torch", "jax")}

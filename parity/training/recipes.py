@@ -79,6 +79,8 @@ class Recipe:
       first_distinct_step: the first step whose loss differs from the float32 run's beyond float32
         rounding when the recipe runs as itself: 0 where the forward pass changes; 2 where only
         the optimizer's stored state does (the first update is computed from exact moments).
+      calibration: the matrix's calibration runs for the recipe (``{"noise": ...}``), merged over
+        the model's prescription (`parity.models.calibration_prescribed`); empty: none of its own.
     """
 
     name: ClassVar[str] = ""
@@ -90,6 +92,7 @@ class Recipe:
     matrix_plan: ClassVar[dict[str, Any]] = {"steps": 30, "batch_size": 16}
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     first_distinct_step: ClassVar[int] = 0
+    calibration: ClassVar[dict[str, Any]] = {}
 
     @property
     def policy(self) -> jaxamp.Policy:
@@ -496,9 +499,6 @@ class _LowBitAdamW(Fp32):
     first_distinct_step = 2
     state_format: ClassVar[str] = ""
     torchao_class: ClassVar[str] = ""
-    # The matrix's calibration runs for the recipe, merged over the model's prescription
-    # (`parity.models.calibration_prescribed`); none here: the fixed bands decide.
-    calibration: ClassVar[dict[str, Any]] = {}
 
     def unsupported(self, arm: str, mode: str | None = None) -> str | None:
         super().unsupported(arm, mode)
