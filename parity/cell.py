@@ -38,7 +38,7 @@ from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
-from parity.verdicts.rows import Verdict, format_verdicts, overall_status
+from parity.verdicts.rows import Verdict, cell_configs, format_verdicts, overall_status
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
 __all__ = [
@@ -259,7 +259,7 @@ def write_outputs(
     verdicts = judge(data["runs"], compare_runs(data["runs"]))
     status = overall_status(verdicts)
     if echo:
-        print(format_verdicts(verdicts))
+        print(format_verdicts(verdicts, cell_configs(data["runs"])))
     write_json_atomic(
         out / "verdicts.json", {"status": status, "verdicts": [v.to_dict() for v in verdicts]}
     )

@@ -34,7 +34,7 @@ import pytest
 
 from parity.golden.check import GoldenResult, check_golden
 from parity.golden.format import Golden
-from parity.verdicts.rows import cell_bottom_lines, format_verdicts, overall_status
+from parity.verdicts.rows import cell_bottom_lines, cell_configs, format_verdicts, overall_status
 
 __all__ = ["TrainsLike", "assert_trains_like", "trains_like"]
 
@@ -160,8 +160,11 @@ def assert_trains_like(
         verdicts, runs = compared.verdicts, compared.runs
         status = overall_status(verdicts)
         label = f"torch module {type(reference).__name__}"
-        lines = [format_verdicts(verdicts)]
-        lines += [f"{' '.join(c)}: {line}" for c, line in cell_bottom_lines(verdicts).items()]
+        configs = cell_configs(runs)
+        lines = [format_verdicts(verdicts, configs)]
+        lines += [
+            f"{' '.join(c)}: {line}" for c, line in cell_bottom_lines(verdicts, configs).items()
+        ]
         lines += _diagnosis(runs)
     report = "\n".join(lines)
     outcome = TrainsLike(status, verdicts, runs, report, label)

@@ -34,6 +34,7 @@ from parity.verdicts.rows import (  # noqa: E402
     POWER_BOUNDS,
     Verdict,
     cell_bottom_lines,
+    cell_configs,
     format_verdicts,
     overall_status,
 )
@@ -199,6 +200,15 @@ def test_the_deciding_command_reruns_the_cells_own_run_with_only_the_deciding_op
     settings |= {"--torch-compile", "--no-eval"}
     options = {a for a in argv[4:] if a.startswith("--")}
     assert options - settings == {"--noise", "--seeds", "--out"}
+    # the terminal's table (write_outputs, golden check, parity.testing, the distributed runner)
+    # prints the same command, from the runs' configs
+    assert cell_configs(runs) == {cell: config.to_dict()}
+    undecided = Verdict(*cell, "final loss", "jax vs torch", 0.1, 0.05, None, mode="inconclusive")
+    rows_undecided = [*rows, undecided]
+    assert overall_status(rows_undecided) == "INCONCLUSIVE"
+    printed = format_verdicts(rows_undecided, cell_configs(runs))
+    assert cell_bottom_lines(rows_undecided, {cell: config.to_dict()})[cell] in printed
+    assert "--steps 20" in printed and "--steps" not in format_verdicts(rows_undecided)
     # without a config, the cell alone; a setting the command line cannot set is named
     assert "--steps" not in cell_bottom_lines(rows)[cell]
     betas = {**config.to_dict(), "betas": [0.8, 0.9]}

@@ -40,7 +40,7 @@ from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere
 from parity.report.markdown import speed_ratios
 from parity.training.records import build_error_record, build_run_record, write_json_atomic
-from parity.verdicts.rows import Verdict, format_verdicts
+from parity.verdicts.rows import Verdict, cell_configs, format_verdicts
 
 __all__ = [
     "JAX_MODES",
@@ -532,7 +532,7 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
 
 def format_distributed(result: DistributedResult, *, table: bool = True) -> str:
     """The verdicts (`table`) plus per-device speed and memory per side, and the status."""
-    lines = [format_verdicts(result.verdicts), ""] if table else []
+    lines = [format_verdicts(result.verdicts, cell_configs(result.runs)), ""] if table else []
     lines.append("speed and memory per device:")
     for side, results in result.ranks.items():
         times = results[0]["times"][result.config.timing_warmup :] or results[0]["times"]

@@ -58,6 +58,7 @@ from parity.verdicts.power import judge
 from parity.verdicts.rows import (
     Verdict,
     cell_bottom_lines,
+    cell_configs,
     format_verdicts,
     overall_status,
 )
@@ -334,8 +335,9 @@ class GoldenResult:
     def report(self) -> str:
         """The verdict table, the explanation of each failing row, the bottom line per cell
         and the recorded-versus-current notes."""
-        lines = [format_verdicts(self.verdicts)]
-        for cell, line in cell_bottom_lines(self.verdicts).items():
+        configs = cell_configs(self.runs)
+        lines = [format_verdicts(self.verdicts, configs)]
+        for cell, line in cell_bottom_lines(self.verdicts, configs).items():
             lines.append(f"{' '.join(cell)}: {line}")
         lines.append(f"golden: {self.golden}")
         recorded = self.runs[0]

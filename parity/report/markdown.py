@@ -45,7 +45,13 @@ from parity.training.records import (
     run_status,
     write_text_atomic,
 )
-from parity.verdicts.rows import cell_bottom_lines, fmt_value, overall_status, verdict_mark
+from parity.verdicts.rows import (
+    cell_bottom_lines,
+    cell_configs,
+    fmt_value,
+    overall_status,
+    verdict_mark,
+)
 
 __all__ = ["report_sections", "speed_ratios", "write_report", "write_steps_csv"]
 
@@ -327,12 +333,9 @@ def _bottom_lines(verdicts, groups) -> list[str]:
     lines: list[str] = []
     # each cell's deciding command reruns the cell's own run (its config) with the deciding
     # options added
-    configs = {
-        key: main[0]["config"]
-        for key, members in groups.items()
-        if (main := [r for r in members if not r.get("variant") and r.get("config")])
-    }
-    bottom = cell_bottom_lines(verdicts, configs)
+    bottom = cell_bottom_lines(
+        verdicts, cell_configs([r for members in groups.values() for r in members])
+    )
     if bottom or groups:
         lines += ["", "## Bottom line", ""]
         for key in sorted(set(bottom) | set(groups)):

@@ -25,6 +25,7 @@ __all__ = [
     "POWER_BOUNDS",
     "WEAK_CHECKS",
     "cell_bottom_lines",
+    "cell_configs",
     "compared_pairs",
     "deciding_command",
     "final_mean",
@@ -375,6 +376,27 @@ def _why_inconclusive(v: Verdict) -> str:
     return f"{v.check}: undecided"
 
 
+def cell_configs(
+    runs: Sequence[Mapping[str, Any]],
+) -> dict[tuple[str, str, str], Mapping[str, Any]]:
+    """Each cell's main run's config (``(model, precision, device)`` -> the record's ``config``):
+    what `deciding_command` reruns. Calibration runs (a ``variant``) and records without a
+    config are passed over.
+
+    Example:
+      >>> cell_configs([{"model": "mlp", "precision": "fp32", "device": "cpu", "config": {"steps": 3}}])
+      {('mlp', 'fp32', 'cpu'): {'steps': 3}}
+    """
+    configs: dict[tuple[str, str, str], Mapping[str, Any]] = {}
+    for run in runs:
+        if run.get("variant") or not run.get("config"):
+            continue
+        configs.setdefault(
+            (run.get("model"), run.get("precision"), run.get("device")), run["config"]
+        )
+    return configs
+
+
 def cell_bottom_lines(
     verdicts: Sequence[Verdict],
     configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
@@ -468,8 +490,12 @@ def verdict_mark(v: Verdict) -> str:
     return "pass" if v.passed else "FAIL"
 
 
-def format_verdicts(verdicts: list[Verdict]) -> str:
-    """A plain-text table for the terminal, then the explanation of every failing row."""
+def format_verdicts(
+    verdicts: list[Verdict], configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None
+) -> str:
+    """A plain-text table for the terminal, then the explanation of every failing row and, when
+    INCONCLUSIVE, each undecided cell's deciding command (its run's settings from `configs`,
+    `cell_configs` of the runs, where given)."""
     rows = [
         (
             "model",
@@ -509,7 +535,7 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
     inconclusive = sum(v.mode == "inconclusive" for v in verdicts)
     lines.append(f"{passed} passed, {len(failed)} failed, {inconclusive} inconclusive: {status}")
     if status == "INCONCLUSIVE":
-        for cell, text in cell_bottom_lines(verdicts).items():
+        for cell, text in cell_bottom_lines(verdicts, configs).items():
             if text.startswith("parity INCONCLUSIVE"):
                 lines.append(f"{' '.join(cell)}: {text}")
     if status == "NOTHING COMPARED":
