@@ -20,6 +20,7 @@ from parity import cell  # noqa: E402
 from parity.config import RunConfig  # noqa: E402
 from parity.perf import measure  # noqa: E402
 from parity.training.recipes import _LowBitAdamW, get_recipe  # noqa: E402
+from parity.verdicts import optim_step0  # noqa: E402
 from parity.verdicts.optim_step0 import optimizer_state_verdicts  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402
 
@@ -197,6 +198,35 @@ def test_step0_optimizer_state_row_is_bit_exact_and_fails_planted_block_bugs(
     assert codes_row.value == ("0/4 moments off" if bug is None else "4/4 moments off")
     assert weights_row.passed is True  # a first step's update does not read the stored codes
     assert optimizer_state_verdicts(pair, RunConfig(model="mlp"), *batch) is None  # fp32
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_step0_optimizer_state_row_joins_a_torch_tensor_split_into_jax_leaves(monkeypatch):
+    """Attention's fused in_proj_weight (192 x 64) maps to three Flax kernels: their states,
+    joined in torch's element order, are torchao's blocks bit for bit (each piece is 32 whole
+    blocks); joined in another order they are not (the row fails)."""
+    config = RunConfig(model="transformer", precision="adamw-8bit", batch_size=2)
+    pair = cell.builtin_pair(config)
+    x, y = pair.make_data(config.seed, config.batch_size).batch(0)
+    codes_row, _ = optimizer_state_verdicts(pair, config, x, y)
+    assert codes_row.passed is True, codes_row.detail
+    assert "blocks.0.attn.in_proj_weight" in codes_row.detail
+    pieces = optim_step0._pieces
+
+    def value_query_key(*args):  # query's state where torch's key rows are, and so on
+        out = pieces(*args)
+        for name, found in out.items():
+            paths = [p for _, _, p in found]
+            out[name] = [
+                (f, n, p) for (f, n, _), p in zip(found, paths[1:] + paths[:1], strict=True)
+            ]
+        return out
+
+    monkeypatch.setattr(optim_step0, "_pieces", value_query_key)
+    codes_row, _ = optimizer_state_verdicts(pair, config, x, y)
+    assert codes_row.passed is False
+    failing = codes_row.detail.split("failing: ", 1)[1].split(";")[0]
+    assert "in_proj_weight" in failing and "not comparable" not in failing
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -24,6 +24,7 @@ import torch
 
 from jaxamp.optim_precision import QuantizedArray
 from parity.config import RunConfig
+from parity.pairs.mapping import apply_transform
 from parity.training.losses import loss_torch
 from parity.training.steps import build_jax_optimizer, build_torch_optimizer
 from parity.verdicts.rows import Verdict
@@ -72,6 +73,42 @@ def _jax_moments(state: Any) -> dict[tuple[str, str], QuantizedArray]:
     return found
 
 
+def _pieces(pair: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[int, int, str]]]:
+    """``{torch name: [(first element, element count, Flax path), ...]}`` in torch's element
+    order: the Flax leaves each torch tensor maps to (several where the mapping splits it, e.g.
+    attention's fused ``in_proj_weight`` into query, key and value kernels)."""
+    pieces: dict[str, list[tuple[int, int, str]]] = {}
+    for entry in pair.mapping.entries:
+        shape = shapes.get(entry.torch_name)
+        if entry.flax_path[0] != "params" or shape is None:
+            continue
+        index = apply_transform(entry.transform, np.arange(np.prod(shape)).reshape(shape))
+        path = "/".join(entry.flax_path[1:])
+        pieces.setdefault(entry.torch_name, []).append((int(index.min()), int(index.size), path))
+    return {name: sorted(found) for name, found in pieces.items()}
+
+
+def _assemble(pieces: list[tuple[int, int, str]], ours: dict, moment: str, block: int):
+    """The JAX side's codes (bytes) and scales of one torch tensor's moment, its pieces' states
+    joined in torch's element order, or a string saying why they cannot be: a piece not
+    quantized, or pieces that are not whole blocks of the torch tensor (a block of torchao's
+    would straddle two JAX leaves: the two states cannot hold the same blocks)."""
+    codes, scales, start = [], [], 0
+    for first, size, path in pieces:
+        mine = ours.get((moment, path))
+        if mine is None:
+            return f"{path} not quantized on the JAX side"
+        if len(pieces) > 1 and (first != start or size % block):
+            return (
+                f"split into JAX leaves {[p for _, _, p in pieces]} whose pieces are not whole "
+                f"blocks of {block} in torch's order: not comparable block for block"
+            )
+        codes.append(_bits(mine.codes))
+        scales.append(np.asarray(mine.scale, np.float32).reshape(-1))
+        start += size
+    return np.concatenate(codes), np.concatenate(scales)
+
+
 def optimizer_state_step0(
     pair: Any, config: RunConfig, inputs: np.ndarray, targets: np.ndarray
 ) -> list[dict]:
@@ -108,32 +145,42 @@ def optimizer_state_step0(
     after_jax = flatten(optax.apply_updates(params, updates))
     ours = _jax_moments(state)
 
-    flax_of = {e.torch_name: "/".join(e.flax_path[1:]) for e in pair.mapping.entries}
+    pieces = _pieces(pair, {n: tuple(p.shape) for n, p in model.named_parameters()})
     rows = []
     for name, param in model.named_parameters():
         for moment, key in _MOMENTS.items():
             theirs = optimizer.state[param].get(key)
             if not hasattr(theirs, "codes"):
                 continue  # torchao keeps small tensors' moments in float32
-            path = flax_of.get(name)
-            mine = ours.get((moment, path))
-            row = {"torch_name": name, "flax_path": path, "moment": moment, "detail": ""}
+            found = pieces.get(name, [])
+            paths = ", ".join(p for _, _, p in found) or None
+            row = {"torch_name": name, "flax_path": paths, "moment": moment, "detail": ""}
             t_codes, t_scale = _bits(theirs.codes), theirs.scale.detach().cpu().numpy()
             row["codes"], row["scales"] = t_codes.size, t_scale.size
-            if mine is None:
-                row["detail"] = "not quantized on the JAX side"
-            elif mine.scale.size != t_scale.size or mine.codes.size != theirs.codes.numel():
+            mine = (
+                _assemble(found, ours, moment, theirs.block_size)
+                if found
+                else "not mapped to a JAX parameter"
+            )
+            if isinstance(mine, str):
+                row["detail"] = mine
+            elif mine[1].size != t_scale.size or mine[0].size != t_codes.size:
+                blocks = [ours[(moment, p)].block_size for _, _, p in found]
                 row["detail"] = (
-                    f"{mine.scale.size} scales of {mine.block_size} elements, torchao "
+                    f"{mine[1].size} scales of {blocks[0]} elements, torchao "
                     f"{t_scale.size} of {theirs.block_size}"
                 )
             if row["detail"]:
                 row.update(codes_differing=t_codes.size, scales_differing=t_scale.size)
             else:
-                m_scale = np.asarray(mine.scale, np.float32).reshape(-1).view(np.uint32)
-                row["codes_differing"] = int((_bits(mine.codes) != t_codes).sum())
-                row["scales_differing"] = int((m_scale != t_scale.view(np.uint32)).sum())
-            row["passed"] = row["codes_differing"] == 0 and row["scales_differing"] == 0
+                row["codes_differing"] = int((mine[0] != t_codes).sum())
+                row["scales_differing"] = int(
+                    (mine[1].view(np.uint32) != t_scale.reshape(-1).view(np.uint32)).sum()
+                )
+            # pieces that cannot hold torchao's blocks are not comparable: undecided, not failed
+            comparable = "not comparable" not in row["detail"]
+            exact = row["codes_differing"] == 0 and row["scales_differing"] == 0
+            row["passed"] = exact if comparable else None
             rows.append(row)
 
     worst, max_diff, max_excess = None, 0.0, -np.inf
@@ -184,7 +231,8 @@ def optimizer_state_verdicts(
             )
         ]
     states, weights = rows[:-1], rows[-1]
-    failed = [r for r in states if not r["passed"]]
+    failed = [r for r in states if r["passed"] is False]
+    undecided = [r for r in states if r["passed"] is None]
     codes = sum(r["codes"] for r in states)
     differing = sum(r["codes_differing"] for r in states)
     scales = sum(r["scales"] for r in states)
@@ -210,13 +258,17 @@ def optimizer_state_verdicts(
             + "; "
             + detail
         )
+    if undecided:
+        detail += "; not comparable: " + ", ".join(
+            f"{r['torch_name']} {r['moment']} ({r['detail']})" for r in undecided[:3]
+        )
     verdicts = [
         Verdict(
             check=f"{prefix}: optimizer state codes and scales",
             compared=compared,
             value=f"{len(failed)}/{len(states)} moments off",
             tolerance="bit-identical, blocks in torch's element order",
-            passed=(not failed) if states else None,
+            passed=False if failed else (None if undecided or not states else True),
             detail=detail if states else "torchao quantized no moment: nothing to compare",
             mode="step 0",
             power=0.0,
