@@ -249,10 +249,10 @@ _EDGES_AT_DEFAULT_LEVEL = textwrap.dedent(
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's optimisation level")
 def test_all_finite_at_every_binade_edge_at_xla_default_optimisation(tmp_path):
-    """The jitted edge check above, compiled at XLA:CPU's default optimisation level, which
-    users run (the test suite compiles at LLVM level 0 to save compile time; LLVM's passes at the
-    default level are what turned a row sum of scaled gradients into scale * sum, finite, and at
-    level 0 that defect goes unseen). In a fresh process: the flags are read once per process."""
+    """The jitted edge check above, in a fresh process with XLA:CPU at its default
+    optimisation level whatever XLA_FLAGS the caller set: LLVM's passes at that level are what
+    turned a row sum of scaled gradients into scale * sum (finite); at LLVM level 0 that defect
+    goes unseen. The flags are read once per process."""
     rows = np.stack(
         [[_overflowing_row(scale, above) for above in (False, True)] for scale in EDGE_SCALES]
     )
