@@ -55,6 +55,28 @@ def test_mapping_json_round_trip():
     assert ("blocks.0.attn", ("blocks_0", "attn")) in pair.mapping.module_pairs()
 
 
+def test_element_index_names_each_flax_elements_torch_position():
+    """The one reading of a mapping's element order (low-bit block order, step 0's pieces): each
+    Flax element holds its torch tensor's flat position, so weights taken through the index equal
+    the mapping's own transfer, split tensors (fused qkv) included."""
+    pair = get_model_pair("transformer", seed=0, num_layers=1)
+    tensors = {n: t.detach().numpy() for n, t in pair.torch_model.state_dict().items()}
+    index = pair.mapping.element_index({n: t.shape for n, t in tensors.items()})
+    flat = {
+        tuple(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(pair.mapping.to_flax(tensors))[0]
+    }
+    assert set(index) == set(flat)
+    split = [found for found in index.values() if found[0][0].endswith("in_proj_weight")]
+    assert len(split) == 3  # query, key and value kernels from one torch tensor
+    for path, found in index.items():
+        assert len(found) == 1, path  # one torch tensor per leaf in this pair
+        name, positions = found[0]
+        assert positions.shape == flat[path].shape, path
+        assert _bits_equal(tensors[name].reshape(-1)[positions], flat[path]), path
+    assert pair.mapping.element_index({}) == {}
+
+
 def test_grads_to_flax_matches_jax_gradients():
     """Transformer (fused qkv chunks, reshapes): torch grads through the mapping equal JAX's."""
     from parity.training.losses import loss_jax, loss_torch

@@ -494,6 +494,28 @@ class WeightMapping:
         """The Flax leaf paths (collection first) the mapping writes, in entry order."""
         return list(dict.fromkeys(tuple(e.flax_path) for e in self.entries))
 
+    def element_index(
+        self, torch_shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[tuple[str, ...], list[tuple[str, np.ndarray]]]:
+        """Where each Flax element comes from: ``{Flax path: [(torch name, index), ...]}``, one
+        pair per entry whose torch tensor is in `torch_shapes`, ``index`` Flax-shaped and holding
+        each element's flat row-major position in that torch tensor (a Dense kernel's index is
+        torch's ``arange`` transposed; a piece of a split tensor holds its slice's positions).
+
+        Args:
+          torch_shapes: ``{torch name: shape}`` (e.g. of ``state_dict()``).
+        """
+        index: dict[tuple[str, ...], list[tuple[str, np.ndarray]]] = {}
+        for entry in self.entries:
+            shape = torch_shapes.get(entry.torch_name)
+            if shape is None:
+                continue
+            positions = np.arange(int(np.prod(shape))).reshape(shape)
+            index.setdefault(tuple(entry.flax_path), []).append(
+                (entry.torch_name, apply_transform(entry.transform, positions))
+            )
+        return index
+
     def _flax_arrays(self, tensors: Mapping[str, Any], average: bool, dtype) -> dict:
         missing = [name for name in self.torch_names() if name not in tensors]
         if missing:

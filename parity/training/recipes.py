@@ -39,7 +39,6 @@ import numpy as np
 import optax
 
 import jaxamp
-from parity.pairs.mapping import apply_transform
 from parity.perf.hardware import UnsupportedHere
 from parity.training import fp8 as parity_fp8
 
@@ -568,15 +567,11 @@ class _LowBitAdamW(Fp32):
                 "automatic mapping) or a mapping for the low-bit AdamW precisions."
             )
         shapes = {name: tuple(t.shape) for name, t in pair.torch_model.state_dict().items()}
-        entries: dict[tuple, list] = {}
-        for entry in pair.mapping.entries:
-            entries.setdefault(tuple(entry.flax_path), []).append(entry)
         orders: dict = {}
-        for path, found in entries.items():
+        for path, found in pair.mapping.element_index(shapes).items():
             if path[0] != "params" or len(found) != 1:
                 continue
-            shape = shapes[found[0].torch_name]
-            index = apply_transform(found[0].transform, np.arange(np.prod(shape)).reshape(shape))
+            index = found[0][1]
             order = np.argsort(index.reshape(-1), kind="stable")
             if (order != np.arange(order.size)).any():
                 node = orders

@@ -24,7 +24,6 @@ import torch
 
 from jaxamp.optim_precision import QuantizedArray
 from parity.config import RunConfig
-from parity.pairs.mapping import apply_transform
 from parity.training.losses import loss_torch
 from parity.training.steps import build_jax_optimizer, build_torch_optimizer
 from parity.verdicts.rows import Verdict
@@ -78,13 +77,12 @@ def _pieces(pair: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tup
     order: the Flax leaves each torch tensor maps to (several where the mapping splits it, e.g.
     attention's fused ``in_proj_weight`` into query, key and value kernels)."""
     pieces: dict[str, list[tuple[int, int, str]]] = {}
-    for entry in pair.mapping.entries:
-        shape = shapes.get(entry.torch_name)
-        if entry.flax_path[0] != "params" or shape is None:
+    for path, found in pair.mapping.element_index(shapes).items():
+        if path[0] != "params":
             continue
-        index = apply_transform(entry.transform, np.arange(np.prod(shape)).reshape(shape))
-        path = "/".join(entry.flax_path[1:])
-        pieces.setdefault(entry.torch_name, []).append((int(index.min()), int(index.size), path))
+        for torch_name, index in found:
+            piece = (int(index.min()), int(index.size), "/".join(path[1:]))
+            pieces.setdefault(torch_name, []).append(piece)
     return {name: sorted(found) for name, found in pieces.items()}
 
 
