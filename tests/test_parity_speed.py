@@ -154,3 +154,32 @@ def test_plots_are_linear_and_survive_no_data(tmp_path):
     assert not plots.plot_memory(failed, tmp_path / "m0.png")
     for name in ("t.png", "m.png", "t0.png", "m0.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_distributed_cell_shows_each_jax_mode_against_torch(tmp_path):
+    """Every JAX mode of a distributed arm is its own row and bottom line (it was one "jax" row:
+    the last mode recorded stood for all of them)."""
+    runs = [
+        _run("torch", "fp32", 0.010, distributed="torch ddp", arm="ddp"),
+        _run("jax", "fp32", 0.020, seed=1, distributed="jax:jit ddp", arm="ddp"),
+        _run("jax", "fp32", 0.005, seed=2, distributed="jax:shard_map ddp", arm="ddp"),
+    ]
+    members = speed.cells(runs)[("cnn", "fp32", "cpu")]
+    assert speed.ordered_labels(members) == ["torch ddp", "jax:jit ddp", "jax:shard_map ddp"]
+    assert speed.torch_reference(members)[0] == "torch ddp"
+    text = "\n".join(speed.speed_section(runs))
+    jit_line = next(line for line in text.splitlines() if "jax:jit ddp vs torch ddp" in line)
+    shard_line = next(line for line in text.splitlines() if "jax:shard_map ddp vs" in line)
+    assert "slower than torch eager (ddp)" in jit_line
+    assert "faster than torch eager (ddp)" in shard_line
+    rows = [line for line in text.splitlines() if line.startswith("| cnn | fp32 | cpu |")]
+    assert [row.split(" | ")[3] for row in rows] == [
+        "torch ddp",
+        "jax:jit ddp",
+        "jax:shard_map ddp",
+    ]
+    torch_row = rows[0]
+    assert "jax:jit ddp: 2.0" in torch_row and "jax:shard_map ddp: 0.5" in torch_row
+    memory = "\n".join(memory_report.memory_section(runs))
+    assert memory.count("| cnn | fp32 | cpu |") == 3
+    assert plots.plot_step_times(runs, tmp_path / "t.png")

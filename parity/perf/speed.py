@@ -35,10 +35,10 @@ from scipy.stats import t as student_t
 import jaxamp
 from parity.perf.hardware import hardware_summary
 from parity.training.recipes import get_recipe
+from parity.training.records import run_label
 
 __all__ = [
     "CI_WIDTH_LIMIT",
-    "LABEL_ORDER",
     "MIN_BLOCKS",
     "REPRO_SPREAD_LIMIT",
     "SPREAD_LIMIT",
@@ -73,7 +73,6 @@ REPRO_SPREAD_LIMIT = 1.5
 # ran with, minus this margin (background daemons use a little of any machine).
 OVERSUBSCRIBED_MARGIN = 0.5
 # The order runs are listed and drawn in within a cell.
-LABEL_ORDER = ("torch", "torch-compile", "jax")
 
 
 # --- statistics --------------------------------------------------------------------------------
@@ -341,12 +340,6 @@ def block_verdict(
 # --- runs and cells ----------------------------------------------------------------------------
 
 
-def _label(run: Mapping[str, Any]) -> str:
-    if run["framework"] == "torch" and run.get("torch_mode") == "compile":
-        return "torch-compile"
-    return run["framework"]
-
-
 def _completed(run: Mapping[str, Any]) -> bool:
     status = run.get("status") or ("error" if run.get("summary", {}).get("error") else "completed")
     return status == "completed" and not run.get("variant")
@@ -368,7 +361,9 @@ def measured_times(run: Mapping[str, Any]) -> list[float]:
 
 
 def cells(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """Completed runs grouped by (model, precision, device), keyed by label within a cell.
+    """Completed runs grouped by (model, precision, device), keyed by `run_label` within a cell:
+    ``"torch"``, ``"torch-compile"``, ``"jax"``; a distributed cell's sides by arm and JAX mode
+    (``"torch ddp"``, ``"jax:jit ddp"``, ``"jax:shard_map ddp"``), each JAX mode its own member.
 
     Example:
       >>> cells([])
@@ -378,8 +373,40 @@ def cells(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], dict[
     for run in runs:
         if _completed(run) and measured_times(run):
             key = (run["model"], run["precision"], run["device"])
-            out.setdefault(key, {})[_label(run)] = run
+            out.setdefault(key, {})[run_label(run)] = run
     return dict(sorted(out.items()))
+
+
+def _is_compiled(run: Mapping[str, Any]) -> bool:
+    return run.get("torch_mode") == "compile"
+
+
+def ordered_labels(members: Mapping[str, Any]) -> list[str]:
+    """A cell's labels in table order: torch eager, torch.compile, then each JAX mode.
+
+    Example:
+      >>> ordered_labels({"jax": {"framework": "jax"}, "torch": {"framework": "torch"}})
+      ['torch', 'jax']
+    """
+    return sorted(
+        members,
+        key=lambda label: (
+            members[label]["framework"] != "torch",
+            _is_compiled(members[label]),
+            label,
+        ),
+    )
+
+
+def jax_labels(members: Mapping[str, Any]) -> list[str]:
+    """A cell's JAX members: ``["jax"]`` on one device, one per JAX mode of a distributed arm.
+
+    Example:
+      >>> jax_labels({"torch ddp": {"framework": "torch"}, "jax:jit ddp": {"framework": "jax"},
+      ...             "jax:shard_map ddp": {"framework": "jax"}})
+      ['jax:jit ddp', 'jax:shard_map ddp']
+    """
+    return [label for label in ordered_labels(members) if members[label]["framework"] == "jax"]
 
 
 def _compute_dtype(run: Mapping[str, Any]) -> str:
@@ -438,7 +465,7 @@ def reliability_warnings(run: Mapping[str, Any]) -> list[str]:
       >>> reliability_warnings({"steps": [{"time_s": 1.0}] * 3, "config": {}, "framework": "jax"})
       ['jax: only 3 timed steps']
     """
-    label = _label(run)
+    label = run_label(run)
     times = measured_times(run)
     out = []
     if len(times) < MIN_STEPS:
@@ -471,24 +498,24 @@ def torch_reference(members: Mapping[str, Any]) -> tuple[str, Any] | None:
     torch.compile; None when the cell has neither.
 
     Example:
-      >>> torch_reference({"jax": {}}) is None
+      >>> torch_reference({"jax": {"framework": "jax"}}) is None
       True
     """
-    for label in ("torch", "torch-compile"):
-        if label in members:
-            return label, members[label]
-    return None
+    torch = [label for label in ordered_labels(members) if members[label]["framework"] == "torch"]
+    return (torch[0], members[torch[0]]) if torch else None
 
 
-def _mode_name(label: str) -> str:
-    return "torch eager" if label == "torch" else "torch.compile"
+def _mode_name(torch_run: Mapping[str, Any]) -> str:
+    mode = "torch.compile" if _is_compiled(torch_run) else "torch eager"
+    arm = torch_run.get("arm")
+    return f"{mode} ({arm})" if arm and arm != "single" else mode
 
 
 def _blocks_of(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> Mapping | None:
     """The alternating-block timing of this pair (its torch mode must be the torch run's)."""
     for run in (torch_run, jax_run):
         trial = run.get("speed_blocks")
-        if isinstance(trial, Mapping) and trial.get("torch_label", "torch") == _label(torch_run):
+        if isinstance(trial, Mapping) and trial.get("torch_label", "torch") == run_label(torch_run):
             return trial
     return None
 
@@ -557,7 +584,7 @@ def speed_figure(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> di
       >>> figure["status"], figure["text"].split(" (")[0]
       ('unreliable', 'UNRELIABLE: jax: only 4 timed steps; torch: only 4 timed steps')
     """
-    mode = _mode_name(_label(torch_run))
+    mode = _mode_name(torch_run)
     caveats = cell_caveats(torch_run)
     trial = _blocks_of(jax_run, torch_run)
     verdict = None
@@ -645,23 +672,31 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
     for (model, precision, device), members in grouped.items():
         reference = torch_reference(members)
-        if "jax" in members and reference is not None:
-            sentence = bottom_line(members["jax"], reference[1])
-            lines.append(
-                f"- **{model} {precision} ({device})**: {sentence[0].upper()}{sentence[1:]}."
-            )
+        jax = jax_labels(members)
+        if jax and reference is not None:
+            for label in jax:
+                sentence = bottom_line(members[label], reference[1])
+                who = "" if label == "jax" else f", {label} vs {reference[0]}"
+                lines.append(
+                    f"- **{model} {precision} ({device}{who})**: "
+                    f"{sentence[0].upper()}{sentence[1:]}."
+                )
         else:
             lines.append(f"- **{model} {precision} ({device})**: only {', '.join(members)} ran.")
     lines += ["", "| model | precision | device | run | steps | median ms (95% CI) | JAX / this |"]
     lines.append("|---|---|---|---|---|---|---|")
     for (model, precision, device), members in grouped.items():
-        for label in sorted(members, key=LABEL_ORDER.index):
+        jax = jax_labels(members)
+        for label in ordered_labels(members):
             times = measured_times(members[label])
             median, low, high = median_ci(times)
-            ratio_text = "—"
-            if label != "jax" and "jax" in members:
-                ratio, r_low, r_high = ratio_ci(measured_times(members["jax"]), times)
-                ratio_text = f"{ratio:.2f} ({r_low:.2f}-{r_high:.2f})"
+            ratios = []
+            if label not in jax:
+                for other in jax:
+                    ratio, r_low, r_high = ratio_ci(measured_times(members[other]), times)
+                    named = "" if len(jax) == 1 else f"{other}: "
+                    ratios.append(f"{named}{ratio:.2f} ({r_low:.2f}-{r_high:.2f})")
+            ratio_text = "; ".join(ratios) or "—"
             lines.append(
                 f"| {model} | {precision} | {device} | {label} | {len(times)} "
                 f"| {_ms(median)} ({_ms(low)}-{_ms(high)}) | {ratio_text} |"
@@ -675,26 +710,8 @@ def _blocks_table(grouped) -> list[str]:
     rows = []
     for (model, precision, device), members in grouped.items():
         reference = torch_reference(members)
-        trial = reference and "jax" in members and _blocks_of(members["jax"], reference[1])
-        if not trial:
-            continue
-        verdict = blocks_verdict(trial)
-        threads = trial.get("threads") or {}
-        others = trial.get("others_cpu_cores_total")
-        figure = (
-            f"{verdict['ratio']:.3f} ({verdict['low']:.3f}-{verdict['high']:.3f})"
-            if verdict["status"] == "ratio"
-            else verdict["status"]
-        )
-        rows.append(
-            f"| {model} | {precision} | {device} | {verdict['blocks']} x "
-            f"{trial.get('block_steps', '?')} | {figure} "
-            f"| {', '.join(f'{r:.2f}' for r in verdict['block_ratios']) or '—'} "
-            f"| {threads.get('torch_intra_op_threads')} / {threads.get('xla_cpu_intra_op_threads')}"
-            f" ({threads.get('omp_wait_policy') or 'OMP default'}) "
-            f"| {'—' if others is None else f'{others:.2f}'} of {threads.get('available_cpus')} "
-            f"| {(trial.get('load_average_before') or ['—'])[0]} |"
-        )
+        for label in jax_labels(members) if reference else []:
+            rows += _blocks_row(model, precision, device, members[label], reference[1])
     if not rows:
         return []
     return [
@@ -706,6 +723,32 @@ def _blocks_table(grouped) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
+    ]
+
+
+def _blocks_row(model, precision, device, jax_run, torch_run) -> list[str]:
+    """The blocks table's row of one JAX run against the torch reference (none without blocks)."""
+    trial = _blocks_of(jax_run, torch_run)
+    if not trial:
+        return []
+    if jax_run.get("distributed"):
+        device = f"{device}, {run_label(jax_run)}"
+    verdict = blocks_verdict(trial)
+    threads = trial.get("threads") or {}
+    others = trial.get("others_cpu_cores_total")
+    figure = (
+        f"{verdict['ratio']:.3f} ({verdict['low']:.3f}-{verdict['high']:.3f})"
+        if verdict["status"] == "ratio"
+        else verdict["status"]
+    )
+    return [
+        f"| {model} | {precision} | {device} | {verdict['blocks']} x "
+        f"{trial.get('block_steps', '?')} | {figure} "
+        f"| {', '.join(f'{r:.2f}' for r in verdict['block_ratios']) or '—'} "
+        f"| {threads.get('torch_intra_op_threads')} / {threads.get('xla_cpu_intra_op_threads')}"
+        f" ({threads.get('omp_wait_policy') or 'OMP default'}) "
+        f"| {'—' if others is None else f'{others:.2f}'} of {threads.get('available_cpus')} "
+        f"| {(trial.get('load_average_before') or ['—'])[0]} |"
     ]
 
 
@@ -724,7 +767,7 @@ def hardware_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         hardware = run.get("hardware")
         if not hardware or "cpu" not in hardware:
             continue
-        seen.setdefault(hardware_summary(hardware), []).append(_label(run))
+        seen.setdefault(hardware_summary(hardware), []).append(run_label(run))
         load = (hardware["cpu"].get("load_average") or [None])[0]
         if load is not None:
             loads.append(load)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from parity.perf.speed import LABEL_ORDER, cells, torch_reference
+from parity.perf.speed import cells, jax_labels, ordered_labels, torch_reference
 from parity.training.recipes import get_recipe
 
 __all__ = ["memory_comparability", "memory_section"]
@@ -98,7 +98,7 @@ def memory_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines.append("|---|---|---|---|---|---|")
     pairs = set()
     for (model, precision, device), members in grouped.items():
-        for label in sorted(members, key=LABEL_ORDER.index):
+        for label in ordered_labels(members):
             summary = members[label]["summary"]
             peak = summary.get("peak_memory_bytes")
             method = summary.get("peak_memory_method")
@@ -108,11 +108,11 @@ def memory_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"| {_METHOD_TEXT.get(method, method or '—')} |"
             )
         reference = torch_reference(members)
-        if reference and "jax" in members:
+        for label in jax_labels(members) if reference else []:
             pairs.add(
                 (
                     reference[1]["summary"].get("peak_memory_method"),
-                    members["jax"]["summary"].get("peak_memory_method"),
+                    members[label]["summary"].get("peak_memory_method"),
                 )
             )
     lines.append("")

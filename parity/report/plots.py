@@ -368,9 +368,9 @@ _SPEED_MARKS = {
 
 
 def _speed_pair(members):
-    """The cell's JAX run and torch reference (eager first), or None."""
-    reference = next((members[k] for k in ("torch", "torch-compile") if k in members), None)
-    return (members["jax"], reference) if "jax" in members and reference is not None else None
+    """The cell's (first) JAX run and torch reference (eager first), or None."""
+    reference, jax = speed.torch_reference(members), speed.jax_labels(members)
+    return (members[jax[0]], reference[1]) if jax and reference is not None else None
 
 
 def step_time_caveat(members) -> str | None:
@@ -415,7 +415,7 @@ def _block_stats(members):
     if not trial or not isinstance(trial.get("times"), dict):
         return None
     out = {}
-    for label, key in ((_base_label(pair[1]), "torch"), ("jax", "jax")):
+    for label, key in ((_base_label(pair[1]), "torch"), (_base_label(pair[0]), "jax")):
         medians = [float(np.median(b)) for b in trial["times"].get(key) or [] if b]
         if medians:
             out[label] = (float(np.median(medians)), min(medians), max(medians))
@@ -447,7 +447,7 @@ def plot_step_times(runs, path) -> bool:
     fig, axes = _grid(len(grouped))
     for ax, ((model, precision, device), members) in zip(axes, grouped.items(), strict=False):
         blocks = _block_stats(members)
-        labels = sorted(members, key=speed.LABEL_ORDER.index)
+        labels = speed.ordered_labels(members)
         if blocks:
             labels = [lb for lb in labels if lb in blocks]
             stats = [blocks[lb] for lb in labels]
@@ -510,7 +510,7 @@ def memory_panels(runs) -> list[tuple[str, list[tuple[str, float, str]]]]:
     panels = []
     for (model, precision, device), members in speed.cells(runs).items():
         classes: dict[str, list] = {}
-        for label in sorted(members, key=speed.LABEL_ORDER.index):
+        for label in speed.ordered_labels(members):
             summary = members[label]["summary"]
             peak = summary.get("peak_memory_bytes") or 0
             if not (finite(peak) and peak > 0):
