@@ -1,6 +1,7 @@
 """loss_scaled, get_loss_scale, amp_info, value_and_grad: FAULTS.md 8-16, 20-22."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -783,3 +784,71 @@ def test_apply_gradients_fuses_the_parameter_update():
     assert not [line for line in outside if " fusion(" in line], outside
     # One branch, the update's: the finite check (unscaled overflow included) has none.
     assert entry.count("conditional(") == 1
+
+
+_NON_FINITE = {"inf": np.inf, "-inf": -np.inf, "nan": np.nan}
+
+
+def _reduce_max_inputs(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(operand shape, axes) of every reduce_max in `jaxpr`, nested jaxprs included, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            found.append((eqn.invars[0].aval.shape, tuple(eqn.params["axes"])))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found.extend(_reduce_max_inputs(sub))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("shape", "blocks"),
+    [
+        ((32, 48), (2, 16, 3, 16)),
+        ((48, 32), (3, 16, 2, 16)),  # the transpose: the same blocks, transposed
+        ((3, 64, 16), (3, 4, 16, 1, 16)),
+        ((24, 10), (3, 8, 5, 2)),
+    ],
+)
+def test_check_reads_a_matrix_in_square_blocks_whichever_way_it_is_stored(
+    shape, blocks, float_dtype
+):
+    """Under a 16-bit compute dtype cast by hand, XLA:CPU stores each kernel's gradient
+    transposed (``convert(transpose(dot))``). The inf/NaN check first reduces blocks of the
+    last two axes (16 x 16 where both divide): the same cache lines in either layout. Rows of
+    the flattened array read a transposed gradient with a stride of a whole row, and cost a
+    fp16-mixed MLP step a fifth of its time (BENCHMARKS.md)."""
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    params = {"w": jnp.zeros(shape, jnp.float32)}
+    grads = {"w": jnp.ones(shape, float_dtype)}
+    for traced in (jaxamp.all_finite, lambda g: tx.update(g, tx.init(params), params)):
+        first_reduce = _reduce_max_inputs(jax.make_jaxpr(traced)(grads).jaxpr)[0]
+        assert first_reduce == (blocks, (len(blocks) - 3, len(blocks) - 1))
+
+
+def test_a_transposed_16_bit_gradient_is_checked_element_by_element(float_dtype, maybe_jit):
+    """The case the blocks are for, end to end: a kernel's gradient through a hand-written
+    narrowing cast (as a Flax module's ``dtype=``), which XLA:CPU stores transposed. One
+    non-finite input element makes one row of the 32 x 48 gradient inf/NaN; the step skips
+    exactly then, and the parameters stay finite."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(32, 48)) * 0.1, jnp.float32)}
+    tx = jaxamp.loss_scaled(optax.adam(1e-2))
+
+    def step(params, opt_state, x):
+        def loss(p, x):
+            y = x.astype(float_dtype) @ p["w"].astype(float_dtype)
+            return jnp.mean(y.astype(jnp.float32) ** 2)
+
+        _, grads = jaxamp.value_and_grad(loss)(params, x, loss_scale=opt_state)
+        return jaxamp.apply_gradients(tx, grads, opt_state, params)
+
+    step = maybe_jit(step)
+    for bad in (None, *_NON_FINITE):
+        x = rng.normal(size=(8, 32)).astype(np.float32)
+        if bad is not None:
+            x[5, 19] = _NON_FINITE[bad]
+        new_params, opt_state = step(params, tx.init(params), jnp.asarray(x))
+        assert bool(jaxamp.amp_info(opt_state).last_step_applied) is (bad is None), bad
+        assert np.isfinite(np.asarray(new_params["w"])).all(), bad
+        changed = not np.array_equal(np.asarray(new_params["w"]), np.asarray(params["w"]))
+        assert changed is (bad is None), bad
