@@ -15,7 +15,14 @@ interleaved, step by step, after warm-up, with `block_until_ready`:
 * ``flax``: Flax's `DynamicScale.value_and_grad` (unscale, finite check, scale update) and
   `jnp.where` over the new params and optimizer state, as the Flax examples do;
 * ``jmp``: `jmp.DynamicLossScale` (scale, unscale, `jmp.all_finite`, `adjust`) and
-  `jmp.select_tree` over the new params and optimizer state, as jmp's README does.
+  `jmp.select_tree` over the new params and optimizer state, as jmp's README does;
+* ``loss_scaled_policy``: the README's ``train_step`` verbatim: the policy handed to
+  `jaxamp.value_and_grad` (``policy=``) rather than written out, so jaxamp casts, runs float16
+  losses under autocast's lists and accumulates weight gradients in the policy's float32
+  ``reduce_dtype`` (under ``fp32`` it is ``loss_scaled`` exactly);
+* ``plain_policy``: the same gradient program without loss scaling (`jaxamp.value_and_grad`
+  with the policy and no loss scale, then `optax.adamw`), the reference for
+  ``loss_scaled_policy``'s own overhead (``ratio_to_plain_policy``).
 
 Opt-in (``--variants ... loss_scaled_provenance``):
 
@@ -32,9 +39,9 @@ Opt-in (``--variants ... order_floor``), a diagnostic and not a loss scaler:
   gradient leaf. The update still waits for every gradient, as any exact whole-step skip must,
   but the check costs nothing: its ratio is the floor that ordering alone sets.
 
-Every variant differentiates the same policy-cast loss (the casts written out, so that every
-variant computes the same numbers); ``loss_scaled`` is otherwise the README's ``train_step`` as
-users write it (`jaxamp.value_and_grad`, `jaxamp.apply_gradients`, `jaxamp.amp_info` returned;
+Every variant but the two ``*_policy`` ones differentiates the same policy-cast loss (the casts
+written out, as Flax and jmp users write them, so that those variants compute the same
+numbers); ``loss_scaled`` is otherwise the README's ``train_step`` as users write it (`jaxamp.value_and_grad`, `jaxamp.apply_gradients`, `jaxamp.amp_info` returned;
 under ``fp32`` the casts are no-ops and it is that step exactly). Each variant is jitted twice, with its
 params and optimizer state donated (``donate_argnums=(0, 1)``) and without (as the README's
 step, and many training scripts, are written); ``--donate`` picks which. Every (variant,
@@ -42,7 +49,9 @@ donation) step is timed interleaved with the others (the order rotates); each ra
 ``plain`` with the same donation and comes with a bootstrap 95% confidence interval
 (resampling the paired step indices); each ``loss_scaled*`` variant also gets its ratio to
 ``flax`` and to ``jmp`` (``ratio_to_peer``, same CI), printed after its row. Compile times are
-reported apart.
+reported apart. ``--clock cpu`` times each step in CPU seconds of this process
+(`time.process_time`) rather than wall-clock seconds: on a machine shared with other work the
+wall clock also measures the waits for a core.
 
     python benchmarks/bench_loss_scaled.py --steps 100 --repeats 2
 """
@@ -162,6 +171,8 @@ VARIANTS = (
     "naive",
     "flax",
     "jmp",
+    "plain_policy",
+    "loss_scaled_policy",
 )
 OPT_IN = ("loss_scaled_provenance",)
 DIAGNOSTICS = ("order_floor",)
@@ -199,6 +210,26 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
 
         def step(params, opt_state, x, y):  # the README's train_step
             loss, grads = jaxamp.value_and_grad(compute_loss)(params, x, y, loss_scale=opt_state)
+            params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
+            return params, opt_state, loss, jaxamp.amp_info(opt_state)
+
+        return tx.init, jit(step)
+
+    if variant in ("plain_policy", "loss_scaled_policy"):
+        # The policy is jaxamp's to apply: `loss_fn` without the casts written out.
+        grad_fn = jaxamp.value_and_grad(loss_fn, policy=policy)
+        if variant == "plain_policy":
+
+            def step(params, opt_state, x, y):
+                loss, grads = grad_fn(params, x, y)
+                updates, opt_state = base.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, loss
+
+            return base.init, jit(step)
+        tx = jaxamp.loss_scaled(base)
+
+        def step(params, opt_state, x, y):  # the README's train_step, verbatim
+            loss, grads = grad_fn(params, x, y, loss_scale=opt_state)
             params, opt_state = jaxamp.apply_gradients(tx, grads, opt_state, params)
             return params, opt_state, loss, jaxamp.amp_info(opt_state)
 
@@ -295,6 +326,7 @@ def _make_step(variant: str, loss_fn, policy, donate: bool = True):
 
 
 PEERS = ("flax", "jmp")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
@@ -316,9 +348,14 @@ def bench(
     variants: tuple[str, ...] = VARIANTS,
     donate: tuple[bool, ...] = (True, False),
     tiny: bool = False,
+    clock: str = "wall",
 ) -> list[dict]:
     """One interleaved run of every (variant, donation) step; one result per donation mode.
-    `tiny` times the tiny models of `_problem` (tests and smoke runs)."""
+    `tiny` times the tiny models of `_problem` (tests and smoke runs); `clock` is "wall"
+    (`time.perf_counter`) or "cpu" (`time.process_time`: this process's CPU seconds)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {tuple(CLOCKS)}; got {clock!r}")
+    timer = CLOCKS[clock]
     if not variants or variants[0] != "plain":
         raise ValueError(f"variants must start with 'plain' (the reference); got {variants!r}")
     if not donate:
@@ -356,9 +393,9 @@ def bench(
         # Interleave, rotating the order so no step always runs first after another.
         shift = i % len(cells)
         for cell in cells[shift:] + cells[:shift]:
-            t0 = time.perf_counter()
+            t0 = timer()
             run_one(cell)
-            runs[cell]["times"].append(time.perf_counter() - t0)
+            runs[cell]["times"].append(timer() - t0)
     results = []
     for d in donate:
         plain_times = runs["plain", d]["times"]
@@ -370,6 +407,7 @@ def bench(
             "batch_size": batch_size,
             "tiny": tiny,
             "donated": d,
+            "clock": clock,
             "steps": steps,
             "warmup": warmup,
             "variants": {},
@@ -399,6 +437,17 @@ def bench(
                 for peer in PEERS
                 if peer in variants
             }
+        if "plain_policy" in variants:
+            # The README's step against the same gradient program unscaled: what loss
+            # scaling itself costs there.
+            reference = runs["plain_policy", d]["times"]
+            for variant in variants:
+                if variant.endswith("_policy") and variant != "plain_policy":
+                    times = runs[variant, d]["times"]
+                    result["variants"][variant]["ratio_to_plain_policy"] = {
+                        "ratio": statistics.median(times) / statistics.median(reference),
+                        "ci95": _bootstrap_ratio_ci(times, reference),
+                    }
         results.append(result)
     return results
 
@@ -408,9 +457,12 @@ def _print_rows(r: dict) -> None:
         iqr = f"{v['iqr_s'][0] * 1e3:.2f}-{v['iqr_s'][1] * 1e3:.2f}"
         ci = f"{v['ratio_ci95'][0]:.3f}-{v['ratio_ci95'][1]:.3f}"
         donated = "yes" if r["donated"] else "no"
+        compared = dict(v.get("ratio_to_peer", {}))
+        if "ratio_to_plain_policy" in v:
+            compared["plain_policy"] = v["ratio_to_plain_policy"]
         peers = "".join(
             f"  /{peer} {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
-            for peer, c in v.get("ratio_to_peer", {}).items()
+            for peer, c in compared.items()
         )
         print(
             f"{r['model']:<12}{r['policy']:>11}{r['batch_size']:>6}{donated:>8}{variant:>22}"
@@ -453,6 +505,12 @@ def main(argv=None) -> None:
         default="both",
         help="jit each step with its params and state donated, without, or both (default)",
     )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="time steps in wall-clock seconds (default) or in this process's CPU seconds",
+    )
     parser.add_argument("--out", default="benchmarks/results/loss_scaled.json")
     parser.add_argument("--smoke", action="store_true", help="allow --steps < 50 (development)")
     parser.add_argument(
@@ -486,6 +544,7 @@ def main(argv=None) -> None:
                         variants,
                         donate,
                         tiny=args.tiny,
+                        clock=args.clock,
                     ):
                         r["repeat"] = repeat
                         results.append(r)

@@ -47,6 +47,11 @@ def test_every_variant_trains_to_the_same_parameters(bench, policy):
     # Same optimizer, same gradients: only XLA's fusion (FMA contraction) and, below float32,
     # the policy's rounding of the scaled backward pass may differ.
     rtol = 1e-5 if policy == "fp32" else 1e-2
+    if policy == "fp16-mixed":
+        # Unscaled float16 gradients underflow, which is what loss scaling is for: the unscaled
+        # step of the README's gradient program is a timing reference for loss_scaled_policy
+        # there, and its parameters part from the scaled steps' (loss_scaled_policy's do not).
+        del results["plain_policy", True]
     for variant, p in results.items():
         for a, b in zip(jax.tree.leaves(results["plain", True]), jax.tree.leaves(p), strict=True):
             np.testing.assert_allclose(
