@@ -101,15 +101,24 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
     bench.main(
         [
             *common,
-            *("--warmup", "1", "--donate", "no"),
-            *("--variants", "order_floor", "loss_scaled", "jmp"),
-            *("--out", str(out)),
+            *("--warmup", "1", "--donate", "no", "--clock", "cpu"),
+            *("--variants", "order_floor", "loss_scaled", "jmp", "plain_policy"),
+            *("loss_scaled_policy", "--out", str(out)),
         ]
     )
     (result,) = json.loads(out.read_text())["results"]
-    assert list(result["variants"]) == ["plain", "order_floor", "loss_scaled", "jmp"]
-    assert result["donated"] is False and result["tiny"] is True
+    assert list(result["variants"]) == [
+        *("plain", "order_floor", "loss_scaled", "jmp", "plain_policy", "loss_scaled_policy")
+    ]
+    assert result["donated"] is False and result["tiny"] is True and result["clock"] == "cpu"
     rows = result["variants"]
+    # The README's step verbatim against its own unscaled gradient program.
+    own = rows["loss_scaled_policy"]["ratio_to_plain_policy"]
+    assert own["ratio"] == pytest.approx(
+        rows["loss_scaled_policy"]["median_s"] / rows["plain_policy"]["median_s"]
+    )
+    assert 0 < own["ci95"][0] <= own["ci95"][1]
+    assert "ratio_to_plain_policy" not in rows["loss_scaled"]
     assert "ratio_to_peer" not in rows["plain"] and "ratio_to_peer" not in rows["jmp"]
     peers = rows["loss_scaled"]["ratio_to_peer"]
     assert list(peers) == ["jmp"]  # the peers timed in this run only
@@ -123,3 +132,5 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
         bench.main([*common, "--variants", "loss_scaled_fast", "--out", str(out)])
     with pytest.raises(ValueError, match="must start with 'plain'"):
         bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
+    with pytest.raises(ValueError, match="clock must be one of"):
+        bench.bench("mlp", "fp32", 2, 1, 8, variants=("plain",), clock="gpu")
