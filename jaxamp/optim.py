@@ -184,7 +184,11 @@ def loss_scaled(
         do not donate, as the README's) keeps every buffer copy out of applied steps. A wrong
         setting costs speed, never values (both forms compute the same bits): ``in_place=True``
         without donation copies every parameter and state buffer on every step; False with
-        donation copies about as many as Flax's and jmp's selects do.
+        donation copies about as many as Flax's and jmp's selects do. One exception measured
+        on CPU: under a 16-bit compute dtype with the casts written by hand (a Flax module's
+        ``dtype=``), XLA:CPU stores weight gradients transposed, and True was the faster form
+        even without donation (BENCHMARKS.md's MLP: 0.69-0.86x an unscaled step, against
+        1.20-1.26x for False).
       provenance: True records, on each skipped step, which gradient leaf first held inf or
         NaN and every leaf's headroom below float16's maximum (`AmpInfo.overflow`, an
         `OverflowProvenance`). Measured inside the skip branch only, so an applied step does
