@@ -43,6 +43,7 @@ is made inconclusive where it is built (``Verdict.__post_init__``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -59,7 +60,7 @@ from parity.training.records import (
     run_seed,
     run_status,
 )
-from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows
+from parity.verdicts.fp16 import flip_steps, fp16_realigned_rows, fp16_skip_rows
 from parity.verdicts.rows import (
     LOSS_UNIT,
     PADDING_CHECK,
@@ -417,9 +418,29 @@ def _is_fp32(run) -> bool:
         return "c=f32" in (run.get("policy") or "")
 
 
-def _trajectory_rows(verdicts, ref, cand, noise, mains):
+def _signal_envelope(noise, mains, field):
+    """The self-divergence envelope of a per-step signal (``grad_norm``...): running max over
+    steps of each noise run's relative gap to its framework's main run; None without one."""
+    envelope = None
+    for run in noise:
+        gaps = _signal_gaps(mains[run["framework"]], run, field)
+        if not gaps:
+            continue
+        running = list(itertools.accumulate(gaps, max))
+        envelope = (
+            running
+            if envelope is None
+            else [max(a, b) for a, b in zip(envelope, running, strict=False)]
+        )
+    return envelope
+
+
+def _trajectory_rows(verdicts, ref, cand, noise, mains, skipped_apart=()):
     """New per-step rows for one pair; the names of compare's rows they replace; the power
-    (largest tolerance) of compare's per-step rows that stay."""
+    (largest tolerance) of compare's per-step rows that stay. Steps in `skipped_apart` (fp16
+    skip decisions that differ, explained by `parity.verdicts.fp16.flip_steps`) are left to
+    the fp16 rows in the per-step signal rows: one side's gradients are non-finite there by
+    design."""
     base = pair_fields(ref, cand)
     bound = POWER_BOUNDS["loss"]
     ref_l, cand_l = run_losses(ref), run_losses(cand)
@@ -461,9 +482,14 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
         signal = _signal_gaps(ref, cand, field)
         if signal is None or not n:
             continue
+        signal = [0.0 if s in skipped_apart else g for s, g in enumerate(signal)]
         m = min(len(signal), n)
+        own = _signal_envelope(noise, mains, field) if _is_fp32(ref) else None
         if _is_fp32(ref):
             tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
+            if own:  # the signal's own rounding divergence, where it outruns the loss's
+                own_tols = step_tolerances(signal[:m], own)
+                tols = [max(t, o) for t, o in zip(tols, own_tols, strict=False)]
         else:  # mixed precision: the final-loss band per step, as a rounding-level check
             tols = [SIGNAL_FACTOR * TOLERANCES["final_loss_rel"]] * m
         signal_rows = _split_trajectory(
@@ -474,7 +500,8 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains):
             0,
             m,
             POWER_BOUNDS["norm"],
-            f"{name} (unscaled, before clipping; {SIGNAL_FACTOR:g} x the loss tolerance)"
+            f"{name} (unscaled, before clipping; {SIGNAL_FACTOR:g} x the loss tolerance"
+            + (", or its own noise-calibrated tolerance where larger)" if own else ")")
             if field == "grad_norm"
             else f"{name} (||params after - params before||)",
             calibrated and _is_fp32(ref),
@@ -711,7 +738,9 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
     for cell, ref, cand, noise, mains, (refs, cands) in _pairs(runs):
         if ref["summary"].get("error") or cand["summary"].get("error"):
             continue
-        new, replaced, powered = _trajectory_rows(out, ref, cand, noise, mains)
+        calibration = [(mains[r["framework"]], r) for r in noise]
+        skipped_apart = flip_steps(ref, cand, calibration)
+        new, replaced, powered = _trajectory_rows(out, ref, cand, noise, mains, skipped_apart)
         compared = f"{run_label(cand)} vs {run_label(ref)}"
         out = [
             dataclasses.replace(v, power=powered[v.check])
@@ -734,11 +763,11 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
                 for v in out
             ]
             new += _seed_rows(cell, refs, cands)
-        explained = fp16_skip_rows(ref, cand)
+        explained = fp16_skip_rows(ref, cand, calibration)
         new += explained
         if explained and explained[0].mode == "informational":  # a rounding flip
             flip = explained[0].first_failing_step
-            new += fp16_realigned_rows(ref, cand, flip)
+            new += fp16_realigned_rows(ref, cand, flip, calibration)
             out = [
                 dataclasses.replace(
                     v,
