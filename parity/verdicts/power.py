@@ -43,7 +43,6 @@ is made inconclusive where it is built (``Verdict.__post_init__``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -75,6 +74,8 @@ from parity.verdicts.rows import (
     run_losses,
     seeds_to_decide,
     self_divergence,
+    signal_envelope,
+    signal_gaps,
 )
 
 __all__ = [
@@ -393,46 +394,11 @@ def _trajectory(
     return rows
 
 
-def _signal_gaps(ref, cand, field) -> list[float] | None:
-    a = [s.get(field) for s in ref["steps"]]
-    b = [s.get(field) for s in cand["steps"]]
-    if not any(isinstance(x, int | float) for x in a) or not any(
-        isinstance(x, int | float) for x in b
-    ):
-        return None
-    out = []
-    for x, y, ra, rb in zip(a, b, ref["steps"], cand["steps"], strict=False):
-        if ra.get("skipped") or rb.get("skipped"):
-            out.append(0.0 if ra.get("skipped") == rb.get("skipped") else math.inf)
-        elif x is None or y is None:
-            out.append(math.inf)
-        else:
-            out.append(abs(x - y) / max(abs(x), 1e-30))
-    return out
-
-
 def _is_fp32(run) -> bool:
     try:
         return get_recipe(run["precision"]).compute_dtype_name == "float32"
     except ValueError:
         return "c=f32" in (run.get("policy") or "")
-
-
-def _signal_envelope(noise, mains, field):
-    """The self-divergence envelope of a per-step signal (``grad_norm``...): running max over
-    steps of each noise run's relative gap to its framework's main run; None without one."""
-    envelope = None
-    for run in noise:
-        gaps = _signal_gaps(mains[run["framework"]], run, field)
-        if not gaps:
-            continue
-        running = list(itertools.accumulate(gaps, max))
-        envelope = (
-            running
-            if envelope is None
-            else [max(a, b) for a, b in zip(envelope, running, strict=False)]
-        )
-    return envelope
 
 
 def _trajectory_rows(verdicts, ref, cand, noise, mains, skipped_apart=()):
@@ -479,12 +445,12 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains, skipped_apart=()):
                 base, "per-step loss", gaps, tolerances, covered + 1, n, bound, "loss", calibrated
             )
     for field, name in (("grad_norm", "gradient norm"), ("update_norm", "update norm")):
-        signal = _signal_gaps(ref, cand, field)
+        signal = signal_gaps(ref, cand, field)
         if signal is None or not n:
             continue
         signal = [0.0 if s in skipped_apart else g for s, g in enumerate(signal)]
         m = min(len(signal), n)
-        own = _signal_envelope(noise, mains, field) if _is_fp32(ref) else None
+        own = signal_envelope(noise, mains, field) if _is_fp32(ref) else None
         if _is_fp32(ref):
             tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
             if own:  # the signal's own rounding divergence, where it outruns the loss's

@@ -7,6 +7,7 @@ is said about a set of rows (`overall_status`, `cell_bottom_lines`, `format_verd
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import shlex
@@ -17,12 +18,11 @@ from parity.cli.flags import run_arguments
 from parity.training.records import run_label
 
 __all__ = [
-    "LOSS_UNIT",
-    "TOLERANCES",
-    "Verdict",
     "DECIDING_SEEDS",
+    "LOSS_UNIT",
     "PADDING_CHECK",
     "POWER_BOUNDS",
+    "TOLERANCES",
     "WEAK_CHECKS",
     "cell_bottom_lines",
     "cell_configs",
@@ -40,6 +40,9 @@ __all__ = [
     "run_losses",
     "seeds_to_decide",
     "self_divergence",
+    "signal_envelope",
+    "signal_gaps",
+    "Verdict",
     "verdict_mark",
 ]
 
@@ -543,3 +546,47 @@ def format_verdicts(
             "no torch/JAX pair was compared (need both frameworks with the same data seed)"
         )
     return "\n".join(lines)
+
+
+def signal_gaps(ref, cand, field) -> list[float] | None:
+    """Per step, the relative gap of a recorded signal (``grad_norm``, ``update_norm``) between
+    two runs: 0 where both skipped, inf where only one did or a value is missing; None when
+    either run never recorded it.
+
+    Example:
+      >>> signal_gaps({"steps": [{"grad_norm": 2.0}]}, {"steps": [{"grad_norm": 2.2}]}, "grad_norm")
+      [0.10000000000000009]
+    """
+    a = [s.get(field) for s in ref["steps"]]
+    b = [s.get(field) for s in cand["steps"]]
+    if not any(isinstance(x, int | float) for x in a) or not any(
+        isinstance(x, int | float) for x in b
+    ):
+        return None
+    out = []
+    for x, y, ra, rb in zip(a, b, ref["steps"], cand["steps"], strict=False):
+        if ra.get("skipped") or rb.get("skipped"):
+            out.append(0.0 if ra.get("skipped") == rb.get("skipped") else math.inf)
+        elif x is None or y is None:
+            out.append(math.inf)
+        else:
+            out.append(abs(x - y) / max(abs(x), 1e-30))
+    return out
+
+
+def signal_envelope(noise, mains, field) -> list[float] | None:
+    """The self-divergence envelope of a per-step signal (``grad_norm``...): running max over
+    steps of each noise run's relative gap to its framework's main run (`mains`: framework ->
+    run); None without one."""
+    envelope = None
+    for run in noise:
+        gaps = signal_gaps(mains[run["framework"]], run, field)
+        if not gaps:
+            continue
+        running = list(itertools.accumulate(gaps, max))
+        envelope = (
+            running
+            if envelope is None
+            else [max(a, b) for a, b in zip(envelope, running, strict=False)]
+        )
+    return envelope
