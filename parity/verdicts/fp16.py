@@ -35,7 +35,7 @@ __all__ = [
     "FP16_FLIP_NOISE_K",
     "FP16_FLIP_ULPS",
     "FP16_MAX",
-    "flip_steps",
+    "explained_steps",
     "flip_window",
     "fp16_realigned_rows",
     "fp16_skip_rows",
@@ -235,20 +235,16 @@ def _realigned(ref, cand, flip: int, calibration: Calibration):
     return explained, unexplained, events, widest
 
 
-def flip_steps(ref, cand, calibration: Calibration = ()) -> list[int]:
-    """The steps whose skip decisions differ and are explained: the first, when it is a flip
-    (`fp16_skip_rows`), and those after it the realigned scales explain (`fp16_realigned_rows`);
-    [] when the first difference is not a flip. At these steps one side's gradients are
-    non-finite by design: per-step gradient comparisons leave them to these rows.
+def explained_steps(ref, cand, flip: int, calibration: Calibration = ()) -> list[int]:
+    """The steps whose skip decisions differ and are explained, given a flip at `flip`
+    (`fp16_skip_rows`' first row, informational): the flip and the later steps the realigned
+    scales explain (`fp16_realigned_rows`). At these steps one side's gradients are non-finite
+    by design: per-step gradient comparisons leave them to these rows.
 
     Example:
-      >>> flip_steps({"steps": []}, {"steps": []})
-      []
+      >>> explained_steps({"steps": []}, {"steps": []}, flip=0)
+      [0]
     """
-    rows = fp16_skip_rows(ref, cand, calibration)
-    if not rows or rows[0].mode != "informational":
-        return []
-    flip = rows[0].first_failing_step
     return [flip, *_realigned(ref, cand, flip, calibration)[0]]
 
 

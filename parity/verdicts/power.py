@@ -59,7 +59,7 @@ from parity.training.records import (
     run_seed,
     run_status,
 )
-from parity.verdicts.fp16 import flip_steps, fp16_realigned_rows, fp16_skip_rows
+from parity.verdicts.fp16 import explained_steps, fp16_realigned_rows, fp16_skip_rows
 from parity.verdicts.rows import (
     LOSS_UNIT,
     PADDING_CHECK,
@@ -404,7 +404,7 @@ def _is_fp32(run) -> bool:
 def _trajectory_rows(verdicts, ref, cand, noise, mains, skipped_apart=()):
     """New per-step rows for one pair; the names of compare's rows they replace; the power
     (largest tolerance) of compare's per-step rows that stay. Steps in `skipped_apart` (fp16
-    skip decisions that differ, explained by `parity.verdicts.fp16.flip_steps`) are left to
+    skip decisions that differ, explained by `parity.verdicts.fp16.explained_steps`) are left to
     the fp16 rows in the per-step signal rows: one side's gradients are non-finite there by
     design."""
     base = pair_fields(ref, cand)
@@ -450,9 +450,10 @@ def _trajectory_rows(verdicts, ref, cand, noise, mains, skipped_apart=()):
             continue
         signal = [0.0 if s in skipped_apart else g for s, g in enumerate(signal)]
         m = min(len(signal), n)
-        own = signal_envelope(noise, mains, field) if _is_fp32(ref) else None
+        own = None
         if _is_fp32(ref):
             tols = [SIGNAL_FACTOR * t for t in tolerances[:m]]
+            own = signal_envelope(noise, mains, field)
             if own:  # the signal's own rounding divergence, where it outruns the loss's
                 own_tols = step_tolerances(signal[:m], own)
                 tols = [max(t, o) for t, o in zip(tols, own_tols, strict=False)]
@@ -705,7 +706,14 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
         if ref["summary"].get("error") or cand["summary"].get("error"):
             continue
         calibration = [(mains[r["framework"]], r) for r in noise]
-        skipped_apart = flip_steps(ref, cand, calibration)
+        skip_rows = fp16_skip_rows(ref, cand, calibration)
+        # a differing skip within `flip_window` of float16's max (a flip): the scales part there
+        flip = (
+            skip_rows[0].first_failing_step
+            if skip_rows and skip_rows[0].mode == "informational"
+            else None
+        )
+        skipped_apart = [] if flip is None else explained_steps(ref, cand, flip, calibration)
         new, replaced, powered = _trajectory_rows(out, ref, cand, noise, mains, skipped_apart)
         compared = f"{run_label(cand)} vs {run_label(ref)}"
         out = [
@@ -729,10 +737,8 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
                 for v in out
             ]
             new += _seed_rows(cell, refs, cands)
-        explained = fp16_skip_rows(ref, cand, calibration)
-        new += explained
-        if explained and explained[0].mode == "informational":  # a rounding flip
-            flip = explained[0].first_failing_step
+        new += skip_rows
+        if flip is not None:
             new += fp16_realigned_rows(ref, cand, flip, calibration)
             out = [
                 dataclasses.replace(
@@ -740,8 +746,8 @@ def judge(runs: Sequence[Mapping[str, Any]], verdicts: Sequence[Verdict]) -> lis
                     passed=None,
                     mode="informational",
                     detail=f"{v.detail}; explained: a rounding flip at step {flip} (both sides "
-                    "at float16's threshold); the scales part there, and the rows after the "
-                    "flip (scales realigned) decide",
+                    "within the flip window of float16's max: its fp16 skip row); the scales "
+                    "part there, and the rows after the flip (scales realigned) decide",
                 )
                 if v.cell == cell
                 and v.compared == compared
