@@ -329,6 +329,14 @@ PEERS = ("flax", "jmp")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def _paired_ratio(times, reference) -> dict:
+    """Median over the reference's median, with the paired bootstrap 95% CI."""
+    return {
+        "ratio": statistics.median(times) / statistics.median(reference),
+        "ci95": _bootstrap_ratio_ci(times, reference),
+    }
+
+
 def _bootstrap_ratio_ci(times, plain, *, n_boot=2000, seed=0):
     """95% CI of median(times) / median(plain), resampling paired step indices (`plain` may be
     any step timed in the same interleaved run: the reference or a peer)."""
@@ -429,11 +437,7 @@ def bench(
             if not variant.startswith("loss_scaled"):
                 continue
             result["variants"][variant]["ratio_to_peer"] = {
-                peer: {
-                    "ratio": statistics.median(runs[variant, d]["times"])
-                    / statistics.median(runs[peer, d]["times"]),
-                    "ci95": _bootstrap_ratio_ci(runs[variant, d]["times"], runs[peer, d]["times"]),
-                }
+                peer: _paired_ratio(runs[variant, d]["times"], runs[peer, d]["times"])
                 for peer in PEERS
                 if peer in variants
             }
@@ -443,11 +447,9 @@ def bench(
             reference = runs["plain_policy", d]["times"]
             for variant in variants:
                 if variant.endswith("_policy") and variant != "plain_policy":
-                    times = runs[variant, d]["times"]
-                    result["variants"][variant]["ratio_to_plain_policy"] = {
-                        "ratio": statistics.median(times) / statistics.median(reference),
-                        "ci95": _bootstrap_ratio_ci(times, reference),
-                    }
+                    result["variants"][variant]["ratio_to_plain_policy"] = _paired_ratio(
+                        runs[variant, d]["times"], reference
+                    )
         results.append(result)
     return results
 
