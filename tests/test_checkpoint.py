@@ -83,6 +83,7 @@ def _run(tmp_path, mode, ckpt_dir, out):
     return log, dict(np.load(str(out) + ".npz"))
 
 
+@pytest.mark.integration
 def test_resume_in_fresh_process_is_bit_identical(tmp_path):
     ckpt = tmp_path / "ckpt"
     full_log, full_params = _run(tmp_path, "save", ckpt, tmp_path / "full.json")

@@ -46,6 +46,7 @@ def _alive(pid: int) -> bool:
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
+@pytest.mark.integration
 def test_worker_group_ends_every_worker_when_one_fails():
     with WorkerGroup(timeout_s=30) as group:
         group.start("sleeper", SLEEPER)
@@ -57,6 +58,7 @@ def test_worker_group_ends_every_worker_when_one_fails():
     assert live_worker_pids() == []
 
 
+@pytest.mark.integration
 def test_worker_group_timeout_ends_workers():
     start = time.monotonic()
     with WorkerGroup(timeout_s=1.0) as group:
@@ -68,6 +70,7 @@ def test_worker_group_timeout_ends_workers():
     assert not any(_alive(p) for p in pids)
 
 
+@pytest.mark.integration
 def test_worker_group_success_and_validation():
     with WorkerGroup(timeout_s=30) as group:
         group.start("echo", [sys.executable, "-c", "print('hi')"])
@@ -77,6 +80,7 @@ def test_worker_group_success_and_validation():
         WorkerGroup(timeout_s=0)
 
 
+@pytest.mark.integration
 def test_ctrl_c_ends_workers(tmp_path):
     # A harness process with a worker; SIGINT to the harness must end the worker too.
     pid_file = tmp_path / "pid"
@@ -164,6 +168,7 @@ def _failed(result):
     return [v for v in result.verdicts if v.passed is False]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
     config = RunConfig(

@@ -24,6 +24,7 @@ def _check_outputs(workdir: Path, loss_keys: tuple[str, ...], precision: str) ->
     return metrics
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax's adamw computes float ** int32
 def test_image_classifier(tmp_path, capsys):
@@ -52,6 +53,7 @@ def test_image_classifier_needs_data_dir(tmp_path):
         train.make_data(config_lib.get_config(dataset="mnist"))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion
 def test_transformer_lm(tmp_path):
@@ -68,6 +70,7 @@ def test_transformer_lm(tmp_path):
     assert metrics["module_policies"]["blocks/0/norm1"] == "p=f32,c=f32,o=bf16"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.standard_promotion

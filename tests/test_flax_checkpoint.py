@@ -156,6 +156,7 @@ def worker(tmp_path_factory):
     return path, namespace
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax's adam computes float ** int32
 def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):

@@ -157,6 +157,7 @@ _REASSOCIATING = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's reassociation flags")
 def test_check_survives_a_compiler_that_reassociates():
     """XLA:CPU allowed to reassociate (fast math that still honours inf and NaN): the old row
@@ -247,6 +248,7 @@ _EDGES_AT_DEFAULT_LEVEL = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's optimisation level")
 def test_all_finite_at_every_binade_edge_at_xla_default_optimisation(tmp_path):
     """The jitted edge check above, in a fresh process with XLA:CPU at its default

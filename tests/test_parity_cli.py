@@ -59,6 +59,7 @@ def _fake_run(framework, precision="fp32", losses=(2.0, 1.5, 1.0), scales=None, 
     return run
 
 
+@pytest.mark.integration
 def test_run_both_writes_results_and_report(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["run", "--model", "mlp", "--precision", "fp32", "--framework", "both"]
@@ -111,6 +112,7 @@ def test_compare_missing_folder_and_bad_model_are_usage_errors(tmp_path, capsys)
         cli.main(["run", "--model", "mlp", "--precision", "fp8", "--out", str(tmp_path)])
 
 
+@pytest.mark.integration
 def test_matrix_resumes_after_interruption(tmp_path, monkeypatch):
     out = tmp_path / "matrix"
     calls = []
@@ -194,6 +196,7 @@ def test_non_finite_values_become_null_in_strict_json(tmp_path):
     assert json.loads(text)["runs"][0]["summary"]["final_loss"] is None
 
 
+@pytest.mark.integration
 def test_python_dash_m_parity_help():
     result = subprocess.run(
         [sys.executable, "-m", "parity", "--help"],
@@ -321,6 +324,7 @@ def test_compare_reports_runs_without_finite_losses(tmp_path, capsys, precision,
         assert "no finite loss" in report
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_run_with_noise_and_seeds_records_calibration_runs(tmp_path, capsys):
     args = ["run", "--model", "mlp", "--out", str(tmp_path), "--steps", "4", "--batch-size", "4"]

@@ -47,11 +47,13 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_blocker_makes_torch_unimportable():
     done = _run(["-c", "import torch"], _env())
     assert done.returncode != 0 and "blocked: torch is not installed here" in done.stderr
 
 
+@pytest.mark.integration
 def test_example_project_tests_pass_without_torch():
     """The example's passing case and planted bug, through parity.testing, torch unimportable."""
     done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q", "examples/parity_ci"], _env())
@@ -59,6 +61,7 @@ def test_example_project_tests_pass_without_torch():
     assert "2 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.integration
 def test_cli_check_passes_without_torch_on_a_narrower_cpu(tmp_path):
     out = tmp_path / "verdicts.json"
     done = _run(
@@ -178,6 +181,7 @@ def test_recorded_on_native_bf16_passes_here_with_the_bf16_bands_widened():
     assert "bands grow" in result.report()
 
 
+@pytest.mark.integration
 def test_export_of_a_builtin_pair_checks_pass(tmp_path):
     """`python -m parity export`'s library call on a built-in pair (its Flax twin found by
     name), then the check: the trajectory is judged by the fp32 per-step bands."""

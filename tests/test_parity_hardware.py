@@ -48,6 +48,7 @@ def test_hardware_info_describes_both_frameworks_as_json():
     assert info["torch"]["cpu_capability"] in summary and "CPU" in summary
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_hardware_info_never_imports_torch():
     code = (
@@ -153,6 +154,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_aten_cpu_capability_takes_effect():
     """CI's AVX2 pass relies on it: torch must report (and use) the capability it is given.
@@ -167,6 +169,7 @@ def test_aten_cpu_capability_takes_effect():
     assert out.stdout.split() == [capability.upper(), "True"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="ONEDNN_MAX_CPU_ISA names x86 ISAs")
 def test_onednn_max_cpu_isa_takes_effect_and_removes_bf16_lstm():
@@ -199,6 +202,7 @@ def test_set_threads_gives_both_frameworks_the_same_count():
         torch.set_num_threads(before)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_one_thread_reaches_xla_in_a_fresh_process():
     code = (

@@ -260,6 +260,7 @@ def _optimizer_recipe_runs_as_itself(recipe):
         assert abs(losses[-1] - exact[-1]) > 1e-5 * abs(exact[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch.distributed / autocast on CPU
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -299,6 +300,7 @@ def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
             _runs_as_itself(recipe, result["steps"][0]["loss"], fp32_losses["jax"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fp8_on_two_devices_trains_fp8_on_both_sides(tmp_path):
@@ -343,6 +345,7 @@ def registered():
         del RECIPES[Fp32Again.name]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_adding_a_precision_is_one_class_and_one_line(registered, tmp_path):
     assert registered.name in precision_names()

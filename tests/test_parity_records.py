@@ -39,6 +39,7 @@ def _write(tmp_path, data):
     (tmp_path / "results.json").write_text(json.dumps(data))
 
 
+@pytest.mark.integration
 def test_train_jax_does_not_import_torch():
     code = "import sys, parity.training.train_jax, parity.training.records, parity.verdicts.compare; print('torch' in sys.modules)"
     out = subprocess.run(

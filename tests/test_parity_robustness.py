@@ -221,6 +221,7 @@ for i in range(count):
 """
 
 
+@pytest.mark.integration
 def test_two_processes_merging_at_once_lose_no_run(tmp_path):
     count = 30
     writers = [

@@ -162,6 +162,7 @@ def _dtypes(colls):
     return sorted({d for _, ds in colls for d in ds})
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
@@ -182,6 +183,7 @@ def test_gradient_collectives_run_in_reduce_dtype(collectives, case):
     assert _dtypes(colls) == ["f32"], f"{case}: {colls}"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
