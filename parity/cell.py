@@ -12,6 +12,7 @@ weights, extra data seeds). It returns run records; `write_outputs` merges them 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from parity.automap.explain import record_mapping
 from parity.config import RunConfig
 from parity.perf.blocks import attach_speed_blocks, check_speed_blocks
 from parity.perf.hardware import unsupported_reason
+from parity.perf.phases import clock, current, phase
 from parity.report.markdown import write_report
 from parity.training.records import (
     build_unsupported_record,
@@ -141,8 +143,52 @@ def run_cell(
       train: ``train(frameworks, config, pair, stream) -> records`` trains the frameworks that
         passed the gate, in place of `parity.training.trainers.train_framework` for each (the
         distributed runner's workers: one record per side, always a record); None: one device.
+
+    Every record returned carries ``"phases"``: the wall and CPU seconds of each phase of the
+    cell (`parity.perf.phases`: step 0 and its parts, each framework's training with its compile,
+    timed steps and evaluation, the speed blocks, the calibration runs); an enclosing clock (the
+    CLI's) gets them added too.
     """
     check_speed_blocks(speed_blocks)
+    outer = current()
+    with clock() as cell_clock:
+        runs = _run_cell(
+            config,
+            frameworks,
+            pair=pair,
+            stream=stream,
+            progress=progress,
+            step0_checks=step0_checks,
+            echo=echo,
+            noise=noise,
+            seeds=seeds,
+            skip_keys=skip_keys,
+            speed_blocks=speed_blocks,
+            train=train,
+        )
+    entries = cell_clock.as_records()
+    for run in runs:
+        run["phases"] = [dict(entry) for entry in entries]
+    if outer is not None:
+        outer.merge(entries)
+    return runs
+
+
+def _run_cell(
+    config,
+    frameworks,
+    *,
+    pair,
+    stream,
+    progress,
+    step0_checks,
+    echo,
+    noise,
+    seeds,
+    skip_keys,
+    speed_blocks,
+    train,
+) -> list[dict[str, Any]]:
     if pair is None and frameworks:
         pair = builtin_pair(config)
     # A cell this hardware cannot run (no GPU; no oneDNN kernel) is recorded, not failed.
@@ -163,29 +209,36 @@ def run_cell(
             if echo:
                 print(f"{config.model} {config.precision}: data: {bad_data.value}", file=sys.stderr)
         elif step0_checks:
-            step0 = run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
+            with phase("step 0"):
+                step0 = run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
         else:
             step0 = None
         if step0 is not None and not step0.passed:
             # The mapping goes into the records: a port blocked at step 0 shows its pairing.
             return runs + record_mapping(blocked_records(config, step0, frameworks), pair)
         if train is None:
-            trained = [
-                train_framework(fw, config, pair, stream, progress=progress) for fw in frameworks
-            ]
+            trained = []
+            for fw in frameworks:
+                with phase(f"train {fw}"):
+                    trained.append(train_framework(fw, config, pair, stream, progress=progress))
         else:
-            trained = train(frameworks, config, pair, stream)
-        attach_speed_blocks(trained, config, pair, stream, blocks=speed_blocks)
+            with phase("train"):
+                trained = train(frameworks, config, pair, stream)
+        if speed_blocks:
+            with phase("speed blocks"):
+                attach_speed_blocks(trained, config, pair, stream, blocks=speed_blocks)
         runs += record_mapping(attach_step0(trained, step0), pair)
-    return runs + calibration_runs(
-        config,
-        pair,
-        stream=stream,
-        noise=noise,
-        seeds=seeds,
-        progress=progress,
-        skip_keys=skip_keys,
-    )
+    calibrating = noise != "none" or seeds != 1
+    with phase("calibration") if calibrating else contextlib.nullcontext():
+        return runs + calibration_runs(
+            config,
+            pair,
+            stream=stream,
+            noise=noise,
+            seeds=seeds,
+            progress=progress,
+            skip_keys=skip_keys,
+        )
 
 
 def calibration_runs(
@@ -239,6 +292,10 @@ def calibration_runs(
     return runs
 
 
+def _report_phase(entry: dict[str, Any]) -> bool:
+    return entry["phase"].split("/")[0] in ("verdicts", "report")
+
+
 def write_outputs(
     out_dir: str | os.PathLike,
     runs: list[dict[str, Any]] | None = None,
@@ -256,14 +313,27 @@ def write_outputs(
     """
     out = Path(out_dir)
     data = merge_runs(out, runs) if runs is not None else load_results(out)
-    verdicts = judge(data["runs"], compare_runs(data["runs"]))
+    outer = current()
+    with clock() as report_clock:
+        with phase("verdicts"):
+            verdicts = judge(data["runs"], compare_runs(data["runs"]))
     status = overall_status(verdicts)
     if echo:
         print(format_verdicts(verdicts, cell_configs(data["runs"])))
     write_json_atomic(
         out / "verdicts.json", {"status": status, "verdicts": [v.to_dict() for v in verdicts]}
     )
-    path = write_report(out, data["runs"], verdicts, skipped_cells=skipped_cells)
+    with clock(report_clock), phase("report"):
+        path = write_report(out, data["runs"], verdicts, skipped_cells=skipped_cells)
+    entries = report_clock.as_records()
+    if outer is not None:
+        outer.merge(entries)
+    if runs:  # this invocation's records keep the time their verdicts and report took
+        for run in runs:
+            run["phases"] = [e for e in run.get("phases") or [] if not _report_phase(e)] + [
+                dict(e) for e in entries
+            ]
+        merge_runs(out, runs)
     if echo:
         print(f"report: {path.resolve()}")
     return status, verdicts, path

@@ -81,8 +81,21 @@ def test_run_both_writes_results_and_report(tmp_path, capsys):
         assert run["config"]["policy"] == "p=f32,c=f32,o=f32"
         assert run["summary"]["peak_memory_method"]
     assert (out / "report.md").exists() and (out / "steps.csv").exists()
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "per-step loss, steps 0-9" in printed and "report:" in printed
+    # Where the time went: in every record (the schema checked it on load), one line, the report.
+    for run in data["runs"]:
+        names = [entry["phase"] for entry in run["phases"]]
+        for name in ("step 0", "step 0/outputs and gradients", "step 0/layer probe"):
+            assert name in names, names
+        for name in ("train torch/steps", "train jax/compile", "train jax/steps"):
+            assert name in names, names
+        assert "verdicts" in names and "report/plots" in names, names
+        assert names.index("step 0") < names.index("step 0/layer probe")  # in the order begun
+    line = [x for x in captured.err.splitlines() if x.startswith("time (wall s / CPU s): ")]
+    assert len(line) == 1 and "step 0 " in line[0] and "total " in line[0], captured.err
+    assert "## Where the time went" in (out / "report.md").read_text()
     # Running one framework again replaces its run instead of appending a duplicate.
     args = ["run", "--model", "mlp", "--framework", "jax", "--steps", "4", "--batch-size", "8"]
     assert cli.main([*args, "--out", str(out), "--no-progress", "--no-eval", *TINY_MLP]) == 0

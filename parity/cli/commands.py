@@ -19,10 +19,12 @@ but some cell has no check that could have failed: the report gives the command 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from parity.perf.blocks import DEFAULT_BLOCKS
 from parity.perf.hardware import unsupported_reason
 from parity.perf.matmul import add_matmul_parser, main_matmul
 from parity.perf.measure import set_threads
+from parity.perf.phases import clock, format_line
 from parity.training.recipes import get_recipe, precision_names, resolve_precision
 from parity.training.records import (
     RESULTS_FILE,
@@ -552,6 +555,21 @@ def _gpu_missing(args) -> str | None:
     return "; ".join(reasons) or None
 
 
+@contextlib.contextmanager
+def timed_phases():
+    """Collects the phases of the command (`parity.perf.phases`) and prints them as one line
+    to stderr at the end, whatever the outcome."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    with clock() as phases:
+        try:
+            yield phases
+        finally:
+            entries = phases.as_records()
+            if entries:
+                total = (time.perf_counter() - wall, time.process_time() - cpu)
+                print(format_line(entries, total), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = build_parser()
@@ -566,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("run", "matrix"):
             set_threads(args.threads)  # before JAX starts its CPU backend; recorded in every run
             missing = _gpu_missing(args)
-            code = _cmd_run(args) if args.command == "run" else _cmd_matrix(args)
+            with timed_phases():
+                code = _cmd_run(args) if args.command == "run" else _cmd_matrix(args)
             if missing:  # what could run ran and is reported; the cells without a GPU are not
                 print(f"error: --device gpu: {missing}", file=sys.stderr)
                 return 2

@@ -27,6 +27,7 @@ from typing import Any
 
 from parity.perf import speed
 from parity.perf.measure import MEMORY_METHODS
+from parity.perf.phases import current, phase
 from parity.report.memory import memory_section
 from parity.report.plots import (
     cell_groups,
@@ -38,6 +39,7 @@ from parity.report.plots import (
     plot_memory,
     plot_step_times,
 )
+from parity.report.timing import phases_section
 from parity.training.records import (
     comparable_labels,
     run_label,
@@ -594,6 +596,12 @@ def _speed_sections(runs) -> list[str]:
     return lines
 
 
+def _timing_section(groups, rendering) -> list[str]:
+    """Each cell's phases (`parity.report.timing`), with this report's own plots when timed."""
+    lines = phases_section(groups, rendering.as_records() if rendering is not None else None)
+    return ["", *lines] if lines else []
+
+
 def _plot_gallery(plots) -> list[str]:
     """The memory methods, the plots and the raw files."""
     lines: list[str] = []
@@ -635,8 +643,10 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_steps_csv(runs, out / "steps.csv")
-    plots, notes = _draw_plots(runs, out)
+    with phase("plots"):
+        plots, notes = _draw_plots(runs, out)
     groups = cell_groups(runs)
+    rendering = current()
     lines = [
         *_header(runs, verdicts),
         *_bottom_lines(verdicts, groups),
@@ -649,6 +659,7 @@ def write_report(
         *_cannot_show(runs, notes),
         *_problem_sections(runs, groups, skipped_cells),
         *_speed_sections(runs),
+        *_timing_section(groups, rendering),
         *_plot_gallery(plots),
     ]
     path = out / "report.md"

@@ -173,6 +173,12 @@ _EVAL_LOGITS = {
     "inputs_sha256": _STR,
     "!logits_b64": _STR.not_null(),
 }
+# `parity.perf.phases.PhaseClock.as_records`: where the cell's time went.
+_PHASE = {
+    "!phase": _STR.not_null(),
+    "!wall_s": _DURATION.not_null(),
+    "!cpu_s": _DURATION.not_null(),
+}
 RUN_SCHEMA = {
     **{f"!{name}": _STR.not_null() for name in ("framework", "model", "precision", "device")},
     "status": Kind(f"one of {RUN_STATUSES}", lambda x: x in RUN_STATUSES),
@@ -206,6 +212,7 @@ RUN_SCHEMA = {
     ),
     "diagnosis": Nullable(_DIAGNOSIS),
     "eval_logits": Nullable([_EVAL_LOGITS]),
+    "phases": Nullable([_PHASE]),
 }
 
 

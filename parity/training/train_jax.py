@@ -27,6 +27,7 @@ from parity.cli.progress import progress as progress_lines
 from parity.config import RunConfig
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere, unsupported_reason
+from parity.perf.phases import phase
 from parity.training.eval_logits import eval_logit_point
 from parity.training.losses import eval_metric_jax, loss_jax
 from parity.training.records import build_run_record
@@ -157,7 +158,7 @@ def build_jax_step(
     cached = _COMPILED.get(id(pair))
     if reuse_compiled and cached is not None and cached[0] == key:
         return JaxStep(cached[1], params, batch_stats, opt_state, host_batch, None, device)
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"), phase("compile"):
         start = measure.now()
         compiled = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(*args).compile()
         compile_time = measure.now() - start
@@ -192,35 +193,38 @@ def train_jax(
     recipe = config.recipe
     # Evaluation compiled once; a language model's eval logits at the initial weights (before
     # step 0 donates them) and after training: `parity.verdicts.logits` compares them with torch's.
-    evaluation = _Evaluation(config, pair, stream, device) if config.eval else None
-    if evaluation is not None:
-        evaluation.capture_logits(0, params, batch_stats)
+    with phase("eval"):
+        evaluation = _Evaluation(config, pair, stream, device) if config.eval else None
+        if evaluation is not None:
+            evaluation.capture_logits(0, params, batch_stats)
 
     log = measure.StepLog()
     iterator = range(config.steps)
     if progress:
         iterator = progress_lines(iterator, f"jax {config.model} {config.precision}")
-    for step_index in iterator:
-        inputs, targets = host_batch(step_index)
-        learning_rate = jnp.float32(config.lr_at(step_index))
-        jax.block_until_ready((inputs, targets, learning_rate))
-        start = measure.now()
-        params, batch_stats, opt_state, metrics = compiled(
-            params, batch_stats, opt_state, inputs, targets, learning_rate
-        )
-        jax.block_until_ready((params, opt_state, metrics))
-        elapsed = measure.now() - start
-        loss_scale = recipe.logged_scale(metrics["loss_scale"])
-        stop = log.record(
-            step_index, float(metrics["loss"]), loss_scale, bool(metrics["skipped"]), elapsed
-        )
-        log.steps[-1].update(step_signals(metrics, scaled=loss_scale is not None))
-        if stop:
-            break
+    with phase("steps"):
+        for step_index in iterator:
+            inputs, targets = host_batch(step_index)
+            learning_rate = jnp.float32(config.lr_at(step_index))
+            jax.block_until_ready((inputs, targets, learning_rate))
+            start = measure.now()
+            params, batch_stats, opt_state, metrics = compiled(
+                params, batch_stats, opt_state, inputs, targets, learning_rate
+            )
+            jax.block_until_ready((params, opt_state, metrics))
+            elapsed = measure.now() - start
+            loss_scale = recipe.logged_scale(metrics["loss_scale"])
+            stop = log.record(
+                step_index, float(metrics["loss"]), loss_scale, bool(metrics["skipped"]), elapsed
+            )
+            log.steps[-1].update(step_signals(metrics, scaled=loss_scale is not None))
+            if stop:
+                break
 
     eval_metric = None
     if config.eval and log.stopped_reason is None:
-        eval_metric = evaluation.evaluate(len(log.steps), params, batch_stats)
+        with phase("eval"):
+            eval_metric = evaluation.evaluate(len(log.steps), params, batch_stats)
 
     memory_detail = None
     if config.device == "gpu":

@@ -27,6 +27,7 @@ from parity.cli.progress import progress as progress_lines
 from parity.config import RunConfig, torch_device_type
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere, unsupported_reason
+from parity.perf.phases import phase
 from parity.training.eval_logits import eval_logit_point
 from parity.training.losses import eval_metric_torch, loss_torch
 from parity.training.records import build_run_record
@@ -171,7 +172,8 @@ def train_torch(
     eval_logits: list[dict[str, Any]] = []
     capture_logits = config.eval and pair.task == "lm"
     if capture_logits:
-        eval_logits.append(_eval_logit_point(side, stream, 0))
+        with phase("eval"):
+            eval_logits.append(_eval_logit_point(side, stream, 0))
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     log = measure.StepLog()
@@ -182,37 +184,38 @@ def train_torch(
             f"torch{'-compile' if config.torch_compile else ''} {config.model} {config.precision}"
         )
         iterator = progress_lines(iterator, label)
-    for step in iterator:
-        inputs, targets = side.batch(stream, step)
-        measure.torch_sync(config.device)
-        start = measure.now()
-        loss = train_step(step, inputs, targets)
-        loss_value = float(loss.item())  # a device sync: the step is done
-        measure.torch_sync(config.device)
-        elapsed = measure.now() - start
-        skipped = False
-        scale_used = scale
-        if scaler is not None:
-            # GradScaler backs off exactly when it skipped the optimizer step.
-            scale = float(scaler.get_scale())
-            skipped = scale < scale_used
-        stop = log.record(step, loss_value, scale_used, skipped, elapsed)
-        log.steps[-1].update(train_step.signals)  # grad and update norms (torch_train_step)
-        if stop:
-            break
+    with phase("steps"):
+        for step in iterator:
+            inputs, targets = side.batch(stream, step)
+            measure.torch_sync(config.device)
+            start = measure.now()
+            loss = train_step(step, inputs, targets)
+            loss_value = float(loss.item())  # a device sync: the step is done
+            measure.torch_sync(config.device)
+            elapsed = measure.now() - start
+            skipped = False
+            scale_used = scale
+            if scaler is not None:
+                # GradScaler backs off exactly when it skipped the optimizer step.
+                scale = float(scaler.get_scale())
+                skipped = scale < scale_used
+            stop = log.record(step, loss_value, scale_used, skipped, elapsed)
+            log.steps[-1].update(train_step.signals)  # grad and update norms (torch_train_step)
+            if stop:
+                break
 
     eval_metric = None
     if config.eval and log.stopped_reason is None:
         values = []
-        with torch.no_grad():
+        with torch.no_grad(), phase("eval"):
             for raw_inputs, raw_targets in stream.eval_batches():
                 inputs = _to_device(raw_inputs, side.device, side.input_dtype)
                 targets = _to_device(raw_targets, side.device, None)
                 logits, _ = forward_loss(inputs, targets, train=False)
                 values.append(float(eval_metric_torch(pair.task, logits.float(), targets)))
+            if capture_logits:
+                eval_logits.append(_eval_logit_point(side, stream, len(log.steps)))
         eval_metric = float(np.mean(values))
-        if capture_logits:
-            eval_logits.append(_eval_logit_point(side, stream, len(log.steps)))
 
     if device_type == "cuda":
         peak_memory = measure.torch_gpu_peak_memory()

@@ -20,6 +20,7 @@ import numpy as np
 
 from parity.config import RunConfig
 from parity.perf.flops import jax_matmul_flops
+from parity.perf.phases import phase
 from parity.training.losses import loss_jax
 from parity.training.steps import jax_forward
 
@@ -107,7 +108,10 @@ def jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops) 
     )
     with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
         eval_logits, loss, logits, new_stats, grads = jax.device_get(jax.jit(run)(*args))
-        flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args)) if trace_flops else None
+        flops = None
+        if trace_flops:
+            with phase("dtype trace"):
+                flops = jax_matmul_flops(jax.make_jaxpr(train_grads)(*args))
     return Side(
         np.asarray(eval_logits),
         np.asarray(logits),

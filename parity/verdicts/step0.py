@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from parity.config import RunConfig
+from parity.perf.phases import phase
 from parity.training.records import build_error_record
 from parity.verdicts.diagnose import diagnose_pair
 from parity.verdicts.optim_step0 import optimizer_state_verdicts
@@ -309,12 +310,15 @@ def check_step0(
         flops = None
         failed_stage = None
         fp8_failed = False
-        shapes = program_shapes(pair, variables, inputs, targets)
+        with phase("outputs and gradients"):
+            shapes = program_shapes(pair, variables, inputs, targets)
         sides: dict[str, tuple[Side, Side]] = {}
         # Beyond the model's own init, whatever the precision: every layer on its operating
         # range, stochastic torch modules, tensors the mapping folds (parity.verdicts.step0_checks).
-        probe_row, probe = probe_verdict(pair, config, inputs)
-        structure = [stochastic_verdict(pair, config, inputs), probe_row]
+        with phase("layer probe"):
+            probe_row, probe = probe_verdict(pair, config, inputs)
+        with phase("stochastic modules"):
+            structure = [stochastic_verdict(pair, config, inputs), probe_row]
         folded = folded_verdict(pair, config)
         if folded is not None:
             structure.append(folded)
@@ -324,14 +328,18 @@ def check_step0(
             structure.append(padding)
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
-            fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets) if low else None
+            fp8_rows = None
+            if low:
+                with phase("fp8 codes"):
+                    fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets)
             if fp8_rows is not None:  # fp32 stage passed: compare the fp8 recipes
                 verdicts.extend(fp8_rows)
                 if any(v.passed is False for v in verdicts):
                     fp8_failed = True
                 break
-            t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
-            j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
+            with phase("outputs and gradients"):
+                t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
+                j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             t, j = mask_padding_rows(t, padded), mask_padding_rows(j, padded)
             sides[stage] = (t, j)
             rows, w_out, w_param = stage_verdicts(
@@ -351,25 +359,27 @@ def check_step0(
                 break  # a broken fp32 port makes the low-precision comparison meaningless
         optim_rows = None
         if not any(v.passed is False for v in verdicts):  # the model agrees: its optimizer?
-            optim_rows = optimizer_state_verdicts(pair, config, inputs, targets)
+            with phase("optimizer state"):
+                optim_rows = optimizer_state_verdicts(pair, config, inputs, targets)
             verdicts.extend(optim_rows or [])
         passed = not any(v.passed is False for v in verdicts)
         result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
         # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
         # nor would it see an optimizer state's blocks (the model's own rows passed)
         if not passed and diagnose and not fp8_failed and optim_rows is None:
-            try:
-                result.diagnosis = diagnose_pair(
-                    pair,
-                    failed_stage or config,
-                    (inputs, targets),
-                    variables=variables,
-                    sides=sides,
-                    shapes=shapes,
-                )
-                explain_failure(result.diagnosis, verdicts, probe)
-            except Exception as e:  # the verdicts stand without the table
-                result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
+            with phase("diagnosis"):
+                try:
+                    result.diagnosis = diagnose_pair(
+                        pair,
+                        failed_stage or config,
+                        (inputs, targets),
+                        variables=variables,
+                        sides=sides,
+                        shapes=shapes,
+                    )
+                    explain_failure(result.diagnosis, verdicts, probe)
+                except Exception as e:  # the verdicts stand without the table
+                    result.diagnosis_error = f"{type(e).__name__}: {str(e)[:300]}"
         return result
     finally:
         torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32

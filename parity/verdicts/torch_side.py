@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from parity.config import RunConfig
+from parity.perf.phases import phase
 from parity.training.dtype_trace import torch_matmul_flops
 from parity.training.losses import loss_torch
 from parity.verdicts.sides import Side, flatten, pair_mapping, torch_device
@@ -90,7 +91,11 @@ def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
         (loss * loss_scale).backward()
         out["logits"], out["loss"] = logits.detach().float().cpu().numpy().copy(), loss.item()
 
-    flops = torch_matmul_flops(train_step) if trace_flops else (train_step() or None)
+    if trace_flops:  # the train pass itself, under the FLOP counter
+        with phase("dtype trace"):
+            flops = torch_matmul_flops(train_step)
+    else:
+        flops = train_step() or None
     if loss_scale != 1.0:
         with torch.no_grad():
             for p in model.parameters():

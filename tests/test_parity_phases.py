@@ -1,0 +1,62 @@
+"""`parity.perf.phases`: each phase's wall and CPU seconds, nested by path, and the record's schema."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from parity.perf.phases import clock, current, format_line, phase
+from parity.training.records import ResultsFileError, validate_run
+
+
+def _busy(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_phases_nest_by_path_add_up_and_keep_the_order_they_began_in():
+    with clock() as phases:
+        with phase("step 0"):
+            with phase("layer probe"):
+                _busy(0.02)
+        for _ in range(2):
+            with phase("calibration"), phase("train jax"):
+                _busy(0.01)
+    entries = {e["phase"]: e for e in phases.as_records()}
+    assert list(entries) == ["step 0", "step 0/layer probe", "calibration", "calibration/train jax"]
+    assert entries["step 0"]["cpu_s"] >= entries["step 0/layer probe"]["cpu_s"] >= 0.02
+    assert entries["calibration/train jax"]["cpu_s"] >= 0.02  # two intervals, added
+    assert all(e["wall_s"] >= 0 for e in entries.values())
+    line = format_line(phases.as_records(), total=(1.0, 2.0))
+    assert line.startswith("time (wall s / CPU s): step 0 ")
+    assert "[layer probe " in line and "[train jax " in line and line.endswith("total 1 / 2")
+
+
+def test_a_phase_that_raises_is_timed_and_no_clock_costs_nothing():
+    assert current() is None
+    with phase("alone"):  # no clock open: nothing recorded anywhere
+        pass
+    with clock() as phases:
+        with pytest.raises(RuntimeError), phase("step 0"):
+            raise RuntimeError("the time was spent")
+        with phase("after"):  # the path was restored
+            pass
+    assert [e["phase"] for e in phases.as_records()] == ["step 0", "after"]
+
+
+@pytest.mark.parametrize(
+    "phases, field",
+    [
+        ([{"phase": "step 0", "wall_s": -1.0, "cpu_s": 0.0}], "phases[0].wall_s"),
+        ([{"phase": "step 0", "wall_s": 1.0}], "phases[0].cpu_s"),
+        ("step 0", "phases"),
+    ],
+)
+def test_the_schema_names_a_malformed_phase(phases, field):
+    run = {"framework": "jax", "model": "mlp", "precision": "fp32", "device": "cpu"}
+    run |= {"steps": [], "summary": {"skipped_steps": 0, "steps_completed": 0, "diverged": False}}
+    validate_run(run, 0)
+    with pytest.raises(ResultsFileError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        validate_run(run | {"phases": phases}, 0)
