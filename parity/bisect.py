@@ -56,7 +56,7 @@ from jax.extend import core as jex_core
 
 import jaxamp
 from parity.config import RunConfig
-from parity.golden.check import BAD_INPUT, check_pair, flax_pair
+from parity.golden.check import bad_input, check_fits, check_pair, flax_pair
 from parity.golden.format import Golden, load_golden
 from parity.pairs.adapters import FlaxModel
 from parity.training.recipes import Recipe, get_recipe
@@ -536,10 +536,11 @@ def bisect_golden(
     stage = {s["stage"]: s for s in golden.stages}.get(config.precision)
     if stage is None or config.recipe.baseline:
         raise ValueError(
-            f"bisect: the golden file was recorded at {config.precision!r}, which computes in "
+            f"bisect: {golden.path}: recorded at {config.precision!r}, which computes in "
             "float32: nothing to keep in float32."
         )
     pair = flax_pair(golden, flax_model)
+    check_fits(golden, pair)
     if judge == "step0":
         return bisect(
             pair,
@@ -585,9 +586,8 @@ def run_bisect(args: argparse.Namespace) -> int:
     """``bisect``'s body: prints the rules and the run count; exit 0 when a set was found."""
     try:
         result = bisect_golden(args.golden, args.flax_model, budget=args.budget, judge=args.judge)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return BAD_INPUT
+    except ValueError as e:  # GoldenFileError included: a damaged or wrong file is bad input
+        return bad_input(e)
     print(result.report())
     return 0 if result.found else 1
 

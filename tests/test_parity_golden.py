@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parity import bisect
 from parity.config import RunConfig
+from parity.golden import check as golden_check
 from parity.golden.check import check_golden, hardware_allowance
 from parity.golden.export import export_golden
 from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside t
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 NO_TORCH = ROOT / "tests" / "data" / "no_torch"
+FLAX_NET = "examples.parity_ci.flax_model:FlaxNet"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -182,7 +185,7 @@ def test_recorded_on_native_bf16_passes_here_with_the_bf16_bands_widened():
 
 
 @pytest.mark.integration
-def test_export_of_a_builtin_pair_checks_pass(tmp_path):
+def test_export_of_a_builtin_pair_checks_pass(tmp_path, capsys):
     """`python -m parity export`'s library call on a built-in pair (its Flax twin found by
     name), then the check: the trajectory is judged by the fp32 per-step bands."""
     config = RunConfig(
@@ -203,3 +206,16 @@ def test_export_of_a_builtin_pair_checks_pass(tmp_path):
     assert all(isinstance(s["grad_norm"], float) for s in result.runs[0]["steps"])
     norms = [v for v in result.verdicts if v.check.startswith("per-step gradient norm")]
     assert norms and all(v.passed for v in norms), result.report()
+    # a float32 golden has nothing to bisect, and another model's port does not fit it: both
+    # bad input (exit 2, one line naming the file)
+    for command, argv, what in (
+        (bisect.main, ["--golden", str(path)], "computes in float32"),
+        (
+            golden_check.main,
+            ["--golden", str(path), "--flax-model", FLAX_NET],
+            "do not fit this Flax",
+        ),
+    ):
+        code = command(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and str(path) in err and what in err, err

@@ -35,7 +35,7 @@ from parity.cli.progress import progress as progress_lines
 from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from parity.data import DataSpec
 from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
-from parity.golden.check import add_check_parser, run_check
+from parity.golden.check import add_check_parser, bad_input, flax_model_of, run_check
 from parity.golden.export import export_golden
 from parity.models import MODEL_NAMES, calibration_prescribed
 from parity.perf.blocks import DEFAULT_BLOCKS
@@ -534,9 +534,24 @@ def _cmd_matrix(args) -> int:
     return _exit_code(cell.write_outputs(out, echo=True)[0])
 
 
+def _check_golden_out(out: Path) -> None:
+    """--out of export: a file that can be written, refused before the torch run."""
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give the golden file's path (.npz).")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the folders export would create hang off the first that exists
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {str(out)!r}: {str(parent)!r} is not a writable folder.")
+
+
 def _cmd_export(args) -> int:
     _check_models([args.model])
     config = _config_from_args(args, args.model, args.precision)
+    _check_golden_out(Path(args.out))
+    _check_data(config)
+    if args.flax_model is not None:
+        flax_model_of(args.flax_model)  # a reference that is not a model: refused before torch runs
     path = export_golden(
         args.out, config, flax_model=args.flax_model, progress=not args.no_progress
     )
@@ -601,8 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_bisect(args)
         return _cmd_matrix(args)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
 
 
 if __name__ == "__main__":  # pragma: no cover

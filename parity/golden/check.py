@@ -42,9 +42,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from parity.config import RunConfig
-from parity.golden.format import BatchList, Golden, load_golden
-from parity.pairs.adapters import as_flax_model
+from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
+from parity.pairs.adapters import AdapterError, as_flax_model
+from parity.pairs.variables import as_variables, flatten_variables
 from parity.perf import measure
 from parity.perf.hardware import UnsupportedHere, hardware_info
 from parity.training.records import (
@@ -75,8 +78,11 @@ __all__ = [
     "EXIT_CODES",
     "GoldenResult",
     "add_check_parser",
+    "bad_input",
     "check_golden",
+    "check_fits",
     "check_pair",
+    "flax_model_of",
     "flax_pair",
     "hardware_allowance",
     "load_flax_model",
@@ -262,6 +268,10 @@ def resolve_object(reference: str) -> Any:
         obj = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{reference!r}: module {module_name!r} does not import ({e}).") from None
+    except Exception as e:  # the module's own code failed while importing: still bad input here
+        raise ValueError(
+            f"{reference!r}: importing module {module_name!r} failed ({type(e).__name__}: {e})."
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{reference!r}: {module_name!r} has no attribute {attr!r}.")
@@ -289,18 +299,49 @@ def _flax_model(golden: Golden, flax_model: Any) -> Any:
                 name, seed=config.seed, data=config.data, **config.model_overrides
             ).flax_model
         flax_model = reference
-    return load_flax_model(flax_model)
+    return flax_model
 
 
 def load_flax_model(reference: Any) -> Any:
     """A Flax model from ``"module:attr"`` (a module, a module class or a zero-argument
-    factory), or `reference` itself when it is already a model."""
+    factory), or `reference` itself when it is already a model.
+
+    Raises:
+      ValueError: the reference does not resolve, the factory fails, or what it gives is not a
+        Flax model (a linen or NNX module, a Hugging Face Flax model); the message names it.
+    """
     obj = resolve_object(reference) if isinstance(reference, str) else reference
     if isinstance(obj, type) or (
         callable(obj) and not hasattr(obj, "apply") and not hasattr(obj, "module")
     ):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as e:  # a factory that needs arguments, or fails: bad input here
+            raise ValueError(
+                f"flax model {reference!r}: calling it with no arguments failed "
+                f"({type(e).__name__}: {e}); name a Flax module or a zero-argument factory."
+            ) from None
     return obj
+
+
+def flax_model_of(reference: Any, *, flax_kwargs: Any = None) -> Any:
+    """`load_flax_model` wrapped as a `parity.pairs.adapters.FlaxModel`.
+
+    Raises:
+      ValueError: as `load_flax_model`, or what the reference gives is not a Flax model (a
+        linen or NNX module, a Hugging Face Flax model); the message names the reference.
+
+    Example:
+      >>> flax_model_of("os:getcwd")
+      Traceback (most recent call last):
+      ...
+      ValueError: flax model 'os:getcwd' is not a Flax model: the Flax side must be ...
+    """
+    obj = load_flax_model(reference)
+    try:
+        return as_flax_model(obj, flax_kwargs=flax_kwargs)
+    except AdapterError as e:
+        raise ValueError(f"flax model {reference!r} is not a Flax model: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,9 +411,45 @@ def flax_pair(golden: Golden, flax_model: Any = None, *, flax_kwargs: Any = None
     return _Pair(
         model["name"],
         model["task"],
-        as_flax_model(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
+        flax_model_of(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
         dict(model.get("config") or {}),
     )
+
+
+def check_fits(golden: Golden, pair: Any) -> None:
+    """Refuses a golden whose recorded weights are not the Flax model's: another model's golden,
+    or a ``--flax-model`` that names another port (names and shapes, before any work).
+
+    Raises:
+      GoldenFileError: naming the file, the model, and the first differing leaves.
+    """
+    recorded = {k: np.shape(v) for k, v in flatten_variables(golden.variables()).items()}
+    inputs = golden.batch(0)[0]
+    try:
+        own = pair.flax_model.init_variables(inputs)
+    except Exception as e:  # the model cannot even be initialised on the golden's inputs
+        raise GoldenFileError(
+            f"the Flax model cannot be initialised on the golden's inputs {np.shape(inputs)} "
+            f"{np.asarray(inputs).dtype} ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+            f"the golden was recorded for model {golden.header['model']['name']!r}",
+            path=golden.path,
+        ) from None
+    wanted = {k: tuple(np.shape(v)) for k, v in flatten_variables(as_variables(own)).items()}
+    problems = [f"missing {'/'.join(k)} {v}" for k, v in wanted.items() if k not in recorded]
+    problems += [f"extra {'/'.join(k)} {v}" for k, v in recorded.items() if k not in wanted]
+    problems += [
+        f"{'/'.join(k)}: recorded {recorded[k]}, the model has {v}"
+        for k, v in wanted.items()
+        if k in recorded and tuple(recorded[k]) != v
+    ]
+    if problems:
+        raise GoldenFileError(
+            f"recorded for model {golden.header['model']['name']!r}, whose weights do not fit "
+            f"this Flax model ({len(problems)} differences: {'; '.join(problems[:4])}"
+            + ("; ..." if len(problems) > 4 else "")
+            + "): a golden of another model, or --flax-model names another port",
+            path=golden.path,
+        )
 
 
 def _train(config: RunConfig, pair: _Pair, stream: BatchList, variables, progress: bool):
@@ -418,33 +495,17 @@ def check_golden(
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
     pair = flax_pair(golden, flax_model, flax_kwargs=flax_kwargs)
+    check_fits(golden, pair)
     return check_pair(golden, pair, progress=progress, current_hardware=current_hardware)
 
 
-def check_pair(
-    golden: Golden,
-    pair: Any,
-    config: RunConfig | None = None,
-    *,
-    progress: bool = False,
-    current_hardware: Mapping[str, Any] | None = None,
-) -> GoldenResult:
-    """`check_golden`'s body for a pair already built (`flax_pair`; `parity.bisect` passes one
-    with modules kept in float32, and a `config` whose recipe carries autocast overrides).
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines() or [""])[0][:400]
 
-    Args:
-      golden: the loaded golden file.
-      pair: the JAX half of the pair.
-      config: the cell's config (default the recorded one; another must be comparable with it).
-      progress, current_hardware: as `check_golden`.
-    """
-    config = golden.config if config is None else config
-    variables = golden.variables()
-    stream = BatchList(
-        [golden.batch(k) for k in range(golden.header["data"]["train_batches"])],
-        golden.eval_batches(),
-    )
-    extra, notes = hardware_allowance(golden.header, current_hardware)
+
+def _step0_rows(golden, pair, config, variables, stream, extra) -> list[Verdict]:
+    """The step-0 rows of every recorded stage (stops after the first failing stage)."""
     inputs, targets = stream.batch(0)
     shapes = program_shapes(pair, variables, inputs, targets)
     step0: list[Verdict] = []
@@ -482,18 +543,54 @@ def check_pair(
             step0 += compute_verdicts(stage_config, torch_numbers, jax_numbers)
         if any(v.passed is False for v in step0):
             break
+    return step0
+
+
+def check_pair(
+    golden: Golden,
+    pair: Any,
+    config: RunConfig | None = None,
+    *,
+    progress: bool = False,
+    current_hardware: Mapping[str, Any] | None = None,
+) -> GoldenResult:
+    """`check_golden`'s body for a pair already built (`flax_pair`; `parity.bisect` passes one
+    with modules kept in float32, and a `config` whose recipe carries autocast overrides).
+
+    Args:
+      golden: the loaded golden file.
+      pair: the JAX half of the pair.
+      config: the cell's config (default the recorded one; another must be comparable with it).
+      progress, current_hardware: as `check_golden`.
+    """
+    config = golden.config if config is None else config
+    variables = golden.variables()
+    stream = BatchList(
+        [golden.batch(k) for k in range(golden.header["data"]["train_batches"])],
+        golden.eval_batches(),
+    )
+    extra, notes = hardware_allowance(golden.header, current_hardware)
+    try:
+        step0 = _step0_rows(golden, pair, config, variables, stream, extra)
+        error = None
+    except Exception as e:  # the Flax model fails on the golden's inputs: the port's failure
+        step0 = []
+        error = f"step 0: the Flax model raised {type(e).__name__}: {_first_line(e)}"
+        print(f"error: jax {config.model}: {error}", file=sys.stderr)
     failed = [v for v in step0 if v.passed is False]
-    summary = ""
-    if failed:
-        summary = "; ".join(f"{v.check}: {v.value_text} > {v.tolerance_text}" for v in failed)
+    summary = error or ""
+    if failed or error:
+        summary = error or "; ".join(
+            f"{v.check}: {v.value_text} > {v.tolerance_text}" for v in failed
+        )
         jax_run = build_error_record("jax", config, RuntimeError(f"step 0 FAILED: {summary}"))
     else:
         jax_run = _train(config, pair, stream, variables, progress)
     # Stored as the harness stores its step-0 result (`parity.verdicts.step0.attach_step0`): the rows
     # enter the verdicts through the run record, with mode "step 0".
     jax_run["step0"] = {
-        "passed": not failed,
-        "summary": "step 0: all checks pass" if not failed else f"step 0 FAILED: {summary}",
+        "passed": not (failed or error),
+        "summary": f"step 0 FAILED: {summary}" if summary else "step 0: all checks pass",
         "verdicts": [v.to_dict() for v in step0],
     }
     runs = [golden.torch_run, jax_run]
@@ -523,13 +620,19 @@ def add_check_parser(sub: Any) -> argparse.ArgumentParser:
     return check
 
 
+def bad_input(error: BaseException) -> int:
+    """Prints `error` as one ``error: ...`` line on stderr; returns the bad-input exit code (2)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"error: {text}", file=sys.stderr)
+    return BAD_INPUT
+
+
 def run_check(args: argparse.Namespace) -> int:
     """``check``'s body: prints the report; returns the exit code."""
     try:
         result = check_golden(args.golden, args.flax_model, progress=not args.no_progress)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return BAD_INPUT
+    except ValueError as e:  # GoldenFileError included: a damaged or wrong file is bad input
+        return bad_input(e)
     print(result.report())
     if args.json:
         write_json_atomic(args.json, result.to_dict())

@@ -33,7 +33,7 @@ import torch
 from parity.api import prepare_pair, resolve_eval
 from parity.cell import builtin_pair
 from parity.config import RunConfig
-from parity.golden.check import load_flax_model, resolve_object
+from parity.golden.check import flax_model_of, load_flax_model
 from parity.golden.format import BatchList, write_golden
 from parity.training.trainers import train_framework
 from parity.verdicts.torch_side import torch_stage_side
@@ -98,7 +98,7 @@ def export_golden(
         does not import, or a torch run that did not complete.
     """
     if flax_model is not None:
-        resolve_object(flax_model)  # fails here, not in someone's CI
+        flax_model_of(flax_model)  # a reference that is not a model fails here, not in someone's CI
     if pair is None:
         pair = builtin_pair(config)
     if stream is None:

@@ -17,6 +17,7 @@ import dataclasses
 import io
 import json
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,13 @@ def write_golden(
     return out
 
 
-def _require(header: Mapping[str, Any], key: str, kind: type | tuple, path, prefix="") -> Any:
+def _require(header: Any, key: str, kind: type | tuple, path, prefix="") -> Any:
+    if not isinstance(header, Mapping):
+        raise GoldenFileError(
+            f"must be a JSON object; got {type(header).__name__}",
+            path=path,
+            field=prefix.rstrip(".") or None,
+        )
     if key not in header:
         raise GoldenFileError("missing", path=path, field=prefix + key)
     value = header[key]
@@ -281,6 +288,14 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
     data = header["data"]
     count = _require(data, "train_batches", int, path, "data.")
     evals = _require(data, "eval_batches", int, path, "data.")
+    for kind, n in (("batch", count), ("eval", evals)):
+        held = sum(1 for k in arrays if k.startswith(f"{kind}/") and k.endswith("/inputs"))
+        if n != held:
+            raise GoldenFileError(
+                f"says {n} {kind} batches; the archive holds {held}",
+                path=path,
+                field=f"data.{'train' if kind == 'batch' else 'eval'}_batches",
+            )
     if count < config.steps:
         raise GoldenFileError(
             f"{count} training batches for {config.steps} steps",
@@ -325,25 +340,75 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
             raise GoldenFileError("holds non-finite values", path=path, field=key)
 
 
+def _read_archive(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at `path`; a file that cannot be read is a `GoldenFileError`
+    saying what it looks like (empty, truncated or not an archive, damaged member)."""
+    size = path.stat().st_size
+    if size == 0:
+        raise GoldenFileError("empty file (0 bytes): not a golden .npz archive", path=path)
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"PK\x03\x04":
+        raise GoldenFileError(
+            f"not a golden .npz archive (its first bytes are {magic!r}, a zip archive starts "
+            "with b'PK\\x03\\x04')",
+            path=path,
+        )
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e:
+        raise GoldenFileError(
+            f"truncated or damaged .npz archive of {size} bytes ({e}: its index at the end is "
+            "missing or broken); export it again or restore it",
+            path=path,
+        ) from None
+    arrays = {}
+    with archive:
+        for info in archive.infolist():
+            key = info.filename[: -len(".npy")] if info.filename.endswith(".npy") else None
+            if key is None:
+                raise GoldenFileError(
+                    f"archive member {info.filename!r} is not a .npy array", path=path
+                )
+            try:
+                with archive.open(info) as member:
+                    arrays[key] = np.lib.format.read_array(member, allow_pickle=False)
+            except Exception as e:  # any parse error of a damaged member: zlib, zip CRC, npy header
+                raise GoldenFileError(
+                    f"damaged array {key!r} ({type(e).__name__}: {e}); export it again or "
+                    "restore it",
+                    path=path,
+                    field=key,
+                ) from None
+    return arrays
+
+
 def load_golden(path: str | os.PathLike) -> Golden:
     """Reads and validates a golden file.
 
     Raises:
-      GoldenFileError: the file is missing, not an ``.npz`` archive, or breaks the schema.
+      GoldenFileError: the file is missing, a folder, empty, not an ``.npz`` archive, truncated,
+        damaged (a member that does not decompress or fails its checksum), or breaks the schema;
+        the message names the file and what is wrong.
     """
     path = Path(path)
+    if path.is_dir():
+        raise GoldenFileError("is a folder; give the golden .npz file", path=path)
     if not path.is_file():
         raise GoldenFileError("no such file", path=path)
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {key: archive[key] for key in archive.files}
-    except (OSError, ValueError) as e:
-        raise GoldenFileError(f"not a golden .npz archive ({e})", path=path) from None
+        arrays = _read_archive(path)
+    except OSError as e:
+        raise GoldenFileError(f"cannot be read ({e.strerror or e})", path=path) from None
     if HEADER_KEY not in arrays:
-        raise GoldenFileError(f"no {HEADER_KEY} entry", path=path, field=HEADER_KEY)
+        raise GoldenFileError(
+            f"no {HEADER_KEY} entry: an .npz archive, but not a golden file",
+            path=path,
+            field=HEADER_KEY,
+        )
     try:
         header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise GoldenFileError(f"header is not JSON ({e})", path=path, field=HEADER_KEY) from None
     validate_golden(header, arrays, path)
     return Golden(header, arrays, str(path))
