@@ -444,6 +444,16 @@ def count_if(pred: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(pred, optax.safe_increment(count), count)
 
 
+def fresh_buffers(tree: Any) -> Any:
+    """`tree` with every `jax.Array` leaf copied into a buffer of its own (other leaves as they
+    are). An `init` that hands out arrays it holds (a loss scale, a PRNG key) returns them
+    through this: a jitted step that donates one state (``donate_argnums``) deletes its
+    buffers, and the next `init` must not hand those back."""
+    return jax.tree_util.tree_map(
+        lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
+    )
+
+
 # --- tracing a Python call over its array leaves -------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from jaxamp._numerics import (
     check_replicas_agree,
     count_if,
     finite_after,
+    fresh_buffers,
     identity_updates,
     select_leaves,
     select_tree,
@@ -295,7 +296,8 @@ class _LossScaler:
             )
         return LossScaledState(
             inner_state=inner_state,
-            loss_scale=self.initial_loss_scale,
+            # A copy per call: a step that donates this state deletes its buffers.
+            loss_scale=fresh_buffers(self.initial_loss_scale),
             last_step_finite=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),

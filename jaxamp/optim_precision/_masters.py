@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._numerics import fresh_buffers
 from jaxamp.optim import LossScaledTransformation
 from jaxamp.optim_precision._state import _is_float_array, like_stored, to_compute
 from jaxamp.policy import Policy, get_policy
@@ -226,7 +227,8 @@ def stochastic_rounding(
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
-        return StochasticRoundingState(initial_key, inner.init(params))
+        # A copy per call: a step that donates this state deletes its key's buffer.
+        return StochasticRoundingState(fresh_buffers(initial_key), inner.init(params))
 
     def update(updates, state, params=None, **extra_args):
         _needs_params("stochastic_rounding", params)
