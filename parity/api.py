@@ -72,7 +72,8 @@ class ParityResult:
 class _UserBatches:
     """A `BatchStream`-like view of user batches: a sequence of pairs or a ``step -> pair`` callable."""
 
-    def __init__(self, batches, eval_batches):
+    def __init__(self, batches, eval_batches, function: str = "compare_models"):
+        self._function = function
         if callable(batches):
             self._get = batches
             self._count = None
@@ -81,7 +82,7 @@ class _UserBatches:
             self._count = len(batches)
         else:
             raise TypeError(
-                "compare_models(batches=...) takes a BatchStream, a non-empty sequence of "
+                f"{function}(batches=...) takes a BatchStream, a non-empty sequence of "
                 "(inputs, targets) pairs, or a callable step -> (inputs, targets); got "
                 f"{type(batches).__name__}."
             )
@@ -93,13 +94,52 @@ class _UserBatches:
     def batch(self, step: int):
         if self._count is not None and step >= self._count:
             raise ValueError(
-                f"compare_models: steps exceeds the {self._count} batches given (asked for step {step})."
+                f"{self._function}: steps exceeds the {self._count} batches given (asked for "
+                f"step {step})."
             )
         inputs, targets = self._get(step)
         return np.asarray(inputs), np.asarray(targets)
 
     def eval_batches(self):
         return [(np.asarray(x), np.asarray(y)) for x, y in (self._eval or [])]
+
+
+def user_stream(
+    function: str, batches: Any, eval_batches: Any, steps: int | None
+) -> tuple[Any, int, bool]:
+    """The batches a library call was given as a `BatchStream`-like object.
+
+    Args:
+      function: the caller's name, for the messages.
+      batches: a `parity.data.BatchStream`, a non-empty sequence of ``(inputs, targets)`` pairs,
+        or a callable ``step -> (inputs, targets)``.
+      eval_batches: held-out pairs (a BatchStream brings its own).
+      steps: the steps asked for, or None.
+
+    Returns:
+      ``(stream, steps, held-out batches available)``; steps default to the number of pairs of
+      a sequence, else 30.
+
+    Raises:
+      TypeError: `batches` of another kind. ValueError: more steps than pairs given.
+
+    Example:
+      >>> pairs = [(np.zeros((2, 3)), np.zeros(2, int))] * 4
+      >>> stream, steps, held_out = user_stream("f", pairs, None, None)
+      >>> steps, held_out, stream.batch_size
+      (4, False, 2)
+    """
+    if batches is None:
+        raise TypeError(f"{function}: `batches` is required (a BatchStream, pairs or a callable).")
+    if isinstance(batches, BatchStream):
+        return batches, 30 if steps is None else steps, True
+    stream = _UserBatches(batches, eval_batches, function)
+    if steps is not None and stream._count and steps > stream._count:
+        raise ValueError(
+            f"{function}(steps={steps}): only {stream._count} batches were given; pass at "
+            "most that many steps, or a callable / BatchStream for longer runs."
+        )
+    return stream, (stream._count or 30) if steps is None else steps, bool(eval_batches)
 
 
 def _no_reverse_transfer(variables, torch_module):
@@ -354,29 +394,13 @@ def compare_models(
             "compare_models(transfer=...) takes a callable torch module -> flax variables, or "
             f"None for the automatic mapping; got {type(transfer).__name__}."
         )
-    if batches is None:
-        raise TypeError(
-            "compare_models: `batches` is required (a BatchStream, pairs or a callable)."
-        )
-    if isinstance(batches, BatchStream):
-        stream = batches
-        default_steps = 30
-    else:
-        stream = _UserBatches(batches, eval_batches)
-        default_steps = stream._count or 30
-    if steps is not None and getattr(stream, "_count", None) and steps > stream._count:
-        raise ValueError(
-            f"compare_models(steps={steps}): only {stream._count} batches were given; pass at "
-            "most that many steps, or a callable / BatchStream for longer runs."
-        )
+    stream, steps, held_out = user_stream("compare_models", batches, eval_batches, steps)
     run_config = RunConfig(
         model=name,
         precision=precision,
-        steps=default_steps if steps is None else steps,
+        steps=steps,
         batch_size=int(stream.batch_size),
-        eval=resolve_eval(
-            "compare_models", config, bool(eval_batches) or isinstance(batches, BatchStream)
-        ),
+        eval=resolve_eval("compare_models", config, held_out),
         **config,
     )
     pair = prepare_pair(

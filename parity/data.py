@@ -31,6 +31,7 @@ import io
 import os
 import pickle
 import sysconfig
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ __all__ = [
     "read_idx",
     "synthetic_images",
     "synthetic_tokens",
+    "text_fraction",
     "text_stream",
 ]
 
@@ -645,7 +647,41 @@ def load_text(path: str | os.PathLike | None = None, *, max_bytes: int = 8 << 20
             f"--data text:PATH: {str(path or default_text_path())!r} holds {text_bytes} bytes of "
             f"text ({', '.join(TEXT_SUFFIXES)} files); give at least 1 KiB."
         )
+    fraction = text_fraction(corpus)
+    if fraction < MIN_TEXT_FRACTION:
+        warnings.warn(
+            f"--data text:PATH: only {fraction:.0%} of the bytes of "
+            f"{str(path or default_text_path())!r} are text (valid UTF-8 without control "
+            "characters); a byte-level language model on it learns the byte noise, not a "
+            "language: give a text corpus",
+            UserWarning,
+            stacklevel=2,
+        )
     return corpus
+
+
+# A text corpus below this share of text bytes is mostly something else (binary data, random
+# bytes): `load_text` warns naming the share. Source code and prose in any script are ~100%.
+MIN_TEXT_FRACTION = 0.9
+
+
+def text_fraction(data: np.ndarray | bytes) -> float:
+    """The share of bytes that are text (to within a byte per invalid sequence): valid UTF-8 and not control characters (tab, newline,
+    carriage return and form feed are text).
+
+    Example:
+      >>> text_fraction("naïve café, 日本語".encode())
+      1.0
+      >>> round(text_fraction(np.random.default_rng(0).integers(0, 256, 4096, np.uint8)), 1)
+      0.5
+    """
+    raw = np.frombuffer(bytes(data), np.uint8) if isinstance(data, bytes) else np.asarray(data)
+    if raw.size == 0:
+        return 1.0
+    controls = (raw < 0x20) & ~np.isin(raw, (0x09, 0x0A, 0x0C, 0x0D)) | (raw == 0x7F)
+    # each byte that is not part of a valid UTF-8 sequence decodes to one U+FFFD
+    invalid = raw.tobytes().decode("utf-8", errors="replace").count("\ufffd")
+    return float(1.0 - (int(controls.sum()) + invalid) / raw.size)
 
 
 def text_stream(

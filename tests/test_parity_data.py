@@ -360,6 +360,27 @@ def test_text_corpus_defaults_to_the_standard_library(tmp_path):
         load_text(tmp_path / "sub" / "c.py")
 
 
+def test_a_text_corpus_that_is_mostly_not_text_is_warned_about(tmp_path):
+    """Random bytes given as a text corpus train and can PASS; the load warns naming the share
+    of text bytes. Text in any script (and the standard library's sources) loads silently."""
+    import warnings
+
+    from parity.data import load_text, text_fraction
+
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 8192, np.uint8).tobytes())
+    with pytest.warns(UserWarning, match=r"only 4\d% of the bytes of .*noise.txt' are text"):
+        load_text(noise)
+    prose = tmp_path / "prose.txt"
+    prose.write_bytes(("Grüße, 日本語のテキスト\tand ASCII.\n" * 100).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_text(prose)
+        load_text(max_bytes=1 << 16)
+    assert text_fraction(prose.read_bytes()) == 1.0
+    assert text_fraction(b"\x00" * 10 + b"a" * 90) == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("task", ["lm", "classification"])
 def test_text_stream_windows(task):
     from parity.data import text_stream

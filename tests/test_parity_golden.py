@@ -219,3 +219,36 @@ def test_export_of_a_builtin_pair_checks_pass(tmp_path, capsys):
         code = command(argv)
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err and str(path) in err and what in err, err
+
+
+@pytest.mark.integration
+@pytest.mark.torch
+def test_export_models_takes_a_batch_stream(tmp_path):
+    """`export_models` given a `BatchStream` (as `compare_models` takes one): the golden holds
+    the stream's batches of the steps run and its held-out batches, and checks PASS."""
+    from examples.parity_ci.data import CLASSES, FEATURES, make_batches
+    from examples.parity_ci.torch_model import reference
+    from parity.data import BatchStream
+    from parity.golden.export import export_models
+
+    def sample(rng, batch_size):
+        inputs, labels = make_batches(1, batch_size, seed=int(rng.integers(1 << 30)))[0]
+        return inputs, labels
+
+    stream = BatchStream(
+        sample,
+        seed=3,
+        batch_size=4,
+        task="classification",
+        num_classes=CLASSES,
+        input_shape=(FEATURES,),
+        num_eval_batches=2,
+    )
+    path = export_models(tmp_path / "s.npz", reference(), FLAX_NET, stream, steps=3)
+    golden = load_golden(path)
+    assert golden.config.steps == 3 and golden.config.eval
+    for step in range(3):
+        np.testing.assert_array_equal(golden.batch(step)[0], stream.batch(step)[0])
+    assert len(golden.eval_batches()) == 2
+    result = check_golden(golden)
+    assert result.status == "PASS", result.report()

@@ -19,7 +19,7 @@ _MODULES = (
     "parity.pairs.adapters",
     "parity.models.nnx_layers",
 )
-_DATA_NAMES = ("load_digits", "load_text", "text_stream", "DataSpec")
+_DATA_NAMES = ("load_digits", "load_text", "text_fraction", "text_stream", "DataSpec")
 
 
 def _tests():

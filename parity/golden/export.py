@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.api import prepare_pair, resolve_eval
+from parity.api import prepare_pair, resolve_eval, user_stream
 from parity.cell import builtin_pair
 from parity.config import RunConfig
-from parity.golden.check import flax_model_of, load_flax_model
-from parity.golden.format import BatchList, write_golden
+from parity.golden.check import flax_model_of
+from parity.golden.format import write_golden
 from parity.training.trainers import train_framework
 from parity.verdicts.torch_side import torch_stage_side
 
@@ -135,7 +135,7 @@ def export_models(
     path: str | os.PathLike,
     torch_module: Any,
     flax_module: str,
-    batches: Sequence[tuple[Any, Any]],
+    batches: Any,
     *,
     transfer: Any = None,
     precision: str = "fp32",
@@ -154,26 +154,28 @@ def export_models(
       torch_module: the reference ``torch.nn.Module`` (not modified).
       flax_module: ``"module:attr"`` of the Flax port (a module or a zero-argument factory),
         importable without torch: the check imports it from there.
-      batches: ``(inputs, targets)`` numpy pairs, one per step (as `parity.compare_models`).
+      batches: as `parity.compare_models`: a `parity.data.BatchStream`, ``(inputs, targets)``
+        numpy pairs (one per step) or a callable ``step -> (inputs, targets)``; the golden
+        records the batches of the steps it runs (and a stream's held-out batches).
       transfer, task, eval_batches, name, flax_kwargs: as `parity.compare_models`.
       precision: the cell's precision.
-      steps: training steps (default: one per batch).
+      steps: training steps (default: one per batch of a sequence, else 30).
       progress: report progress.
       **config: any other `RunConfig` field (``lr``, ``optimizer``, ``clip_norm``...).
 
     Returns:
       The written path.
     """
-    evaluate = resolve_eval("export_models", config, bool(eval_batches))
-    stream = BatchList(batches, eval_batches or ())
-    flax = load_flax_model(flax_module)
+    stream, steps, held_out = user_stream("export_models", batches, eval_batches, steps)
+    evaluate = resolve_eval("export_models", config, held_out)
+    flax = flax_model_of(flax_module, flax_kwargs=flax_kwargs)
     pair = prepare_pair(
         torch_module, flax, transfer, stream, task=task, name=name, flax_kwargs=flax_kwargs
     )
     run_config = RunConfig(
         model=name,
         precision=precision,
-        steps=len(batches) if steps is None else steps,
+        steps=steps,
         batch_size=int(stream.batch_size),
         eval=evaluate,
         **config,
