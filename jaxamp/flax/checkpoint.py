@@ -3,10 +3,11 @@
 `save(directory, target, step)` writes every array leaf of `target` — a linen `TrainState`, any
 pytree, or NNX modules/optimizers (their `nnx.state`) — keyed by its path, plus a JSON record of
 the loss-scaling setup (where `loss_scaled` states sit, the loss scale's type and
-hyperparameters, the policy). `restore(directory, target)` reads it back into `target`'s
-structure, dtypes and shardings; float values come back bit for bit, so a restored run continues
-exactly as the uninterrupted one would, skip decisions included (the loss scale and its growth
-counter are state).
+hyperparameters, the policy) and the format of each quantized optimizer-state leaf.
+`restore(directory, target)` reads it back into `target`'s structure and shardings, refusing a
+leaf of another shape, dtype or format (nothing is cast); values come back bit for bit, so a
+restored run continues exactly as the uninterrupted one would, skip decisions included (the
+loss scale and its growth counter are state).
 
 Restoring into a target whose loss scaling differs from the checkpoint's (saved without
 `loss_scaled`, restored into a run with it; the reverse; another loss-scale type or other
@@ -32,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Any, Literal
 
@@ -39,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxamp.loss_scaled_state import LossScaledState
+from jaxamp.optim_precision import QuantizedArray
 
 __all__ = ["save", "restore", "latest_step", "all_steps", "amp_metadata"]
 
@@ -88,6 +92,41 @@ def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         out[_path(path)] = leaf
     return out
+
+
+def _dtype_name(leaf: Any) -> str:
+    dtype = getattr(leaf, "dtype", None)
+    return str(dtype if dtype is not None else np.asarray(leaf).dtype)
+
+
+def _formats(tree: Any) -> dict[str, dict[str, Any]]:
+    """The format of every quantized optimizer-state leaf (`QuantizedArray`) in `tree`, keyed
+    by its path: what its codes mean beyond their dtype and shape (JSON-serialisable)."""
+    out = {}
+    is_quantized = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]:
+        if not is_quantized(node):
+            continue
+        order = None
+        if node.order is not None:
+            order = hashlib.sha256(np.asarray(node.order.order).tobytes()).hexdigest()[:16]
+        out["/".join(_path(path))] = {
+            "format": node.state_format,
+            "signed": bool(node.signed),
+            "shape": [int(n) for n in node.shape],
+            "block_size": int(node.block_size),
+            "block_order": order,
+        }
+    return out
+
+
+def _show_format(fmt: dict[str, Any]) -> str:
+    order = fmt["block_order"]
+    return (
+        f"{fmt['format']} {'signed' if fmt['signed'] else 'unsigned'} codes of shape "
+        f"{tuple(fmt['shape'])}, blocks of {fmt['block_size']}, "
+        + ("row-major blocks" if order is None else f"block order {order}")
+    )
 
 
 def _describe_scale(scale: Any) -> dict[str, Any]:
@@ -209,9 +248,9 @@ def save(
     flat = _flat(_as_tree(target))
     meta = amp_metadata(target, policy)
     meta["leaves"] = {
-        "/".join(path): [list(np.shape(leaf)), str(np.asarray(leaf).dtype)]
-        for path, leaf in flat.items()
+        "/".join(path): [list(np.shape(leaf)), _dtype_name(leaf)] for path, leaf in flat.items()
     }
+    meta["formats"] = _formats(_as_tree(target))
     manager = _manager(directory, max_to_keep, create=True)
     if int(step) in manager.all_steps():
         manager.close()
@@ -326,7 +365,8 @@ def restore(
     Args:
       directory: the directory given to `save`.
       target: a state of the same structure (e.g. freshly created with the same config): its
-        leaves give the dtypes and shardings. NNX modules/optimizers are updated in place.
+        leaves give the shardings, and their shapes, dtypes and formats must be the
+        checkpoint's. NNX modules/optimizers are updated in place.
       step: which step (default: the newest).
       on_loss_scale_mismatch: "error" (default) raises `ValueError` when the checkpoint's loss
         scaling differs from the target's; "reset" restores everything else and keeps the
@@ -338,7 +378,10 @@ def restore(
     Raises:
       ValueError: no checkpoint; a checkpoint `save` did not write (no loss-scaling record:
         a plain orbax checkpoint) or of another format version; loss scaling differs (with
-        "error"); leaves are missing, unexpected, or of another shape.
+        "error"); leaves are missing, unexpected, of another shape or of another dtype (a
+        leaf is never cast), or quantized optimizer state of another format (codes,
+        signedness, block size, block order): the message names each leaf, what the
+        checkpoint holds and what the target expects.
 
     Example:
       >>> import os
@@ -412,16 +455,15 @@ def restore(
                 f"target (no partial loads). Missing in the checkpoint: {missing[:10]}; in the "
                 f"checkpoint but not the target: {unexpected[:10]}."
             )
-        for path, src in sources.items():
-            if src is None:
-                continue
-            shape, dtype = saved_leaves[src]
-            leaf = target_flat[path]
-            if tuple(shape) != tuple(np.shape(leaf)):
-                raise ValueError(
-                    f"restore: leaf {'/'.join(path)} has shape {tuple(np.shape(leaf))} in the "
-                    f"target but {tuple(shape)} in the checkpoint."
-                )
+        problems = _leaf_problems(sources, saved_leaves, target_flat)
+        problems += _format_problems(saved, tree, sources)
+        if problems:
+            raise ValueError(
+                f"restore({directory!s}, step={step}): the checkpoint's leaves do not hold "
+                f"what the target expects (nothing is cast): {'; '.join(problems[:10])}"
+                + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+                + ". Build the target with the configuration the checkpoint was saved with."
+            )
 
         abstract = {}
         default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -461,6 +503,60 @@ def restore(
         nnx.update(target, new_tree)
         return target
     return new_tree
+
+
+def _leaf_problems(sources: dict, saved_leaves: dict, target_flat: dict) -> list[str]:
+    """Each target leaf whose checkpoint leaf has another shape or dtype, named."""
+    problems = []
+    for path, src in sources.items():
+        if src is None:
+            continue
+        shape, dtype = saved_leaves[src]
+        leaf = target_flat[path]
+        name = "/".join(path)
+        if tuple(shape) != tuple(np.shape(leaf)):
+            problems.append(
+                f"leaf {name} has shape {tuple(np.shape(leaf))} in the target but "
+                f"{tuple(shape)} in the checkpoint"
+            )
+        elif _canonical(dtype) != _canonical(_dtype_name(leaf)):
+            problems.append(
+                f"leaf {name} holds {dtype} in the checkpoint but the target expects "
+                f"{_dtype_name(leaf)}"
+            )
+    return problems
+
+
+def _canonical(name: str) -> str:
+    """The dtype JAX computes in for a recorded dtype name: a Python or NumPy int saved as
+    int64 is the int32 a JAX target holds (without x64), not a mismatch."""
+    try:
+        return str(jax.dtypes.canonicalize_dtype(_dtype(name)))
+    except TypeError:  # not a NumPy dtype (e.g. a typed PRNG key): compare the names
+        return name
+
+
+def _format_problems(saved: dict, tree: Any, sources: dict) -> list[str]:
+    """Each quantized target leaf whose checkpoint codes have another format, named.
+
+    Checkpoints written before `save` recorded formats carry none: their codes are checked by
+    dtype and shape only."""
+    if not isinstance(saved.get("formats"), dict):
+        return []
+    problems = []
+    for name, wanted in _formats(tree).items():
+        path = tuple(name.split("/")) if name else ()
+        src = sources.get(path + ("codes",))
+        if src is None:
+            continue
+        held = saved["formats"].get("/".join(src[:-1]))
+        if held != json.loads(json.dumps(wanted)):
+            shown = "no quantized leaf" if not isinstance(held, dict) else _show_format(held)
+            problems.append(
+                f"leaf {name}: {shown} in the checkpoint, but the target expects "
+                f"{_show_format(wanted)}"
+            )
+    return problems
 
 
 def _dtype(name: str) -> np.dtype:
@@ -553,4 +649,10 @@ def _record_problem(saved: Any) -> str | None:
             and isinstance(entry[1], str)
         ):
             return f"leaf {name!r} has no [shape, dtype] record"
+    formats = saved.get("formats", {})
+    keys = {"format", "signed", "shape", "block_size", "block_order"}
+    if not isinstance(formats, dict) or not all(
+        isinstance(f, dict) and keys <= set(f) for f in formats.values()
+    ):
+        return "its 'formats' entry is malformed"
     return None
