@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from parity.cell import run_cell  # noqa: E402
 from parity.cli.commands import CLI_DEFAULTS  # noqa: E402
-from parity.config import RunConfig  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
 from parity.perf import measure, speed  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     if args.device == "gpu":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     threads = measure.set_threads(args.threads)  # before JAX starts its backend
-    from parity.perf.hardware import hardware_info, hardware_summary
-    from parity.training.records import write_json_atomic
+    from parity.core.hardware import hardware_info, hardware_summary
+    from parity.core.records import write_json_atomic
 
     started = time.time()
     load_before = measure.load_average()
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         "timing": "alternating blocks: each round one run per framework, order rotated per "
         "round; per framework the steps after warm-up are pooled; medians and ratios with "
         "bootstrap 95% CIs",
-        "versions": measure.versions(),
+        "versions": hardware.versions(),
         "args": vars(args),
         "load_average_before": load_before,
         "load_average_after": measure.load_average(),

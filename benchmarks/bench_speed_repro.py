@@ -5,7 +5,7 @@ Runs ``python -m parity run --model transformer --precision fp32 --steps 40 --ba
 (the built-in transformer at fp32, the command that once gave "JAX faster" with the intervals
 4.97-7.36, 64.85-76.66 and 66.34-78.11 three times in a row) `--repeats` times, each in a fresh
 process as a user runs it, and reads each run's alternating-block timing (``speed_blocks``:
-`parity.perf.blocks`, judged by `parity.perf.speed.blocks_verdict`). It prints one row per run (the verdict
+`parity.training.blocks`, judged by `parity.perf.speed.blocks_verdict`). It prints one row per run (the verdict
 word, the ratio and its 95% interval, the ratios by round, the cores other processes used while the
 blocks ran, the load before, the threads) and one conclusion:
 
@@ -36,9 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parity.perf.hardware import hardware_summary  # noqa: E402
+from parity.core.hardware import hardware_summary  # noqa: E402
+from parity.core.records import load_results, write_json_atomic  # noqa: E402
 from parity.perf.speed import blocks_verdict  # noqa: E402
-from parity.training.records import load_results, write_json_atomic  # noqa: E402
 
 COMMAND = ["--model", "transformer", "--precision", "fp32", "--steps", "40", "--batch-size", "8"]
 

@@ -8,8 +8,8 @@ route of one run are drawn in ``parity/README.md``.
 import importlib
 from typing import Any
 
-from parity.config import PRECISIONS as PRECISIONS
-from parity.config import RunConfig as RunConfig
+from parity.core.config import PRECISIONS as PRECISIONS
+from parity.core.config import RunConfig as RunConfig
 
 __all__ = [
     "PRECISIONS",

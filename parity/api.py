@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 from parity.cell import NOISE_FRAMEWORKS, run_cell, write_outputs
-from parity.config import FP16_STRESS, RunConfig
+from parity.core.config import FP16_STRESS, RunConfig
+from parity.core.losses import TASKS
 from parity.data import BatchStream
 from parity.models import ModelPair
 from parity.pairs import adapters
 from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
-from parity.training.losses import TASKS
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
 from parity.verdicts.compare import compare_runs

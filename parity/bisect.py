@@ -55,11 +55,11 @@ import numpy as np
 from jax.extend import core as jex_core
 
 import jaxamp
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.recipes import Recipe, get_recipe
 from parity.golden.check import bad_input, check_fits, check_pair, flax_pair
 from parity.golden.format import Golden, load_golden
 from parity.pairs.adapters import FlaxModel
-from parity.training.recipes import Recipe, get_recipe
 from parity.training.steps import jax_forward
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, jax_side, torch_device

@@ -24,18 +24,18 @@ import numpy as np
 
 from parity import models
 from parity.automap.explain import record_mapping
-from parity.config import RunConfig
-from parity.perf.blocks import attach_speed_blocks, check_speed_blocks
-from parity.perf.hardware import unsupported_reason
-from parity.perf.phases import clock, current, phase
-from parity.report.markdown import write_report
-from parity.training.records import (
+from parity.core.config import RunConfig
+from parity.core.hardware import unsupported_reason
+from parity.core.records import (
     build_unsupported_record,
     config_run_key,
     load_results,
     merge_runs,
     write_json_atomic,
 )
+from parity.perf.phases import clock, current, phase
+from parity.report.markdown import write_report
+from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.compare import compare_runs
@@ -136,9 +136,9 @@ def run_cell(
       echo: print the step-0 outcome to stderr.
       noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: 1-ulp-nudged calibration runs.
       seeds: data seeds per framework in all (>= 2: seed statistics).
-      skip_keys: `parity.training.records.run_key`s already done (calibration runs are not redone).
+      skip_keys: `parity.core.records.run_key`s already done (calibration runs are not redone).
       speed_blocks: when both frameworks complete, time them again in this many alternating
-        blocks (`parity.perf.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
+        blocks (`parity.training.blocks`: the cell's quotable speed figure, ``speed_blocks`` in both
         records); 0: not timed (the report's speed is then the sequential runs', indicative).
       train: ``train(frameworks, config, pair, stream) -> records`` trains the frameworks that
         passed the gate, in place of `parity.training.trainers.train_framework` for each (the
@@ -260,7 +260,7 @@ def calibration_runs(
       noise: ``"none"``, ``"torch"``, ``"jax"`` or ``"both"``: which frameworks get a noise run.
       seeds: data seeds per framework in all (the main run is the first).
       progress: report progress.
-      skip_keys: `parity.training.records.run_key`s already done (a resumed matrix).
+      skip_keys: `parity.core.records.run_key`s already done (a resumed matrix).
 
     Returns:
       Run records (``variant="noise"`` or another ``data_seed``), for `parity.verdicts.compare`.

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch]
 
-from parity.config import RunConfig  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
 from parity.distributed import (  # noqa: E402
     DistributedPlan,
     WorkerError,

@@ -8,9 +8,9 @@ pytest.importorskip("torch")
 pytest.importorskip("torchao.float8")
 
 import jaxamp.fp8  # noqa: E402
-from parity.config import FP8_PRECISIONS, PRECISIONS, RunConfig  # noqa: E402
+from parity.core import fp8 as pf  # noqa: E402
+from parity.core.config import FP8_PRECISIONS, PRECISIONS, RunConfig  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
-from parity.training import fp8 as pf  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax internals
 

@@ -34,9 +34,9 @@ import jaxamp
 import jaxamp.flax
 from parity.api import prepare_pair
 from parity.bisect import NOT_SEARCHED, bisect, bisect_golden, ddmin
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.recipes import get_recipe
 from parity.golden.format import BatchList, load_golden
-from parity.training.recipes import get_recipe
 from parity.verdicts.torch_side import torch_stage_side
 
 pytestmark = pytest.mark.standard_promotion

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from parity import cell  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
-from parity.training.records import load_results, merge_runs, write_json_atomic  # noqa: E402
+from parity.core.records import load_results, merge_runs, write_json_atomic  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 

@@ -431,7 +431,7 @@ def test_data_specs_and_their_errors():
 def test_pairs_take_their_shapes_from_the_data():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.models import get_model_pair
 
     pair = get_model_pair("cnn_bn", data="digits")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.models import get_model_pair
 from parity.verdicts.diagnose import (
     KINDS,

@@ -20,11 +20,11 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch]
 
 from parity.cli import commands as cli  # noqa: E402
-from parity.config import RunConfig  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
+from parity.core.records import comparable_labels, load_results  # noqa: E402
 from parity.distributed import DistributedPlan, run_distributed  # noqa: E402
 from parity.distributed.procs import live_worker_pids  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
-from parity.training.records import comparable_labels, load_results  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
 
 TINY = {"image_shape": (4, 4, 3), "hidden": 8}

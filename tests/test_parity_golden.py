@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from parity import bisect
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.golden import check as golden_check
 from parity.golden.check import check_golden, hardware_allowance
 from parity.golden.export import export_golden

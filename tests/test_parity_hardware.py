@@ -1,4 +1,4 @@
-"""parity.perf.hardware: what the machine is, what it cannot run (probed, not guessed), thread control,
+"""parity.core.hardware: what the machine is, what it cannot run (probed, not guessed), thread control,
 and that the environment variables CI uses to narrow a CPU to AVX2 really take effect."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity.perf import hardware, measure  # noqa: E402
+from parity.core import hardware  # noqa: E402
+from parity.perf import measure  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -52,7 +53,7 @@ def test_hardware_info_describes_both_frameworks_as_json():
 @pytest.mark.slow
 def test_hardware_info_never_imports_torch():
     code = (
-        "import sys, jax; from parity.perf.hardware import hardware_info; info = hardware_info(); "
+        "import sys, jax; from parity.core.hardware import hardware_info; info = hardware_info(); "
         "assert 'torch' not in sys.modules, 'imported torch'; assert info['torch'] is None; "
         "assert info['jax']['backend'] == 'cpu'; print('ok')"
     )
@@ -161,7 +162,7 @@ def test_aten_cpu_capability_takes_effect():
     "default" is below every CPU, so the variable's effect is visible on any machine."""
     capability = "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "default"
     code = (
-        "import torch; from parity.perf.hardware import hardware_info, torch_bf16_is_emulated; "
+        "import torch; from parity.core.hardware import hardware_info, torch_bf16_is_emulated; "
         "info = hardware_info(); print(info['torch']['cpu_capability'], torch_bf16_is_emulated())"
     )
     out = _run(code, ATEN_CPU_CAPABILITY=capability)
@@ -180,7 +181,7 @@ def test_onednn_max_cpu_isa_takes_effect_and_removes_bf16_lstm():
     cap, shown = ("AVX2", "AVX2") if wider else ("SSE41", "SSE4.1")
     code = (
         "import torch; m = torch.nn.LSTM(4, 4); m(torch.zeros(2, 1, 4)); "
-        "from parity.perf.hardware import unsupported_reason; "
+        "from parity.core.hardware import unsupported_reason; "
         "print('REASON', unsupported_reason('torch', 'bf16-mixed', 'lstm', 'cpu') is not None)"
     )
     out = _run(code, ONEDNN_MAX_CPU_ISA=cap, ONEDNN_VERBOSE="1")

@@ -1,5 +1,5 @@
 """Eval-logit KL divergence and top-k agreement (`parity.verdicts.logits`), the sample each run
-record carries (`parity.training.eval_logits`), and the rows they make: the pure functions
+record carries (`parity.core.eval_logits`), and the rows they make: the pure functions
 against scipy/torch/numpy references, the bands on records perturbed by known amounts, and a
 planted port bug (Flax's causal mask off) caught by the KL row on real runs.
 
@@ -21,15 +21,15 @@ from scipy import special, stats
 
 torch = pytest.importorskip("torch")
 
-from parity.config import RunConfig  # noqa: E402
-from parity.models import get_model_pair  # noqa: E402
-from parity.training.eval_logits import (  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
+from parity.core.eval_logits import (  # noqa: E402
     EVAL_LOGIT_MIN_TOKENS,
     EVAL_LOGIT_TOKENS,
     eval_logit_point,
     eval_logit_sample,
 )
-from parity.training.records import ResultsFileError, validate_run  # noqa: E402
+from parity.core.records import ResultsFileError, validate_run  # noqa: E402
+from parity.models import get_model_pair  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
 from parity.verdicts.logits import (  # noqa: E402

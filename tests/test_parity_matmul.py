@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.cli.commands import main  # noqa: E402
-from parity.cli.progress import progress  # noqa: E402
+from parity.core.hardware import unsupported_reason  # noqa: E402
+from parity.core.progress import progress  # noqa: E402
 from parity.perf import matmul, measure  # noqa: E402
-from parity.perf.hardware import unsupported_reason  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]
 

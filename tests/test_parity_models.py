@@ -12,16 +12,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity import transfer  # noqa: E402
-from parity.models import MODEL_NAMES, ModelPair, get_model_pair  # noqa: E402
-from parity.models.layers import TorchBatchNorm, TorchLayerNorm, TorchLSTM  # noqa: E402
-from parity.perf.hardware import skip_if_unsupported  # noqa: E402
-from parity.training.losses import (  # noqa: E402
+from parity.core.hardware import skip_if_unsupported  # noqa: E402
+from parity.core.losses import (  # noqa: E402
     eval_metric_jax,
     eval_metric_name,
     eval_metric_torch,
     loss_jax,
     loss_torch,
 )
+from parity.models import MODEL_NAMES, ModelPair, get_model_pair  # noqa: E402
+from parity.models.layers import TorchBatchNorm, TorchLayerNorm, TorchLSTM  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from parity import api
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.models import get_model_pair
 from parity.models import transformer as transformer_module
 from parity.pairs import adapters

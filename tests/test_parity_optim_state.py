@@ -17,9 +17,9 @@ import jaxamp  # noqa: E402
 import parity  # noqa: E402
 import parity.api  # noqa: E402
 from parity import cell  # noqa: E402
-from parity.config import RunConfig  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
+from parity.core.recipes import _LowBitAdamW, get_recipe  # noqa: E402
 from parity.perf import measure  # noqa: E402
-from parity.training.recipes import _LowBitAdamW, get_recipe  # noqa: E402
 from parity.verdicts import optim_step0  # noqa: E402
 from parity.verdicts.optim_step0 import optimizer_state_verdicts  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402

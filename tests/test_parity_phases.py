@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from parity.core.records import ResultsFileError, validate_run
 from parity.perf.phases import clock, current, format_line, phase
-from parity.training.records import ResultsFileError, validate_run
 
 
 def _busy(seconds: float) -> None:

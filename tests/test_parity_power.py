@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]  # optax/flax i
 
 import parity  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
-from parity.cli import flags  # noqa: E402
-from parity.training.records import run_seed, validate_run  # noqa: E402
+from parity.core import flags  # noqa: E402
+from parity.core.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
 from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows  # noqa: E402
 from parity.verdicts.power import (  # noqa: E402
@@ -152,7 +152,7 @@ def test_three_outcomes_and_their_exit_codes():
 
 
 def test_the_deciding_command_reruns_the_cells_own_run_with_only_the_deciding_options(tmp_path):
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.report.markdown import write_report
 
     config = RunConfig(
@@ -398,7 +398,7 @@ def test_compare_models_takes_seeds_threads_and_a_budget(tmp_path):
 
 
 def test_both_trainers_record_gradient_and_update_norms_and_scaled_maxima():
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.models import get_model_pair
     from parity.training.trainers import train_framework
 

@@ -1,4 +1,4 @@
-"""Precision recipes (parity.training.recipes) and the one step per framework
+"""Precision recipes (parity.core.recipes) and the one step per framework
 (parity.training.steps): names as jaxamp reads them, the README's step, every recipe through
 every arm run as itself or refused, and a new precision added with one class and one line."""
 
@@ -21,14 +21,15 @@ import torch.distributed as dist  # noqa: E402
 
 import jaxamp  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
-from parity.config import PRECISIONS, RunConfig  # noqa: E402
+from parity.core import recipes  # noqa: E402
+from parity.core.config import PRECISIONS, RunConfig  # noqa: E402
+from parity.core.hardware import UnsupportedHere  # noqa: E402
+from parity.core.recipes import RECIPES, get_recipe, precision_names  # noqa: E402
+from parity.core.records import load_results  # noqa: E402
 from parity.distributed import worker  # noqa: E402
 from parity.distributed.procs import free_port  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
-from parity.perf.hardware import UnsupportedHere  # noqa: E402
-from parity.training import recipes, steps  # noqa: E402
-from parity.training.recipes import RECIPES, get_recipe, precision_names  # noqa: E402
-from parity.training.records import load_results  # noqa: E402
+from parity.training import steps
 from parity.training.train_jax import train_jax  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
 

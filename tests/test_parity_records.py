@@ -1,4 +1,4 @@
-"""parity.training.records: one run-record schema, validation on load, atomic writes with the usual mode."""
+"""parity.core.records: one run-record schema, validation on load, atomic writes with the usual mode."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from parity.config import RunConfig
-from parity.training import records
-from parity.training.records import ResultsFileError, load_results, merge_runs, validate_run
+from parity.core import records
+from parity.core.config import RunConfig
+from parity.core.records import ResultsFileError, load_results, merge_runs, validate_run
 
 
 def _run(framework="torch", **changes):
@@ -41,21 +41,11 @@ def _write(tmp_path, data):
 
 @pytest.mark.integration
 def test_train_jax_does_not_import_torch():
-    code = "import sys, parity.training.train_jax, parity.training.records, parity.verdicts.compare; print('torch' in sys.modules)"
+    code = "import sys, parity.training.train_jax, parity.core.records, parity.verdicts.compare; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "False", out.stderr
-
-
-def test_old_import_locations_still_work():
-    from parity.report import markdown as report
-    from parity.training import train_torch
-
-    assert train_torch.build_run_record is records.build_run_record
-    assert train_torch.build_error_record is records.build_error_record
-    assert report.load_results is records.load_results
-    assert report.write_json_atomic is records.write_json_atomic
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,10 @@ pytest.importorskip("torch")
 
 from parity import cell  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
-from parity.config import RunConfig  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
+from parity.core.records import load_results, write_json_atomic  # noqa: E402
 from parity.data import DataSpec, load_text  # noqa: E402
 from parity.report import markdown as report  # noqa: E402
-from parity.training.records import load_results, write_json_atomic  # noqa: E402
 from parity.verdicts.compare import compare_runs  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -209,7 +209,7 @@ def test_a_calibration_run_made_with_other_settings_is_left_out():
 _WRITER = """
 import sys, time
 from pathlib import Path
-from parity.training.records import merge_runs
+from parity.core.records import merge_runs
 out, who, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 (out / f"ready-{who}").touch()
 while len(list(out.glob("ready-*"))) < 2:  # start together
@@ -302,7 +302,7 @@ def test_an_unusable_out_is_refused_before_training(tmp_path, capsys, monkeypatc
 
 def test_a_failed_run_never_exits_0(tmp_path, capsys, monkeypatch):
     def fails(config, frameworks, **kwargs):
-        from parity.training.records import build_error_record
+        from parity.core.records import build_error_record
 
         return [build_error_record("jax", config, RuntimeError("boom"))]
 

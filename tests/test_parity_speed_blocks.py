@@ -9,8 +9,8 @@ import matplotlib
 import numpy as np
 import pytest
 
+from parity.core.hardware import torch_matmul_probe
 from parity.perf import measure, speed
-from parity.perf.hardware import torch_matmul_probe
 from parity.report import plots
 
 matplotlib.use("Agg")
@@ -253,9 +253,9 @@ def test_time_cell_alternates_the_trainers_own_steps():
     """One real alternating-block timing: the trainers' steps (JAX's executable reused from the
     run), the record's fields, and a verdict that is one of the three statuses."""
     pytest.importorskip("torch")
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.models import get_model_pair
-    from parity.perf.blocks import time_cell
+    from parity.training.blocks import time_cell
     from parity.training.train_jax import train_jax
 
     tiny = {"image_shape": (8, 8, 3), "hidden": 16}

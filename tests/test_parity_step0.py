@@ -18,7 +18,7 @@ import torch
 
 import jaxamp
 import parity
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.models import ModelPair, get_model_pair
 from parity.perf.flops import jax_matmul_flops, requested_fraction
 from parity.training.dtype_trace import diff_dtype_traces, torch_dtype_trace, torch_matmul_flops
@@ -321,7 +321,7 @@ def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
 @pytest.mark.slow
 def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
     from parity.cli import commands as cli
-    from parity.training.records import load_results
+    from parity.core.records import load_results
 
     out = tmp_path / "wrong"
     args = ["run", "--model", "resnet", "--steps", "2", "--batch-size", "2", "--no-eval"]
@@ -343,8 +343,8 @@ def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):
     pytest.importorskip("torchao.float8")
     import jaxamp.fp8
     from parity.cli import commands as cli
-    from parity.training import fp8 as pf
-    from parity.training.records import load_results
+    from parity.core import fp8 as pf
+    from parity.core.records import load_results
 
     def run(out):
         args = ["run", "--model", "mlp", "--precision", "fp8-tensorwise", "--steps", "2"]

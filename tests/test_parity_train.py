@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity.config import PRECISIONS, RunConfig, learning_rate_at  # noqa: E402
+from parity.core.config import PRECISIONS, RunConfig, learning_rate_at  # noqa: E402
+from parity.core.hardware import skip_if_unsupported  # noqa: E402
 from parity.models import MODEL_NAMES, get_model_pair  # noqa: E402
-from parity.perf.hardware import skip_if_unsupported  # noqa: E402
 from parity.training.steps import (  # noqa: E402
     build_jax_optimizer,
     build_torch_optimizer,

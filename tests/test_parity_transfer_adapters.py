@@ -222,7 +222,7 @@ def test_task_errors_name_the_right_task():
         _pair(torch.nn.Linear(3, 2), fnn.Dense(2), batches, task="regresion")
     targets = [(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))]
     pair = _pair(torch.nn.Linear(3, 2), fnn.Dense(2), targets, task="regression")
-    from parity.training.losses import loss_jax, loss_torch
+    from parity.core.losses import loss_jax, loss_torch
 
     logits = jnp.ones((4, 2), jnp.bfloat16)
     assert loss_jax("regression", logits, jnp.zeros((4, 2))).dtype == jnp.float32
@@ -254,7 +254,7 @@ def test_regression_pair_trains_in_parity():
 @pytest.mark.parametrize("precision", ["bf16-mixed"])  # autocast through the NNX adapter
 def test_builtin_nnx_pair_trains_like_its_linen_twin(precision):
     """`mlp_nnx` (NNX) and `mlp` (linen) compute the same function: identical JAX runs."""
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.models import get_model_pair
     from parity.training.train_jax import train_jax
 

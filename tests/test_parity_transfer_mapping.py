@@ -79,7 +79,7 @@ def test_element_index_names_each_flax_elements_torch_position():
 
 def test_grads_to_flax_matches_jax_gradients():
     """Transformer (fused qkv chunks, reshapes): torch grads through the mapping equal JAX's."""
-    from parity.training.losses import loss_jax, loss_torch
+    from parity.core.losses import loss_jax, loss_torch
 
     pair = get_model_pair("transformer", seed=0, num_layers=1, d_model=32, seq_len=16)
     stream = pair.make_data(seed=0, batch_size=4)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from parity.training.records import validate_run
+from parity.core.records import validate_run
 from parity.verdicts.compare import compare_runs
 from parity.verdicts.rows import (
     TOLERANCES,
@@ -317,7 +317,7 @@ def test_the_matrix_calibrates_both_batchnorm_models(tmp_path, monkeypatch):
 @pytest.mark.torch
 @pytest.mark.standard_promotion  # optax/flax internals
 def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.models import get_model_pair
     from parity.training.train_jax import train_jax
     from parity.training.train_torch import train_torch
@@ -361,7 +361,7 @@ def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
 @pytest.mark.torch
 @pytest.mark.standard_promotion
 def test_fp16_stress_setting_makes_the_scaler_act_and_defaults_are_informational():
-    from parity.config import FP16_STRESS, RunConfig
+    from parity.core.config import FP16_STRESS, RunConfig
     from parity.models import get_model_pair
     from parity.training.train_jax import train_jax
     from parity.training.train_torch import train_torch
@@ -405,7 +405,7 @@ def test_a_padding_row_is_named_at_step_0_and_left_out_of_the_gradient_compariso
     import torch
 
     from parity import api
-    from parity.config import RunConfig
+    from parity.core.config import RunConfig
     from parity.verdicts.rows import PADDING_CHECK
     from parity.verdicts.sides import jax_side
     from parity.verdicts.step0 import check_step0

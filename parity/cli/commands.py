@@ -30,21 +30,12 @@ from typing import Any
 
 from parity import cell
 from parity.bisect import add_bisect_parser, run_bisect
-from parity.cli import flags
-from parity.cli.progress import progress as progress_lines
-from parity.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
-from parity.data import DataSpec
-from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
-from parity.golden.check import add_check_parser, bad_input, flax_model_of, run_check
-from parity.golden.export import export_golden
-from parity.models import MODEL_NAMES, calibration_prescribed
-from parity.perf.blocks import DEFAULT_BLOCKS
-from parity.perf.hardware import unsupported_reason
-from parity.perf.matmul import add_matmul_parser, main_matmul
-from parity.perf.measure import set_threads
-from parity.perf.phases import clock, format_line
-from parity.training.recipes import get_recipe, precision_names, resolve_precision
-from parity.training.records import (
+from parity.core import flags
+from parity.core.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from parity.core.hardware import unsupported_reason
+from parity.core.progress import progress as progress_lines
+from parity.core.recipes import get_recipe, precision_names, resolve_precision
+from parity.core.records import (
     RESULTS_FILE,
     config_run_key,
     load_results,
@@ -52,6 +43,15 @@ from parity.training.records import (
     run_key,
     run_status,
 )
+from parity.data import DataSpec
+from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
+from parity.golden.check import add_check_parser, bad_input, flax_model_of, run_check
+from parity.golden.export import export_golden
+from parity.models import MODEL_NAMES, calibration_prescribed
+from parity.perf.matmul import add_matmul_parser, main_matmul
+from parity.perf.measure import set_threads
+from parity.perf.phases import clock, format_line
+from parity.training.blocks import DEFAULT_BLOCKS
 
 __all__ = ["CLI_DEFAULTS", "build_parser", "main", "matrix_config"]
 

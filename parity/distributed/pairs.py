@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from parity import models
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 
 __all__ = ["load_pair_factory", "make_pair"]
 

@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from parity.cell import run_cell, write_outputs
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.hardware import UnsupportedHere
+from parity.core.records import build_error_record, build_run_record, write_json_atomic
 from parity.distributed.pairs import make_pair
 from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
-from parity.perf.hardware import UnsupportedHere
 from parity.report.markdown import speed_ratios
-from parity.training.records import build_error_record, build_run_record, write_json_atomic
 from parity.verdicts.rows import Verdict, cell_configs, format_verdicts
 
 __all__ = [
@@ -151,7 +151,7 @@ class DistributedResult:
     Attributes:
       config, plan: what was run.
       ranks: per-side worker results: ``{"torch": [rank0, ...], "jax:jit": [...], ...}``.
-      runs: this run's records (`parity.training.records` schema), one per side/mode.
+      runs: this run's records (`parity.core.records` schema), one per side/mode.
       verdicts: `parity.verdicts.rows.Verdict` rows of ``results.json`` (`write_outputs`'s).
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``.
       speed: one JAX/torch speed figure per JAX mode, keyed by the compared pair
@@ -227,7 +227,7 @@ def _run_group(
 
 def _labels(side: str, plan: DistributedPlan) -> dict[str, str]:
     """A side's record fields: its label (``"jax:jit ddp"``) and arm (the strategy), which keep
-    it apart from the other sides and pair it with them (`parity.training.records.run_label`)."""
+    it apart from the other sides and pair it with them (`parity.core.records.run_label`)."""
     return {"distributed": f"{side} {plan.strategy}", "arm": plan.strategy}
 
 

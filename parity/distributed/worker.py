@@ -36,12 +36,12 @@ from torch.distributed import distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.losses import loss_jax, loss_torch
+from parity.core.records import write_json_atomic
 from parity.distributed.hlo import dump_flags, reduction_collectives, reduction_dtypes
 from parity.distributed.pairs import make_pair
 from parity.perf import measure
-from parity.training.losses import loss_jax, loss_torch
-from parity.training.records import write_json_atomic
 from parity.training.steps import (
     build_jax_optimizer,
     build_torch_optimizer,

@@ -44,17 +44,16 @@ from typing import Any
 
 import numpy as np
 
-from parity.config import RunConfig
-from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
-from parity.pairs.adapters import AdapterError, as_flax_model
-from parity.pairs.variables import as_variables, flatten_variables
-from parity.perf import measure
-from parity.perf.hardware import UnsupportedHere, hardware_info
-from parity.training.records import (
+from parity.core.config import RunConfig
+from parity.core.hardware import UnsupportedHere, hardware_info, versions
+from parity.core.records import (
     build_error_record,
     build_unsupported_record,
     write_json_atomic,
 )
+from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
+from parity.pairs.adapters import AdapterError, as_flax_model
+from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
 from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
@@ -119,7 +118,7 @@ def _kernel_classes(hardware: Mapping[str, Any], *, here: bool) -> dict[str, Any
         if not here and recorded.get("cpu_capability")
         else _capability(flags, env.get("ATEN_CPU_CAPABILITY"))
     )
-    # the rule of `parity.perf.hardware.torch_bf16_is_emulated`, read from these flags and this env
+    # the rule of `parity.core.hardware.torch_bf16_is_emulated`, read from these flags and this env
     isa = str(env.get("ONEDNN_MAX_CPU_ISA") or "ALL").upper()
     onednn_low = isa == "ALL" or any(key in isa for key in ("BF16", "AMX", "FP16", "AVX10"))
     wide = capability in ("AVX512", "AMX") and onednn_low
@@ -150,7 +149,7 @@ def hardware_allowance(
 
     Args:
       header: a golden header (its ``hardware`` and ``versions`` are the recorded machine's).
-      current: `parity.perf.hardware.hardware_info` of this machine (default: measured now).
+      current: `parity.core.hardware.hardware_info` of this machine (default: measured now).
 
     Returns:
       ``({dtype: extra roundings per layer}, notes)``: for each compute dtype whose torch
@@ -191,7 +190,7 @@ def hardware_allowance(
                 f"{SAFETY:g} x depth x u({dtype}), the trajectory bands do not"
             )
     recorded_versions = header.get("versions") or {}
-    now = measure.versions()
+    now = versions()
     for name in ("jax", "jaxlib", "flax", "optax", "jaxamp", "numpy"):
         if recorded_versions.get(name) not in (None, now.get(name)):
             notes.append(
@@ -485,7 +484,7 @@ def check_golden(
         recorded, else the built-in pair's twin (needs torch).
       flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
       progress: report training progress.
-      current_hardware: this machine's `parity.perf.hardware.hardware_info` (default: measured).
+      current_hardware: this machine's `parity.core.hardware.hardware_info` (default: measured).
 
     Returns:
       A `GoldenResult` (``result.report()`` for the table and the notes).

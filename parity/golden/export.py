@@ -32,7 +32,7 @@ import torch
 
 from parity.api import prepare_pair, resolve_eval, user_stream
 from parity.cell import builtin_pair
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.golden.check import flax_model_of
 from parity.golden.format import write_golden
 from parity.training.trainers import train_framework

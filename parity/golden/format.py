@@ -6,7 +6,7 @@ One ``.npz`` (``numpy.savez_compressed``; read with ``allow_pickle=False``): arr
 ``stats/...``), and the JSON header under ``header.json``: ``format`` (`FORMAT`),
 ``schema_version`` (`SCHEMA_VERSION`), ``config`` (`RunConfig.to_dict`), ``model`` (name, task,
 configuration, the ``"module:attr"`` of the Flax module under test), ``torch_run`` (torch's run
-record, `parity.training.records` schema), ``step0.stages`` (stage, precision, dtype, loss scale, loss,
+record, `parity.core.records` schema), ``step0.stages`` (stage, precision, dtype, loss scale, loss,
 matmul FLOPs by dtype), ``data`` (batch counts), ``versions`` and ``hardware``. `load_golden`
 validates all of it before anything runs and names the offending field. No torch here.
 """
@@ -24,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from parity.config import RunConfig
-from parity.perf import measure
-from parity.perf.hardware import hardware_info
-from parity.training.records import ResultsFileError, validate_run, write_bytes_atomic
+from parity.core.config import RunConfig
+from parity.core.hardware import hardware_info, versions
+from parity.core.records import ResultsFileError, validate_run, write_bytes_atomic
 from parity.verdicts.sides import Side, flatten
 
 __all__ = [
@@ -97,7 +96,7 @@ class Golden:
 
     @property
     def torch_run(self) -> dict[str, Any]:
-        """torch's run record (`parity.training.records` schema)."""
+        """torch's run record (`parity.core.records` schema)."""
         return self.header["torch_run"]
 
     @property
@@ -204,7 +203,7 @@ def write_golden(
         "torch_run": dict(torch_run),
         "step0": {"stages": stages},
         "data": {"train_batches": len(batches), "eval_batches": len(eval_batches)},
-        "versions": measure.versions(),
+        "versions": versions(),
         "hardware": hardware_info(),
     }
     arrays[HEADER_KEY] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from parity.automap import auto
+from parity.core.losses import check_task
 from parity.data import BatchStream, DataSpec, text_stream
 from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
 from parity.pairs.adapters import FlaxModel, output_logits
 from parity.pairs.mapping import WeightMapping
-from parity.training.losses import check_task
 
 __all__ = [
     "MODEL_NAMES",

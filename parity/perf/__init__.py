@@ -1,2 +1,2 @@
-"""Speed and memory: timing protocol (`speed`, `blocks`), measurements (`measure`), the matmul
-probe (`matmul`), FLOP counts (`flops`) and the hardware description (`hardware`)."""
+"""Speed and memory: timing protocol (`speed`), measurements (`measure`), the matmul probe
+(`matmul`), FLOP counts (`flops`) and the phase clock (`phases`). The machine's description is `parity.core.hardware`."""

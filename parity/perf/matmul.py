@@ -13,7 +13,7 @@ n-term dot product in the operand dtype): a wrong kernel is reported, not timed.
 fp32 runs at full precision on both sides (``torch.set_float32_matmul_precision("highest")``, TF32
 off; JAX ``precision=HIGHEST``). On CPU, torch's float16 and bfloat16 matmuls range from as fast as
 float32 (AVX512-FP16/AMX) to ~200x slower (emulated): a probe measures this machine's
-(`parity.perf.hardware.torch_matmul_probe`, recorded), and a case whose products it predicts would
+(`parity.core.hardware.torch_matmul_probe`, recorded), and a case whose products it predicts would
 take longer than `CPU_CASE_BUDGET_S` in all is recorded as not run, with the measured figure as
 the reason. XLA:CPU upcasts bf16/fp16 dots to float32, so JAX gets no low-precision speed-up on
 CPU.
@@ -33,16 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from parity.perf import measure, speed
-from parity.perf.hardware import (
+from parity.core.hardware import (
     UnsupportedHere,
     cpu_model_name,
     hardware_info,
     torch_matmul_probe,
     unsupported_reason,
+    versions,
 )
-from parity.perf.measure import thread_settings, versions
-from parity.training.records import write_bytes_atomic, write_json_atomic
+from parity.core.records import write_bytes_atomic, write_json_atomic
+from parity.perf import measure, speed
+from parity.perf.measure import thread_settings
 
 __all__ = [
     "CPU_CASE_BUDGET_S",
@@ -273,7 +274,7 @@ def run_matmul_benchmark(
 
     Raises:
       ValueError: bad arguments (naming the parameter and what is allowed).
-      parity.perf.hardware.UnsupportedHere: `device` is "gpu" and no framework asked for can use one.
+      parity.core.hardware.UnsupportedHere: `device` is "gpu" and no framework asked for can use one.
 
     Example:
       >>> record = run_matmul_benchmark([32], ["fp32"], ["jax"], repeats=3, warmup=1)

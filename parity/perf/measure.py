@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
-    "MEMORY_METHODS",
     "jax_cpu_memory",
     "jax_gpu_peak_memory",
     "jax_optimizer_state",
@@ -53,19 +52,6 @@ __all__ = [
     "torch_state_tensors",
     "torch_sync",
 ]
-
-MEMORY_METHODS = {
-    "torch_cuda_max_memory_allocated": "torch.cuda.max_memory_allocated() over the measured steps",
-    "jax_gpu_peak_bytes_in_use": (
-        "jax device.memory_stats()['peak_bytes_in_use'] with XLA_PYTHON_CLIENT_PREALLOCATE=false; "
-        "process-wide (JAX has no reset), so run GPU cells in separate processes for per-run peaks"
-    ),
-    "xla_memory_analysis": "compiled train step memory_analysis(): argument + output + temp - alias bytes",
-    "torch_profiler_cpu_allocations": (
-        "torch.profiler(profile_memory=True) over one step: max running sum of CPU allocator "
-        "events + bytes of params, optimizer state and batch live before the step"
-    ),
-}
 
 
 def torch_sync(device: str) -> None:
@@ -332,37 +318,6 @@ def jax_gpu_peak_memory(device: Any) -> int | None:
 def now() -> float:
     """A monotonic clock (seconds)."""
     return time.perf_counter()
-
-
-def versions() -> dict[str, str]:
-    """Versions of everything that affects the figures, and the machine."""
-    import platform
-
-    import flax
-    import jax
-    import jaxlib
-    import numpy
-    import optax
-
-    import jaxamp
-
-    out = {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "optax": optax.__version__,
-        "numpy": numpy.__version__,
-        "jaxamp": jaxamp.__version__,
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-    }
-    torch = sys.modules.get("torch")  # never imported here: the JAX trainer runs without torch
-    if torch is not None:
-        out["torch"] = torch.__version__
-        out["torch_threads"] = str(torch.get_num_threads())
-    out["cpu_count"] = str(os.cpu_count())
-    return out
 
 
 # --- thread settings and machine load ----------------------------------------------------------

@@ -2,7 +2,7 @@
 
 For every (model, precision, device) cell with a JAX run and a torch run:
 
-- the figure a study can quote comes from alternating blocks (`parity.perf.blocks`: torch block,
+- the figure a study can quote comes from alternating blocks (`parity.training.blocks`: torch block,
   JAX block, torch, JAX... in one process, same threads): `block_verdict` takes the JAX/torch
   ratio of the block medians of every round and gives their geometric mean with a t-interval
   over the rounds, so the between-block spread is inside the interval; it says "not
@@ -20,7 +20,7 @@ For every (model, precision, device) cell with a JAX run and a torch run:
   `parity.report.plots`'.
 
 `speed_section` and `hardware_section` return markdown lines for
-``parity.report.markdown``. Runs are the records of ``results.json`` (see ``parity.training.records``).
+``parity.report.markdown``. Runs are the records of ``results.json`` (see ``parity.core.records``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import numpy as np
 from scipy.stats import t as student_t
 
 import jaxamp
-from parity.perf.hardware import hardware_summary
-from parity.training.recipes import get_recipe
-from parity.training.records import run_label
+from parity.core.hardware import hardware_summary
+from parity.core.recipes import get_recipe
+from parity.core.records import run_label
 
 __all__ = [
     "CI_WIDTH_LIMIT",
@@ -659,7 +659,7 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     if not grouped:
         return lines + ["No completed runs with step times.", ""]
     lines += [
-        "The quotable figure comes from alternating blocks (`--speed-blocks`, `parity.perf.blocks`): "
+        "The quotable figure comes from alternating blocks (`--speed-blocks`, `parity.training.blocks`): "
         "after both runs, torch and JAX take turns, a block of steps each, in one process with the "
         "same intra-op threads; each round gives the ratio of the two blocks' median step times, "
         "and the figure is their geometric mean with a Student-t 95% interval over the rounds "

@@ -13,20 +13,26 @@ framework: it says so in words, and ``report.md`` is always written (a plot that
 drawn is replaced by a sentence saying why).
 
 The run-record schema, ``results.json`` loading/merging and the atomic writers live in
-`parity.training.records`; the names below are re-exported from there for older imports.
+`parity.core.records`.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import io
 import os
 from pathlib import Path
 from typing import Any
 
+from parity.core.records import (
+    MEMORY_METHODS,
+    comparable_labels,
+    run_label,
+    run_seed,
+    run_status,
+    write_text_atomic,
+)
 from parity.perf import speed
-from parity.perf.measure import MEMORY_METHODS
 from parity.perf.phases import current, phase
 from parity.report.memory import memory_section
 from parity.report.plots import (
@@ -40,13 +46,6 @@ from parity.report.plots import (
     plot_step_times,
 )
 from parity.report.timing import phases_section
-from parity.training.records import (
-    comparable_labels,
-    run_label,
-    run_seed,
-    run_status,
-    write_text_atomic,
-)
 from parity.verdicts.rows import (
     cell_bottom_lines,
     cell_configs,
@@ -56,19 +55,6 @@ from parity.verdicts.rows import (
 )
 
 __all__ = ["report_sections", "speed_ratios", "write_report", "write_steps_csv"]
-
-# Names that lived here before parity.training.records held them: one deprecation path, no re-export.
-_MOVED = {
-    name: "parity.training.records"
-    for name in ("RESULTS_FILE", "load_results", "merge_runs", "run_key", "write_json_atomic")
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'parity.report.markdown' has no attribute {name!r}")
-
 
 STEP_COLUMNS = (
     "model",
@@ -142,7 +128,7 @@ def _ms(value: Any, spec: str = ".3f") -> str:
 
 def speed_ratios(members) -> dict[str, str]:
     """One JAX/torch speed figure per compared pair of a cell's completed main runs: each JAX
-    side against the torch side of its arm (`parity.training.records.comparable_labels`), so a
+    side against the torch side of its arm (`parity.core.records.comparable_labels`), so a
     distributed cell gets one per JAX mode (``"jax:jit ddp vs torch ddp"``,
     ``"jax:multiprocess ddp vs torch ddp"``) and a single-device cell one (``"jax vs torch"``),
     each `parity.perf.speed.bottom_line`'s text.

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from parity.core.recipes import get_recipe
 from parity.perf.speed import cells, jax_labels, ordered_labels, torch_reference
-from parity.training.recipes import get_recipe
 
 __all__ = ["memory_comparability", "memory_section"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from parity.core.records import run_label, write_bytes_atomic
 from parity.perf import speed
-from parity.training.records import run_label, write_bytes_atomic
 from parity.verdicts.power import step_tolerances
 from parity.verdicts.rows import (
     POWER_BOUNDS,
@@ -425,7 +425,7 @@ def _block_stats(members):
 def plot_step_times(runs, path) -> bool:
     """Step time per framework, one panel per cell, linear axis from 0, values printed.
 
-    With an alternating-block timing (`parity.perf.blocks`) the bars are the median of the block
+    With an alternating-block timing (`parity.training.blocks`) the bars are the median of the block
     medians and the whiskers the range of the block medians (the between-block spread the ratio's
     interval includes); otherwise each run's median with its bootstrap 95% CI. A panel whose
     figure is not quotable carries `step_time_caveat` in red. With no timings at all the PNG says

@@ -1,6 +1,6 @@
 """The jaxamp trainer: the JAX twin of `parity.training.train_torch`, one run record out.
 
-The precision is the run's recipe (`parity.training.recipes`): it wraps the forward pass
+The precision is the run's recipe (`parity.core.recipes`): it wraps the forward pass
 (``jaxamp.autocast`` with torch's per-op rules for the torch side's device, ``jaxamp.fp8``),
 casts params, statistics and inputs (bf16-true), makes the gradient function and wraps the
 optimizer (``jaxamp.loss_scaled``; the torch preset of `DynamicLossScale` for fp16, so both
@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.cli.progress import progress as progress_lines
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.eval_logits import eval_logit_point
+from parity.core.hardware import UnsupportedHere, unsupported_reason
+from parity.core.losses import eval_metric_jax, loss_jax
+from parity.core.progress import progress as progress_lines
+from parity.core.records import build_run_record
 from parity.perf import measure
-from parity.perf.hardware import UnsupportedHere, unsupported_reason
 from parity.perf.phases import phase
-from parity.training.eval_logits import eval_logit_point
-from parity.training.losses import eval_metric_jax, loss_jax
-from parity.training.records import build_run_record
 from parity.training.steps import (
     build_jax_optimizer,
     jax_forward,
@@ -53,7 +53,7 @@ def _jax_device(device: str):
 
 class JaxStep(NamedTuple):
     """The JAX side of a run, built and compiled once (`build_jax_step`); the trainer and the
-    alternating-block timing (`parity.perf.blocks`) both step it."""
+    alternating-block timing (`parity.training.blocks`) both step it."""
 
     # compiled(params, batch_stats, opt_state, inputs, targets, learning_rate)
     #   -> (params, batch_stats, opt_state, metrics); buffers donated
@@ -260,7 +260,7 @@ def train_jax(
 
 class _Evaluation:
     """The held-out metric and, for a language model, the eval logits the record keeps
-    (`parity.training.eval_logits.eval_logit_point` of the first eval batch): one compiled
+    (`parity.core.eval_logits.eval_logit_point` of the first eval batch): one compiled
     eval-mode forward at the run's precision returns both."""
 
     def __init__(self, config, pair, stream, device):

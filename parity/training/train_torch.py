@@ -16,36 +16,23 @@ before the step (what ``LambdaLR`` does, without its warning when GradScaler ski
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from parity.cli.progress import progress as progress_lines
-from parity.config import RunConfig, torch_device_type
+from parity.core.config import RunConfig, torch_device_type
+from parity.core.eval_logits import eval_logit_point
+from parity.core.hardware import UnsupportedHere, unsupported_reason
+from parity.core.losses import eval_metric_torch, loss_torch
+from parity.core.progress import progress as progress_lines
+from parity.core.records import build_run_record
 from parity.perf import measure
-from parity.perf.hardware import UnsupportedHere, unsupported_reason
 from parity.perf.phases import phase
-from parity.training.eval_logits import eval_logit_point
-from parity.training.losses import eval_metric_torch, loss_torch
-from parity.training.records import build_run_record
 from parity.training.steps import build_torch_optimizer, torch_train_step
 
 __all__ = ["TorchStep", "build_torch_step", "train_torch"]
-
-# Names that lived here before they moved: one deprecation path (`__getattr__`), no re-export.
-_MOVED = {
-    "build_error_record": "parity.training.records",
-    "build_torch_optimizer": "parity.training.steps",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'parity.training.train_torch' has no attribute {name!r}")
 
 
 def _to_device(array: np.ndarray, device: torch.device, float_dtype: torch.dtype | None):
@@ -57,7 +44,7 @@ def _to_device(array: np.ndarray, device: torch.device, float_dtype: torch.dtype
 
 class TorchStep(NamedTuple):
     """The torch side of a run, built once (`build_torch_step`); the trainer and the
-    alternating-block timing (`parity.perf.blocks`) both step it."""
+    alternating-block timing (`parity.training.blocks`) both step it."""
 
     step: Callable  # step(index, inputs, targets) -> loss (`torch_train_step`)
     forward_loss: Callable  # forward_loss(inputs, targets, train) -> (logits, loss)

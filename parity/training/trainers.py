@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from parity.perf.hardware import UnsupportedHere
+from parity.core.hardware import UnsupportedHere
+from parity.core.records import build_error_record, build_unsupported_record
 from parity.training import train_jax as jax_trainer
 from parity.training import train_torch as torch_trainer
-from parity.training.records import build_error_record, build_unsupported_record
 
 __all__ = ["train_framework"]
 

@@ -4,7 +4,7 @@ For every (model, precision, device) cell with a torch run and a JAX run (each t
 and torch.compile, is compared with JAX separately), on the main data seed:
 
 - ``comparable configs`` first: the two runs must agree on every setting that shapes the
-  trajectory (`parity.training.records.TRAJECTORY_FIELDS`: steps, batch size, seed, data, architecture overrides,
+  trajectory (`parity.core.records.TRAJECTORY_FIELDS`: steps, batch size, seed, data, architecture overrides,
   optimizer and its hyperparameters, learning rate and schedule, clipping; the loss-scale
   settings where the recipe scales the loss) and record the same number of steps (unless one
   stopped early on a non-finite loss, which fails ``no divergence``). Otherwise the cell is
@@ -35,7 +35,7 @@ and torch.compile, is compared with JAX separately), on the main data seed:
   exceeds the bands (the built-in models) the fixed bands decide; the row says which mode did.
 - ``fp16-mixed``: identical loss-scale trajectory and identical skip decisions, step for step. A
   trajectory without a scale event (no skip, no growth) tested nothing: those rows are
-  informational, never a pass (use the fp16 stress setting, `parity.config.FP16_STRESS`).
+  informational, never a pass (use the fp16 stress setting, `parity.core.config.FP16_STRESS`).
 - **final loss** (mixed and bf16-true precisions): the mean of the last 5 losses within 5%
   relative (same floor as above). With calibration runs the tolerance is at least ``k`` times
   the envelope there. With K > 1 data seeds per framework (`parity.verdicts.calibrate.seed_runs`),
@@ -57,8 +57,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from parity.training.recipes import get_recipe
-from parity.training.records import (
+from parity.core.recipes import get_recipe
+from parity.core.records import (
     comparable_labels,
     config_differences,
     run_label,
@@ -304,8 +304,8 @@ def _fp16_rows(out: _Rows, ref, cand) -> None:
     )
 
 
-# fp8 runs (parity.training.fp8): step 0 holds the same fp8 codes on both sides (checked layer by layer by
-# parity.training.fp8.step0_fp8), so its loss is held to the fp32 band; from then on, each side's float32
+# fp8 runs (parity.core.fp8): step 0 holds the same fp8 codes on both sides (checked layer by layer by
+# parity.core.fp8.step0_fp8), so its loss is held to the fp32 band; from then on, each side's float32
 # summation order flips an fp8 code now and then, and a flip moves an operand by one e4m3 step
 # (<= 2 x 2**-4 relative). A one-ulp nudge is absorbed by the fp8 rounding, so self-divergence
 # calibration measures ~0 there. Steps 1-9 are held to e4m3's unit roundoff 2**-4, and the run
@@ -430,7 +430,7 @@ def _pair_verdicts(
         envelope = env
     calibrated_by = ", ".join(sources)
     policy_compute = _compute(ref)
-    if policy_compute == "float8":  # torchao's recipes (parity.training.fp8): own band + final
+    if policy_compute == "float8":  # torchao's recipes (parity.core.fp8): own band + final
         _fp8_rows(out, ref, cand)
     if policy_compute == "float32":
         _trajectory_rows(out, ref, cand, envelope, calibrated_by)
@@ -473,7 +473,7 @@ def _compute(run: Mapping[str, Any]) -> str:
     """The dtype a run's matmuls ran in: its recipe's (``"float8"`` for torchao's recipes).
 
     Raises:
-      ValueError: the precision is no recipe's (`parity.training.records.validate_run` refuses such a
+      ValueError: the precision is no recipe's (`parity.core.records.validate_run` refuses such a
         file before it gets here): no other precision's rule judges it.
     """
     return get_recipe(run["precision"]).compute_dtype_name
@@ -619,7 +619,7 @@ def compare_runs(
 
     Returns:
       `Verdict` rows; a cell without both frameworks gets one row with ``passed=None`` saying so,
-      and a pair that is not comparable (`parity.training.records.config_differences`) one row
+      and a pair that is not comparable (`parity.core.records.config_differences`) one row
       (``mode="not comparable"``) naming each differing setting.
 
     Example:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from parity import models
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 from parity.pairs.adapters import intercept_calls
 from parity.verdicts.sides import (
     as_config,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.training.records import run_label
+from parity.core.records import run_label
 from parity.verdicts.rows import Verdict, fmt_value, pair_fields
 
 __all__ = [

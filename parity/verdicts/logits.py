@@ -3,7 +3,7 @@ agreement at each eval point (MaxText's logit checker), judged with power.
 
 Both trainers record, for a pair whose task is ``"lm"``, a float32 sample of the first eval
 batch's logits at each eval point: the initial weights (step 0) and the weights after the last
-update (`parity.training.records.eval_logit_point`). `logit_rows` turns the two records' samples
+update (`parity.core.records.eval_logit_point`). `logit_rows` turns the two records' samples
 into two rows per eval point:
 
 - ``eval logits, step S: per-token KL(torch || jax)``: mean and max over the sampled tokens of
@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 from scipy import special
 
-from parity.training.recipes import get_recipe
-from parity.training.records import eval_logit_sample, run_label
+from parity.core.recipes import get_recipe
+from parity.core.records import eval_logit_sample, run_label
 from parity.verdicts.power import CHAOS_STEP, UNCALIBRATED_NOTE, step_band, step_tolerances
 from parity.verdicts.rows import (
     LOSS_UNIT,

@@ -23,8 +23,8 @@ import optax
 import torch
 
 from jaxamp.optim_precision import QuantizedArray
-from parity.config import RunConfig
-from parity.training.losses import loss_torch
+from parity.core.config import RunConfig
+from parity.core.losses import loss_torch
 from parity.training.steps import build_jax_optimizer, build_torch_optimizer
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import flatten

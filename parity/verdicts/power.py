@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from parity.training.recipes import get_recipe
-from parity.training.records import (
+from parity.core.recipes import get_recipe
+from parity.core.records import (
     comparable_labels,
     config_differences,
     run_label,

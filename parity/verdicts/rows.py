@@ -14,8 +14,8 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from parity.cli.flags import run_arguments
-from parity.training.records import run_label
+from parity.core.flags import run_arguments
+from parity.core.records import run_label
 
 __all__ = [
     "DECIDING_SEEDS",
@@ -223,7 +223,7 @@ def deciding_command(
     through `parity.compare_models`.
 
     `config` (the cell's run record ``config``): the command reruns that run, with every setting
-    the command line can set (`parity.cli.flags.run_arguments`: steps, batch size, learning
+    the command line can set (`parity.core.flags.run_arguments`: steps, batch size, learning
     rate, data, model overrides...) and only the deciding options added; settings the command
     line cannot set are named. Without it, the cell's model, precision and device alone.
 

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.losses import loss_jax
 from parity.perf.flops import jax_matmul_flops
 from parity.perf.phases import phase
-from parity.training.losses import loss_jax
 from parity.training.steps import jax_forward
 
 __all__ = [

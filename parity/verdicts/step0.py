@@ -14,7 +14,7 @@ then at the run's precision (autocast / bf16-true casting, exactly as the traine
 run's precision it also measures which dtype the matmul and convolution FLOPs ran in on each side
 (the compute-dtype verdict: a bf16 run whose matmuls ran in float32 fails and says so). For the
 fp8 precisions (whose policy is fp32 outside the converted linear layers) the run-precision rows
-are `parity.training.fp8.step0_fp8`'s instead: every converted layer's scales and fp8 codes of input,
+are `parity.core.fp8.step0_fp8`'s instead: every converted layer's scales and fp8 codes of input,
 weight and output gradient, torchao against jaxamp.fp8.
 
 Error measures and bands (normwise relative error, group floors, ``band = SAFETY * depth *
@@ -52,9 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.records import build_error_record
 from parity.perf.phases import phase
-from parity.training.records import build_error_record
 from parity.verdicts.diagnose import diagnose_pair
 from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.rows import Verdict
@@ -178,7 +178,7 @@ _FP8_TOLERANCES = {
 
 
 def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | None:
-    """Step-0 rows of an fp8 run (None for a recipe without fp8 layers): `parity.training.fp8.step0_fp8` (torchao's scales and fp8 codes against
+    """Step-0 rows of an fp8 run (None for a recipe without fp8 layers): `parity.core.fp8.step0_fp8` (torchao's scales and fp8 codes against
     jaxamp.fp8's, every converted layer), one row per tensor (input, weight, grad_output).
 
     The generic run-precision rows would compare two float32 models (an fp8 precision's policy
@@ -279,7 +279,7 @@ def check_step0(
       output and gradient rows with ``step 0 <precision>`` for a
       low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
       precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
-      scales and codes`` from `parity.training.fp8.step0_fp8` (torchao against jaxamp.fp8, every
+      scales and codes`` from `parity.core.fp8.step0_fp8` (torchao against jaxamp.fp8, every
       converted layer; mode ``"step 0"``) instead. For a low-bit AdamW precision (torchao's
       quantized optimizer state), once the model's rows pass: ``step 0 <precision>: optimizer
       state codes and scales`` and ``... weights after one optimizer step``

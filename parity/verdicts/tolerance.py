@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parity.core.losses import loss_jax
 from parity.perf.flops import sub_jaxprs
-from parity.training.losses import loss_jax
 
 __all__ = [
     "FLOOR_FRACTION",

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
+from parity.core.losses import loss_torch
 from parity.perf.phases import phase
 from parity.training.dtype_trace import torch_matmul_flops
-from parity.training.losses import loss_torch
 from parity.verdicts.sides import Side, flatten, pair_mapping, torch_device
 
 __all__ = [

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from parity.config import RunConfig
+from parity.core.config import RunConfig
 
 __all__ = ["option", "run_arguments"]
 

@@ -19,7 +19,7 @@ Every write goes to a temporary file in the same folder, gets the mode a plain `
 give (``0o666`` minus the umask), and is moved into place with ``os.replace``: an interrupted run
 leaves the previous complete file, never half of one; `merge_runs` holds a lock on the folder's
 results file around its read-modify-write, so concurrent writers lose no run. `load_results`
-validates the whole file (`parity.training.schema`: every field a reader uses, step-0 rows and ``config``
+validates the whole file (`parity.core.schema`: every field a reader uses, step-0 rows and ``config``
 included) and raises one `ResultsFileError` naming the file, the run and the field.
 """
 
@@ -37,15 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import jaxamp
-from parity.config import ConfigError, RunConfig
-from parity.perf import measure
-from parity.perf.hardware import hardware_info
-from parity.training.eval_logits import eval_logit_sample
-from parity.training.losses import eval_metric_name
-from parity.training.recipes import get_recipe
-from parity.training.schema import MAX_DEPTH, RUN_SCHEMA, check_schema, depth_exceeds, describe
+from parity.core.config import ConfigError, RunConfig
+from parity.core.eval_logits import eval_logit_sample
+from parity.core.hardware import hardware_info, versions
+from parity.core.losses import eval_metric_name
+from parity.core.recipes import get_recipe
+from parity.core.schema import MAX_DEPTH, RUN_SCHEMA, check_schema, depth_exceeds, describe
 
 __all__ = [
+    "MEMORY_METHODS",
     "RESULTS_FILE",
     "ResultsFileError",
     "TRAJECTORY_FIELDS",
@@ -68,6 +68,20 @@ __all__ = [
     "write_json_atomic",
     "write_text_atomic",
 ]
+
+# The record's ``summary.peak_memory_method`` values and what each measured.
+MEMORY_METHODS = {
+    "torch_cuda_max_memory_allocated": "torch.cuda.max_memory_allocated() over the measured steps",
+    "jax_gpu_peak_bytes_in_use": (
+        "jax device.memory_stats()['peak_bytes_in_use'] with XLA_PYTHON_CLIENT_PREALLOCATE=false; "
+        "process-wide (JAX has no reset), so run GPU cells in separate processes for per-run peaks"
+    ),
+    "xla_memory_analysis": "compiled train step memory_analysis(): argument + output + temp - alias bytes",
+    "torch_profiler_cpu_allocations": (
+        "torch.profiler(profile_memory=True) over one step: max running sum of CPU allocator "
+        "events + bytes of params, optimizer state and batch live before the step"
+    ),
+}
 
 RESULTS_FILE = "results.json"
 FRAMEWORKS = ("torch", "jax")
@@ -279,7 +293,7 @@ def run_status(run: Mapping[str, Any]) -> str:
     return "error" if (run.get("summary") or {}).get("error") else "completed"
 
 
-# `parity.config.RunConfig` fields that shape a trajectory: runs that differ in one are not
+# `parity.core.config.RunConfig` fields that shape a trajectory: runs that differ in one are not
 # comparable (their gap would measure the setting, not the port). The model, precision and device
 # are the cell; the data seed groups runs (seed statistics vary it on purpose); timing warm-up,
 # evaluation and torch.compile change no loss.
@@ -351,7 +365,7 @@ def _common(framework: str, config: Any, status: str) -> dict[str, Any]:
         "status": status,
         "seed": config.seed,
         "variant": "",
-        "versions": measure.versions(),
+        "versions": versions(),
         "hardware": hardware_info(),
         "config": config.to_dict(),
     }
@@ -380,13 +394,13 @@ def build_run_record(
 
     Args:
       framework: ``"torch"`` or ``"jax"``.
-      config: the run's `parity.config.RunConfig`.
+      config: the run's `parity.core.config.RunConfig`.
       pair: the model pair (its ``task`` and ``config`` are recorded).
       stream: the batch stream (its ``input_shape`` gives tokens/s for language models).
       steps_log: `parity.perf.measure.StepLog.steps`.
       timing: `parity.perf.measure.step_time_summary` output.
       compile_time_s, compile_method: compile time and how it was measured (None: nothing compiled).
-      peak_memory, memory_method: peak bytes and the `parity.perf.measure.MEMORY_METHODS` key.
+      peak_memory, memory_method: peak bytes and the `MEMORY_METHODS` key.
       eval_metric: held-out metric, or None.
       stopped_reason: why the run stopped early (divergence guard), or None.
       extra: framework-specific top-level fields (``torch_mode``, ``mixed_precision_method``...).
@@ -394,7 +408,7 @@ def build_run_record(
       optimizer_state: ``optimizer_state_bytes``, ``param_count``,
         ``optimizer_state_bytes_per_param`` and ``optimizer_state_method``
         (`parity.perf.measure.torch_optimizer_state` / `jax_optimizer_state`), into the summary.
-      eval_logits: a language model's `parity.training.eval_logits.eval_logit_point` per eval
+      eval_logits: a language model's `parity.core.eval_logits.eval_logit_point` per eval
         point (``run["eval_logits"]``).
 
     Returns:
@@ -428,7 +442,7 @@ def build_run_record(
         "throughput_tokens_per_s": tokens_per_s,
         "peak_memory_bytes": peak_memory,
         "peak_memory_method": memory_method,
-        "peak_memory_method_description": measure.MEMORY_METHODS.get(memory_method),
+        "peak_memory_method_description": MEMORY_METHODS.get(memory_method),
         "final_loss": losses[-1] if losses else None,
         "final_loss_mean_last5": sum(tail) / len(tail)
         if len(tail) == len(losses[-5:]) and tail
@@ -497,7 +511,7 @@ def build_unsupported_record(framework: str, config: Any, reason: str) -> dict[s
     Args:
       framework: ``"torch"`` or ``"jax"``.
       config: the cell's `RunConfig`.
-      reason: why, in words (e.g. from `parity.perf.hardware.unsupported_reason`).
+      reason: why, in words (e.g. from `parity.core.hardware.unsupported_reason`).
 
     Example:
       >>> # build_unsupported_record("torch", config, "torch has no bf16 LSTM kernel on AVX2")
@@ -546,7 +560,7 @@ def validate_run(run: Any, index: int | None = None, path: str | os.PathLike | N
       >>> validate_run({"framework": "jax"})
       Traceback (most recent call last):
       ...
-      parity.training.records.ResultsFileError: run records, field 'model': missing (required)
+      parity.core.records.ResultsFileError: run records, field 'model': missing (required)
     """
 
     def fail(field: str, message: str):

@@ -1,5 +1,5 @@
 """The schema of a run record in ``results.json``: every field a reader uses, its JSON type and
-range, checked by `parity.training.records.validate_run` before compare, the report or the plots read it.
+range, checked by `parity.core.records.validate_run` before compare, the report or the plots read it.
 
 A results file is read by compare, the report and the plots; each field they read is checked
 first, so a malformed file gets one error naming the file, the run and the field instead of a
@@ -64,7 +64,7 @@ _DURATION = Kind("a finite number >= 0", lambda x: _finite(x) and x >= 0)
 _BYTES = _DURATION
 # A loss scale multiplies the loss: negative is no scale at all (and inf is an overflow). Zero is
 # what torch's GradScaler reaches after ~165 backoffs (it has no floor); such a step can only
-# skip, which `parity.training.records.validate_run` checks.
+# skip, which `parity.core.records.validate_run` checks.
 _SCALE = Kind("a finite number >= 0", lambda x: _finite(x) and x >= 0)
 
 _STEP = {
@@ -116,7 +116,7 @@ _SUMMARY = {
     },
     "peak_memory_detail": Nullable({}),
 }
-# What `parity.perf.hardware.hardware_summary` and the speed tables read of `hardware_info()`.
+# What `parity.core.hardware.hardware_summary` and the speed tables read of `hardware_info()`.
 _HARDWARE = {
     "!cpu": {
         "!model": _STR.not_null(),
@@ -165,7 +165,7 @@ _DIAGNOSIS = {
     "first_failing_kind": _SCALAR,
     "first_failing_stage": _SCALAR,
 }
-# `parity.training.records.eval_logit_point`: a language model's eval logits, sampled.
+# `parity.core.records.eval_logit_point`: a language model's eval logits, sampled.
 _EVAL_LOGITS = {
     "!step": _COUNT.not_null(),
     "!vocab": Kind("an integer >= 1", lambda x: _is_int(x) and x >= 1, nullable=False),

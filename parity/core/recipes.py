@@ -39,8 +39,8 @@ import numpy as np
 import optax
 
 import jaxamp
-from parity.perf.hardware import UnsupportedHere
-from parity.training import fp8 as parity_fp8
+from parity.core import fp8 as parity_fp8
+from parity.core.hardware import UnsupportedHere
 
 __all__ = [
     "ARMS",
@@ -222,7 +222,7 @@ class Recipe:
         return 1.0
 
     def fp8_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict] | None:
-        """Per-layer fp8 scale and code rows (`parity.training.fp8.step0_fp8`), or None (no fp8 layers)."""
+        """Per-layer fp8 scale and code rows (`parity.core.fp8.step0_fp8`), or None (no fp8 layers)."""
         del pair, inputs, targets
         return None
 
@@ -333,7 +333,7 @@ class Fp16Mixed(_Mixed):
     policy_spec = "fp16-mixed"
     compute_dtype_name = "float16"
     loss_scaling = True
-    # The fp16 stress setting (parity.config.FP16_STRESS): the short run exercises overflow,
+    # The fp16 stress setting (parity.core.config.FP16_STRESS): the short run exercises overflow,
     # backoff and growth. torch's fp16 CPU kernels are slow: tiny runs.
     matrix_plan = {"steps": 20, "batch_size": 4, "init_scale": 2.0**20, "growth_interval": 5}
 
@@ -393,7 +393,7 @@ class Bf16True(Recipe):
 
 
 class _Fp8(Recipe):
-    """torchao's float8 training recipe (`parity.training.fp8`): torchao ``Float8Linear`` on the torch
+    """torchao's float8 training recipe (`parity.core.fp8`): torchao ``Float8Linear`` on the torch
     side, ``jaxamp.fp8.convert`` on the JAX side; float32 outside the fp8 linear layers."""
 
     claims_policy = False

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from parity.core.hardware import torch_matmul_probe
 from parity.perf import measure
-from parity.perf.hardware import torch_matmul_probe
 from parity.perf.speed import MIN_BLOCKS, blocks_verdict
 from parity.training.train_jax import build_jax_step
 from parity.training.train_torch import build_torch_step
@@ -93,7 +93,7 @@ def time_cell(
 
     Raises:
       ValueError: `blocks` or `block_steps` < 1.
-      parity.perf.hardware.UnsupportedHere: a framework cannot run the cell here.
+      parity.core.hardware.UnsupportedHere: a framework cannot run the cell here.
 
     Example:
       >>> # record = time_cell(config, get_model_pair("mlp"), blocks=6, block_steps=5)

@@ -46,6 +46,7 @@ __all__ = [
     "torch_matmul_probe",
     "torch_bf16_is_emulated",
     "unsupported_reason",
+    "versions",
 ]
 
 # The flags that decide low-precision speed and kernel availability on x86 CPUs.
@@ -528,3 +529,34 @@ def torch_matmul_probe(dtype: str, n: int = PROBE_MATMUL_N, repeats: int = 5) ->
         "turns with equal wall time, after one untimed each",
         "load_average": load,
     }
+
+
+def versions() -> dict[str, str]:
+    """Versions of everything that affects the figures, and the machine."""
+    import platform
+
+    import flax
+    import jax
+    import jaxlib
+    import numpy
+    import optax
+
+    import jaxamp
+
+    out = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "numpy": numpy.__version__,
+        "jaxamp": jaxamp.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    torch = sys.modules.get("torch")  # never imported here: the JAX trainer runs without torch
+    if torch is not None:
+        out["torch"] = torch.__version__
+        out["torch_threads"] = str(torch.get_num_threads())
+    out["cpu_count"] = str(os.cpu_count())
+    return out

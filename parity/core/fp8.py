@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp.fp8
+from parity.core.losses import loss_jax, loss_torch
 from parity.pairs.mapping import apply_transform
 from parity.pairs.variables import flatten_variables
-from parity.training.losses import loss_jax, loss_torch
 
 # One compiled quantizer per (shape, cast, axis), not one program per primitive run eagerly.
 _quantize = jax.jit(jaxamp.fp8.quantize, static_argnums=(1, 2, 3))
@@ -61,7 +61,7 @@ def recipe_name(precision: str) -> str:
     """torchao's recipe name for an fp8 precision (``"fp8-rowwise-gw-hp"`` -> ``"rowwise_with_gw_hp"``)."""
     if precision not in FP8_PRECISIONS:
         raise ValueError(
-            f"parity.training.fp8: precision {precision!r} is not fp8; fp8 precisions: {tuple(FP8_PRECISIONS)}."
+            f"parity.core.fp8: precision {precision!r} is not fp8; fp8 precisions: {tuple(FP8_PRECISIONS)}."
         )
     return FP8_PRECISIONS[precision]
 

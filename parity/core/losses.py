@@ -2,7 +2,7 @@
 
 Both return float32 scalars: mean cross-entropy in float32 (``lm``: over all tokens), mean squared
 error in float32 (``regression``); the metric is accuracy for classification, else the loss.
-This module imports no torch at import time (`parity.training.train_jax` and `parity.training.records` use it).
+This module imports no torch at import time (`parity.training.train_jax` and `parity.core.records` use it).
 """
 
 from __future__ import annotations

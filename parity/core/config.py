@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 import jaxamp
+from parity.core.recipes import RECIPES, Recipe, get_recipe, precision_names
 from parity.data import DataSpec
-from parity.training.recipes import RECIPES, Recipe, get_recipe, precision_names
 
 __all__ = [
     "DEVICES",
@@ -37,10 +37,10 @@ __all__ = [
     "torch_device_type",
 ]
 
-# The built-in precision names (from the recipe registry, `parity.training.recipes`; a recipe
+# The built-in precision names (from the recipe registry, `parity.core.recipes`; a recipe
 # registered later is accepted everywhere too: ask `precision_names()`).
 PRECISIONS = precision_names()
-# fp8-*: torchao's float8 training recipes (parity.training.fp8); float32 outside the fp8 linear layers.
+# fp8-*: torchao's float8 training recipes (parity.core.fp8); float32 outside the fp8 linear layers.
 FP8_PRECISIONS = tuple(n for n, cls in RECIPES.items() if cls.compute_dtype_name == "float8")
 # fp16 verdicts must see the scaler act: at torch's defaults (2**16, growth every 2000 steps) a
 # short run often has no overflow and no growth, and "identical scale trajectory" compares
@@ -268,7 +268,7 @@ class RunConfig:
 
     @property
     def recipe(self) -> Recipe:
-        """The precision's recipe (`parity.training.recipes`): every consumer asks it."""
+        """The precision's recipe (`parity.core.recipes`): every consumer asks it."""
         return get_recipe(self.precision)
 
     @property
