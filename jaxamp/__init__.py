@@ -4,7 +4,7 @@ The public API is what ``__all__`` lists; ``jaxamp.flax`` (imported as ``jaxamp.
 Flax integration; ``jaxamp.fp8`` holds fp8 training (torchao's recipes, delayed scaling);
 ``jaxamp.optim_precision`` holds optimizer precision (low-bit state, bf16 masters).
 
-Example:
+Examples:
   >>> policy = jaxamp.get_policy("bf16-mixed")
   >>> loss_scale = jaxamp.DynamicLossScale.create()
   >>> float(loss_scale.loss_scale)

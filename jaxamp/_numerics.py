@@ -263,7 +263,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) to agree across: the result
         is then true only if the leaves are finite on every replica (``()``: no axes).
 
-    Example:
+    Examples:
       >>> bool(jaxamp.all_finite({"w": jnp.ones(3), "step": jnp.int32(1)}))
       True
       >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf])])), bool(jaxamp.all_finite({}))

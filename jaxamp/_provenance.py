@@ -60,7 +60,7 @@ class OverflowProvenance:
         Across replicas the smallest. All +inf after a finite step: nothing is measured then.
       paths: the leaves' `jax.tree_util.keystr` paths (static: not arrays).
 
-    Example:
+    Examples:
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1), provenance=True)
       >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
       >>> grads = {"a": jnp.array([1024.0, 0.5]), "b": jnp.array([1.0, jnp.inf])}

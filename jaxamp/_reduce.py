@@ -377,7 +377,7 @@ def reduce_in(fn: Callable, reduce_dtype: Any) -> Callable:
     Returns:
       A function with `fn`'s signature.
 
-    Example:
+    Examples:
       >>> from jaxamp._reduce import reduce_in
       >>> def loss(w, x):
       ...     return jnp.sum(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)

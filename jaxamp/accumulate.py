@@ -22,7 +22,7 @@ class MultiStepsState(NamedTuple):
       acc_grads: running mean of this window's gradients (float32 for float leaves).
       inner_state: the wrapped optimizer's state (e.g. a `loss_scaled` state).
 
-    Example:
+    Examples:
       >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), every_k=4)
       >>> state = tx.init({"w": jnp.ones(2)})
       >>> isinstance(state, jaxamp.MultiStepsState), int(state.mini_step)
@@ -61,7 +61,7 @@ def multi_steps(
     Returns:
       A `GradientTransformationExtraArgs`; updates are zero except on a window's last micro-batch.
 
-    Example:
+    Examples:
       >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), every_k=2)
       >>> params = {"w": jnp.ones(2)}
       >>> opt_state = tx.init(params)

@@ -100,7 +100,7 @@ def value_and_grad(
         `fun` casts by itself (e.g. a `jaxamp.autocast` forward pass) to reduce in that dtype
         the gradients of every input `fun` narrows.
 
-    Example:
+    Examples:
       >>> def loss_fn(params, x):
       ...     return jnp.mean((x @ params["w"]) ** 2)
       >>> params, x = {"w": jnp.full((3, 2), 0.1)}, jnp.ones((4, 3))

@@ -43,7 +43,7 @@ __all__ = [
 class LossScale(Protocol):
     """jmp's loss-scale protocol; jmp's own loss-scale objects satisfy it too.
 
-    Example:
+    Examples:
       >>> import jmp
       >>> isinstance(jaxamp.DynamicLossScale.create(), jaxamp.LossScale)
       True
@@ -145,7 +145,7 @@ class _ScaleMixin:
 class NoOpLossScale(_ScaleMixin):
     """No loss scaling: `scale` and `unscale` return their input unchanged.
 
-    Example:
+    Examples:
       >>> scale = jaxamp.NoOpLossScale()
       >>> float(scale.loss_scale), float(scale.scale(jnp.float32(3.0)))
       (1.0, 3.0)
@@ -170,7 +170,7 @@ class NoOpLossScale(_ScaleMixin):
 class StaticLossScale(_ScaleMixin):
     """A constant loss scale (float32). `adjust` returns it unchanged.
 
-    Example:
+    Examples:
       >>> scale = jaxamp.StaticLossScale(1024.0)
       >>> float(scale.scale(jnp.float32(2.0))), float(scale.unscale(jnp.float32(2048.0)))
       (2048.0, 2.0)
@@ -267,7 +267,7 @@ class DynamicLossScale(_ScaleMixin):
       0.0 as torch's does; XLA on CPU flushes float32 values below 2**-126 to zero, so it gets
       there in fewer steps than torch, which walks through the subnormals (tested).
 
-    Example:
+    Examples:
       >>> scale = jaxamp.DynamicLossScale.create(init_scale=2.0**15, growth_interval=2)
       >>> float(scale.loss_scale)
       32768.0
@@ -566,7 +566,7 @@ def default_loss_scale(policy: Any) -> LossScale:
     """The loss scale ``loss_scale="auto"`` picks for a `jaxamp.Policy`: torch's dynamic scale
     where float16 takes part in the policy, no scaling otherwise (bfloat16 has float32's range).
 
-    Example:
+    Examples:
       >>> from jaxamp.loss_scale import default_loss_scale
       >>> type(default_loss_scale(jaxamp.get_policy("fp16-mixed"))).__name__
       'DynamicLossScale'

@@ -52,7 +52,7 @@ class LossScaledState(NamedTuple):
         overflowed first, each leaf's headroom); None otherwise, so a state without it has
         exactly the leaves it always had (checkpoints unchanged).
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones(3)}
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> opt_state = tx.init(params)
@@ -118,7 +118,7 @@ class AmpInfo(NamedTuple):
         headroom below float16's maximum (``overflow.leaf_path()``,
         ``overflow.headroom_by_path()``); None without provenance.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones(3)}
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> opt_state = tx.init(params)
@@ -219,7 +219,7 @@ def get_loss_scale(opt_state: Any) -> Any:
         beside other transformations (they would see scaled gradients: make `loss_scaled`
         the outermost transformation).
 
-    Example:
+    Examples:
       >>> tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), 4)
       >>> opt_state = tx.init({"w": jnp.ones(2)})
       >>> float(jaxamp.get_loss_scale(opt_state).loss_scale)
@@ -238,7 +238,7 @@ def loss_scaled_states(opt_state: Any) -> dict[str, LossScaledState]:
     The states `loss_scaled` made (one per `optax.multi_transform` group that has its own);
     `amp_info` summarises one of them as an `AmpInfo`.
 
-    Example:
+    Examples:
       >>> tx = optax.multi_transform(
       ...     {"a": jaxamp.loss_scaled(optax.sgd(0.1)), "b": jaxamp.loss_scaled(optax.adam(0.1))},
       ...     {"w": "a", "v": "b"},
@@ -272,7 +272,7 @@ def one_state(opt_state: Any, caller: str) -> LossScaledState:
 def set_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
     """Returns `opt_state` with its loss scale replaced (e.g. to reset it after a restore).
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones(3)}
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> opt_state = tx.init(params)
@@ -300,7 +300,7 @@ def amp_info(opt_state: Any) -> AmpInfo:
       An `AmpInfo` of scalar arrays: the current scale, whether the last step was finite and
       applied, and total and consecutive skipped steps. Cheap under `jit`; log it.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones(3)}
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> opt_state = tx.init(params)

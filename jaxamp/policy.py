@@ -51,7 +51,7 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     Integer, boolean and PRNG-key arrays, Python scalars and non-array leaves keep their type.
     `dtype` must be a floating dtype or its name (``cast_floating(tree, "int8")`` raises).
 
-    Example:
+    Examples:
       >>> tree = jaxamp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.bfloat16)
       >>> tree["w"].dtype, tree["step"].dtype
       (dtype(bfloat16), dtype('int32'))
@@ -132,7 +132,7 @@ class Policy(jmp.Policy):
     def cast_to_param(self, x):
         """Casts floating leaves of `x` to the param dtype.
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("bf16-true").cast_to_param(jnp.ones(2)).dtype
           dtype(bfloat16)
         """
@@ -141,7 +141,7 @@ class Policy(jmp.Policy):
     def cast_to_compute(self, x):
         """Casts floating leaves of `x` to the compute dtype.
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("fp16-mixed").cast_to_compute(jnp.ones(2)).dtype
           dtype('float16')
         """
@@ -150,7 +150,7 @@ class Policy(jmp.Policy):
     def cast_to_output(self, x):
         """Casts floating leaves of `x` to the output dtype.
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("bf16-mixed").cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype
           dtype('float32')
         """
@@ -159,7 +159,7 @@ class Policy(jmp.Policy):
     def cast_to_reduce(self, x):
         """Casts floating leaves of `x` to the reduce dtype (before a cross-device reduction).
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("bf16-mixed").cast_to_reduce(jnp.ones(2, jnp.bfloat16)).dtype
           dtype('float32')
         """
@@ -168,7 +168,7 @@ class Policy(jmp.Policy):
     def with_output_dtype(self, output_dtype) -> Policy:
         """Returns a copy of this policy with another output dtype.
 
-        Example:
+        Examples:
           >>> str(jaxamp.get_policy("bf16-mixed").with_output_dtype(jnp.bfloat16))
           'p=f32,c=bf16,o=bf16'
         """
@@ -177,7 +177,7 @@ class Policy(jmp.Policy):
     def with_reduce_dtype(self, reduce_dtype) -> Policy:
         """Returns a copy of this policy with another reduce dtype (None: the param dtype).
 
-        Example:
+        Examples:
           >>> str(jaxamp.get_policy("bf16-mixed").with_reduce_dtype(jnp.bfloat16))
           'p=f32,c=bf16,o=f32,r=bf16'
         """
@@ -187,7 +187,7 @@ class Policy(jmp.Policy):
     def is_mixed(self) -> bool:
         """True when computation runs in a narrower dtype than the parameters are stored in.
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("bf16-mixed").is_mixed, jaxamp.get_policy("bf16-true").is_mixed
           (True, False)
         """
@@ -197,7 +197,7 @@ class Policy(jmp.Policy):
     def needs_loss_scaling(self) -> bool:
         """True when float16 takes part in computation (its range needs a loss scale).
 
-        Example:
+        Examples:
           >>> jaxamp.get_policy("fp16-mixed").needs_loss_scaling
           True
         """
@@ -282,7 +282,7 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> np.dtype:
       ValueError: an unknown name (with the closest valid one) or a non-floating dtype.
       TypeError: `value` is neither a string nor a dtype.
 
-    Example:
+    Examples:
       >>> from jaxamp.policy import parse_dtype
       >>> parse_dtype("BF16"), parse_dtype("full"), parse_dtype(jnp.float16)
       (dtype(bfloat16), dtype('float32'), dtype('float16'))
@@ -319,7 +319,7 @@ def short_dtype_name(dtype: Any) -> str:
     """The short name jaxamp prints for a dtype: f32, bf16, f16 or f64 (the names `str(policy)`
     uses); any other dtype keeps its NumPy name.
 
-    Example:
+    Examples:
       >>> from jaxamp.policy import short_dtype_name
       >>> short_dtype_name(jnp.bfloat16), short_dtype_name("float32"), short_dtype_name("int32")
       ('bf16', 'f32', 'int32')
@@ -448,7 +448,7 @@ def get_policy(spec: Policy | jmp.Policy | str) -> Policy:
       TypeError: `spec` is not a string or policy.
       ValueError: `spec` is malformed; the message names the closest valid spelling.
 
-    Example:
+    Examples:
       >>> jaxamp.get_policy("bf16-mixed")
       Policy('p=f32,c=bf16,o=f32')
       >>> jaxamp.get_policy("p=f32,c=bf16,r=bf16")

@@ -171,7 +171,7 @@ def prepare_pair(
     Raises:
       parity.pairs.adapters.AdapterError / parity.transfer.TransferError: naming the problem and the fix.
 
-    Example:
+    Examples:
       >>> import flax.linen as fnn, torch
       >>> batches = [(np.zeros((4, 3), np.float32), np.zeros(4, np.int32))]
       >>> pair = prepare_pair(torch.nn.Linear(3, 2), fnn.Dense(2), None, _UserBatches(batches, None))
@@ -277,7 +277,7 @@ def resolve_eval(function: str, config: dict[str, Any], available: bool) -> bool
     caller's ``eval=False`` (popped from `config`) turns it off; ``eval=True`` without them is
     refused, naming what to pass.
 
-    Example:
+    Examples:
       >>> resolve_eval("compare_models", {"eval": False}, True)
       False
     """

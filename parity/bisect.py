@@ -213,7 +213,7 @@ def ddmin(items: Sequence[Any], passes: Callable[[list[Any]], bool]) -> tuple[li
       ``(sublist, minimal)``; `minimal` is False when `passes` raised `StopIteration` (a
       budget) before the search ended.
 
-    Example:
+    Examples:
       >>> ddmin(list(range(8)), lambda s: 5 in s)
       ([5], True)
     """

@@ -340,3 +340,34 @@ def test_auto_loss_scale_and_amp_info():
     tx = jaxamp.loss_scaled(optax.sgd(0.1), jaxamp.StaticLossScale(8.0))
     state = make_linen("bf16-mixed", tx=tx)
     assert float(state.amp_info().loss_scale) == 8.0
+
+
+def test_accumulation_around_loss_scaled_is_kept_and_skips_the_whole_window():
+    # jaxamp.multi_steps(jaxamp.loss_scaled(...), k) is kept as it is (not wrapped again, which
+    # would unscale twice); a non-finite micro-batch skips its whole window and backs off.
+    model = nn.Dense(2)
+    x = jnp.ones((4, 3))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), every_k=2)
+    state = jf.TrainState.create(apply_fn=model.apply, params=params, tx=tx, policy="fp16-mixed")
+    assert state.tx is tx
+    with pytest.raises(ValueError, match="already wrapped"):
+        jf.TrainState.create(
+            apply_fn=model.apply, params=params, tx=tx, policy="fp16-mixed", loss_scale="torch"
+        )
+
+    def step(state, x):
+        loss, grads = state.value_and_grad(lambda p, x: jnp.mean(state.apply_fn({"params": p}, x)))(
+            state.params, x
+        )
+        return state.apply_gradients(grads=grads)
+
+    before = state.params
+    state = step(step(state, x), x)  # one window of two finite micro-batches: applied once
+    assert not np.array_equal(state.params["kernel"], before["kernel"])
+    applied = state.params
+    state = step(step(state, x), x * jnp.inf)  # the window's second micro-batch overflows
+    np.testing.assert_array_equal(state.params["kernel"], applied["kernel"])
+    info = state.amp_info()
+    assert not bool(info.last_step_applied) and int(info.skipped_steps) == 1
+    assert float(info.loss_scale) == 2.0**15

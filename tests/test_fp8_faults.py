@@ -1,5 +1,5 @@
 """fp8 faults (FAULTS 28, 36): delayed scales finite and > 0 for any amax history, range-checked
-recipe options, filters that select nothing refused, the operand capture, the README snippet."""
+recipe options, filters that select nothing refused, the operand capture, the documentation page's snippet."""
 
 import dataclasses
 import re
@@ -15,7 +15,7 @@ import pytest
 import jaxamp
 import jaxamp.fp8 as f8
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FP8_PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "fp8.md"
 DELAYED = f8.recipe("delayed", emulate=True, amax_history_length=4)
 TENSORWISE = f8.recipe("tensorwise", emulate=True)
 
@@ -204,19 +204,17 @@ def test_capture_operands_gives_each_matmuls_three_tensors():
         f8.capture_operands(loss_fn, params, x, y, recipe=TENSORWISE, argnums=5)
 
 
-# --- the README's snippet ---------------------------------------------------------------------------
+# --- the documentation page's snippet ---------------------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion
-def test_readme_fp8_snippet_runs_on_cpu():
-    text = README.read_text()
-    section = text[text.index("### FP8 training") :]
-    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+def test_fp8_page_snippet_runs_on_cpu():
+    block = re.search(r"```python\n(.*?)```", FP8_PAGE.read_text(), flags=re.S).group(1)
     assert 'recipe("tensorwise", emulate=True)' in block
     loss_fn, params, x, y = _model_problem()
     namespace = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp, "optax": optax}
     namespace.update(loss_fn=loss_fn, params=params, x=x, y=y)
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block, str(FP8_PAGE), "exec"), namespace)  # noqa: S102
     grads = namespace["grads"]
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))

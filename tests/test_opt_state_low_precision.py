@@ -295,15 +295,14 @@ def test_other_state_fields_and_small_leaves():
     np.testing.assert_allclose(updates["w"], 0.1, rtol=2.0**-7)
 
 
-def test_readme_snippet_runs():
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Optimizer precision") :]
-    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+def test_documentation_page_snippet_runs():
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "optimizer-precision.md"
+    block = re.search(r"```python\n(.*?)```", page.read_text(), flags=re.S).group(1)
     assert "low_precision_state" in block and "stochastic_rounding" in block
     params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
     opt_state = optim_precision.adamw_8bit().init(params)
     namespace = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp, "optax": optax, "opt_state": opt_state}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
     tx = namespace["tx"]  # the last one: loss-scaled SR around 8-bit state
     state = tx.init(params)
     grads = {"w": jnp.full((64, 64), 65536.0, jnp.bfloat16)}

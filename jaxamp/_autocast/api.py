@@ -260,7 +260,7 @@ def autocast_op_list(device: str | None = None) -> oplists.OpList:
       ``primitives(op)``/``functions(op)`` give the JAX primitives and library functions that
       implement a torch op.
 
-    Example:
+    Examples:
       >>> ops = jaxamp.autocast_op_list("cuda")
       >>> ops.category("linear"), ops.category("softmax"), ops.torch_version
       ('lower_precision_fp', 'fp32_set_opt_dtype', '2.13.0')

@@ -57,7 +57,7 @@ _warned_primitives: set[str] = set()
 class DtypeRecord(NamedTuple):
     """One op of a dtype trace: the op, its input dtypes and its output dtypes (names).
 
-    Example:
+    Examples:
       >>> record = jaxamp.autocast_trace(lambda x: x @ x, jnp.ones((2, 2)), device="cpu")[0]
       >>> record.op, record.in_dtypes, record.out_dtypes
       ('dot_general', ('bfloat16', 'bfloat16'), ('bfloat16',))

@@ -58,7 +58,7 @@ def float32_softmax_attention(
     Returns:
       The attention output, in the compute dtype.
 
-    Example:
+    Examples:
       >>> q = jnp.ones((1, 5, 2, 8), jnp.bfloat16)  # [batch, length, heads, depth]
       >>> jf.float32_softmax_attention(q, q, q).dtype
       dtype(bfloat16)

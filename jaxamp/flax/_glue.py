@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from jaxamp.loss_scale import default_loss_scale
+from jaxamp.loss_scaled_state import find_states_with_keys
 from jaxamp.optim import LossScaledTransformation, loss_scaled
 from jaxamp.policy import Policy
 
@@ -53,14 +54,18 @@ def wrap_optimizer(
     policy: Policy,
     loss_scale: Any = "auto",
     *,
+    params: Any = None,
     max_consecutive_skips: int | None = None,
     on_max_skips: str = "warn",
 ) -> optax.GradientTransformation:
     """`loss_scaled(tx, ...)`, or `tx` itself if it already is loss-scaled.
 
     Args:
-      tx: an optax optimizer, plain or already wrapped with `jaxamp.loss_scaled`.
+      tx: an optax optimizer, plain or already wrapped with `jaxamp.loss_scaled`, or built
+        around a loss-scaled one (``jaxamp.multi_steps(jaxamp.loss_scaled(...), k)``: its state
+        holds the loss-scaled state, found from `params`).
       policy: the policy; ``loss_scale="auto"`` reads it.
+      params: the parameters `tx` will be initialised with (shapes only are used), or None.
       loss_scale: "auto" (see `jaxamp.loss_scale.default_loss_scale`), None (torch's defaults), a preset name or
         a loss scale object. Must be "auto" when `tx` is already loss-scaled.
       max_consecutive_skips, on_max_skips: passed to `loss_scaled` (FAULTS 21: report a model
@@ -69,7 +74,7 @@ def wrap_optimizer(
     Raises:
       ValueError: `tx` is already loss-scaled and a `loss_scale` is given too.
     """
-    if isinstance(tx, LossScaledTransformation):
+    if isinstance(tx, LossScaledTransformation) or _holds_loss_scaled_state(tx, params):
         if not (isinstance(loss_scale, str) and loss_scale == "auto"):
             raise ValueError(
                 f"loss_scale={loss_scale!r} was given but tx is already wrapped in "
@@ -84,6 +89,11 @@ def wrap_optimizer(
         max_consecutive_skips=max_consecutive_skips,
         on_max_skips=on_max_skips,
     )
+
+
+def _holds_loss_scaled_state(tx: optax.GradientTransformation, params: Any) -> bool:
+    # Abstract init: shapes only, nothing allocated or computed.
+    return params is not None and bool(find_states_with_keys(jax.eval_shape(tx.init, params)))
 
 
 def check_count_skipped_steps(count_skipped_steps: Any) -> bool:

@@ -54,7 +54,7 @@ class PolicyOverride:
     Built with `override`. ``output=None`` means "the caller's compute dtype", so a float32
     LayerNorm inside a bfloat16 block hands bfloat16 activations back to the block.
 
-    Example:
+    Examples:
       >>> rule = jf.override(compute="f32")
       >>> rule
       PolicyOverride(param=None, compute=dtype('float32'), output=None)
@@ -200,7 +200,7 @@ def rule_matches(rule: _Rule, module: Any, path: str, cls: type | None = None) -
 class UnmatchedRuleWarning(UserWarning):
     """A per-module rule matched no module of the model (likely a misspelled path or class).
 
-    Example:
+    Examples:
       >>> import warnings
       >>> init = jf.linen.with_policy(nn.Dense(2).init, "bf16-mixed", {"Dense_9": "fp32"})
       >>> with warnings.catch_warnings(record=True) as caught:

@@ -20,7 +20,7 @@ have it, else the target keeps its own, so a run can be restarted with provenanc
 
 orbax-checkpoint is imported lazily (it is in the ``dev`` and ``parity`` extras).
 
-Example:
+Examples:
   >>> import os
   >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
   >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
@@ -166,7 +166,7 @@ def _loss_scaled_states(target: Any) -> list[tuple[tuple[str, ...], LossScaledSt
 def amp_metadata(target: Any, policy: Any = None) -> dict[str, Any]:
     """The loss-scaling record `save` writes next to the arrays (JSON-serialisable).
 
-    Example:
+    Examples:
       >>> state = {"opt": jaxamp.loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})}
       >>> meta = jf.checkpoint.amp_metadata(state, policy="fp16-mixed")
       >>> [entry["type"] for entry in meta["loss_scaled"]], meta["loss_scaled"][0]["path"]
@@ -233,7 +233,7 @@ def save(
     Raises:
       ValueError: `step` is not an int >= 0, or a checkpoint for `step` exists already.
 
-    Example:
+    Examples:
       >>> import os
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
@@ -270,7 +270,7 @@ def save(
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest saved step in `directory`, or None.
 
-    Example:
+    Examples:
       >>> import os
       >>> state = {"w": jnp.ones(2)}
       >>> for step in (1, 5):
@@ -288,7 +288,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 def all_steps(directory: str | os.PathLike) -> list[int]:
     """All saved steps in `directory`, ascending.
 
-    Example:
+    Examples:
       >>> import os
       >>> for step in (1, 5):
       ...     jf.checkpoint.save(os.path.abspath("ckpt"), {"w": jnp.ones(2)}, step=step)
@@ -383,7 +383,7 @@ def restore(
         signedness, block size, block order): the message names each leaf, what the
         checkpoint holds and what the target expects.
 
-    Example:
+    Examples:
       >>> import os
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}

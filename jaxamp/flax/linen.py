@@ -17,7 +17,7 @@ Limits: params read other than through ``self.param`` (e.g. ``self.variables``) 
 ``@nn.nowrap`` and private (``_name``) methods are not intercepted (they run inside their
 caller's policy); non-param variables (e.g. BatchNorm statistics) are left alone.
 
-Example:
+Examples:
   >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
   >>> apply = jf.linen.with_policy(model.apply, "bf16-mixed")
   >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
@@ -75,7 +75,7 @@ def current_policy() -> Policy | None:
     """The effective policy of the innermost linen module now running under `with_policy` (or
     `policy_interceptor`), or None outside one.
 
-    Example:
+    Examples:
       >>> class Probe(nn.Module):
       ...     @nn.compact
       ...     def __call__(self, x):
@@ -189,7 +189,7 @@ def policy_interceptor(
     Returns:
       An interceptor ``(next_fun, args, kwargs, context) -> output``.
 
-    Example:
+    Examples:
       >>> model, x = nn.Dense(2), jnp.ones((1, 3))
       >>> interceptor = jf.linen.policy_interceptor("bf16-true")
       >>> with nn.intercept_methods(interceptor):

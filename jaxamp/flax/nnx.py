@@ -19,7 +19,7 @@ The call hook is installed by giving each instance a subclass of its own class (
 Only ``__call__`` is hooked; params read by other methods (e.g. `nnx.Embed.attend`) are cast
 when an enclosing module's ``__call__`` runs.
 
-Example:
+Examples:
   >>> rngs = nnx.Rngs(0)
   >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.LayerNorm(4, rngs=rngs))
   >>> _ = jf.nnx.apply_policy(model, "bf16-mixed")
@@ -79,7 +79,7 @@ def _swapped() -> dict[int, tuple[nnx.Param, Any]]:
 def own_params(module: nnx.Module) -> Iterator[nnx.Param]:
     """The `nnx.Param`s `module` holds itself (attributes, lists, dicts), not its submodules'.
 
-    Example:
+    Examples:
       >>> [p.get_value().shape for p in jf.nnx.own_params(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))]
       [(3, 2), (2,)]
     """
@@ -277,7 +277,7 @@ def has_own_call(cls: type) -> bool:
     """Whether a module class defines ``__call__`` (itself or a base other than `object`):
     the classes `apply_policy` hooks. Containers such as ``nnx.List`` have none.
 
-    Example:
+    Examples:
       >>> jf.nnx.has_own_call(nnx.Linear), jf.nnx.has_own_call(nnx.Module)
       (True, False)
     """
@@ -287,7 +287,7 @@ def has_own_call(cls: type) -> bool:
 def remove_policy(model: nnx.Module) -> nnx.Module:
     """Removes the call hooks `apply_policy` installed (params keep their current dtypes).
 
-    Example:
+    Examples:
       >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16-true")
       >>> model(jnp.ones((1, 3))).dtype
       dtype(bfloat16)
@@ -311,7 +311,7 @@ def module_policy(module: nnx.Module) -> tuple[Policy | None, str | None]:
     """The policy `apply_policy` gave `module` itself and the rule that chose it, or
     ``(None, None)`` for a module it did not configure.
 
-    Example:
+    Examples:
       >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16-mixed")
       >>> policy, rule = jf.nnx.module_policy(model)
       >>> str(policy), rule
@@ -323,7 +323,7 @@ def module_policy(module: nnx.Module) -> tuple[Policy | None, str | None]:
 def module_policies(model: nnx.Module) -> dict[str, Policy]:
     """The effective policy of every module `apply_policy` configured, keyed by path.
 
-    Example:
+    Examples:
       >>> model = jf.nnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "fp16-mixed")
       >>> jf.nnx.module_policies(model)
       {'': Policy('p=f32,c=f16,o=f32')}

@@ -38,7 +38,7 @@ class Optimizer(nnx.Optimizer):
 
     `step` (uint32, as `nnx.Optimizer`) counts applied updates by default; see the module docs.
 
-    Example:
+    Examples:
       >>> model = jf.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "fp16-mixed")
       >>> optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="fp16-mixed")
       >>> def loss_fn(model, x, y):
@@ -137,7 +137,7 @@ def nnx_value_and_grad(
         differentiated module's state updates (batch statistics, RNG counters) are kept; other
         module arguments are passed by value. Default None: JAX's own gradients.
 
-    Example:
+    Examples:
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> grad_fn = jf.nnx_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
       >>> loss, grads = grad_fn(model, jnp.ones((3, 2)), loss_scale=jaxamp.StaticLossScale(8.0))

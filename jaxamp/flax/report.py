@@ -47,7 +47,7 @@ _LOW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 class ModuleReport:
     """One module's line of the report (dtype names as strings, e.g. "bfloat16").
 
-    Example:
+    Examples:
       >>> line = jf.precision_report(nn.Dense(2), jnp.ones((1, 3)), policy="bf16-mixed")[""]
       >>> line.module, line.params, line.compute, line.output, line.policy
       ('Dense', ('float32',), 'bfloat16', 'float32', 'p=f32,c=bf16,o=f32')
@@ -72,7 +72,7 @@ class PrecisionReport:
       modules: one `ModuleReport` per module path (its first call).
       policy: the global policy's string, or None.
 
-    Example:
+    Examples:
       >>> report = jf.precision_report(nn.Dense(2), jnp.ones((1, 3), jnp.bfloat16))
       >>> report.policy, [m.flags for m in report.modules]
       (None, [('silent-promotion',)])

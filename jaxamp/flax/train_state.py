@@ -39,7 +39,7 @@ class TrainState(flax_train_state.TrainState):
       policy: the global policy (static).
       count_skipped_steps: whether `step` advances on skipped steps (static; default False).
 
-    Example:
+    Examples:
       >>> model, x, y = nn.Dense(3), jnp.ones((2, 4)), jnp.array([0, 2])
       >>> params = model.init(jax.random.key(0), x)["params"]
       >>> state = jf.TrainState.create(
@@ -81,7 +81,11 @@ class TrainState(flax_train_state.TrainState):
             it already is (then `rules`, `defaults` and `float32_softmax` must be left alone).
           params: the params (create them under the policy, e.g. with
             ``jf.linen.with_policy(model.init, policy)``, so each is in its param dtype).
-          tx: an optax optimizer; wrapped with `jaxamp.loss_scaled` unless it already is.
+          tx: an optax optimizer; wrapped with `jaxamp.loss_scaled` unless it already is, or
+            is built around a loss-scaled one: ``jaxamp.multi_steps(jaxamp.loss_scaled(
+            optax.chain(clip, adamw)), k)`` accumulates gradients over `k` calls of
+            `apply_gradients` (`step` then counts calls, micro-batches included). Clipping goes
+            inside the loss-scaled optimizer, where gradients are unscaled.
           policy: the global policy (anything `jaxamp.get_policy` accepts).
           rules, defaults, float32_softmax: per-module rules, see `jaxamp.flax.linen`.
           loss_scale: "auto" (dynamic for float16 policies, none otherwise), None (torch's
@@ -122,6 +126,7 @@ class TrainState(flax_train_state.TrainState):
             tx,
             policy,
             loss_scale,
+            params=params,
             max_consecutive_skips=max_consecutive_skips,
             on_max_skips=on_max_skips,
         )

@@ -427,7 +427,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
         error lists the paths seen), or the hardware has no fp8 matmuls and the recipe does not
         say ``emulate=True``. Nothing falls back to high precision silently.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.fp8
       >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.recipe("rowwise", emulate=True))
       >>> f(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
@@ -465,7 +465,7 @@ def report(
     Returns:
       A list of `MatmulRecord` in program order (``str(record)`` is one line).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> rows = jaxamp.fp8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
       ...                          recipe=jaxamp.fp8.recipe("tensorwise", emulate=True))
@@ -489,7 +489,7 @@ def init_state(
       ``{matmul name: DelayedScalingState}`` (scales 1, histories 0, as Flax initialises them):
       an ordinary pytree to carry in the train state, checkpoint, and pass as ``fp8_state=``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> r = jaxamp.fp8.recipe("delayed", emulate=True, amax_history_length=4)
       >>> list(jaxamp.fp8.init_state(lambda x, w: x @ w, r, jnp.ones((2, 3)), jnp.ones((3, 5))))
@@ -540,7 +540,7 @@ def capture_operands(
       ValueError: called under a transformation (``jit``, ``grad``), or `fp8_filter` selects
         nothing.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> rec = jaxamp.fp8.recipe("tensorwise", emulate=True)
       >>> ops = jaxamp.fp8.capture_operands(
@@ -606,7 +606,7 @@ def select_state(applied: Any, new: Any, old: Any) -> Any:
     Returns:
       The selected state (no host sync).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> jaxamp.fp8.select_state(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})["a"]
       Array([0., 0.], dtype=float32)
@@ -621,7 +621,7 @@ def combine_states(*states: Any) -> Any:
     Every micro-batch starts from the same state, so their new scales agree and their
     histories differ only in the newest amax: the max is the state of the whole window.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> jaxamp.fp8.combine_states({"a": jnp.array([1., 5.])}, {"a": jnp.array([3., 2.])})["a"]
       Array([3., 5.], dtype=float32)

@@ -38,7 +38,7 @@ if float(_EPS32) < _EPS:
 def fp8_max(dtype: Any) -> float:
     """The largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> jaxamp.fp8.fp8_max(jnp.float8_e5m2)
       57344.0
@@ -95,7 +95,7 @@ def amax_to_scale(amax: jax.Array, dtype: Any, power_of_2: bool = False) -> jax.
     Returns:
       float32 scales, shaped like `amax`: ``x * scale`` fits the fp8 range.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> float(jaxamp.fp8.amax_to_scale(jnp.float32(2.0), jnp.float8_e4m3fn))
       224.0
@@ -110,7 +110,7 @@ def amax_to_scale(amax: jax.Array, dtype: Any, power_of_2: bool = False) -> jax.
 def quantize_with_scale(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """torchao's cast: ``float32(x) * scale``, clamped to the fp8 range, rounded to `dtype`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> q = jaxamp.fp8.quantize_with_scale(jnp.array([1.0, 1e6]), jnp.float32(2.0), jnp.float8_e4m3fn)
       >>> q.astype(jnp.float32).tolist()  # saturates at 448
@@ -140,7 +140,7 @@ def quantize(
     Returns:
       ``(q, scale)`` with ``q.dtype == cast.dtype`` and ``x ≈ q / scale``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> q, s = jaxamp.fp8.quantize(jnp.ones((2, 3)), jaxamp.fp8.Cast("float8_e4m3fn"))
       >>> q.dtype, float(s)
@@ -157,7 +157,7 @@ def quantize(
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     """``q / scale`` in `dtype` (torchao's ``to_original_precision``).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> float(jaxamp.fp8.dequantize(jnp.array(448.0, jnp.float8_e4m3fn), jnp.float32(224.0)))
       2.0
@@ -264,7 +264,7 @@ class DelayedScalingState:
     def create(cls, amax_history_length: int = 1024) -> DelayedScalingState:
         """Flax's initial values: scales 1, histories 0.
 
-        Example:
+        Examples:
           >>> import jaxamp.fp8
           >>> jaxamp.fp8.DelayedScalingState.create(16).input_amax_history.shape
           (16,)
@@ -366,7 +366,7 @@ _linear_delayed.defvjp(_linear_delayed_fwd, _linear_delayed_bwd)
 def fp8_matmul_hardware() -> str | None:
     """None if the default backend has fp8 matmul units (NVIDIA sm89+), else why not.
 
-    Example:
+    Examples:
       >>> import jaxamp.fp8
       >>> jaxamp.fp8.fp8_matmul_hardware()  # on a CPU  # doctest: +SKIP
       "the 'cpu' backend has no fp8 matmul units"
@@ -459,7 +459,7 @@ def dot_general(
     Raises:
       ValueError: batch dimensions, non-float operands, or a delayed recipe without `state`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
       >>> r = jaxamp.fp8.recipe("tensorwise", emulate=True)

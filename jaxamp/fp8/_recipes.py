@@ -241,7 +241,7 @@ def recipe(name: str | Recipe, **changes: Any) -> Recipe:
     Returns:
       A frozen `Recipe`.
 
-    Example:
+    Examples:
       >>> import jaxamp.fp8
       >>> jaxamp.fp8.recipe("rowwise", emulate=True).power_of_2_scales
       True

@@ -76,7 +76,7 @@ class BlockOrder:
     Raises:
       ValueError: `order` is not a permutation (names the first missing or repeated index).
 
-    Example:
+    Examples:
       Torch's ``Linear`` weight ``(out, in)`` is a Flax kernel ``(in, out)`` transposed; its
       blocks in torch's row-major order:
 
@@ -164,7 +164,7 @@ class QuantizedArray:
       order: the `BlockOrder` the blocks are taken in, or None (row-major; static). With an
         order, 8-bit and fp8 codes are 1-D, in block order.
 
-    Example:
+    Examples:
       >>> from jaxamp.optim_precision import quantize, dequantize
       >>> q = quantize(jnp.linspace(-1.0, 1.0, 256), "8bit", signed=True, block_size=128)
       >>> q.codes.dtype, q.codes.shape, q.scale.shape
@@ -241,7 +241,7 @@ def quantize(
     Returns:
       A `QuantizedArray`; `dequantize` gives float32 back.
 
-    Example:
+    Examples:
       >>> from jaxamp.optim_precision import quantize
       >>> q = quantize(jnp.arange(512.0), "fp8")
       >>> q.codes.dtype, q.scale
@@ -286,7 +286,7 @@ def quantize(
 def dequantize(q: QuantizedArray) -> jax.Array:
     """The float32 values of `q` (map value times block scale, as torchao's ``dequantize``).
 
-    Example:
+    Examples:
       The signed maps end at 1.0 but start above -1 (-0.8875 for 4 bits, -0.993 for 8), as
       torchao's: a block's most negative value comes back smaller in magnitude.
 

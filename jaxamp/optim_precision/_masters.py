@@ -77,7 +77,7 @@ def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any = jnp.bfloat16) ->
       An array of `dtype`. Infinities stay, NaN stays NaN; a value beyond the dtype's largest
       finite value may round to inf.
 
-    Example:
+    Examples:
       >>> x = jnp.full(10_000, 1.0 + 2.0**-9)  # a quarter of the way from 1 to the next bf16
       >>> y = jaxamp.stochastic_round(x, jax.random.key(0))
       >>> y.dtype, sorted(set(y.tolist()))
@@ -108,7 +108,7 @@ class StochasticRoundingState(NamedTuple):
         kept on a step `loss_scaled` skips, so a run is reproducible from its seed.
       inner_state: the wrapped optimizer's state.
 
-    Example:
+    Examples:
       >>> tx = jaxamp.stochastic_rounding(optax.adamw(1e-3), seed=0)
       >>> state = tx.init({"w": jnp.ones(4, jnp.bfloat16)})
       >>> state.key.dtype, state.key.shape
@@ -127,7 +127,7 @@ class KahanSummationState(NamedTuple):
         parameter's dtype by default, as optimi keeps it); added to the next update.
       inner_state: the wrapped optimizer's state.
 
-    Example:
+    Examples:
       >>> tx = jaxamp.kahan_summation(optax.adamw(1e-3))
       >>> state = tx.init({"w": jnp.ones(4, jnp.bfloat16)})
       >>> state.compensation["w"].dtype
@@ -203,7 +203,7 @@ def stochastic_rounding(
       A `GradientTransformationExtraArgs` whose state is a `StochasticRoundingState`; `update`
       needs `params`.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.full(4096, 1.0, jnp.bfloat16)}
       >>> tx = jaxamp.stochastic_rounding(optax.sgd(2.0**-12), seed=0)  # 1/32 of a bf16 step
       >>> state = tx.init(params)
@@ -273,7 +273,7 @@ def kahan_summation(
       A `GradientTransformationExtraArgs` whose state is a `KahanSummationState`; `update`
       needs `params`.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
       >>> tx = jaxamp.kahan_summation(optax.sgd(2.0**-12))
       >>> state = tx.init(params)
@@ -389,7 +389,7 @@ def preset(
     Returns:
       ``(policy, tx)``: ``jaxamp.get_policy("bf16-true")`` and the wrapped optimizer.
 
-    Example:
+    Examples:
       >>> policy, tx = jaxamp.optim_precision.preset("bf16-true-sr", optax.adamw(1e-4))
       >>> str(policy), type(tx.init({"w": jnp.ones(2, jnp.bfloat16)})).__name__
       ('p=bf16,c=bf16,o=bf16', 'StochasticRoundingState')

@@ -47,7 +47,7 @@ class LowPrecisionState(NamedTuple):
         `QuantizedArray` codes (block formats) or bfloat16 arrays (``"bf16"``); every other
         leaf as the wrapped optimizer made it.
 
-    Example:
+    Examples:
       >>> tx = jaxamp.low_precision_state(optax.adam(1e-3), "8bit")
       >>> state = tx.init({"w": jnp.zeros((64, 64))})
       >>> type(state.inner_state[0].mu["w"]).__name__, state.inner_state[0].mu["w"].codes.dtype
@@ -164,7 +164,7 @@ def low_precision_state(
         structure or sizes differ from the parameters' (names the parameter and the closest
         valid name).
 
-    Example:
+    Examples:
       >>> tx = jaxamp.loss_scaled(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))
       >>> params = {"w": jnp.ones((64, 64))}
       >>> opt_state = tx.init(params)
@@ -382,7 +382,7 @@ def state_bytes(tree: Any) -> int:
 
     Divide by the parameter count for bytes per parameter.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.zeros((64, 64))}
       >>> jaxamp.optim_precision.state_bytes(optax.adam(1e-3).init(params)) / 4096
       8.0009765625
@@ -430,7 +430,7 @@ def _adamw(
       torchao adds eps to ``sqrt(nu) / sqrt(1 - b2**t)``, optax to ``sqrt(nu / (1 - b2**t))``:
       the parameter updates differ in the last bits (the codes do not, after a first step).
 
-    Example:
+    Examples:
       >>> tx = jaxamp.optim_precision.adamw_{state_format}()
       >>> state = tx.init({{"w": jnp.zeros((64, 64))}})
       >>> jaxamp.optim_precision.state_bytes(state) < 4 * 4096

@@ -389,7 +389,7 @@ def auto(
       UserWarning: when the mapping folds trainable tensors (two torch biases summed into one
         Flax bias): the two models then train differently.
 
-    Example:
+    Examples:
       >>> import flax.linen as fnn, jax, jax.numpy as jnp
       >>> t = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
       >>> class F(fnn.Module):

@@ -74,7 +74,7 @@ def explain(mapping: WeightMapping, torch_module: Any = None) -> list[dict[str, 
       "decided_by", "note"}`` in mapping order; ``note`` says when a tensor is split into
       pieces or folded (summed) with another.
 
-    Example:
+    Examples:
       >>> from parity.models import get_model_pair
       >>> pair = get_model_pair("mlp", seed=0)
       >>> explain(pair.mapping)[0]["flax"], explain(pair.mapping)[0]["decided_by"]
@@ -119,7 +119,7 @@ def explain(mapping: WeightMapping, torch_module: Any = None) -> list[dict[str, 
 def format_explanation(rows: list[dict[str, str]]) -> str:
     """`explain`'s rows as aligned text, one line per torch tensor.
 
-    Example:
+    Examples:
       >>> print(format_explanation([{"torch": "fc.weight", "flax": "params/fc/kernel",
       ...     "transform": "linear", "decided_by": "name", "note": ""}]))
       fc.weight -> params/fc/kernel  [linear; name]

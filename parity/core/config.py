@@ -96,7 +96,7 @@ def precision_policy(precision: str) -> jaxamp.Policy:
     Returns:
       The policy, e.g. ``p=f32,c=bf16,o=f32`` for ``"bf16-mixed"``.
 
-    Example:
+    Examples:
       >>> str(precision_policy("fp16-mixed"))
       'p=f32,c=f16,o=f32'
     """
@@ -106,7 +106,7 @@ def precision_policy(precision: str) -> jaxamp.Policy:
 def torch_device_type(device: str) -> str:
     """torch's device type for a harness device name (``"gpu"`` is CUDA); needs no torch.
 
-    Example:
+    Examples:
       >>> torch_device_type("gpu")
       'cuda'
     """

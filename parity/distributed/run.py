@@ -77,7 +77,7 @@ class DistributedPlan:
       torch_backend: ``"gloo"`` (CPU) or ``"nccl"`` (one CUDA device per rank).
       jax_platform: ``"cpu"`` (N host devices) or ``"gpu"``.
 
-    Example:
+    Examples:
       >>> DistributedPlan(devices=2, strategy="ddp").jax_modes
       ('jit', 'shard_map', 'multiprocess')
     """
@@ -286,7 +286,7 @@ def run_distributed(
     Raises:
       UnsupportedHere: the recipe cannot run on this arm (``plan.strategy``), with the reason.
 
-    Example:
+    Examples:
       >>> config = RunConfig(model="mlp", precision="bf16-mixed", steps=6, batch_size=8)
       >>> result = run_distributed(config, DistributedPlan(devices=2, strategy="ddp"))
       >>> result.status
