@@ -1,7 +1,8 @@
 """Checks that the built documentation site names every public name: each name in the `__all__`
-of `jaxamp`, `jaxamp.flax` (and its `linen`, `nnx`, `checkpoint`), `jaxamp.fp8` and
-`jaxamp.optim_precision` has its own entry (an element with ``id="<module>.<name>"``) on its API
-page. Run after ``mkdocs build``: ``python scripts/check_docs_api.py site``.
+of `jaxamp`, `jaxamp.flax` (and its `linen`, `nnx`, `checkpoint`), `jaxamp.fp8`,
+`jaxamp.optim_precision` and `jaxamp.mx` has its own entry (an element with
+``id="<module>.<name>"``) on its API page. Run after ``mkdocs build``:
+``python scripts/check_docs_api.py site``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ PAGES = {
     "jaxamp.flax.checkpoint": "api/flax/index.html",
     "jaxamp.fp8": "api/fp8/index.html",
     "jaxamp.optim_precision": "api/optim_precision/index.html",
+    "jaxamp.mx": "api/mx/index.html",
 }
 # Submodules of jaxamp.flax are sections of their page, headed by their own name.
 SECTIONS = {"jaxamp.flax.linen", "jaxamp.flax.nnx", "jaxamp.flax.checkpoint"}
