@@ -40,6 +40,7 @@ from parity.pairs import adapters
 from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
+from parity.training.user_loop import LOOP_CONFIG_FIELDS, TrainingLoop
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
 from parity.verdicts.compare import compare_runs
@@ -315,6 +316,13 @@ def compare_models(
     threads: int | None = None,
     fp16_stress: bool = False,
     budget: int | None = None,
+    torch_optimizer: Callable[[Any], Any] | None = None,
+    torch_scheduler: Callable[[Any], Any] | None = None,
+    torch_clip: float | Callable[[list], Any] | None = None,
+    jax_optimizer: Any = None,
+    torch_loss: Callable[[Any, Any], Any] | None = None,
+    jax_loss: Callable[[Any, Any], Any] | None = None,
+    replay_steps: int = 4,
     **config: Any,
 ) -> ParityResult:
     """Trains `torch_module` under torch.amp and `flax_module` under jaxamp, and compares them.
@@ -368,6 +376,19 @@ def compare_models(
       budget: escalation. When the verdict is INCONCLUSIVE, train one more data order per
         framework at a time, up to `budget` orders in all, until the equivalence test decides
         (None: no escalation).
+      torch_optimizer: your torch optimizer, as ``torch module -> torch.optim.Optimizer``
+        (called with the trained copy: build param groups from its ``named_parameters()``);
+        with `jax_optimizer`, both sides train with yours instead of the harness's
+        (``optimizer``, ``lr``, ``schedule``, ``clip_norm``... are then refused), and the
+        step-0 gate replays both on identical gradients (`parity.replay`).
+      torch_scheduler: ``optimizer -> LRScheduler``, stepped after every optimizer step.
+      torch_clip: the torch side's clipping after unscaling: a max global norm
+        (``clip_grad_norm_``) or a callable ``parameters -> Any``; None: none.
+      jax_optimizer: your ``optax.GradientTransformation`` (its own schedule and clipping);
+        the run's loss scaling wraps it (``jaxamp.loss_scaled``) unless it holds its own.
+      torch_loss, jax_loss: your losses, ``(logits, targets) -> scalar`` (both or neither);
+        the gate compares them on identical logits (`parity.replay.losses`).
+      replay_steps: real batches the replay feeds both optimizers.
       **config: any other `RunConfig` field (``optimizer``, ``lr``, ``clip_norm``, ``device``,
         ``init_scale``, ``growth_interval``, ...).
 
@@ -387,6 +408,25 @@ def compare_models(
             )
     if threads is not None:
         set_threads(threads)
+    loop = TrainingLoop(
+        torch_optimizer=torch_optimizer,
+        torch_scheduler=torch_scheduler,
+        torch_clip=torch_clip,
+        jax_optimizer=jax_optimizer,
+        torch_loss=torch_loss,
+        jax_loss=jax_loss,
+        replay_steps=replay_steps,
+    )
+    if loop.has_optimizer:
+        clash = sorted(set(config) & set(LOOP_CONFIG_FIELDS))
+        if clash:
+            raise ValueError(
+                f"compare_models: {', '.join(clash)} describe the harness's own optimizer; with "
+                "torch_optimizer/jax_optimizer your optimizers, schedules and clipping are used "
+                "(torch_scheduler, torch_clip, and the optax chain): leave them out."
+            )
+        # the run's config then describes no optimizer of its own
+        config = {**config, "clip_norm": None, "schedule": "constant"}
     if fp16_stress:
         config = {**FP16_STRESS, **config}
     if transfer is not None and not callable(transfer):
@@ -422,6 +462,8 @@ def compare_models(
     # Step 0 (outputs and gradients on the first batch) before training; a broken port is not
     # trained: its records are errors naming the worst output, parameter and first bad layer.
     pair = dataclasses.replace(pair, data=_seeded_streams(stream, run_config.stream_seed))
+    if loop.has_optimizer or loop.has_loss:
+        pair = dataclasses.replace(pair, loop=loop)
     runs = run_cell(
         run_config,
         pair=pair,

@@ -34,6 +34,7 @@ from parity.core.records import (
     write_json_atomic,
 )
 from parity.perf.phases import clock, current, phase
+from parity.replay.rows import attach_replay, replay_gate
 from parity.report.markdown import write_report
 from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
@@ -213,9 +214,15 @@ def _run_cell(
                 step0 = run_step0(config, pair, stream, frameworks=tuple(frameworks), echo=echo)
         else:
             step0 = None
+        replay = None
+        if step0 is not None and step0.passed and getattr(pair, "loop", None) is not None:
+            # the user's optimizer and loss on identical gradients and logits: a step-0 gate
+            with phase("replay"):
+                step0, replay = replay_gate(step0, config, pair, first, echo=echo)
         if step0 is not None and not step0.passed:
             # The mapping goes into the records: a port blocked at step 0 shows its pairing.
-            return runs + record_mapping(blocked_records(config, step0, frameworks), pair)
+            blocked = record_mapping(blocked_records(config, step0, frameworks), pair)
+            return runs + attach_replay(blocked, replay, getattr(pair, "loop", None))
         if train is None:
             trained = []
             for fw in frameworks:
@@ -227,7 +234,9 @@ def _run_cell(
         if speed_blocks:
             with phase("speed blocks"):
                 attach_speed_blocks(trained, config, pair, stream, blocks=speed_blocks)
-        runs += record_mapping(attach_step0(trained, step0), pair)
+        runs += attach_replay(
+            record_mapping(attach_step0(trained, step0), pair), replay, getattr(pair, "loop", None)
+        )
     calibrating = noise != "none" or seeds != 1
     with phase("calibration") if calibrating else contextlib.nullcontext():
         return runs + calibration_runs(

@@ -120,6 +120,8 @@ class ModelPair:
       torch_channels_first: ``torch_forward`` permutes 4-D NHWC inputs to NCHW.
       mapping: the `parity.pairs.mapping.WeightMapping` between ``torch_model.state_dict()`` and the Flax
         variables (built-in pairs always have one; the diagnosis uses it layer by layer).
+      loop: the user's `parity.training.user_loop.TrainingLoop` (their optimizer, scheduler,
+        clipping and losses), or None: the harness's own (`parity.training.steps`).
     """
 
     name: str
@@ -132,6 +134,7 @@ class ModelPair:
     data: Callable[[int, int], BatchStream] | None = dataclasses.field(repr=False, default=None)
     torch_channels_first: bool = False
     mapping: WeightMapping | None = dataclasses.field(repr=False, default=None)
+    loop: Any = dataclasses.field(repr=False, default=None)
 
     def __post_init__(self):
         check_task(self.task)

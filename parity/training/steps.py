@@ -61,17 +61,19 @@ def jax_train_step(grad_fn: Callable, tx: optax.GradientTransformation) -> Calla
     return train_step
 
 
-def scheduled(train_step: Callable, *, signals: bool = False) -> Callable:
+def scheduled(train_step: Callable, *, signals: bool = False, feed_lr: bool = True) -> Callable:
     """`train_step` (`jax_train_step`'s) with the iteration's learning rate fed in and the loss
     scale it used logged: ``step(params, opt_state, learning_rate, *batch) -> (params,
     opt_state, loss, metrics)``, metrics ``{"loss_scale", "skipped"}`` as arrays.
 
     With ``signals=True`` the train step's gradient function is `observed` (its loss comes with
     the gradient signals) and metrics add ``grad_norm``, ``max_scaled_grad`` and
-    ``update_norm`` (`observed_step`)."""
+    ``update_norm`` (`observed_step`). ``feed_lr=False`` leaves the optimizer's own rate (a
+    user's transformation with its own schedule; `learning_rate` is then ignored)."""
 
     def step(params, opt_state, learning_rate, *batch):
-        opt_state = set_learning_rate(opt_state, learning_rate)
+        if feed_lr:
+            opt_state = set_learning_rate(opt_state, learning_rate)
         scale_used = jaxamp.amp_info(opt_state).loss_scale
         new_params, opt_state, loss, info = train_step(params, opt_state, *batch)
         metrics = {"loss_scale": scale_used, "skipped": jnp.logical_not(info.last_step_applied)}
@@ -122,13 +124,15 @@ def observed(grad_fn: Callable) -> Callable:
     return wrapped
 
 
-def observed_step(grad_fn: Callable, tx: optax.GradientTransformation) -> Callable:
+def observed_step(
+    grad_fn: Callable, tx: optax.GradientTransformation, *, feed_lr: bool = True
+) -> Callable:
     """`scheduled` `jax_train_step` with the gradient signals: the step of the trainer.
 
     Metrics: ``loss_scale``, ``skipped``, ``grad_norm`` (unscaled, before clipping),
     ``update_norm`` (``||params after - params before||``), ``max_scaled_grad``.
     """
-    return scheduled(jax_train_step(observed(grad_fn), tx), signals=True)
+    return scheduled(jax_train_step(observed(grad_fn), tx), signals=True, feed_lr=feed_lr)
 
 
 def _finite(x) -> float | None:
@@ -276,6 +280,8 @@ def torch_train_step(
     scaler: Any,
     params: list,
     names: list[str] | None = None,
+    loop: Any = None,
+    scheduler: Any = None,
 ) -> Callable:
     """torch.amp's step: ``step(index, *batch) -> loss``.
 
@@ -289,11 +295,17 @@ def torch_train_step(
         step's, as `step_signals` gives JAX's), ``grad_norm`` (unscaled, before clipping),
         ``update_norm`` and, with a scaler, ``max_scaled_grad`` ({name: largest |scaled
         gradient|}, None where not finite).
+      loop: the user's `parity.training.user_loop.TrainingLoop` with an optimizer: its
+        clipping replaces the run's, its `scheduler` is stepped after the optimizer, and the
+        run's learning rate is not written into the param groups.
+      scheduler: the user's torch scheduler (with `loop`).
     """
     import torch  # torch: optional for JAX users (the JAX trainer never imports it)
 
     def clip():
-        if config.clip_norm is not None:
+        if loop is not None:
+            loop.clip_torch(params)
+        elif config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
 
     def finite(values) -> list[float | None]:
@@ -337,7 +349,7 @@ def torch_train_step(
     def step(index, *batch):
         # The rate of every iteration (what LambdaLR does, without its warning when GradScaler
         # skips step 0).
-        for group in optimizer.param_groups:
+        for group in optimizer.param_groups if loop is None else ():
             if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor (in place)
                 group["lr"].fill_(config.lr_at(index))
             else:
@@ -349,6 +361,8 @@ def torch_train_step(
             before = observe_unscaled()
             clip()
             optimizer.step()
+            if loop is not None:
+                loop.step_scheduler(scheduler)
             observe_update(before)
             return loss
         scaler.scale(loss).backward()
@@ -358,6 +372,8 @@ def torch_train_step(
         clip()
         scaler.step(optimizer)
         scaler.update()
+        if loop is not None:
+            loop.step_scheduler(scheduler)
         observe_update(before)
         return loss
 

@@ -37,6 +37,7 @@ from parity.training.steps import (
     observed_step,
     step_signals,
 )
+from parity.training.user_loop import loop_optimizer
 
 __all__ = ["JaxStep", "build_jax_step", "train_jax"]
 
@@ -124,16 +125,24 @@ def build_jax_step(
     params = recipe.jax_cast(variables["params"])
     batch_stats = recipe.jax_cast(variables.get("batch_stats"))
     params, batch_stats = jax.device_put((params, batch_stats), device)
-    tx = build_jax_optimizer(config, pair=pair)
+    loop = getattr(pair, "loop", None)
+    own_optimizer = loop is not None and loop.has_optimizer
+    if own_optimizer:
+        tx = loop_optimizer(loop, config, params, pair=pair)
+    else:
+        tx = build_jax_optimizer(config, pair=pair)
     opt_state = jax.jit(tx.init)(params)
     task = pair.task
+    user_loss = loop.jax_loss if loop is not None and loop.has_loss else None
     forward = jax_forward(pair, recipe, config.device, train=True)
 
     def loss_fn(params, inputs, targets, batch_stats):
         logits, new_stats = forward(params, batch_stats, inputs)
+        if user_loss is not None:
+            return user_loss(logits, targets).astype(jnp.float32), new_stats
         return loss_jax(task, logits.astype(jnp.float32), targets), new_stats
 
-    step = observed_step(recipe.jax_value_and_grad(loss_fn), tx)
+    step = observed_step(recipe.jax_value_and_grad(loss_fn), tx, feed_lr=not own_optimizer)
 
     def train_step(params, batch_stats, opt_state, inputs, targets, learning_rate):
         params, opt_state, (loss, new_stats), metrics = step(

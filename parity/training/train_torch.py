@@ -87,7 +87,13 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
     recipe = config.recipe
     recipe.check_arm("single")
     model, extras = recipe.torch_convert(copy.deepcopy(pair.torch_model).to(device), device)
-    optimizer = build_torch_optimizer(config, model.parameters())
+    loop = pair.loop if pair.loop is not None and pair.loop.has_optimizer else None
+    scheduler = None
+    if loop is not None:
+        optimizer, scheduler = loop.build_torch(model)
+    else:
+        optimizer = build_torch_optimizer(config, model.parameters())
+    loss = pair.loop.torch_loss if pair.loop is not None and pair.loop.has_loss else None
     scaler = recipe.torch_grad_scaler(config, device_type)
     forward_model = torch.compile(model) if config.torch_compile else model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -95,6 +101,8 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
     def forward_loss(inputs, targets, train):
         with recipe.torch_autocast(device_type):
             logits = pair.torch_forward(forward_model, inputs, train=train)
+            if loss is not None:
+                return logits, loss(logits, targets).float()
             return logits, loss_torch(pair.task, logits, targets)
 
     step = torch_train_step(
@@ -104,6 +112,8 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
         scaler,
         params,
         names=[n for n, p in model.named_parameters() if p.requires_grad],
+        loop=loop,
+        scheduler=scheduler,
     )
     return TorchStep(
         step,

@@ -1,0 +1,141 @@
+"""The replay's step-0 verdict rows: ``step 0 replay: optimizer on identical gradients`` and
+``step 0 replay: loss on identical logits``.
+
+They sit beside the model's step-0 rows and gate training as they do: a failing row stops the
+run before step 1, naming the parameter, the step and the first quantity that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.replay.explain import ULPS
+from parity.replay.gradients import replay_optimizers
+from parity.replay.losses import compare_losses
+from parity.training.user_loop import TrainingLoop
+from parity.verdicts.rows import Verdict
+
+__all__ = ["LOSS_CHECK", "OPTIMIZER_CHECK", "attach_replay", "replay_gate", "replay_verdicts"]
+
+OPTIMIZER_CHECK = "step 0 replay: optimizer on identical gradients"
+LOSS_CHECK = "step 0 replay: loss on identical logits"
+EPS = float(np.finfo(np.float32).eps)
+
+
+def _logits(pair: Any, batch: Any, steps: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    import copy
+
+    model = copy.deepcopy(pair.torch_model).float().cpu()
+    xs, ys = [], []
+    with torch.no_grad():
+        for k in range(steps):
+            inputs, targets = batch(k)
+            logits = pair.torch_forward(model, torch.as_tensor(inputs), train=True)
+            xs.append(logits.float().numpy())
+            ys.append(np.asarray(targets))
+    return xs, ys
+
+
+def replay_verdicts(
+    pair: Any,
+    config: Any,
+    batch: Any,
+    loop: TrainingLoop,
+    *,
+    steps: int = 4,
+    jit: bool = True,
+) -> tuple[list[Verdict], dict[str, Any]]:
+    """The replay rows of a user's loop, and what goes into the run record.
+
+    Args:
+      pair: the model pair; config: the run's `RunConfig`; batch: ``k -> (inputs, targets)``.
+      loop: the user's `TrainingLoop` (optimizer rows when it has optimizers, loss rows when it
+        has losses).
+      steps: real batches replayed (at most the run's steps).
+      jit: the JAX optimizer step under ``jax.jit``.
+
+    Returns:
+      ``(rows, record)``: record ``{"seconds", "optimizer": {...}, "loss": {...}}``.
+    """
+    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    steps = max(1, min(steps, config.steps))
+    rows, record = [], {}
+    start = time.perf_counter()
+    if loop.has_optimizer:
+        result = replay_optimizers(pair, loop, config, batch, steps=steps, jit=jit)
+        first = result.first
+        sequences = ", ".join(f"{name} ({n} steps)" for name, n in result.steps.items())
+        rows.append(
+            Verdict(
+                check=OPTIMIZER_CHECK,
+                compared="the user's torch optimizer vs optax transformation, same gradients",
+                value="agree" if first is None else f"{first.quantity} differs",
+                tolerance=f"float32 rounding ({ULPS} eps of |p| + |update| + lr)",
+                passed=first is None,
+                detail=(first.message + "; " if first else "") + f"sequences: {sequences}",
+                mode="step 0",
+                first_failing_step=None if first is None else first.step,
+                power=ULPS * EPS,
+                **base,
+            )
+        )
+        record["optimizer"] = {
+            "findings": {k: (f.to_dict() if f else None) for k, f in result.findings.items()},
+            "steps": result.table,
+        }
+    if loop.has_loss:
+        xs, ys = _logits(pair, batch, steps)
+        finding, loss_rows = compare_losses(pair.task, loop.torch_loss, loop.jax_loss, xs, ys)
+        rows.append(
+            Verdict(
+                check=LOSS_CHECK,
+                compared="the user's torch loss vs JAX loss, same logits and targets",
+                value="agree" if finding is None else f"{finding.quantity} differs",
+                tolerance=f"the dtype's rounding ({ULPS} eps)",
+                passed=True if finding is None else (False if finding.decisive else None),
+                detail=(finding.message + "; " if finding else "")
+                + "cases: "
+                + ", ".join(r["case"] for r in loss_rows),
+                mode="step 0",
+                power=ULPS * EPS,
+                **base,
+            )
+        )
+        record["loss"] = {"finding": finding.to_dict() if finding else None, "cases": loss_rows}
+    record["seconds"] = time.perf_counter() - start
+    return rows, record
+
+
+def replay_gate(step0: Any, config: Any, pair: Any, stream: Any, *, echo: bool = False):
+    """`replay_verdicts` of ``pair.loop`` added to a passing step-0 result (a failing row fails
+    it: training does not start). Returns ``(step0 result, replay record)``."""
+    loop = pair.loop
+    rows, record = replay_verdicts(
+        pair, config, stream.batch, loop, steps=loop.replay_steps, jit=loop.replay_jit
+    )
+    verdicts = list(step0.verdicts) + rows
+    passed = step0.passed and not any(v.passed is False for v in rows)
+    if echo:
+        for row in rows:
+            outcome = "pass" if row.passed else f"FAILED: {row.detail.split('; sequences')[0]}"
+            print(f"{config.model} {config.precision}: {row.check}: {outcome}", file=sys.stderr)
+    return dataclasses.replace(step0, verdicts=verdicts, passed=passed), record
+
+
+def attach_replay(
+    runs: list[dict[str, Any]], record: dict[str, Any] | None, loop: Any = None
+) -> list[dict[str, Any]]:
+    """Stores the replay record under ``"replay"`` and the user's loop (``training_loop``: what
+    it was) in every run record (the replay's cost is its ``replay`` phase, `parity.perf.phases`)."""
+    for run in runs if loop is not None else ():
+        run["training_loop"] = loop.describe()
+    if record is not None:
+        for run in runs:
+            run["replay"] = record
+    return runs
