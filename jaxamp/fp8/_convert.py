@@ -29,7 +29,7 @@ from jaxamp.fp8._dot import (
     to_2d,
 )
 from jaxamp.fp8._recipes import Recipe
-from jaxamp.fp8._recipes import recipe as _make_recipe
+from jaxamp.fp8._recipes import recipe as _fp8_recipe
 
 __all__ = [
     "MatmulInfo",
@@ -161,6 +161,35 @@ def _stack_str(eqn: Any) -> str:
 
 def _join(prefix: str, rest: str) -> str:
     return "/".join(p for p in (prefix, rest) if p)
+
+
+# Recipes of other low-precision formats (jaxamp.mx) run through this rewrite too: such a recipe
+# brings its own matmul, as methods ``dot_general(lhs, rhs, dimension_numbers,
+# preferred_element_type=...)``, ``check_hardware()`` and a ``how`` line for `report`.
+
+
+def _make_recipe(recipe: Any) -> Any:
+    """A jaxamp.fp8 recipe (an object or a name), or another format's recipe object as it is."""
+    if not isinstance(recipe, Recipe | str) and callable(getattr(recipe, "dot_general", None)):
+        return recipe
+    return _fp8_recipe(recipe)
+
+
+def _own_matmul(rec: Any) -> bool:
+    return not isinstance(rec, Recipe)
+
+
+def _check_hardware(rec: Any) -> None:
+    if _own_matmul(rec):
+        rec.check_hardware()
+    else:
+        check_hardware(rec)
+
+
+def _lowp_dot(rec: Any, lhs, rhs, dn, out_dtype, state=None):
+    if _own_matmul(rec):
+        return rec.dot_general(lhs, rhs, dn, preferred_element_type=out_dtype)
+    return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec, state=state)
 
 
 class _Rewrite:
@@ -320,17 +349,16 @@ class _Rewrite:
             state = self.state[info.name]
             self.used.append(info.name)
         lhs, rhs = vals
-        out = dot_general(
-            lhs,
-            rhs,
-            eqn.params["dimension_numbers"],
-            preferred_element_type=eqn.outvars[0].aval.dtype,
-            recipe=rec,
-            state=state,
+        out = _lowp_dot(
+            rec, lhs, rhs, eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype, state
         )
         if self.capture is not None:
             out = self._capture(info.name, lhs, rhs, eqn.params["dimension_numbers"], out)
-        how = f"{rec.name}, {'emulated (float32 matmul of fp8 values)' if rec.emulate else 'fp8 matmul'}"
+        how = (
+            rec.how
+            if _own_matmul(rec)
+            else f"{rec.name}, {'emulated (float32 matmul of fp8 values)' if rec.emulate else 'fp8 matmul'}"
+        )
         self._record(info, True, how + (f", inside {loop}" if loop else ""))
         return out
 
@@ -437,7 +465,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
     _selector(fp8_filter)  # validate early
 
     def wrapped(*args, fp8_state: dict | None = None, **kwargs):
-        check_hardware(rec)
+        _check_hardware(rec)
         if rec.scaling != "delayed" and fp8_state is not None:
             raise ValueError("jaxamp.fp8: fp8_state is for delayed recipes only.")
         records: list[MatmulRecord] = []
@@ -552,7 +580,7 @@ def capture_operands(
       (4, 2)
     """
     rec = _make_recipe(recipe)
-    check_hardware(rec)
+    _check_hardware(rec)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
         raise ValueError(
             "jaxamp.fp8.capture_operands returns concrete arrays: call it outside jit/grad/vmap."
@@ -684,7 +712,7 @@ class AutocastFp8:
 
     def _hook(self, call: Any) -> list | None:
         rec = self.recipe
-        check_hardware(rec)
+        _check_hardware(rec)
         lhs, rhs = call.args
         dn = call.params["dimension_numbers"]
         path = call.name_stack
@@ -719,7 +747,12 @@ class AutocastFp8:
                 "Exclude it with fp8_filter."
             )
         out_dtype = call.params.get("preferred_element_type") or jnp.result_type(lhs, rhs)
-        out = dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec)
-        how = f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}, under autocast"
+        out = _lowp_dot(rec, lhs, rhs, dn, out_dtype)
+        how = (
+            rec.how
+            if _own_matmul(rec)
+            else f"{rec.name}, {'emulated' if rec.emulate else 'fp8 matmul'}"
+        )
+        how += ", under autocast"
         self._note(MatmulRecord(info.name, path, info.lhs_shape, info.rhs_shape, True, how))
         return [out]

@@ -1,0 +1,206 @@
+"""The block-scaled linear layer: a custom-VJP ``dot_general`` whose three matmuls take the recipe's
+formats (torchao's ``mx_mm``), emulated or on block-scaled matmul hardware."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp.fp8._dot import linear_like, to_2d
+from jaxamp.mx._formats import Format
+from jaxamp.mx._quantize import dequantize, quantize
+from jaxamp.mx._recipes import Recipe
+from jaxamp.mx._recipes import recipe as _make_recipe
+
+__all__ = ["check_hardware", "dot_general", "mx_matmul_hardware"]
+
+
+def mx_matmul_hardware() -> str | None:
+    """None if the default backend has block-scaled (MX) matmul units (NVIDIA sm100+), else why not.
+
+    Example:
+      >>> import jaxamp.mx
+      >>> jaxamp.mx.mx_matmul_hardware()  # on a CPU  # doctest: +SKIP
+      "the 'cpu' backend has no block-scaled matmul units"
+    """
+    backend = jax.default_backend()
+    if backend == "gpu":
+        device = jax.devices()[0]
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major = int(str(cc).split(".")[0])
+        except ValueError:
+            return f"GPU {device.device_kind} reports no CUDA compute capability ({cc!r})"
+        if major >= 10:
+            return None
+        return f"GPU {device.device_kind} is sm{cc}; block-scaled matmuls need sm100 or newer"
+    return f"the {backend!r} backend has no block-scaled matmul units"
+
+
+def _hardware_format(fmt: Format) -> bool:
+    # jax.nn.scaled_matmul's MXFP8 path: e4m3 elements, e8m0 scales, blocks of 32
+    return fmt.element == "e4m3" and fmt.scale == "e8m0" and fmt.block_size == 32
+
+
+def check_hardware(rec: Recipe) -> None:
+    """Raise unless `rec` can run here: ``emulate=True``, or sm100+ hardware and MXFP8 operands.
+    Never falls back to emulation.
+
+    Example:
+      >>> import jaxamp.mx
+      >>> jaxamp.mx.check_hardware(jaxamp.mx.recipe("mxfp8", emulate=True))  # any backend
+    """
+    if rec.emulate:
+        return
+    why = mx_matmul_hardware()
+    if why is None:
+        bad = [n for n, (f, _) in rec.operands().items() if not _hardware_format(f)]
+        if rec.grad_weight_hp:
+            bad = [
+                n for n in bad if n not in ("input_for_grad_weight", "grad_output_for_grad_weight")
+            ]
+        if not bad:
+            return
+        why = f"jax.nn.scaled_matmul runs MXFP8 (e4m3, e8m0 scales, blocks of 32) and {bad} are not"
+    raise ValueError(
+        f"jaxamp.mx: recipe {rec.name!r} asks for block-scaled matmuls, but {why}. Pass "
+        f"emulate=True (jaxamp.mx.recipe({rec.name!r}, emulate=True): quantized operands, "
+        "dequantized, float32 matmul, as torchao's KernelPreference.EMULATED) or run on an "
+        "sm100+ GPU."
+    )
+
+
+def _block_mm(a: jax.Array, fa: Format, b: jax.Array, fb: Format, out_dtype: Any, emulate: bool):
+    """``a (P, C) @ b (Q, C).T``, each operand quantized in blocks along C."""
+    qa, sa = quantize(a, fa, -1)
+    qb, sb = quantize(b, fb, -1)
+    if emulate:
+        # torchao EMULATED: each operand dequantized to its own dtype, then a plain matmul
+        da = dequantize(qa, sa, fa, -1, a.dtype)
+        db = dequantize(qb, sb, fb, -1, b.dtype)
+        out = lax.dot_general(
+            da,
+            db,
+            (((1,), (1,)), ((), ())),
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+        return out.astype(out_dtype)
+    e8m0 = jnp.float8_e8m0fnu
+    out = jax.nn.scaled_matmul(
+        qa[None],
+        qb[None],
+        lax.bitcast_convert_type(sa, e8m0)[None],
+        lax.bitcast_convert_type(sb, e8m0)[None],
+        preferred_element_type=jnp.float32,
+    )[0]
+    return out.astype(out_dtype)
+
+
+def _check_shapes(m: int, k: int, n: int, rec: Recipe) -> None:
+    for dim, size, gemm, block in (
+        ("K (input features)", k, "output", rec.input.block_size),
+        ("N (output features)", n, "grad_input", rec.grad_output.block_size),
+        ("M (rows of the input)", m, "grad_weight", rec.input_for_grad_weight.block_size),
+    ):
+        if gemm == "grad_weight" and rec.grad_weight_hp:
+            continue
+        if size % block:
+            raise ValueError(
+                f"jaxamp.mx: recipe {rec.name!r}: {dim} is {size}, not a multiple of the "
+                f"{block}-element blocks the {gemm} matmul contracts over (x ({m}, {k}) @ w "
+                f"({k}, {n})). torchao pads nothing either; pad the batch or exclude the layer."
+            )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _linear(x: jax.Array, w: jax.Array, rec: Recipe, out_dtype: Any) -> jax.Array:
+    """``x (M, K) @ w (K, N)`` with the recipe's formats (torchao's ``mx_mm.forward``)."""
+    return _block_mm(x, rec.input, w.T, rec.weight, out_dtype, rec.emulate)
+
+
+def _linear_fwd(x, w, rec, out_dtype):
+    return _linear(x, w, rec, out_dtype), (x, w)
+
+
+def _linear_bwd(rec, out_dtype, res, g):
+    del out_dtype
+    x, w = res
+    # grad_input (M, K) = grad_output (M, N) @ weight.T: both blocked along N
+    grad_x = _block_mm(g, rec.grad_output, w, rec.weight_for_grad_input, x.dtype, rec.emulate)
+    if rec.grad_weight_hp:
+        grad_w = jnp.matmul(x.T, g, precision=lax.Precision.HIGHEST).astype(w.dtype)
+    else:
+        # grad_weight (K, N) = input.T @ grad_output: both blocked along M
+        grad_w = _block_mm(
+            x.T,
+            rec.input_for_grad_weight,
+            g.T,
+            rec.grad_output_for_grad_weight,
+            w.dtype,
+            rec.emulate,
+        )
+    return grad_x.astype(x.dtype), grad_w.astype(w.dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    recipe: Recipe | str = "mxfp8",
+    out_sharding: Any = None,
+) -> jax.Array:
+    """``lax.dot_general`` with block-scaled operands per `recipe`, backward pass included.
+
+    `lhs` plays torchao's ``input`` and `rhs` the ``weight``; any contraction without batch
+    dimensions works (operands are brought to ``x (M, K) @ w (K, N)``). Also usable as Flax's
+    ``dot_general=`` argument.
+
+    Args:
+      lhs, rhs, dimension_numbers: as `jax.lax.dot_general`.
+      precision: ignored (the recipe sets each matmul's); kept for the signature.
+      preferred_element_type: output dtype (default: the promoted operand dtype).
+      recipe: a `Recipe` or a recipe name.
+      out_sharding: as `jax.lax.dot_general`'s.
+
+    Raises:
+      ValueError: batch dimensions, non-float operands, M, K or N not a multiple of the block
+        size, or hardware without block-scaled matmuls and ``emulate=False``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxamp.mx
+      >>> r = jaxamp.mx.recipe("mxfp8", emulate=True)
+      >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
+      >>> jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=r).shape
+      (32, 32)
+    """
+    del precision
+    rec = _make_recipe(recipe)
+    check_hardware(rec)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 2:
+            raise ValueError(
+                f"jaxamp.mx.dot_general: `{name}` must be a high-precision float array; got {x.dtype}."
+            )
+    why = linear_like(dimension_numbers, lhs.ndim, rhs.ndim)
+    if why:
+        raise ValueError(f"jaxamp.mx.dot_general: cannot run this dot block-scaled: {why}.")
+    x2, w2, out_shape = to_2d(lhs, rhs, dimension_numbers)
+    _check_shapes(x2.shape[0], x2.shape[1], w2.shape[1], rec)
+    out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    y = _linear(x2, w2, rec, out_dtype).reshape(out_shape)
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
