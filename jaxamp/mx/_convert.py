@@ -39,7 +39,7 @@ def convert(fn: Callable, recipe: Recipe | str = "mxfp8", *, mx_filter: Any = No
         selects nothing, or the hardware has no block-scaled matmuls and the recipe does not
         say ``emulate=True``. Nothing falls back to high precision silently.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> f = jaxamp.mx.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.mx.recipe("mxfp8", emulate=True))
       >>> f(jnp.ones((32, 64)), jnp.ones((64, 32))).shape
@@ -56,7 +56,7 @@ def report(
     Traces only. Rows are `jaxamp.fp8.MatmulRecord`s: ``fp8`` is True for a block-scaled matmul,
     ``how`` names the recipe, its formats and scale modes.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> rows = jaxamp.mx.report(lambda x, w: x @ w, jnp.ones((32, 64)), jnp.ones((64, 32)),
       ...                         recipe=jaxamp.mx.recipe("mxfp8", emulate=True))
@@ -78,7 +78,7 @@ def capture_operands(
     quantization), as `jaxamp.fp8.capture_operands`: what a comparison of scales and codes
     against torchao needs (quantize them with `jaxamp.mx.quantize` and the recipe's formats).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> ops = jaxamp.mx.capture_operands(
       ...     lambda w, x: jnp.sum(x @ w), jnp.ones((64, 32)), jnp.ones((32, 64)),

@@ -171,7 +171,7 @@ def format(name: str | Format, **changes: Any) -> Format:  # noqa: A001
       name: a name above, or a `Format` (returned with `changes` applied).
       **changes: fields to override, e.g. ``scale_mode="rceil"``.
 
-    Example:
+    Examples:
       >>> import jaxamp.mx
       >>> str(jaxamp.mx.format("mxfp8", scale_mode="rceil"))
       'mxfp8(e4m3, 32x e8m0 scale, rceil)'

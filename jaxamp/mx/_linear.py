@@ -23,7 +23,7 @@ __all__ = ["check_hardware", "dot_general", "mx_matmul_hardware"]
 def mx_matmul_hardware() -> str | None:
     """None if the default backend has block-scaled (MX) matmul units (NVIDIA sm100+), else why not.
 
-    Example:
+    Examples:
       >>> import jaxamp.mx
       >>> jaxamp.mx.mx_matmul_hardware()  # on a CPU  # doctest: +SKIP
       "the 'cpu' backend has no block-scaled matmul units"
@@ -51,7 +51,7 @@ def check_hardware(rec: Recipe) -> None:
     """Raise unless `rec` can run here: ``emulate=True``, or sm100+ hardware and MXFP8 operands.
     Never falls back to emulation.
 
-    Example:
+    Examples:
       >>> import jaxamp.mx
       >>> jaxamp.mx.check_hardware(jaxamp.mx.recipe("mxfp8", emulate=True))  # any backend
     """
@@ -178,7 +178,7 @@ def dot_general(
       ValueError: batch dimensions, non-float operands, M, K or N not a multiple of the block
         size, or hardware without block-scaled matmuls and ``emulate=False``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.mx
       >>> r = jaxamp.mx.recipe("mxfp8", emulate=True)
       >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))

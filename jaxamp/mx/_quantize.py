@@ -134,7 +134,7 @@ def quantize(
       ValueError: a non-float `x`, an axis not a multiple of the block size, or a
         `per_tensor_scale` with an MX format.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> codes, scales = jaxamp.mx.quantize(jnp.full((2, 32), 3.0), "mxfp8")
       >>> codes.dtype, scales.tolist()  # 3.0 = 384 * 2**-7: exponent 1 - 8 + 127
@@ -194,7 +194,7 @@ def scales_to_float32(scales: jax.Array, fmt: Format | str = "mxfp8") -> jax.Arr
     A code-0 scale, 2**-127, is a float32 subnormal: it comes back as 0 on backends that flush
     subnormals (XLA:CPU).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> jaxamp.mx.scales_to_float32(jnp.array([120, 127, 255], jnp.uint8)).tolist()
       [0.0078125, 1.0, nan]
@@ -223,7 +223,7 @@ def dequantize(
     smallest normal flush to zero on XLA:CPU, where torch keeps them subnormal. NVFP4: values
     times ``per_tensor_scale * scale`` (that product rounded to float32 first, as torchao).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> x = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
       >>> c, s = jaxamp.mx.quantize(x, "mxfp4")
@@ -257,7 +257,7 @@ def per_tensor_scale(amax: Any) -> jax.Array:
     """NVFP4's float32 tensor scale from a tensor's amax: ``amax / (448 * 6)`` (torchao's
     ``per_tensor_amax_to_scale``), so a block holding the amax gets the e4m3 scale 448.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> float(jaxamp.mx.per_tensor_scale(jnp.float32(2688.0)))
       1.0

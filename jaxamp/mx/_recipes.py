@@ -161,7 +161,7 @@ class Recipe:
     def describe(self) -> str:
         """One line: each matmul's operand formats.
 
-        Example:
+        Examples:
           >>> import jaxamp.mx
           >>> print(jaxamp.mx.recipe("mxfp8_wgrad_with_hp").describe())
           mxfp8_wgrad_with_hp: output=mxfp8/rceil x mxfp8/rceil (blocks along K), grad_input=mxfp8/rceil x mxfp8/rceil (along N), grad_weight=high precision
@@ -199,7 +199,7 @@ def recipe(name: str | Recipe, *, scale_mode: str | None = None, **changes: Any)
       scale_mode: if given, every e8m0 operand's scale mode (``"floor"``, ``"rceil"``, ...).
       **changes: `Recipe` fields to override, e.g. ``emulate=True``.
 
-    Example:
+    Examples:
       >>> import jaxamp.mx
       >>> r = jaxamp.mx.recipe("mxfp8", emulate=True)
       >>> r.input.scale_mode, r.grad_output.element, r.emulate
