@@ -112,6 +112,51 @@ def _report_diverged(consecutive_skips, limit: int, on_max_skips: OnMaxSkips) ->
     warnings.warn(message, RuntimeWarning, stacklevel=1)
 
 
+def _report_at_limit(consecutive, limit: int, on_max_skips: OnMaxSkips) -> None:
+    """Reports the step whose consecutive skips reach `limit`, on every platform.
+
+    Eagerly (a concrete count) the report is made here, on the calling thread: a
+    `RuntimeWarning`, or `LossScaleDivergedError` raised by the call itself. Under a trace it
+    is a host callback inside a `lax.cond` on ``consecutive == limit`` (XLA keeps a branch
+    with a side effect as a branch on every platform; it never becomes a select): the
+    callback runs while that step executes, so the warning has been issued when the step's
+    outputs are ready, and with "raise" the step fails and its outputs raise
+    `jax.errors.JaxRuntimeError` (carrying the message) where they are read. Only that step
+    reports, once; a finite step resets the count and a later run of `limit` skips reports
+    again.
+    """
+    if not isinstance(consecutive, jax.core.Tracer):
+        if int(consecutive) == limit:
+            _report_diverged(consecutive, limit, on_max_skips)
+        return
+    _check_host_callbacks(limit, on_max_skips)
+    jax.lax.cond(
+        consecutive == limit,
+        lambda c: jax.debug.callback(_report_diverged, c, limit, on_max_skips),
+        lambda c: None,
+        consecutive,
+    )
+
+
+def _check_host_callbacks(limit: int, on_max_skips: OnMaxSkips) -> None:
+    """JAX runs every host callback (`jax.debug.callback`, `io_callback`, `pure_callback`)
+    through its CPU backend, on GPU and TPU too; a process whose ``JAX_PLATFORMS`` leaves cpu
+    out (``JAX_PLATFORMS=cuda``) has none, and the callback would fail when the limit is
+    reached instead of reporting it. Refuse that at trace time, naming the fix."""
+    try:
+        jax.devices("cpu")
+    except RuntimeError as e:
+        platforms = jax.config.jax_platforms
+        raise RuntimeError(
+            f"loss_scaled(max_consecutive_skips={limit}, on_max_skips={on_max_skips!r}): the "
+            "report of a jitted step is a host callback, and JAX runs host callbacks through "
+            f"its CPU backend, which this process did not start (JAX_PLATFORMS={platforms!r}). "
+            "Add cpu to the platforms (JAX_PLATFORMS=cuda,cpu, or leave JAX_PLATFORMS unset), "
+            "or pass on_max_skips='ignore' and read jaxamp.amp_info(opt_state)"
+            ".consecutive_skips."
+        ) from e
+
+
 def loss_scaled(
     inner: Any,
     loss_scale: Any = None,
@@ -173,9 +218,16 @@ def loss_scaled(
         a mapped axis raises; ``axis_name=()`` lets each replica decide alone on purpose.
       max_consecutive_skips: report a run that skips this many steps in a row, or None.
         torch halves forever; a model that overflows in its forward pass never recovers.
-      on_max_skips: "warn" (a `RuntimeWarning`), "raise" (`LossScaleDivergedError`, surfaced by
-        the runtime at the next sync), or "ignore" (see `amp_info`). The report fires from a
-        callback inside the graph only when the limit is reached.
+      on_max_skips: "warn" (a `RuntimeWarning`), "raise" (`LossScaleDivergedError`), or
+        "ignore" (read `amp_info`). The report comes once, at the step that reaches the limit,
+        on CPU, GPU and TPU alike. Eagerly it is made by that call. Under `jit` (donated or
+        not) it is a host callback inside that step: the warning has been issued once the
+        step's outputs are ready; with "raise" the step fails, and reading its outputs
+        (``jax.block_until_ready``, ``float(...)``) raises `jax.errors.JaxRuntimeError`
+        carrying the message. JAX runs host callbacks on its CPU backend, so a jitted step
+        with "warn"/"raise" refuses to trace where ``JAX_PLATFORMS`` leaves cpu out
+        (``JAX_PLATFORMS=cuda``; ``cuda,cpu`` works). Under `jit` on GPU the report adds one
+        scalar read by the host per step (the branch's predicate); "ignore" adds nothing.
       param_labels: a pytree of group labels shaped like the parameters, or a function of the
         parameters returning one (as `optax.multi_transform`): switches on a skip decision
         per group under one shared loss scale.
@@ -401,12 +453,7 @@ class _LossScaler:
         )
         limit = self.max_consecutive_skips
         if limit is not None and self.on_max_skips != "ignore":
-            jax.lax.cond(
-                consecutive == limit,
-                lambda c: jax.debug.callback(_report_diverged, c, limit, self.on_max_skips),
-                lambda c: None,
-                consecutive,
-            )
+            _report_at_limit(consecutive, limit, self.on_max_skips)
         return LossScaledState(
             inner_state=inner_state,
             loss_scale=state.loss_scale.adjust(grads_finite),

@@ -412,31 +412,7 @@ def test_optimizer_state_float32_and_no_nan_on_zero_grads(policy, maybe_jit):
 # --- FAULTS 21: a model that overflows forever is reported ------------------------------------------
 
 
-def test_max_consecutive_skips_warns(maybe_jit):
-    params = _params()
-    tx = jaxamp.loss_scaled(optax.sgd(1e-2), max_consecutive_skips=3)
-    state = tx.init(params)
-    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.nan)
-    update = maybe_jit(tx.update)
-    with pytest.warns(RuntimeWarning, match="3 consecutive steps had non-finite"):
-        for _ in range(4):
-            _, state = update(grads, state, params)
-        jax.effects_barrier()
-    info = jaxamp.amp_info(state)
-    assert int(info.consecutive_skips) == 4 and int(info.skipped_steps) == 4
-
-
-def test_max_consecutive_skips_raise():
-    params = _params()
-    tx = jaxamp.loss_scaled(optax.sgd(1e-2), max_consecutive_skips=2, on_max_skips="raise")
-    state = tx.init(params)
-    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.nan)
-    update = jax.jit(tx.update)
-    with pytest.raises(Exception, match="consecutive steps had non-finite"):  # noqa: B017
-        for _ in range(3):
-            _, state = update(grads, state, params)
-        jax.block_until_ready(state)
-        jax.effects_barrier()
+# The report itself (once, at the limit, eager / jit / donated): tests/test_max_skips_report.py
 
 
 def test_consecutive_counter_resets_on_finite_step():
