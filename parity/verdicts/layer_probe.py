@@ -66,7 +66,7 @@ from parity.verdicts.diagnose import first_tensor, module_pairs, shaped_error
 from parity.verdicts.sides import flatten
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
 
-__all__ = ["NOISE_K", "PROBE_SCALES", "LayerProbe", "probe_layers"]
+__all__ = ["NOISE_K", "PROBE_EXAMPLES", "PROBE_SCALES", "LayerProbe", "probe_layers"]
 
 # Output RMS of every mapped layer in the two probes: the nonlinear range, and the range where a
 # normalisation's epsilon is comparable with its variance.
@@ -77,6 +77,11 @@ NOISE_K = 32.0
 
 # Relative spread of the random offsets given to constant vector parameters.
 _OFFSET = 0.5
+
+# The probe runs on the batch's first examples: it asks whether each layer computes the same
+# function, which a few examples show (thousands of values per layer); the whole batch would
+# multiply every float64 floor and comparison by the batch size for nothing.
+PROBE_EXAMPLES = 8
 
 
 @dataclasses.dataclass
@@ -279,6 +284,17 @@ def _float64_floor(module: torch.nn.Module, entry: dict[str, Any], train: bool) 
     return shaped_error(got, exact.cpu().numpy())[0]
 
 
+def _trace_of(value: Any) -> Any:
+    """The JAX trace a traced value belongs to (None for a concrete array)."""
+    return getattr(value, "_trace", None) if isinstance(value, jax.core.Tracer) else None
+
+
+def _nested(value: Any, outer: Any) -> bool:
+    """Whether `value` is traced by a transform inside the program (a scan over time steps),
+    not by the program itself."""
+    return isinstance(value, jax.core.Tracer) and _trace_of(value) is not outer
+
+
 class _FlaxRunner:
     """The Flax model with each mapped module fed torch's input to the matching layer, in eval
     and in train mode.
@@ -291,9 +307,10 @@ class _FlaxRunner:
         self.pair = pair
         self.torch_of = {tuple(str(p) for p in path): name for name, path in flax_of.items()}
         self.meta: dict[bool, dict[str, dict[str, Any]]] = {False: {}, True: {}}
-        # Eagerly, op by op: the operations' compiled kernels are cached across models of the
-        # same shapes (a whole-program compile is redone for every model and costs more).
-        self.program = self._both
+        # One compiled program (eval and train mode) whose arguments are the probe weights and
+        # every layer's substituted input: traced and compiled once, then reused for every probe
+        # scale (same shapes). ``meta`` holds the facts of that one trace.
+        self.program = jax.jit(self._both)
 
     def _both(self, variables, x, substitutes_eval, substitutes_train):
         return (
@@ -305,13 +322,14 @@ class _FlaxRunner:
         meta = self.meta[train]  # static facts of the trace (which inputs were substituted)
         meta.clear()
         found: dict[str, dict[str, Any]] = {}
+        outer = _trace_of(x)  # the program's own trace; a layer called under another is nested
 
         def interceptor(path, next_fun, args, kwargs):
             name = self.torch_of.get(path)
             if name is None or name in meta or name not in substitutes:
                 return next_fun(*args, **kwargs)
             info = meta[name] = {"substituted": False, "note": ""}
-            if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):
+            if any(_nested(a, outer) for a in jax.tree_util.tree_leaves(args)):
                 # Inside a transform (nn.RNN's scan over time steps): a per-step call that
                 # torch's whole-sequence layer has no counterpart of.
                 info["note"] = "called inside a JAX transform (a scan over time steps)"
@@ -449,7 +467,7 @@ def probe_layers(
 
     Args:
       pair: a `parity.models.ModelPair` (linen, Hugging Face Flax or NNX on the Flax side).
-      inputs: one input batch (numpy).
+      inputs: one input batch (numpy); its first ``PROBE_EXAMPLES`` examples are probed.
       scales: the output RMS each probe gives every mapped layer.
       seed: the seed of the random offsets.
 
@@ -461,7 +479,7 @@ def probe_layers(
       >>> probe.failed
       []
     """
-    inputs = np.asarray(inputs)
+    inputs = np.asarray(inputs)[:PROBE_EXAMPLES]
     variables = pair.torch_to_flax()
     pairs, unmatched = module_pairs(pair, variables)
     names = [t for t, _ in pairs]

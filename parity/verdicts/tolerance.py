@@ -140,23 +140,28 @@ def relative_error(got: Any, expected: Any, floor: float = 0.0) -> float:
       >>> relative_error(np.array([3.0, 4.0]), np.array([3.0, 4.5]))  # 0.5 / 6.02
       0.0830...
     """
-    a = np.asarray(got, dtype=np.float64)
-    b = np.asarray(expected, dtype=np.float64)
-    if a.shape != b.shape:
+    a = np.asarray(got, dtype=np.float64).reshape(-1)
+    b = np.asarray(expected, dtype=np.float64).reshape(-1)
+    if np.shape(got) != np.shape(expected):
         return math.inf
-    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(finite_a, finite_b):
+    finite_b = np.isfinite(b)
+    if not finite_b.all():  # the rare case: compare where each side is non-finite first
+        finite_a = np.isfinite(a)
+        if not np.array_equal(finite_a, finite_b):
+            return math.inf
+        bad = ~finite_b
+        if not np.array_equal(a[bad], b[bad], equal_nan=True):
+            return math.inf
+        a, b = a[finite_b], b[finite_b]
+    elif not np.isfinite(a).all():
         return math.inf
-    bad = ~finite_b
-    if bad.any() and not np.array_equal(a[bad], b[bad], equal_nan=True):
-        return math.inf
-    a, b = a[finite_b], b[finite_b]
     if a.size == 0:
         return 0.0
-    diff = float(np.linalg.norm(a - b))
+    delta = a - b
+    diff = math.sqrt(float(np.dot(delta, delta)))
     if diff == 0.0:
         return 0.0
-    scale = max(float(np.linalg.norm(b)), floor * math.sqrt(b.size))
+    scale = max(math.sqrt(float(np.dot(b, b))), floor * math.sqrt(b.size))
     return diff / scale if scale > 0 else math.inf
 
 
