@@ -20,7 +20,7 @@ Embedding             weight (num, features)           embedding (num, features)
 LSTM                  weight_ih (4H, in), weight_hh,   ``OptimizedLSTMCell``/``LSTMCell``:
                       b_ih + b_hh; gate rows i,f,g,o   ii/if/ig/io kernels (no bias),
                                                        hi/hf/hg/ho kernels + bias
-LSTM (two biases)     weight_ih, weight_hh, b_ih,      ``parity.models.layers.TorchLSTM``:
+LSTM (two biases)     weight_ih, weight_hh, b_ih,      ``parity.twins.layers.TorchLSTM``:
                       b_hh                             kernel_ih (in, 4H), bias_ih,
                                                        kernel_hh (H, 4H), bias_hh
 MultiheadAttention    in_proj_weight (3E, E) q;k;v,    ``MultiHeadDotProductAttention``:
@@ -266,7 +266,7 @@ def batchnorm_to_flax(
 
     Warning: in training, torch updates ``running_var`` with the *unbiased* batch variance
     (``n / (n - 1)`` times the biased one used for normalising); ``flax.linen.BatchNorm`` uses the
-    biased one, so running variances drift apart. ``parity.models.layers.TorchBatchNorm`` matches
+    biased one, so running variances drift apart. ``parity.twins.layers.TorchBatchNorm`` matches
     torch exactly and uses the same parameter names.
     """
     _check_type(torch_layer, (nn.BatchNorm1d, nn.BatchNorm2d), "batchnorm_to_flax")
@@ -381,7 +381,7 @@ def lstm_from_flax(params: Mapping[str, Any], torch_layer: nn.LSTM, *, layer: in
 
 
 def torch_lstm_to_flax(torch_layer: nn.LSTM, *, layer: int = 0) -> dict[str, jax.Array]:
-    """One layer of ``nn.LSTM`` -> ``parity.models.layers.TorchLSTM`` params, both biases kept.
+    """One layer of ``nn.LSTM`` -> ``parity.twins.layers.TorchLSTM`` params, both biases kept.
 
     ``kernel_ih = weight_ih_l{layer}.T`` (in, 4H), ``kernel_hh = weight_hh_l{layer}.T`` (H, 4H),
     ``bias_ih``/``bias_hh`` as they are (omitted when torch's ``bias=False``; build the Flax layer
@@ -401,7 +401,7 @@ def torch_lstm_to_flax(torch_layer: nn.LSTM, *, layer: int = 0) -> dict[str, jax
 def torch_lstm_from_flax(
     params: Mapping[str, Any], torch_layer: nn.LSTM, *, layer: int = 0
 ) -> None:
-    """``parity.models.layers.TorchLSTM`` params -> one layer of ``nn.LSTM`` in place."""
+    """``parity.twins.layers.TorchLSTM`` params -> one layer of ``nn.LSTM`` in place."""
     function = "torch_lstm_from_flax"
     _check_lstm(torch_layer, layer, function)
     for name in ("ih", "hh"):

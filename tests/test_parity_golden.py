@@ -1,11 +1,16 @@
 """Golden trajectories (parity.golden.check): the torch side recorded, the JAX side checked without torch.
 
-The committed golden (examples/parity_ci/port.golden.npz, bf16-mixed, 12 steps) is checked in
-subprocesses where ``import torch`` fails (tests/data/no_torch): through the example project's
-own pytest tests, and through ``python -m parity check`` with torch's kernels restricted to AVX2
-as on a narrower CPU. In process: the schema refuses broken files naming the field, a fresh
-export of a built-in pair checks PASS and a recorded machine with native bf16 kernels widens the
-bf16 step-0 bands only, by one rounding per layer, and says so.
+The committed goldens (examples/parity_ci/port.golden.npz, the example's own port at bf16-mixed,
+12 steps; tests/data/mlp.golden.npz, the built-in ``mlp`` at fp32, `MLP_EXPORT`) are checked in
+subprocesses as a machine without torch runs them (tests/data/no_torch hides torch, torchao and
+torchvision from every finder: ``find_spec`` answers None, as where they are not installed):
+through the example project's own pytest tests, through ``python -m parity check`` with torch's
+kernels restricted to AVX2 as on a narrower CPU, and for the built-in model with no
+``--flax-model`` (its twin comes from `parity.twins`). CI runs this file again in an environment
+built without torch (``.ci/run``), where the tests that export skip. In process: the schema
+refuses broken files naming the field, a fresh export of a built-in pair checks PASS and a
+recorded machine with native bf16 kernels widens the bf16 step-0 bands only, by one rounding per
+layer, and says so.
 """
 
 from __future__ import annotations
@@ -22,10 +27,8 @@ import numpy as np
 import pytest
 
 from parity import bisect
-from parity.core.config import RunConfig
 from parity.golden import check as golden_check
 from parity.golden.check import check_golden, hardware_allowance
-from parity.golden.export import export_golden
 from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
 from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, unit_roundoff
 
@@ -35,6 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 NO_TORCH = ROOT / "tests" / "data" / "no_torch"
 FLAX_NET = "examples.parity_ci.flax_model:FlaxNet"
+MLP_GOLDEN = ROOT / "tests" / "data" / "mlp.golden.npz"
+# what wrote MLP_GOLDEN (run it again when the golden format changes)
+MLP_EXPORT = (
+    "export --model mlp --precision fp32 --steps 5 --batch-size 4 --no-eval --lr-warmup-steps 2 "
+    "--model-override image_shape=[4,4,1] --model-override hidden=8 --no-progress --out"
+).split()
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -50,10 +59,43 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+_PROBE = """
+import importlib.metadata, importlib.util
+assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("torchao") is None
+try:
+    importlib.metadata.version("torch")
+    raise SystemExit("torch's metadata is visible")
+except importlib.metadata.PackageNotFoundError:
+    pass
+import scipy.stats  # probes array libraries
+from transformers import FlaxGPT2LMHeadModel  # probes torch/torchao with find_spec
+import parity.golden.check, parity.twins.resnet, parity.twins.transformer
+import torch
+"""
+
+
 @pytest.mark.integration
-def test_blocker_makes_torch_unimportable():
-    done = _run(["-c", "import torch"], _env())
-    assert done.returncode != 0 and "blocked: torch is not installed here" in done.stderr
+def test_without_torch_as_a_machine_without_it():
+    """What libraries probe answers as without torch, transformers' Flax models and the golden
+    check's modules import, and ``import torch`` fails as it does where it is not installed."""
+    done = _run(["-c", _PROBE], _env())
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'torch'"
+
+
+@pytest.mark.integration
+def test_builtin_model_golden_checks_without_torch(tmp_path):
+    """A built-in model's golden, no --flax-model: its twin is built from the recorded
+    configuration, torch-free."""
+    out = tmp_path / "verdicts.json"
+    done = _run(
+        ["-m", "parity", "check", "--golden", str(MLP_GOLDEN), "--no-progress", "--json", str(out)],
+        _env(),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["status"] == "PASS"
+    assert any(v["check"] == "per-step loss, steps 0-4" and v["passed"] for v in result["verdicts"])
 
 
 @pytest.mark.integration
@@ -186,18 +228,18 @@ def test_recorded_on_native_bf16_passes_here_with_the_bf16_bands_widened():
 
 @pytest.mark.integration
 def test_export_of_a_builtin_pair_checks_pass(tmp_path, capsys):
-    """`python -m parity export`'s library call on a built-in pair (its Flax twin found by
-    name), then the check: the trajectory is judged by the fp32 per-step bands."""
-    config = RunConfig(
-        model="mlp",
-        precision="fp32",
-        steps=5,
-        batch_size=4,
-        eval=False,
-        lr_warmup_steps=2,
-        model_overrides={"image_shape": (4, 4, 1), "hidden": 8},
-    )
-    path = export_golden(tmp_path / "mlp.npz", config)
+    """``python -m parity export`` of a built-in pair, then the check (its Flax twin found by
+    name): the trajectory is judged by the fp32 per-step bands. The committed built-in golden
+    is what this command writes."""
+    pytest.importorskip("torch")
+    from parity.cli.commands import main
+
+    path = tmp_path / "mlp.npz"
+    assert main([*MLP_EXPORT, str(path)]) == 0
+    written, committed = load_golden(path), load_golden(MLP_GOLDEN)
+    assert written.header["config"] == committed.header["config"]
+    assert written.header["model"] == committed.header["model"]
+    assert sorted(written.arrays) == sorted(committed.arrays)
     result = check_golden(path)
     assert result.status == "PASS", result.report()
     assert any(v.check == "per-step loss, steps 0-4" and v.passed for v in result.verdicts)
@@ -226,6 +268,7 @@ def test_export_of_a_builtin_pair_checks_pass(tmp_path, capsys):
 def test_export_models_takes_a_batch_stream(tmp_path):
     """`export_models` given a `BatchStream` (as `compare_models` takes one): the golden holds
     the stream's batches of the steps run and its held-out batches, and checks PASS."""
+    pytest.importorskip("torch")
     from examples.parity_ci.data import CLASSES, FEATURES, make_batches
     from examples.parity_ci.torch_model import reference
     from parity.data import BatchStream

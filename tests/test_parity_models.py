@@ -21,7 +21,7 @@ from parity.core.losses import (  # noqa: E402
     loss_torch,
 )
 from parity.models import MODEL_NAMES, ModelPair, get_model_pair  # noqa: E402
-from parity.models.layers import TorchBatchNorm, TorchLayerNorm, TorchLSTM  # noqa: E402
+from parity.twins.layers import TorchBatchNorm, TorchLayerNorm, TorchLSTM  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

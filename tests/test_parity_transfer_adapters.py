@@ -20,10 +20,10 @@ from flax import nnx  # noqa: E402
 
 import parity  # noqa: E402
 from parity import api  # noqa: E402
-from parity.models.layers import TorchBatchNorm  # noqa: E402
-from parity.models.nnx_layers import TorchBatchNorm as NNXTorchBatchNorm  # noqa: E402
 from parity.pairs import adapters  # noqa: E402
 from parity.transfer import TransferError  # noqa: E402
+from parity.twins.layers import TorchBatchNorm  # noqa: E402
+from parity.twins.nnx_layers import TorchBatchNorm as NNXTorchBatchNorm  # noqa: E402
 
 
 def _images(count=2, batch=4, shape=(8, 8, 3), classes=5):

@@ -17,7 +17,7 @@ _MODULES = (
     "parity.automap.explain",
     "parity.automap.validate",
     "parity.pairs.adapters",
-    "parity.models.nnx_layers",
+    "parity.twins.nnx_layers",
 )
 _DATA_NAMES = ("load_digits", "load_text", "text_fraction", "text_stream", "DataSpec")
 

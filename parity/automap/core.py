@@ -530,7 +530,7 @@ def auto(
         warnings.warn(
             f"auto: torch tensors summed into one Flax leaf ({listed}): the Flax model has one "
             "trainable tensor where torch has two, so the two train differently (a Flax layer "
-            "with both biases, such as parity.models.layers.TorchLSTM, trains alike).",
+            "with both biases, such as parity.twins.layers.TorchLSTM, trains alike).",
             UserWarning,
             stacklevel=2,
         )

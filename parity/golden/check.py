@@ -55,6 +55,7 @@ from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
 from parity.pairs.adapters import AdapterError, as_flax_model
 from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
+from parity.twins import TWIN_NAMES, flax_twin
 from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
 from parity.verdicts.rows import (
@@ -282,21 +283,19 @@ def _flax_model(golden: Golden, flax_model: Any) -> Any:
     if flax_model is None:
         reference = golden.header["model"].get("flax_model")
         if reference is None:
-            name = golden.header["model"]["name"]
+            # a built-in model's golden: its twin (torch-free) from the recorded configuration
+            model = golden.header["model"]
+            if model["name"] not in TWIN_NAMES:
+                raise GoldenFileError(
+                    f"names no Flax model (model {model['name']!r} is not a built-in one); pass "
+                    "flax_model= (--flax-model MODULE:ATTR)",
+                    path=golden.path,
+                    field="model.flax_model",
+                )
             try:
-                # The built-in pairs define each Flax twin beside its torch module (that file
-                # imports torch): loaded only for a built-in model's golden, by name.
-                models = importlib.import_module("parity.models")
-            except ImportError as e:
-                raise ValueError(
-                    f"golden of the built-in model {name!r}: its Flax twin is defined beside its "
-                    f"torch module, and torch does not import here ({e}); pass flax_model= "
-                    "(--flax-model MODULE:ATTR)."
-                ) from None
-            config = golden.config
-            return models.get_model_pair(
-                name, seed=config.seed, data=config.data, **config.model_overrides
-            ).flax_model
+                return flax_twin(model["name"], model.get("config") or {})
+            except (TypeError, ValueError) as e:
+                raise GoldenFileError(str(e), path=golden.path, field="model.config") from None
         flax_model = reference
     return flax_model
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
-import jax.numpy as jnp
 import torch
 
 from parity import transfer
 from parity.data import synthetic_images
-from parity.models.layers import TorchBatchNorm
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
+from parity.twins import cnn as twin
+from parity.twins.cnn import FlaxCNN  # noqa: F401  (the pair's Flax side)
 
 DEFAULTS: dict[str, Any] = {
     "image_shape": (32, 32, 3),
@@ -56,54 +55,11 @@ class TorchCNN(torch.nn.Module):
         return self.fc(x.flatten(1))
 
 
-class FlaxCNN(nn.Module):
-    """The Flax twin of ``TorchCNN`` (NHWC)."""
-
-    channels: tuple[int, int]
-    num_classes: int
-    batch_norm: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, images, train: bool = False):
-        x = images
-        for conv_name, norm_name, features in zip(_CONVS, _NORMS, self.channels, strict=True):
-            x = nn.Conv(
-                features,
-                (3, 3),
-                padding=((1, 1), (1, 1)),
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name=conv_name,
-            )(x)
-            if self.batch_norm:
-                x = TorchBatchNorm(
-                    momentum=0.9,
-                    epsilon=1e-5,
-                    dtype=self.dtype,
-                    param_dtype=self.param_dtype,
-                    name=norm_name,
-                )(x, train)
-            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2), padding="VALID")
-        x = x.reshape(x.shape[0], -1)
-        return nn.Dense(
-            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="fc"
-        )(x)
-
-
 def build(config, dtype, param_dtype):
     torch_model = TorchCNN(
         config["image_shape"], config["channels"], config["num_classes"], config["batch_norm"]
     )
-    flax_model = FlaxCNN(
-        tuple(config["channels"]),
-        config["num_classes"],
-        config["batch_norm"],
-        dtype=dtype,
-        param_dtype=param_dtype,
-    )
-    return torch_model, flax_model
+    return torch_model, twin.flax_model(config, dtype, param_dtype)
 
 
 def to_flax(model: TorchCNN, config) -> dict:

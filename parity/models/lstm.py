@@ -19,16 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
-import jax.numpy as jnp
 import torch
 from torch.func import functional_call
 
 from parity import transfer
 from parity.data import synthetic_tokens
-from parity.models.layers import TorchLSTM
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
+from parity.twins import lstm as twin
+from parity.twins.lstm import FlaxLSTMClassifier  # noqa: F401  (the pair's Flax side)
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,
@@ -70,30 +69,9 @@ def _cpu_float16_autocast(x: torch.Tensor) -> bool:
     )
 
 
-class FlaxLSTMClassifier(nn.Module):
-    """The Flax twin of ``TorchLSTMClassifier``: ``TorchLSTM`` keeps torch's two biases per gate
-    (``b_ih`` and ``b_hh``), so both sides have the same parameters and AdamW updates them alike."""
-
-    vocab_size: int
-    embed_dim: int
-    hidden: int
-    num_classes: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, tokens, train: bool = False):
-        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        x = nn.Embed(self.vocab_size, self.embed_dim, name="embed", **kwargs)(tokens)
-        outputs = TorchLSTM(self.hidden, name="lstm", **kwargs)(x)
-        return nn.Dense(self.num_classes, name="head", **kwargs)(jnp.mean(outputs, axis=1))
-
-
 def build(config, dtype, param_dtype):
     args = (config["vocab_size"], config["embed_dim"], config["hidden"], config["num_classes"])
-    return TorchLSTMClassifier(*args), FlaxLSTMClassifier(
-        *args, dtype=dtype, param_dtype=param_dtype
-    )
+    return TorchLSTMClassifier(*args), twin.flax_model(config, dtype, param_dtype)
 
 
 def to_flax(model: TorchLSTMClassifier, config) -> dict:

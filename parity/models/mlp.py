@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-import flax.linen as nn
-import jax.numpy as jnp
 import torch
 
 from parity import transfer
 from parity.data import synthetic_images
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
+from parity.twins import mlp as twin
+from parity.twins.mlp import FlaxMLP  # noqa: F401  (the pair's Flax side)
 
 DEFAULTS: dict[str, Any] = {"image_shape": (32, 32, 3), "hidden": 128, "num_classes": 10}
 
@@ -34,29 +33,9 @@ class TorchMLP(torch.nn.Module):
         return self.fc3(x)
 
 
-class FlaxMLP(nn.Module):
-    """The Flax twin of ``TorchMLP``."""
-
-    hidden: int
-    num_classes: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, images, train: bool = False):
-        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
-        x = images.reshape(images.shape[0], -1)
-        x = nn.relu(dense(self.hidden, name="fc1")(x))
-        x = nn.relu(dense(self.hidden, name="fc2")(x))
-        return dense(self.num_classes, name="fc3")(x)
-
-
 def build(config, dtype, param_dtype):
     torch_model = TorchMLP(config["image_shape"], config["hidden"], config["num_classes"])
-    flax_model = FlaxMLP(
-        config["hidden"], config["num_classes"], dtype=dtype, param_dtype=param_dtype
-    )
-    return torch_model, flax_model
+    return torch_model, twin.flax_model(config, dtype, param_dtype)
 
 
 def to_flax(model: TorchMLP, config) -> dict:

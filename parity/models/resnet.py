@@ -16,7 +16,7 @@ a few steps, while its step-0 outputs and gradients agree to rounding.
   (all of the odd total at the end) where torch's ``padding=1`` pads ``(1, 1)``: same output
   shape, shifted sampling grid.
 - ``"bn_variance"``: ``flax.linen.BatchNorm`` instead of
-  :class:`parity.models.layers.TorchBatchNorm`: the running variance is updated with the biased
+  :class:`parity.twins.layers.TorchBatchNorm`: the running variance is updated with the biased
   batch variance, where torch uses the unbiased one (``n / (n - 1)`` times larger).
 
 Module names line up: torch ``blocks.1.conv1`` is Flax ``blocks_1/conv1``; ``stem_conv``,
@@ -25,18 +25,21 @@ Module names line up: torch ``blocks.1.conv1`` is Flax ``blocks_1/conv1``; ``ste
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-import flax.linen as nn
-import jax.numpy as jnp
 import torch
 
 from parity import transfer
 from parity.data import synthetic_images
-from parity.models.layers import TorchBatchNorm
-
-WRONG_PORTS = ("", "padding", "bn_variance")
+from parity.twins import resnet as twin
+from parity.twins.resnet import (  # noqa: F401  (the pair's Flax side)
+    WRONG_PORTS,
+    FlaxBasicBlock,
+    FlaxResNet,
+    block_channels,
+    check_wrong_port,
+    strides,
+)
 
 DEFAULTS: dict[str, Any] = {
     "image_shape": (16, 16, 3),
@@ -45,37 +48,6 @@ DEFAULTS: dict[str, Any] = {
     "num_classes": 10,
     "wrong_port": "",
 }
-
-
-def _check_wrong_port(value: Any) -> str:
-    if value not in WRONG_PORTS:
-        close = difflib.get_close_matches(str(value), [w for w in WRONG_PORTS if w], n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
-            f"get_model_pair('resnet'): `wrong_port` must be one of {WRONG_PORTS} ('' is the "
-            f"correct port); got {value!r}.{hint}"
-        )
-    return value
-
-
-def _strides(config) -> list[int]:
-    """Stride of every block, in order."""
-    out = []
-    for stage in range(len(config["channels"])):
-        for block in range(config["blocks_per_stage"]):
-            out.append(2 if stage > 0 and block == 0 else 1)
-    return out
-
-
-def _block_channels(config) -> list[tuple[int, int]]:
-    """(in, out) channels of every block, in order."""
-    out = []
-    previous = config["channels"][0]
-    for channels in config["channels"]:
-        for _ in range(config["blocks_per_stage"]):
-            out.append((previous, channels))
-            previous = channels
-    return out
 
 
 # --- torch --------------------------------------------------------------------------------------
@@ -115,7 +87,7 @@ class TorchResNet(torch.nn.Module):
         self.stem_bn = torch.nn.BatchNorm2d(stem)
         self.blocks = torch.nn.ModuleList(
             TorchBasicBlock(c_in, c_out, stride)
-            for (c_in, c_out), stride in zip(_block_channels(config), _strides(config), strict=True)
+            for (c_in, c_out), stride in zip(block_channels(config), strides(config), strict=True)
         )
         self.fc = torch.nn.Linear(config["channels"][-1], config["num_classes"])
 
@@ -132,127 +104,19 @@ class TorchResNet(torch.nn.Module):
 # --- Flax ---------------------------------------------------------------------------------------
 
 
-def _batch_norm(wrong_port: str, dtype: Any, param_dtype: Any, name: str):
-    """``(x, train) -> y``: torch's BatchNorm, or flax.linen's for the ``bn_variance`` wrong port."""
-    if wrong_port == "bn_variance":
-        return lambda x, train: nn.BatchNorm(
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            use_fast_variance=False,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            name=name,
-        )(x)
-    return TorchBatchNorm(
-        momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, name=name
-    )
-
-
-class FlaxBasicBlock(nn.Module):
-    """The Flax twin of ``TorchBasicBlock`` (NHWC)."""
-
-    out_channels: int
-    stride: int
-    has_shortcut: bool
-    wrong_port: str = ""
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    def _norm(self, name: str):
-        return _batch_norm(self.wrong_port, self.dtype, self.param_dtype, name)
-
-    def _conv(self, name: str, kernel: int, stride: int):
-        if kernel == 3 and stride == 2 and self.wrong_port == "padding":
-            padding: Any = "SAME"  # (0, 1) for an even input: the wrong port
-        else:
-            pad = (kernel - 1) // 2
-            padding = ((pad, pad), (pad, pad))
-        return nn.Conv(
-            self.out_channels,
-            (kernel, kernel),
-            strides=(stride, stride),
-            padding=padding,
-            use_bias=False,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        y = nn.relu(self._norm("bn1")(self._conv("conv1", 3, self.stride)(x), train))
-        y = self._norm("bn2")(self._conv("conv2", 3, 1)(y), train)
-        if self.has_shortcut:
-            shortcut = self._norm("short_bn")(self._conv("short_conv", 1, self.stride)(x), train)
-        else:
-            shortcut = x
-        return nn.relu(y + shortcut)
-
-
-class FlaxResNet(nn.Module):
-    """The Flax twin of ``TorchResNet`` (NHWC)."""
-
-    channels: tuple[int, ...]
-    blocks_per_stage: int
-    num_classes: int
-    wrong_port: str = ""
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, images, train: bool = False):
-        config = {"channels": self.channels, "blocks_per_stage": self.blocks_per_stage}
-        x = nn.Conv(
-            self.channels[0],
-            (3, 3),
-            padding=((1, 1), (1, 1)),
-            use_bias=False,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="stem_conv",
-        )(images)
-        x = nn.relu(_batch_norm(self.wrong_port, self.dtype, self.param_dtype, "stem_bn")(x, train))
-        for index, ((c_in, c_out), stride) in enumerate(
-            zip(_block_channels(config), _strides(config), strict=True)
-        ):
-            x = FlaxBasicBlock(
-                c_out,
-                stride,
-                stride != 1 or c_in != c_out,
-                self.wrong_port,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name=f"blocks_{index}",
-            )(x, train)
-        x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(
-            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="fc"
-        )(x)
-
-
 # --- the pair's hooks (see parity.models._Spec) -------------------------------------------------
 
 
 def build(config, dtype, param_dtype):
-    wrong_port = _check_wrong_port(config["wrong_port"])
     torch_model = TorchResNet(config)
-    flax_model = FlaxResNet(
-        tuple(config["channels"]),
-        config["blocks_per_stage"],
-        config["num_classes"],
-        wrong_port,
-        dtype=dtype,
-        param_dtype=param_dtype,
-    )
-    return torch_model, flax_model
+    return torch_model, twin.flax_model(config, dtype, param_dtype)
 
 
 def _norm_names(config) -> list[tuple[str, str]]:
     """(torch module path, Flax module name) of every conv and BN, in order."""
     names = [("stem_conv", "stem_conv"), ("stem_bn", "stem_bn")]
     for index, ((c_in, c_out), stride) in enumerate(
-        zip(_block_channels(config), _strides(config), strict=True)
+        zip(block_channels(config), strides(config), strict=True)
     ):
         layers = ["conv1", "bn1", "conv2", "bn2"]
         if stride != 1 or c_in != c_out:

@@ -9,18 +9,16 @@ runs in bfloat16 under strict dtype promotion).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import flax.linen as nn
-import jax.numpy as jnp
 import torch
 
 from parity import transfer
 from parity.data import synthetic_tokens
-from parity.models.layers import TorchLayerNorm
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
+from parity.twins import transformer as twin
+from parity.twins.transformer import LN_EPS, FlaxBlock, FlaxTransformerLM  # noqa: F401
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,
@@ -30,7 +28,6 @@ DEFAULTS: dict[str, Any] = {
     "num_layers": 2,
     "mlp_ratio": 4,
 }
-LN_EPS = 1e-5
 
 
 class TorchBlock(torch.nn.Module):
@@ -73,71 +70,9 @@ class TorchTransformerLM(torch.nn.Module):
         return self.head(self.ln_f(x))
 
 
-class FlaxBlock(nn.Module):
-    d_model: int
-    num_heads: int
-    mlp_ratio: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, mask):
-        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        norm = functools.partial(TorchLayerNorm, epsilon=LN_EPS, **kwargs)
-        h = norm(name="ln1")(x)
-        h = nn.MultiHeadDotProductAttention(
-            num_heads=self.num_heads,
-            qkv_features=self.d_model,
-            out_features=self.d_model,
-            deterministic=True,
-            name="attn",
-            **kwargs,
-        )(h, h, mask=mask)
-        x = x + h
-        h = nn.Dense(self.mlp_ratio * self.d_model, name="fc1", **kwargs)(norm(name="ln2")(x))
-        return x + nn.Dense(self.d_model, name="fc2", **kwargs)(nn.gelu(h, approximate=False))
-
-
-class FlaxTransformerLM(nn.Module):
-    """The Flax twin of ``TorchTransformerLM``."""
-
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    num_heads: int
-    num_layers: int
-    mlp_ratio: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, tokens, train: bool = False):
-        kwargs = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        length = tokens.shape[1]
-        x = nn.Embed(self.vocab_size, self.d_model, name="tok_embed", **kwargs)(tokens)
-        x = (
-            x
-            + nn.Embed(self.seq_len, self.d_model, name="pos_embed", **kwargs)(
-                jnp.arange(length, dtype=jnp.int32)
-            )[None]
-        )
-        mask = nn.make_causal_mask(jnp.ones((1, length), dtype=jnp.int32), dtype=jnp.bool_)
-        for index in range(self.num_layers):
-            x = FlaxBlock(
-                self.d_model, self.num_heads, self.mlp_ratio, name=f"blocks_{index}", **kwargs
-            )(x, mask)
-        x = TorchLayerNorm(epsilon=LN_EPS, name="ln_f", **kwargs)(x)
-        return nn.Dense(self.vocab_size, name="head", **kwargs)(x)
-
-
 def build(config, dtype, param_dtype):
-    keys = ("vocab_size", "seq_len", "d_model", "num_heads", "num_layers", "mlp_ratio")
-    args = tuple(config[key] for key in keys)
-    if config["d_model"] % config["num_heads"]:
-        raise ValueError(
-            f"`d_model` ({config['d_model']}) must be divisible by `num_heads` ({config['num_heads']})."
-        )
-    return TorchTransformerLM(*args), FlaxTransformerLM(*args, dtype=dtype, param_dtype=param_dtype)
+    flax_model = twin.flax_model(config, dtype, param_dtype)  # checks the head count first
+    return TorchTransformerLM(*(config[key] for key in twin.KEYS)), flax_model
 
 
 def to_flax(model: TorchTransformerLM, config) -> dict:

@@ -85,7 +85,7 @@ def embedding_entries(torch_name: str, flax_module, torch_layer: nn.Module) -> l
 def torch_lstm_entries(
     torch_name: str, flax_module, torch_layer: nn.LSTM, *, layer: int = 0
 ) -> list[MappingEntry]:
-    """Entries for one ``nn.LSTM`` layer -> ``parity.models.layers.TorchLSTM``."""
+    """Entries for one ``nn.LSTM`` layer -> ``parity.twins.layers.TorchLSTM``."""
     rows = [
         (f"weight_ih_l{layer}", "kernel_ih", "linear"),
         (f"weight_hh_l{layer}", "kernel_hh", "linear"),

@@ -166,7 +166,7 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
         "trainable tensor where torch has several; an optimizer moves each torch tensor on its "
         "own (AdamW about lr per tensor per step), so the summed bias moves about twice as far as "
         "Flax's and the trajectories part from step 1 without a port bug. Keep torch's "
-        "parameterisation on the Flax side (e.g. parity.models.layers.TorchLSTM) to compare "
+        "parameterisation on the Flax side (e.g. parity.twins.layers.TorchLSTM) to compare "
         "training",
         mode="informational",
         **_base(config),

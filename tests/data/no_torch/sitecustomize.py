@@ -1,22 +1,47 @@
-"""Put this folder on PYTHONPATH to run Python as if torch were not installed.
+"""Put this folder on PYTHONPATH to run Python as a machine without torch behaves.
 
-A meta-path finder refuses ``torch``, ``torch.*`` and ``torchao`` before any other finder looks:
-``import torch`` raises ImportError, as on a CI machine without torch
-(tests/test_parity_golden.py runs the golden check and the example project's tests so).
+Every finder on ``sys.meta_path`` is wrapped so that it does not see ``torch``, ``torchao`` or
+``torchvision`` (nor their installed distributions' metadata): ``importlib.util.find_spec``
+returns None for them, ``import torch`` raises ``ModuleNotFoundError: No module named
+'torch'`` and ``importlib.metadata.version("torch")`` raises ``PackageNotFoundError``, exactly
+as where they are not installed. Libraries that probe optional packages (transformers, scipy)
+then take their torch-less paths. (A finder that *raises* for them, or ``sys.modules["torch"] =
+None``, is not what such a machine does, and breaks those probes.)
+
+The torch-free CI stage (``.ci/run``) runs the same tests in an environment built without torch;
+tests/test_parity_golden.py uses this folder where torch is installed.
 """
 
 import sys
 
-BLOCKED = ("torch", "torchao", "torchvision")
+HIDDEN = ("torch", "torchao", "torchvision")
 
 
-class _NoTorch:
+def _hidden(name):
+    return str(name).partition(".")[0].lower().replace("-", "_") in HIDDEN
+
+
+class _Hiding:
+    """A meta-path finder as it would be with the hidden packages not installed."""
+
+    def __init__(self, finder):
+        self._finder = finder
+        if hasattr(finder, "find_distributions"):
+            self.find_distributions = self._find_distributions
+
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(
-                f"No module named {name!r} (blocked: torch is not installed here)", name=name
-            )
-        return None
+        if _hidden(name) or not hasattr(self._finder, "find_spec"):
+            return None
+        return self._finder.find_spec(name, path, target)
+
+    def _find_distributions(self, *args, **kwargs):
+        for distribution in self._finder.find_distributions(*args, **kwargs):
+            if not _hidden(distribution.metadata["Name"]):
+                yield distribution
+
+    def invalidate_caches(self):
+        if hasattr(self._finder, "invalidate_caches"):
+            self._finder.invalidate_caches()
 
 
-sys.meta_path.insert(0, _NoTorch())
+sys.meta_path[:] = [_Hiding(finder) for finder in sys.meta_path]
