@@ -748,3 +748,21 @@ def test_lstm_runs_under_cpu_autocast(dtype):
         g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads
     )
     assert _max_diff(logits, reference) < 5e-2
+
+
+def test_old_layer_addresses_warn_naming_the_new_one():
+    """The torch-numerics layers moved to parity.twins (importable without torch); the old
+    addresses still work, for one release, with a DeprecationWarning naming the new one."""
+    import importlib
+    import sys
+
+    from parity.twins import layers, nnx_layers
+
+    for old, new, module in (
+        ("parity.models.layers", "parity.twins.layers", layers),
+        ("parity.models.nnx_layers", "parity.twins.nnx_layers", nnx_layers),
+    ):
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+            moved = importlib.import_module(old)
+        assert moved.TorchBatchNorm is module.TorchBatchNorm
