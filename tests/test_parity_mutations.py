@@ -26,7 +26,7 @@ import torch
 from parity import api
 from parity.core.config import RunConfig
 from parity.models import get_model_pair
-from parity.models import transformer as transformer_module
+from parity.twins import transformer as transformer_module
 from parity.pairs import adapters
 from parity.verdicts.layer_probe import probe_layers
 from parity.verdicts.step0 import check_step0
