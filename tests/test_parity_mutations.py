@@ -26,8 +26,8 @@ import torch
 from parity import api
 from parity.core.config import RunConfig
 from parity.models import get_model_pair
-from parity.twins import transformer as transformer_module
 from parity.pairs import adapters
+from parity.twins import transformer as transformer_module
 from parity.verdicts.layer_probe import probe_layers
 from parity.verdicts.step0 import check_step0
 from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, stochastic_verdict
