@@ -16,10 +16,15 @@ __all__ = [
     "ParityResult",
     "RunConfig",
     "compare_models",
+    "replay_loop",
 ]
 
 # Loaded on first use: `parity.api` imports torch, and `import parity.training.train_jax` must not.
-_LAZY = {"ParityResult": "parity.api", "compare_models": "parity.api"}
+_LAZY = {
+    "ParityResult": "parity.api",
+    "compare_models": "parity.api",
+    "replay_loop": "parity.api",
+}
 
 
 def __getattr__(name: str) -> Any:

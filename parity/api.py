@@ -40,6 +40,7 @@ from parity.pairs import adapters
 from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
+from parity.replay.rows import replay_verdicts
 from parity.training.user_loop import LOOP_CONFIG_FIELDS, TrainingLoop
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
@@ -47,7 +48,7 @@ from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
 from parity.verdicts.rows import overall_status
 
-__all__ = ["ParityResult", "compare_models"]
+__all__ = ["ParityResult", "compare_models", "replay_loop"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,9 @@ class ParityResult:
       report_path: ``report.md`` when `out_dir` was given, else None.
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` (nothing failed, no check could have:
         the report's bottom line gives what would decide) or ``"NOTHING COMPARED"``.
+      replay: with your own optimizer or loss, the replay's record (`parity.replay.rows.
+        replay_verdicts`: each gradient sequence's finding and per-step lr, clip factor,
+        skips and counts; the loss cases), else None.
     """
 
     runs: list[dict[str, Any]]
@@ -68,6 +72,7 @@ class ParityResult:
     passed: bool
     report_path: Path | None
     status: str = ""
+    replay: dict[str, Any] | None = None
 
 
 class _UserBatches:
@@ -489,6 +494,91 @@ def compare_models(
         passed=status == "PASS",
         report_path=report_path,
         status=status,
+        replay=next((r["replay"] for r in runs if "replay" in r), None),
+    )
+
+
+def replay_loop(
+    torch_module: Any,
+    flax_module: Any,
+    transfer: Callable[[Any], dict] | None = None,
+    batches: Any = None,
+    *,
+    torch_optimizer: Callable[[Any], Any] | None = None,
+    torch_scheduler: Callable[[Any], Any] | None = None,
+    torch_clip: float | Callable[[list], Any] | None = None,
+    jax_optimizer: Any = None,
+    torch_loss: Callable[[Any, Any], Any] | None = None,
+    jax_loss: Callable[[Any, Any], Any] | None = None,
+    precision: str = "fp32",
+    task: str = "classification",
+    steps: int = 4,
+    jit: bool = True,
+    name: str = "user_model",
+    torch_channels_first: bool | None = None,
+    rules: dict[str, Any] | None = None,
+    flax_kwargs: Callable[[Any], dict] | None = None,
+) -> ParityResult:
+    """Only the replay of your training loop, without training: both optimizers on identical
+    gradients and both losses on identical logits (`parity.replay`), in seconds.
+
+    Arguments as `compare_models`'s; `steps` real batches are replayed (at most the batches
+    given), `jit` runs the JAX optimizer step and loss under ``jax.jit``.
+
+    Returns:
+      A `ParityResult` with no runs: ``verdicts`` are the replay rows, ``replay`` their record.
+
+    Example::
+
+        result = parity.api.replay_loop(TorchNet(), FlaxNet(), batches=batches,
+                                        torch_optimizer=..., jax_optimizer=optax.adamw(...))
+        print(result.status, [v.detail for v in result.verdicts])
+    """
+    loop = TrainingLoop(
+        torch_optimizer=torch_optimizer,
+        torch_scheduler=torch_scheduler,
+        torch_clip=torch_clip,
+        jax_optimizer=jax_optimizer,
+        torch_loss=torch_loss,
+        jax_loss=jax_loss,
+        replay_steps=steps,
+        replay_jit=jit,
+    )
+    if not (loop.has_optimizer or loop.has_loss):
+        raise ValueError(
+            "replay_loop: nothing to replay; pass torch_optimizer and jax_optimizer, or "
+            "torch_loss and jax_loss (or both pairs)."
+        )
+    stream, count, _ = user_stream("replay_loop", batches, None, None)
+    if isinstance(batches, BatchStream):
+        count = steps
+    config = RunConfig(
+        model=name, precision=precision, steps=min(steps, count), batch_size=stream.batch_size
+    )
+    pair = prepare_pair(
+        torch_module,
+        flax_module,
+        transfer,
+        stream,
+        task=task,
+        name=name,
+        torch_channels_first=torch_channels_first,
+        rules=rules,
+        flax_kwargs=flax_kwargs,
+    )
+    rows, record = replay_verdicts(pair, config, stream.batch, loop, steps=steps, jit=jit)
+    # the replay rows decide by themselves (no trajectory to wait for)
+    if any(v.passed is False for v in rows):
+        status = "FAIL"
+    else:
+        status = "PASS" if all(v.passed for v in rows) else "INCONCLUSIVE"
+    return ParityResult(
+        runs=[],
+        verdicts=rows,
+        passed=status == "PASS",
+        report_path=None,
+        status=status,
+        replay=record,
     )
 
 

@@ -17,6 +17,15 @@ Example (a test file of your project)::
     def test_port_against_torch():                       # where torch is installed
         assert_trains_like(MyTorchNet(), MyFlaxNet(), batches, precision="bf16-mixed", steps=10)
 
+`assert_loop_matches` checks only your training loop, without training: your torch optimizer,
+scheduler, clipping and loss against their optax/JAX port on identical gradients and logits
+(`parity.api.replay_loop`, seconds)::
+
+    def test_training_loop_port():
+        assert_loop_matches(MyTorchNet(), MyFlaxNet(), batches,
+                            torch_optimizer=make_adamw, torch_scheduler=make_warmup_cosine,
+                            torch_clip=1.0, jax_optimizer=optax_port)
+
 The fixture `trains_like` is the same assertion, and attaches every report (passing ones too)
 to the test's report (``pytest -rA`` shows it). Import it into your ``conftest.py``::
 
@@ -36,7 +45,7 @@ from parity.golden.check import GoldenResult, check_golden
 from parity.golden.format import Golden
 from parity.verdicts.rows import cell_bottom_lines, cell_configs, format_verdicts, overall_status
 
-__all__ = ["TrainsLike", "assert_trains_like", "trains_like"]
+__all__ = ["TrainsLike", "assert_loop_matches", "assert_trains_like", "trains_like"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +179,33 @@ def assert_trains_like(
     outcome = TrainsLike(status, verdicts, runs, report, label)
     if status != "PASS" and not (allow_inconclusive and status == "INCONCLUSIVE"):
         raise AssertionError(f"the Flax model does not train like the {label}: {status}\n{report}")
+    return outcome
+
+
+def assert_loop_matches(
+    torch_module: Any, flax_model: Any, batches: Any, **options: Any
+) -> TrainsLike:
+    """Asserts that your JAX training loop (optax transformation, loss) does what your torch
+    loop (optimizer, scheduler, clipping, loss) does, replayed on identical gradients and
+    logits (`parity.api.replay_loop`; `options` are its keyword arguments).
+
+    Raises:
+      AssertionError: a replay row failed; the message names the parameter, the step and the
+        first quantity that differs.
+    """
+    api = importlib.import_module("parity.api")
+    result = api.replay_loop(torch_module, flax_model, batches=batches, **options)
+    report = "\n".join(
+        f"{v.check}: {'pass' if v.passed else 'FAIL' if v.passed is False else 'undecided'}"
+        f" ({v.detail})"
+        for v in result.verdicts
+    )
+    label = f"torch loop of {type(torch_module).__name__}"
+    outcome = TrainsLike(result.status, result.verdicts, [], report, label)
+    if result.status != "PASS":
+        raise AssertionError(
+            f"the JAX training loop does not match the {label}: {result.status}\n{report}"
+        )
     return outcome
 
 

@@ -444,3 +444,98 @@ def test_compare_models_with_the_users_loop(setup):
     )
     assert row.passed is False
     assert "ln/scale" in row.detail and "JAX side only" in row.detail
+
+
+def test_replay_loop_and_assert_loop_matches():
+    """The replay alone (no training) through the library and the pytest assertion."""
+    import parity
+    from parity.testing import assert_loop_matches
+
+    rng = np.random.default_rng(2)
+    batches = [
+        (rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 4, 8)) for _ in range(3)
+    ]
+    common = dict(
+        torch_optimizer=torch_adamw,
+        torch_scheduler=torch_scheduler,
+        torch_clip=CLIP,
+        torch_loss=smoothed_torch,
+        jax_loss=smoothed_jax,
+        steps=2,
+        jit=False,
+    )
+    torch.manual_seed(0)
+    result = parity.replay_loop(
+        TorchNet(), FlaxNet(), batches=batches, jax_optimizer=port(), **common
+    )
+    assert result.status == "PASS" and result.runs == []
+    assert set(result.replay) == {"optimizer", "loss", "seconds"}
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError, match="weight decay applied to .*ln/scale"):
+        assert_loop_matches(TorchNet(), FlaxNet(), batches, jax_optimizer=port(mask=None), **common)
+    with pytest.raises(ValueError, match="nothing to replay"):
+        parity.replay_loop(TorchNet(), FlaxNet(), batches=batches)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_gpt2_with_the_users_loop():
+    """Hugging Face GPT-2 (tiny, random init): the nanoGPT-style loop (AdamW decaying 2-D
+    tensors only, warm-up and cosine, clipping, label smoothing) and its optax port run a full
+    cell and pass."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
+        pytest.skip("this transformers has no Flax models")
+    import parity
+
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    torch_model = transformers.GPT2LMHeadModel(config)
+    flax_model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, 64, (4, 17)).astype(np.int32) for _ in range(TOTAL)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+    def adamw(model):
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": WD}, {"params": vectors, "weight_decay": 0.0}],
+            lr=LR,
+        )
+
+    def lm_loss(x, y):
+        return smoothed_torch(x.reshape(-1, x.shape[-1]), y.reshape(-1))
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(CLIP),
+        optax.adamw(
+            schedule(), weight_decay=WD, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+        ),
+    )
+    result = parity.compare_models(
+        torch_model,
+        flax_model,
+        batches=batches,
+        task="lm",
+        torch_optimizer=adamw,
+        torch_scheduler=torch_scheduler,
+        torch_clip=CLIP,
+        jax_optimizer=tx,
+        torch_loss=lm_loss,
+        jax_loss=smoothed_jax,
+        eval=False,
+    )
+    assert result.status == "PASS", [
+        (v.check, v.detail) for v in result.verdicts if v.passed is False
+    ]
+    assert result.replay["optimizer"]["findings"] == {"real": None, "tiny": None, "extremes": None}

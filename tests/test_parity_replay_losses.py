@@ -120,10 +120,11 @@ MUTATIONS = {
 }
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", list(CORRECT))
-def test_correct_losses_pass(batches, name):
+def test_correct_losses_pass(batches, name, jit):
     torch_loss, jax_loss = CORRECT[name]
-    finding, rows = compare_losses("lm", torch_loss, jax_loss, *batches)
+    finding, rows = compare_losses("lm", torch_loss, jax_loss, *batches, jit=jit)
     assert finding is None, finding.message
     assert [r["case"] for r in rows] == [
         "batch 0",
@@ -138,7 +139,7 @@ def test_correct_losses_pass(batches, name):
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_loss_mutation_named(batches, name):
     torch_loss, jax_loss, quantity, words = MUTATIONS[name]
-    finding, _ = compare_losses("lm", torch_loss, jax_loss, *batches)
+    finding, _ = compare_losses("lm", torch_loss, jax_loss, *batches, jit=False)
     assert finding is not None, f"{name}: not caught"
     assert finding.quantity == quantity, finding.message
     assert words in finding.message, finding.message
@@ -156,8 +157,8 @@ def test_classification_cases():
 def test_ignored_targets_decide_only_where_the_data_has_them(batches):
     logits, targets = batches
     clean = [np.where(y == IGNORE_INDEX, 0, y) for y in targets]
-    finding, _ = compare_losses("lm", torch_ce(), jax_all_tokens, logits, clean)
+    finding, _ = compare_losses("lm", torch_ce(), jax_all_tokens, logits, clean, jit=False)
     assert finding.case == "ignore-index" and finding.decisive is False
     assert "hold no -100 targets" in finding.message
-    finding, _ = compare_losses("lm", torch_ce(), jax_all_tokens, logits, targets)
+    finding, _ = compare_losses("lm", torch_ce(), jax_all_tokens, logits, targets, jit=False)
     assert finding.decisive is True

@@ -83,10 +83,15 @@ def _torch_side(fn, x, y, dtype):
 
 
 def _jax_side(fn, x, y, dtype):
-    value, grad = jax.value_and_grad(lambda z: fn(z, jnp.asarray(y)).astype(jnp.float32))(
-        jnp.asarray(x, dtype)
-    )
+    value, grad = fn(jnp.asarray(x, dtype), jnp.asarray(y))
     return float(value), np.asarray(grad, np.float32)
+
+
+def _value_and_grad(jax_loss, jit: bool):
+    """The JAX loss's value and gradient w.r.t. the logits, jitted (one program per dtype) or
+    eager."""
+    fn = jax.value_and_grad(lambda z, y: jax_loss(z, y).astype(jnp.float32))
+    return jax.jit(fn) if jit else fn
 
 
 def _neg_log_probs(x: np.ndarray) -> np.ndarray:
@@ -224,8 +229,11 @@ def compare_losses(
     jax_loss: Callable[[Any, Any], Any],
     logits: Sequence[np.ndarray],
     targets: Sequence[np.ndarray],
+    *,
+    jit: bool = True,
 ) -> tuple[LossFinding | None, list[dict]]:
-    """Both losses on the same logits and targets (`loss_cases`).
+    """Both losses on the same logits and targets (`loss_cases`); the JAX loss under
+    ``jax.jit`` (as training runs it) or eagerly.
 
     Returns:
       ``(first finding or None, per-case rows)``; a row holds ``case``, ``dtype``, ``torch``,
@@ -233,6 +241,7 @@ def compare_losses(
     """
     rows = []
     found: list[LossFinding] = []
+    jax_value_and_grad = _value_and_grad(jax_loss, jit)
     for case, x, y, dtype in loss_cases(task, list(logits), list(targets)):
         eps = float(jnp.finfo(jnp.dtype(dtype)).eps)
         if dtype != "float32":
@@ -242,7 +251,7 @@ def compare_losses(
         except (RuntimeError, TypeError, ValueError) as e:  # torch has no kernel for the dtype
             rows.append({"case": case, "dtype": dtype, "skipped": f"torch: {str(e)[:120]}"})
             continue
-        jv, jg = _jax_side(jax_loss, x, y, dtype)
+        jv, jg = _jax_side(jax_value_and_grad, x, y, dtype)
         scale = float(np.abs(x).max()) if x.size else 1.0
         value_tol = ULPS * eps * (abs(tv) + scale + 1.0)
         grad_tol = ULPS * eps * (np.abs(tg) + float(np.abs(tg).max(initial=0.0)))

@@ -258,31 +258,36 @@ def _unflat(flat: dict[str, np.ndarray], like: Any) -> Any:
 
 
 def jax_stepper(pair: Any, loop: TrainingLoop, config: Any, *, jit: bool = True):
-    """``(initial params, transformation, step)`` of the JAX side; ``step(grads, state,
-    params) -> (params, state)`` is ``jaxamp.apply_gradients``, jitted once when `jit`."""
+    """``(initial params, init, step)`` of the JAX side: ``step(unscaled grads, state, params)
+    -> (params, state, scale used, applied)`` multiplies the gradients by the state's loss scale
+    (as ``jaxamp.value_and_grad`` returns them) and runs ``jaxamp.apply_gradients``; both are
+    jitted once when `jit` (eager otherwise: optax op by op)."""
     params = jax.tree_util.tree_map(jnp.asarray, pair.torch_to_flax()["params"])
     tx = loop_optimizer(loop, config, params, pair=pair)
 
     def step(grads, state, params):
-        return jaxamp.apply_gradients(tx, grads, state, params)
+        scale = jaxamp.amp_info(state).loss_scale
+        grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+        params, state = jaxamp.apply_gradients(tx, grads, state, params)
+        return params, state, scale, jaxamp.amp_info(state).last_step_applied
 
-    return params, tx, jax.jit(step) if jit else step
+    if jit:
+        return params, jax.jit(tx.init), jax.jit(step)
+    return params, tx.init, step
 
 
 def jax_replay(
     stepper: tuple[Any, Any, Any], gradients: Sequence[dict[str, np.ndarray]]
 ) -> list[SideStep]:
     """The user's optax transformation (`jax_stepper`) on the gradient sequence (Flax layout,
-    unscaled; each step multiplied by the JAX side's own loss scale, as
-    ``jaxamp.value_and_grad`` returns them), from the initial params and a fresh state."""
-    params, tx, run = stepper
-    state = tx.init(params)
+    unscaled), from the initial params and a fresh state."""
+    params, init, run = stepper
+    state = init(params)
     steps = []
     for flat in gradients:
-        scale = float(jaxamp.amp_info(state).loss_scale)
-        grads = _unflat({k: v * np.float32(scale) for k, v in flat.items()}, params)
+        grads = _unflat(flat, params)
         before = _flat(params)
-        params, state = run(grads, state, params)
+        params, state, scale, applied = run(grads, state, params)
         after = _flat(params)
         found: dict = {}
         lrs: list = []
@@ -295,8 +300,8 @@ def jax_replay(
                 state=found,
                 count=counts[0] if counts else None,
                 lr=float(np.asarray(lrs[0])) if len(lrs) == 1 else None,
-                skipped=not bool(jaxamp.amp_info(state).last_step_applied),
-                scale=scale,
+                skipped=not bool(applied),
+                scale=float(scale),
             )
         )
     return steps

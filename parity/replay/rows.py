@@ -91,7 +91,9 @@ def replay_verdicts(
         }
     if loop.has_loss:
         xs, ys = _logits(pair, batch, steps)
-        finding, loss_rows = compare_losses(pair.task, loop.torch_loss, loop.jax_loss, xs, ys)
+        finding, loss_rows = compare_losses(
+            pair.task, loop.torch_loss, loop.jax_loss, xs, ys, jit=jit
+        )
         rows.append(
             Verdict(
                 check=LOSS_CHECK,
