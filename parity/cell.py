@@ -311,9 +311,11 @@ def write_outputs(
     *,
     skipped_cells: list[dict[str, str]] | None = None,
     echo: bool = False,
+    plots: bool = True,
 ) -> tuple[str, list[Any], Path]:
     """Merges `runs` into ``DIR/results.json`` (None: reads it as it is), then writes
-    ``verdicts.json`` and ``report.md`` for every run the folder holds.
+    ``verdicts.json`` and ``report.md`` for every run the folder holds (`plots`: and its PNG
+    plots; ``compare`` draws them later from the same files).
 
     Returns:
       ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"``
@@ -333,7 +335,7 @@ def write_outputs(
         out / "verdicts.json", {"status": status, "verdicts": [v.to_dict() for v in verdicts]}
     )
     with clock(report_clock), phase("report"):
-        path = write_report(out, data["runs"], verdicts, skipped_cells=skipped_cells)
+        path = write_report(out, data["runs"], verdicts, skipped_cells=skipped_cells, plots=plots)
     entries = report_clock.as_records()
     if outer is not None:
         outer.merge(entries)

@@ -47,7 +47,7 @@ from parity.data import DataSpec
 from parity.distributed.run import JAX_MODES, STRATEGIES, cli_run
 from parity.golden.check import add_check_parser, bad_input, flax_model_of, run_check
 from parity.golden.export import export_golden
-from parity.models import MODEL_NAMES, calibration_prescribed
+from parity.models import MODEL_NAMES, calibration_prescribed, size_overrides
 from parity.perf.matmul import add_matmul_parser, main_matmul
 from parity.perf.measure import set_threads
 from parity.perf.phases import clock, format_line
@@ -210,6 +210,11 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         help="skip the step-0 output/gradient checks that run before training (parity.verdicts.step0)",
     )
     parser.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="write report.md without its PNG plots (`compare DIR` draws them later)",
+    )
+    parser.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress output (default: a bar on a terminal, a plain line every 30 s elsewhere)",
@@ -267,7 +272,14 @@ def _add_model_override(parser: argparse.ArgumentParser) -> None:
         "--model-override",
         action="append",
         metavar="KEY=VALUE",
-        help="architecture override, JSON value; repeatable",
+        help="architecture override, JSON value; repeatable (applied on top of --size)",
+    )
+    parser.add_argument(
+        "--size",
+        default=None,
+        metavar="NAME",
+        help="a named size of the model: transformer gpt2-small (12 layers, 768 wide, 12 heads, "
+        "context 1024, byte vocabulary; 86.2 M parameters)",
     )
 
 
@@ -302,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--models", nargs="+", default=None, help="default: all models")
     matrix.add_argument("--precisions", nargs="+", type=_precision, default=list(precision_names()))
     matrix.add_argument("--force", action="store_true", help="redo runs already in results.json")
+    matrix.add_argument(
+        "--size",
+        default=None,
+        metavar="NAME",
+        help="a named size of each model (transformer: gpt2-small); a model without it is refused",
+    )
     _add_training_args(matrix, matrix=True)
     add_matmul_parser(sub)
 
@@ -361,7 +379,9 @@ def _config_from_args(
         "timing_warmup": args.warmup,
         "torch_compile": args.torch_compile,
         "eval": not args.no_eval,
-        "model_overrides": _overrides(getattr(args, "model_override", None)),
+        "model_overrides": size_overrides(
+            model, getattr(args, "size", None), _overrides(getattr(args, "model_override", None))
+        ),
         "data": args.data,
     }
     try:
@@ -473,7 +493,7 @@ def _cmd_run(args) -> int:
     # Every run that produced records gets a report; one framework alone is "nothing compared"
     # (exit 3) only when both were asked for: a single-framework run may be paired later. A run
     # that failed (an error record) exits 1 either way.
-    code = _exit_code(cell.write_outputs(out, runs, echo=True)[0])
+    code = _exit_code(cell.write_outputs(out, runs, echo=True, plots=not args.no_plots)[0])
     if any(run_status(r) == "error" for r in runs):
         return 1
     return code if args.framework == "both" or code == 1 else 0
@@ -531,7 +551,7 @@ def _cmd_matrix(args) -> int:
             )
         if runs:  # merged after every cell: an interruption loses one cell at most
             done = {run_key(r): r for r in merge_runs(out, runs)["runs"]}
-    return _exit_code(cell.write_outputs(out, echo=True)[0])
+    return _exit_code(cell.write_outputs(out, echo=True, plots=not args.no_plots)[0])
 
 
 def _check_golden_out(out: Path) -> None:

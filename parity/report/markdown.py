@@ -595,7 +595,13 @@ def _plot_gallery(plots) -> list[str]:
     for name, text in MEMORY_METHODS.items():
         lines.append(f"- `{name}`: {text}.")
     lines += ["", "## Plots", ""]
-    for title, name in plots:
+    if plots is None:
+        lines += [
+            "Not drawn (`--no-plots`): `python -m parity compare DIR` draws them from "
+            "results.json.",
+            "",
+        ]
+    for title, name in plots or []:
         lines += [f"### {title}", "", f"![{title}]({name})", ""]
     lines += [
         "Per-step data of every run: [steps.csv](steps.csv); raw records: [results.json](results.json).",
@@ -610,6 +616,7 @@ def write_report(
     verdicts: list[Any],
     *,
     skipped_cells: list[dict[str, str]] | None = None,
+    plots: bool = True,
 ) -> Path:
     """Writes ``report.md``, ``steps.csv`` and the PNG plots into `out_dir`; returns the report path.
 
@@ -618,6 +625,7 @@ def write_report(
       runs: the run records (results.json's ``runs``).
       verdicts: `parity.verdicts.rows.Verdict` rows for them.
       skipped_cells: cells the matrix did not run, with the reason.
+      plots: draw the PNG plots (False: the report says how to draw them later, ``compare``).
 
     Returns:
       The path of ``report.md``. It is written whatever the runs hold (no steps, no finite
@@ -629,8 +637,11 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_steps_csv(runs, out / "steps.csv")
-    with phase("plots"):
-        plots, notes = _draw_plots(runs, out)
+    drawn: list[tuple[str, str]] | None = None
+    notes: list[str] = []
+    if plots:
+        with phase("plots"):
+            drawn, notes = _draw_plots(runs, out)
     groups = cell_groups(runs)
     rendering = current()
     lines = [
@@ -646,7 +657,7 @@ def write_report(
         *_problem_sections(runs, groups, skipped_cells),
         *_speed_sections(runs),
         *_timing_section(groups, rendering),
-        *_plot_gallery(plots),
+        *_plot_gallery(drawn),
     ]
     path = out / "report.md"
     write_text_atomic(path, "\n".join(lines))
