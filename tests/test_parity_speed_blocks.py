@@ -321,3 +321,30 @@ def test_speed_blocks_option_is_checked_before_any_work(tmp_path, capsys):
         capsys.readouterr().err
     )
     assert not (tmp_path / "x" / "results.json").exists()
+
+
+def test_a_refused_figure_withholds_every_speed_figure_measured_with_it():
+    """Oversubscribed: the ratio is refused, so neither torch's matmul probe (measured at the
+    same load) nor the Speed table's JAX/torch ratio is quoted; each carries the same mark."""
+    probe = {"dtype": "float16", "n": 256, "ratio_to_fp32": 330.0, "load_average": 6.8}
+    loaded = {**_trial(_blocks(0.008), _blocks(0.010), others=1.6), "torch_probe": probe}
+    jax_run = _run("jax", loaded, precision="fp16-mixed")
+    torch_run = _run("torch", loaded, seed=1, precision="fp16-mixed")
+    figure = speed.speed_figure(jax_run, torch_run)
+    assert figure["status"] == "refused"
+    assert "330x" not in figure["text"] and "not quoted (NO RATIO" in figure["text"]
+    text = "\n".join(speed.speed_section([jax_run, torch_run]))
+    row = next(
+        line for line in text.splitlines() if line.startswith("| transformer") and "torch" in line
+    )
+    assert "withheld (NO RATIO)" in row and row.count("NO RATIO") == 2, row
+    # The probe's own load above the cores withholds it even beside a quotable ratio.
+    quiet = {**_trial(_blocks(0.008), _blocks(0.010)), "torch_probe": probe}
+    caveats = speed.cell_caveats(_run("torch", quiet, precision="fp16-mixed"))
+    assert any("measured at load 6.8 on 2 cores" in c for c in caveats) and not any(
+        "330x" in c for c in caveats
+    )
+    steady = speed.speed_figure(_run("jax", quiet), _run("torch", quiet, seed=1))
+    assert steady["status"] == "ratio"
+    table = "\n".join(speed.speed_section([_run("jax", quiet), _run("torch", quiet, seed=1)]))
+    assert "withheld" not in table.split("| model |")[1].split("\n\n")[0]

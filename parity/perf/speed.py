@@ -40,7 +40,9 @@ from parity.core.records import run_label
 __all__ = [
     "CI_WIDTH_LIMIT",
     "MIN_BLOCKS",
+    "QUOTABLE",
     "REPRO_SPREAD_LIMIT",
+    "SPEED_MARKS",
     "SPREAD_LIMIT",
     "block_verdict",
     "blocks_verdict",
@@ -419,8 +421,35 @@ def _compute_dtype(run: Mapping[str, Any]) -> str:
     return policy.compute_dtype.name
 
 
-def cell_caveats(run: Mapping[str, Any]) -> list[str]:
+# The mark of each status of a cell's speed figure (`speed_figure`) that is not a quotable ratio:
+# the bottom line, the Speed table and the step-time plot all carry the same one.
+SPEED_MARKS = {
+    "unreliable": "UNRELIABLE",
+    "not reproducible": "NOT REPRODUCIBLE HERE",
+    "refused": "NO RATIO",
+    "sequential": "sequential runs: indicative only",
+}
+QUOTABLE = ("ratio", "sequential")
+
+
+def _probe_withheld(run: Mapping[str, Any], probe: Mapping[str, Any]) -> str | None:
+    """Why torch's matmul probe must not be quoted: measured on an oversubscribed machine (its
+    own load above the cores). None when it may be."""
+    load = probe.get("load_average")
+    cores = ((run.get("hardware") or {}).get("cpu") or {}).get("available_cpus")
+    if load is not None and cores and load > cores:
+        return f"measured at load {load:.1f} on {cores} cores"
+    return None
+
+
+def cell_caveats(run: Mapping[str, Any], withheld: str | None = None) -> list[str]:
     """Hardware facts that explain a cell's speed (what a reader must know before quoting it).
+
+    Args:
+      run: the torch run of the cell.
+      withheld: the mark of the cell's speed figure when it is not quotable (``"NO RATIO"``...):
+        a timing measured alongside it (torch's matmul probe) is withheld with the same mark,
+        never quoted beside a refused ratio.
 
     Example:
       >>> cell_caveats({"device": "cpu", "precision": "bf16-mixed", "framework": "torch",
@@ -436,7 +465,15 @@ def cell_caveats(run: Mapping[str, Any]) -> list[str]:
         out.append("torch's bf16 is emulated on this CPU (no AVX512-BF16/AMX kernels)")
     if dtype in ("float16", "bfloat16"):
         probe = (run.get("speed_blocks") or {}).get("torch_probe") or {}
-        if probe.get("ratio_to_fp32"):
+        why = _probe_withheld(run, probe) if probe.get("ratio_to_fp32") else None
+        if probe.get("ratio_to_fp32") and (withheld or why):
+            out.append(
+                f"torch's {dtype} matmul time against float32 not quoted "
+                f"({withheld or 'NO RATIO'}: "
+                + (why or "measured under the same conditions as the withheld step times")
+                + ")"
+            )
+        elif probe.get("ratio_to_fp32"):
             load = probe.get("load_average")
             out.append(
                 f"torch's {dtype} matmul takes {probe['ratio_to_fp32']:.3g}x its float32 time on "
@@ -585,7 +622,6 @@ def speed_figure(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> di
       ('unreliable', 'UNRELIABLE: jax: only 4 timed steps; torch: only 4 timed steps')
     """
     mode = _mode_name(torch_run)
-    caveats = cell_caveats(torch_run)
     trial = _blocks_of(jax_run, torch_run)
     verdict = None
     if trial is not None:
@@ -613,6 +649,7 @@ def speed_figure(jax_run: Mapping[str, Any], torch_run: Mapping[str, Any]) -> di
                 _ratio_words(mode, ratio, low, high)
                 + "; the runs were timed one after the other, not in alternating blocks: indicative"
             )
+    caveats = cell_caveats(torch_run, None if status in QUOTABLE else SPEED_MARKS[status])
     if caveats:
         text += "; " + "; ".join(caveats)
     return {"status": status, "text": text, "verdict": verdict}
@@ -683,23 +720,39 @@ def speed_section(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                 )
         else:
             lines.append(f"- **{model} {precision} ({device})**: only {', '.join(members)} ran.")
-    lines += ["", "| model | precision | device | run | steps | median ms (95% CI) | JAX / this |"]
+    lines += [
+        "",
+        "A cell whose speed figure is withheld (its bottom line's mark) shows its medians with "
+        "that mark and no ratio: they were measured under the same conditions.",
+        "",
+        "| model | precision | device | run | steps | median ms (95% CI) | JAX / this |",
+    ]
     lines.append("|---|---|---|---|---|---|---|")
     for (model, precision, device), members in grouped.items():
         jax = jax_labels(members)
+        reference = torch_reference(members)
         for label in ordered_labels(members):
             times = measured_times(members[label])
             median, low, high = median_ci(times)
             ratios = []
             if label not in jax:
                 for other in jax:
-                    ratio, r_low, r_high = ratio_ci(measured_times(members[other]), times)
+                    status = speed_figure(members[other], members[label])["status"]
                     named = "" if len(jax) == 1 else f"{other}: "
+                    if status not in QUOTABLE:
+                        ratios.append(f"{named}withheld ({SPEED_MARKS[status]})")
+                        continue
+                    ratio, r_low, r_high = ratio_ci(measured_times(members[other]), times)
                     ratios.append(f"{named}{ratio:.2f} ({r_low:.2f}-{r_high:.2f})")
             ratio_text = "; ".join(ratios) or "—"
+            median_text = f"{_ms(median)} ({_ms(low)}-{_ms(high)})"
+            if jax and reference is not None:
+                status = speed_figure(members[jax[0]], reference[1])["status"]
+                if status not in QUOTABLE:
+                    median_text += f" {SPEED_MARKS[status]}"
             lines.append(
                 f"| {model} | {precision} | {device} | {label} | {len(times)} "
-                f"| {_ms(median)} ({_ms(low)}-{_ms(high)}) | {ratio_text} |"
+                f"| {median_text} | {ratio_text} |"
             )
     lines.append("")
     return lines + _blocks_table(grouped)
