@@ -16,6 +16,7 @@ docstring) with transfer functions from :mod:`parity.transfer`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable
 from types import ModuleType
@@ -39,6 +40,8 @@ __all__ = [
     "ModelPair",
     "calibration_prescribed",
     "get_model_pair",
+    "model_sizes",
+    "size_overrides",
 ]
 
 
@@ -198,6 +201,44 @@ class ModelPair:
         """Trainable parameter count of the torch model. Equal to the Flax ``params`` count except
         for an LSTM, where torch has two bias vectors per layer (``4 * hidden`` more)."""
         return sum(p.numel() for p in self.torch_model.parameters() if p.requires_grad)
+
+
+def model_sizes(name: str) -> dict[str, dict[str, Any]]:
+    """The named sizes of a built-in model (``{"gpt2-small": {architecture values}}`` for the
+    transformer; ``{}`` for a model without any).
+
+    Example:
+      >>> model_sizes("transformer")["gpt2-small"]["num_layers"]
+      12
+    """
+    if name not in _SPECS:
+        raise ValueError(f"Unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}.")
+    return dict(getattr(_SPECS[name].module, "SIZES", {}))
+
+
+def size_overrides(name: str, size: str | None, overrides: dict[str, Any] | None = None) -> dict:
+    """The architecture overrides of model `name` at named `size` (None: none), with the given
+    `overrides` on top (an explicit ``--model-override seq_len=64`` shortens a named size).
+
+    Raises:
+      ValueError: a size the model does not have, naming the sizes it has and the closest.
+
+    Example:
+      >>> size_overrides("transformer", "gpt2-small", {"seq_len": 64})["seq_len"]
+      64
+    """
+    overrides = dict(overrides or {})
+    if size is None:
+        return overrides
+    sizes = model_sizes(name)
+    if size not in sizes:
+        close = difflib.get_close_matches(size, list(sizes), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        have = ", ".join(sizes) if sizes else "none"
+        raise ValueError(
+            f"--size {size!r}: model {name!r} has no size of that name (its sizes: {have}){hint}"
+        )
+    return {**sizes[size], **overrides}
 
 
 def _check_override(name: str, key: str, value: Any, default: Any) -> Any:

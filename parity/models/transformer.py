@@ -29,6 +29,24 @@ DEFAULTS: dict[str, Any] = {
     "mlp_ratio": 4,
 }
 
+# Named sizes (``--size``): the architecture each name stands for.
+# gpt2-small: GPT-2 small's shape (12 layers, 768 wide, 12 heads, context 1024) with a byte-level
+# vocabulary (256, not GPT-2's 50,257 BPE tokens) and untied, learned embeddings and head:
+# 86,235,904 parameters (85,054,464 in the 12 blocks); a training step (forward and backward)
+# does 624.6 MFLOP of matmuls per token at context 1024 (forward 208.2 MFLOP: 2 x 85.1 M matmul
+# weights plus the attention's two T x T products, 37.7 M), counted from the JAX program by
+# `parity.perf.flops.jax_matmul_flops` (benchmarks/bench_harness_cost.py prints it).
+SIZES: dict[str, dict[str, Any]] = {
+    "gpt2-small": {
+        "vocab_size": 256,
+        "seq_len": 1024,
+        "d_model": 768,
+        "num_heads": 12,
+        "num_layers": 12,
+        "mlp_ratio": 4,
+    },
+}
+
 
 class TorchBlock(torch.nn.Module):
     def __init__(self, d_model: int, num_heads: int, mlp_ratio: int):
