@@ -75,53 +75,100 @@ def check_hardware(rec: Recipe) -> None:
     )
 
 
-def _block_mm(a: jax.Array, fa: Format, b: jax.Array, fb: Format, out_dtype: Any, emulate: bool):
-    """``a (P, C) @ b (Q, C).T``, each operand quantized in blocks along C."""
-    qa, sa = quantize(a, fa, -1)
-    qb, sb = quantize(b, fb, -1)
-    if emulate:
-        # torchao EMULATED: each operand dequantized to its own dtype, then a plain matmul
-        da = dequantize(qa, sa, fa, -1, a.dtype)
-        db = dequantize(qb, sb, fb, -1, b.dtype)
+# The tensor each operand is taken from, as its axes are named: x (M, K), w (K, N), g (M, N).
+_TENSOR_AXES = {
+    "input": "MK",
+    "weight": "KN",
+    "grad_output": "MN",
+    "weight_for_grad_input": "KN",
+    "input_for_grad_weight": "MK",
+    "grad_output_for_grad_weight": "MN",
+}
+# The axis each matmul contracts: blocks along it are what block-scaled hardware multiplies.
+_CONTRACTED = {
+    "input": "K",
+    "weight": "K",
+    "grad_output": "N",
+    "weight_for_grad_input": "N",
+    "input_for_grad_weight": "M",
+    "grad_output_for_grad_weight": "M",
+}
+
+
+def operand_axis(rec: Recipe, role: str) -> tuple[Format, int]:
+    """``(format, axis)`` of operand `role` in its tensor's layout (x (M, K), w (K, N), g (M, N)),
+    read from the recipe's `Recipe.operands` (the block axis is data, as the format is)."""
+    fmt, letter = rec.operands()[role]
+    dims = _TENSOR_AXES[role]
+    if letter not in dims:
+        raise ValueError(
+            f"jaxamp.mx: recipe {rec.name!r} blocks {role} along {letter!r}, which is not an "
+            f"axis of its tensor ({dims[0]}, {dims[1]})."
+        )
+    return fmt, dims.index(letter)
+
+
+def _emulated(t: jax.Array, rec: Recipe, role: str) -> jax.Array:
+    """`t` quantized as operand `role`, dequantized to its own dtype (torchao EMULATED)."""
+    fmt, axis = operand_axis(rec, role)
+    q, s = quantize(t, fmt, axis)
+    return dequantize(q, s, fmt, axis, t.dtype)
+
+
+def _hardware(t: jax.Array, rec: Recipe, role: str) -> tuple[jax.Array, jax.Array]:
+    """`t` as ``jax.nn.scaled_matmul`` takes it: contraction last, codes and e8m0 scales."""
+    fmt, axis = operand_axis(rec, role)
+    if _TENSOR_AXES[role][axis] != _CONTRACTED[role]:
+        raise ValueError(
+            f"jaxamp.mx: block-scaled hardware contracts {role} along "
+            f"{_CONTRACTED[role]}; recipe {rec.name!r} blocks it along "
+            f"{_TENSOR_AXES[role][axis]} (emulate=True runs any axis)."
+        )
+    t = jnp.moveaxis(t, axis, -1)
+    q, sc = quantize(t, fmt, -1)
+    return q[None], lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu)[None]
+
+
+def _matmul(a, a_role, b, b_role, rec, dims, out_dtype):
+    """``lax.dot_general(a, b, dims)`` on the two operands quantized as their roles say."""
+    if rec.emulate:
         out = lax.dot_general(
-            da,
-            db,
-            (((1,), (1,)), ((), ())),
+            _emulated(a, rec, a_role),
+            _emulated(b, rec, b_role),
+            (dims, ((), ())),
             precision=lax.Precision.HIGHEST,
             preferred_element_type=jnp.float32,
         )
         return out.astype(out_dtype)
-    e8m0 = jnp.float8_e8m0fnu
-    out = jax.nn.scaled_matmul(
-        qa[None],
-        qb[None],
-        lax.bitcast_convert_type(sa, e8m0)[None],
-        lax.bitcast_convert_type(sb, e8m0)[None],
-        preferred_element_type=jnp.float32,
-    )[0]
+    # each operand with its contracted (blocked) axis last: a (P, C), b (Q, C) -> (P, Q)
+    (qa, sa), (qb, sb) = _hardware(a, rec, a_role), _hardware(b, rec, b_role)
+    out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)[0]
     return out.astype(out_dtype)
 
 
 def _check_shapes(m: int, k: int, n: int, rec: Recipe) -> None:
-    for dim, size, gemm, block in (
-        ("K (input features)", k, "output", rec.input.block_size),
-        ("N (output features)", n, "grad_input", rec.grad_output.block_size),
-        ("M (rows of the input)", m, "grad_weight", rec.input_for_grad_weight.block_size),
-    ):
-        if gemm == "grad_weight" and rec.grad_weight_hp:
+    sizes = {"M": m, "K": k, "N": n}
+    what = {"M": "M (rows of the input)", "K": "K (input features)", "N": "N (output features)"}
+    for role, (fmt, letter) in rec.operands().items():
+        if rec.grad_weight_hp and role.endswith("for_grad_weight"):
             continue
-        if size % block:
+        if sizes.get(letter, 0) % fmt.block_size:
             raise ValueError(
-                f"jaxamp.mx: recipe {rec.name!r}: {dim} is {size}, not a multiple of the "
-                f"{block}-element blocks the {gemm} matmul contracts over (x ({m}, {k}) @ w "
+                f"jaxamp.mx: recipe {rec.name!r}: {what[letter]} is {sizes[letter]}, not a "
+                f"multiple of the {fmt.block_size}-element blocks of {role} (x ({m}, {k}) @ w "
                 f"({k}, {n})). torchao pads nothing either; pad the batch or exclude the layer."
             )
+
+
+_XW = ((1,), (0,))  # x (M, K) @ w (K, N)
+_GW_T = ((1,), (1,))  # g (M, N) @ w (K, N).T
+_XT_G = ((0,), (0,))  # x (M, K).T @ g (M, N)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _linear(x: jax.Array, w: jax.Array, rec: Recipe, out_dtype: Any) -> jax.Array:
     """``x (M, K) @ w (K, N)`` with the recipe's formats (torchao's ``mx_mm.forward``)."""
-    return _block_mm(x, rec.input, w.T, rec.weight, out_dtype, rec.emulate)
+    return _matmul(x, "input", w, "weight", rec, _XW, out_dtype)
 
 
 def _linear_fwd(x, w, rec, out_dtype):
@@ -131,19 +178,12 @@ def _linear_fwd(x, w, rec, out_dtype):
 def _linear_bwd(rec, out_dtype, res, g):
     del out_dtype
     x, w = res
-    # grad_input (M, K) = grad_output (M, N) @ weight.T: both blocked along N
-    grad_x = _block_mm(g, rec.grad_output, w, rec.weight_for_grad_input, x.dtype, rec.emulate)
+    grad_x = _matmul(g, "grad_output", w, "weight_for_grad_input", rec, _GW_T, x.dtype)
     if rec.grad_weight_hp:
         grad_w = jnp.matmul(x.T, g, precision=lax.Precision.HIGHEST).astype(w.dtype)
     else:
-        # grad_weight (K, N) = input.T @ grad_output: both blocked along M
-        grad_w = _block_mm(
-            x.T,
-            rec.input_for_grad_weight,
-            g.T,
-            rec.grad_output_for_grad_weight,
-            w.dtype,
-            rec.emulate,
+        grad_w = _matmul(
+            x, "input_for_grad_weight", g, "grad_output_for_grad_weight", rec, _XT_G, w.dtype
         )
     return grad_x.astype(x.dtype), grad_w.astype(w.dtype)
 

@@ -40,6 +40,7 @@ import optax
 
 import jaxamp
 from parity.core import fp8 as parity_fp8
+from parity.core import mx as parity_mx
 from parity.core.hardware import UnsupportedHere
 
 __all__ = [
@@ -453,6 +454,75 @@ class Fp8RowwiseGwHp(_Fp8):
     name = "fp8-rowwise-gw-hp"
 
 
+class _Mx(Recipe):
+    """A block-scaled (MX) training recipe (`parity.core.mx`): torchao's ``mx_mm`` layers on the
+    torch side (``MXFP8Linear``), ``jaxamp.mx.convert`` on the JAX side; float32 outside the
+    converted linear layers. Step 0 compares every layer's scales and element codes."""
+
+    claims_policy = False
+    compute_dtype_name = "float8"  # e4m3 elements: fp8's step bands
+    # The weight-gradient matmul blocks the batch rows in 32s: a batch of 32 (mlp: 32 rows).
+    matrix_plan = {"steps": 30, "batch_size": 32}
+
+    def unsupported(self, arm: str, mode: str | None = None) -> str | None:
+        super().unsupported(arm, mode)
+        if arm in ("ddp", "fsdp"):
+            return (
+                "each rank would block its own shard of the batch rows (the weight-gradient "
+                "matmul's 32-row blocks) and the JAX twin the global batch; not wired into the "
+                "distributed workers (run it on one device)"
+            )
+        return None
+
+    def torch_convert(self, model: Any, device: Any) -> tuple[Any, dict[str, Any]]:
+        layers = parity_mx.convert_torch(model, self.name, device)
+        if not layers:
+            raise UnsupportedHere(f"{self.name}: {parity_mx.NO_LAYER}")
+        return model, {"fp8_method": self.torch_method(), "fp8_layers": layers}
+
+    def torch_method(self, arm: str = "single") -> str:
+        del arm
+        return parity_mx.mx_method(self.name, "torch")
+
+    def jax_forward(self, forward: Callable, device: str, arm: str = "single") -> Callable:
+        del arm
+        return parity_mx.wrap_jax_forward(forward, self.name, device)
+
+    def jax_method(self, device: str, arm: str = "single") -> str:
+        del arm
+        return parity_mx.mx_method(self.name, "jax", device)
+
+    def fp8_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict] | None:
+        """Per-layer MX scale and code rows (`parity.core.mx.step0_mx`), in fp8's row format."""
+        return parity_mx.step0_mx(pair, self.name, inputs, targets)
+
+
+class Mxfp8(_Mx):
+    """MXFP8 everywhere with RCEIL scales: torchao's ``MXFP8TrainingOpConfig`` default."""
+
+    name = "mxfp8"
+
+
+class Mxfp8Floor(_Mx):
+    """MXFP8 with FLOOR scales (the OCP MX 1.0 rule)."""
+
+    name = "mxfp8-floor"
+
+
+class Mxfp8WgradHp(_Mx):
+    """MXFP8 (RCEIL) with the weight-gradient matmul in high precision (``wgrad_with_hp``)."""
+
+    name = "mxfp8-wgrad-hp"
+
+
+class Mxfp4(_Mx):
+    """MXFP4 everywhere (e2m1 elements, RCEIL e8m0 scales): torchao's ``mx_mm`` with
+    ``float4_e2m1fn_x2``. Judged by fp8's bands after step 0, whose codes are compared bit for
+    bit as for MXFP8."""
+
+    name = "mxfp4"
+
+
 def _torchao_step(optimizer: Any, compiled: bool) -> Any:
     """`optimizer` (a torchao optimizer) whose ``step`` runs eagerly unless `compiled`.
 
@@ -693,6 +763,10 @@ register(Bf16True)
 register(Fp8Tensorwise)
 register(Fp8Rowwise)
 register(Fp8RowwiseGwHp)
+register(Mxfp8)
+register(Mxfp8Floor)
+register(Mxfp8WgradHp)
+register(Mxfp4)
 register(Bf16TrueSR)
 register(AdamW8bit)
 register(AdamW4bit)
