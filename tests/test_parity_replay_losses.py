@@ -162,3 +162,18 @@ def test_ignored_targets_decide_only_where_the_data_has_them(batches):
     assert "hold no -100 targets" in finding.message
     finding, _ = compare_losses("lm", torch_ce(), jax_all_tokens, logits, targets, jit=False)
     assert finding.decisive is True
+
+
+def test_an_edge_case_torch_does_not_survive_is_informational(batches):
+    """torch's label-smoothed loss computed in float16 overflows on extreme logits; a JAX loss
+    that upcasts does not: a note, not the port's failure."""
+
+    def torch_in_input_dtype(x, y):
+        return torch.nn.functional.cross_entropy(
+            x.reshape(-1, V), y.reshape(-1).long(), label_smoothing=0.1
+        )
+
+    finding, _ = compare_losses("lm", torch_in_input_dtype, jax_ce(0.1), *batches, jit=False)
+    assert finding is not None and finding.decisive is False
+    assert finding.case == "extreme logits float16"
+    assert "torch's own loss overflows here" in finding.message

@@ -98,7 +98,9 @@ def replay_verdicts(
             Verdict(
                 check=LOSS_CHECK,
                 compared="the user's torch loss vs JAX loss, same logits and targets",
-                value="agree" if finding is None else f"{finding.quantity} differs",
+                value="agree"
+                if finding is None
+                else (f"{finding.quantity} differs" if finding.decisive else "agree on this data"),
                 tolerance=f"the dtype's rounding ({ULPS} eps)",
                 passed=True if finding is None else (False if finding.decisive else None),
                 detail=(finding.message + "; " if finding else "")
