@@ -164,13 +164,45 @@ def largest_magnitude(x: Any) -> jax.Array:
 
     Each element's sign bit is cleared (an integer AND on the bits) and the result capped at
     the bits of +inf, so NaN counts as +inf; as integers these order exactly as the magnitudes
-    do. Blocks are reduced first as integers (XLA:CPU fuses the AND into that maximum and
-    reads each gradient once, writing 1/16 to 1/256 of it), the rest as floats: non-negative
-    values with no NaN among them, whose maximum has one answer whatever the max's NaN
-    convention or evaluation order. Why bits, not a sum: a sum of scaled gradients
-    ``sum(g * scale)`` may legally be computed as ``scale * sum(g)`` under reassociation
-    (XLA:CPU's reductions and fast-math flags allow it), which is finite when one product
-    overflowed. Nothing can be factored out of an integer AND or an integer maximum.
+    do. Why bits, not a sum: a sum of scaled gradients ``sum(g * scale)`` may legally be
+    computed as ``scale * sum(g)`` under reassociation (XLA:CPU's reductions and fast-math
+    flags allow it), which is finite when one product overflowed. Nothing can be factored out
+    of an integer AND or an integer maximum.
+
+    The reduction's shape is chosen per platform when the program is lowered
+    (`lax.platform_dependent`, so a program lowered for GPU on a CPU machine is GPU's):
+    XLA:CPU reduces 16 x 16 blocks first (`_largest_in_blocks`); GPU and TPU reduce the whole
+    leaf at once (`_largest_at_once`): XLA:GPU emits a reduction over every element as one row
+    reduction (one kernel reading the gradient once), where blocks over two non-adjacent axes
+    would be split into a reduction per axis, with an intermediate buffer a sixteenth of the
+    gradient between them (BENCHMARKS.md, "The skip path on GPU").
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        return _largest_at_once(x)
+    return jax.lax.platform_dependent(x, cpu=_largest_in_blocks, default=_largest_at_once)
+
+
+def _magnitude_bits(x: jax.Array) -> tuple[jax.Array, np.ndarray]:
+    """Each element's magnitude as unsigned integer bits (sign cleared), and +inf's bits."""
+    bits = bits_dtype(x.dtype)
+    magnitude_mask = np.array(np.iinfo(bits).max >> 1, bits)
+    inf_bits = np.array(np.inf, x.dtype).view(bits)
+    return jax.lax.bitcast_convert_type(x, bits) & magnitude_mask, inf_bits
+
+
+def _largest_at_once(x: jax.Array) -> jax.Array:
+    """`largest_magnitude` as one integer maximum over every element, capped at +inf's bits."""
+    magnitudes, inf_bits = _magnitude_bits(x)
+    largest = jnp.max(magnitudes) if x.ndim else magnitudes
+    return jax.lax.bitcast_convert_type(jnp.minimum(largest, inf_bits), x.dtype)
+
+
+def _largest_in_blocks(x: jax.Array) -> jax.Array:
+    """`largest_magnitude` as XLA:CPU reads it best: blocks reduced first as integers (XLA:CPU
+    fuses the AND into that maximum and reads each gradient once, writing 1/16 to 1/256 of
+    it), the rest as floats: non-negative values with no NaN among them, whose maximum has one
+    answer whatever the max's NaN convention or evaluation order.
 
     Why blocks over the last two axes (16 x 16 where both divide), not rows of the flattened
     array: a weight gradient may be stored transposed. Under a 16-bit compute dtype cast by
@@ -179,15 +211,9 @@ def largest_magnitude(x: Any) -> jax.Array:
     stride of a whole row, one cache line per element, while a square block reads the same
     cache lines in either layout (CPU time of BENCHMARKS.md's fp16-mixed MLP step with its
     casts written out: 69 ms with rows, 58 ms with blocks, 56 ms checking one element per
-    leaf; float32 unchanged). 0-d and 1-d arrays take rows.
+    leaf; float32 unchanged). 1-d arrays take rows.
     """
-    x = jnp.asarray(x)
-    bits = bits_dtype(x.dtype)
-    magnitude_mask = np.array(np.iinfo(bits).max >> 1, bits)
-    inf_bits = np.array(np.inf, x.dtype).view(bits)
-    magnitudes = jax.lax.bitcast_convert_type(x, bits) & magnitude_mask
-    if x.ndim == 0:
-        return jax.lax.bitcast_convert_type(jnp.minimum(magnitudes, inf_bits), x.dtype)
+    magnitudes, inf_bits = _magnitude_bits(x)
     if x.ndim == 1:
         blocks = jnp.max(magnitudes.reshape(-1, _block_width(x.size)), axis=-1)
     else:
@@ -385,10 +411,17 @@ def mul_like_torch(scale: jax.Array, factor: float) -> jax.Array:
 # --- skipping ------------------------------------------------------------------------------------
 
 
-def branch_syncs_host() -> bool:
-    """Whether a `lax.cond` costs a device-to-host sync per step: XLA:GPU reads a conditional's
-    predicate on the host. There a select (both sides computed) replaces the branch."""
-    return jax.default_backend() == "gpu"
+def branch_or_select(*args: Any, branch: Any, select: Any) -> Any:
+    """``branch(*args)`` on XLA:CPU and TPU, ``select(*args)`` on GPU, chosen when the program
+    is lowered for its platform (`lax.platform_dependent`: a program lowered for GPU on a CPU
+    machine, ``jit(f).trace(...).lower(lowering_platforms=("cuda",))``, is GPU's, and the
+    compiler sees one form only).
+
+    `branch` holds a `lax.cond`: on CPU and TPU the predicate stays on the device, so a
+    branch runs only the side taken. XLA:GPU reads a conditional's predicate on the host, a
+    device-to-host copy and a wait on every step: there `select` computes both sides and
+    selects, with no conditional in the program. Both return the same types."""
+    return jax.lax.platform_dependent(*args, cpu=branch, tpu=branch, default=select)
 
 
 def full_like_shapes(shapes: Any, value: Any) -> Any:

@@ -5,7 +5,7 @@ float16's maximum.
 Measured on skipped steps only. Under `jit` the measurement is the skip side of a `lax.cond` on
 the step's finiteness, whose other side returns constants: an applied step makes no extra pass
 over the gradients. Where a branch costs a device-to-host sync per step (XLA:GPU,
-`branch_syncs_host`) it is computed every step and selected, as `loss_scaled`'s skip is there.
+`branch_or_select`) it is computed every step and selected, as `loss_scaled`'s skip is there.
 Eagerly the decision is concrete and a Python branch.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from jaxamp._numerics import (
     AxisName,
     bits_dtype,
-    branch_syncs_host,
+    branch_or_select,
     full_like_shapes,
     is_inexact_leaf,
     leaf_finite,
@@ -250,17 +250,21 @@ def measure_overflow(
         if bool(grads_finite):
             return no_overflow(paths)
         return OverflowProvenance(*_measure_eagerly(scaled_grads, scale), paths=paths)
-    if branch_syncs_host():
+
+    def select():
         leaf, headroom = measure(scaled_grads)
-        return OverflowProvenance(
-            overflow_leaf=jnp.where(grads_finite, jnp.int32(_NONE), leaf),
-            headroom=jnp.where(grads_finite, jnp.float32(np.inf), headroom),
-            paths=paths,
+        return (
+            jnp.where(grads_finite, jnp.int32(_NONE), leaf),
+            jnp.where(grads_finite, jnp.float32(np.inf), headroom),
         )
+
     leaf_shape, headroom_shape = jax.eval_shape(measure, scaled_grads)
 
     def nothing(grads):
         return full_like_shapes(leaf_shape, _NONE), full_like_shapes(headroom_shape, np.inf)
 
-    leaf, headroom = jax.lax.cond(grads_finite, nothing, measure, scaled_grads)
+    def branch():
+        return jax.lax.cond(grads_finite, nothing, measure, scaled_grads)
+
+    leaf, headroom = branch_or_select(branch=branch, select=select)
     return OverflowProvenance(overflow_leaf=leaf, headroom=headroom, paths=paths)

@@ -17,7 +17,7 @@ import optax
 
 from jaxamp._numerics import (
     AxisName,
-    branch_syncs_host,
+    branch_or_select,
     check_axis_name,
     check_replicas_agree,
     count_if,
@@ -516,19 +516,24 @@ def _skip_if_not(
         out = select_tree(applied, out, params) if apply else skip_updates(applied, out)
         return out, select_tree(applied, new_inner_state, inner_state)
 
-    if noop or not in_place or branch_syncs_host():
+    if noop or not in_place:
         return select()
     out_shapes, state_shapes = jax.eval_shape(applied_step, inner_state, params)
     if _dtypes(state_shapes) != _dtypes(inner_state):
         # `inner` changes its state's dtypes (optax's Adam on float32 gradients of float16
         # parameters): a branch must return one type, a select promotes.
         return select()
-    return jax.lax.cond(
-        applied,
-        lambda operands: applied_step(*operands),
-        lambda operands: skipped_step(*operands, out_shapes),
-        (inner_state, params),
-    )
+
+    def branch():
+        return jax.lax.cond(
+            applied,
+            lambda operands: applied_step(*operands),
+            lambda operands: skipped_step(*operands, out_shapes),
+            (inner_state, params),
+        )
+
+    # A select on GPU, where a branch would read its predicate on the host every step.
+    return branch_or_select(branch=branch, select=select)
 
 
 def _dtypes(tree: Any) -> list:

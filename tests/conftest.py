@@ -6,8 +6,10 @@ import os
 # XLA:CPU compiles at its default optimisation level, as users run it: at LLVM level 0 the
 # float32 loss-scale trajectory parts from torch's by up to 3 ulps (growth 1.5, backoff 0.7),
 # where at the default level it is torch's bit for bit.
+# A count already in XLA_FLAGS wins: `XLA_FLAGS=--xla_force_host_platform_device_count=1` runs the
+# suite as a one-device machine (a single GPU) would, with the multi-device tests skipped.
 _flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
+if "--xla_force_host_platform_device_count=" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # As `python -m parity` does: torch's OpenMP threads sleep instead of spinning against XLA's pool.
@@ -32,6 +34,19 @@ def _dtype_promotion(request):
 
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+@pytest.fixture
+def replica_devices():
+    """Every device of the platform (the 8 forced host devices on CPU, each GPU of a machine),
+    for tests whose point is agreement across replicas; skips, saying so, where it has one."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip(
+            f"replicas need 2 or more devices; this {devices[0].platform} platform has 1 "
+            "(on CPU conftest forces 8 host devices)"
+        )
+    return devices
 
 
 @pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)

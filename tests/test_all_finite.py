@@ -137,21 +137,21 @@ def test_mixed_tree_unscales_exactly_and_keeps_dtypes(loss_scale, maybe_jit):
 # --- sharded arrays (FAULTS 6, 16) ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    devices = jax.devices()
-    assert len(devices) == 8, "conftest forces 8 host devices"
-    return Mesh(np.array(devices), ("d",))
+@pytest.fixture
+def mesh(replica_devices):
+    return Mesh(np.array(replica_devices), ("d",))
 
 
-@pytest.mark.parametrize("bad_index", [None, 0, 13, 31])
-def test_sharded_array(mesh, bad_index, maybe_jit):
+@pytest.mark.parametrize("bad", [None, "first", "middle", "last"])
+def test_sharded_array(mesh, bad, maybe_jit):
+    n = mesh.size
     sharding = NamedSharding(mesh, P("d"))
-    x = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+    x = np.linspace(-1.0, 1.0, 4 * n, dtype=np.float32)
+    bad_index = {None: None, "first": 0, "middle": 2 * n + 1, "last": 4 * n - 1}[bad]
     if bad_index is not None:
         x[bad_index] = np.nan
     sharded = jax.device_put(x, sharding)
-    assert len(sharded.sharding.device_set) == 8
+    assert len(sharded.sharding.device_set) == n
     # Only the shard holding the bad element is non-finite.
     shard_finite = [bool(np.isfinite(np.asarray(s.data)).all()) for s in sharded.addressable_shards]
     assert shard_finite.count(False) == (0 if bad_index is None else 1)
@@ -160,8 +160,9 @@ def test_sharded_array(mesh, bad_index, maybe_jit):
 
 
 def test_axis_name_inside_shard_map(mesh):
-    x = np.ones(16, np.float32)
-    x[5] = np.nan  # shard 2 of 8 only
+    n = mesh.size
+    x = np.ones(2 * n, np.float32)
+    x[2 * n - 3] = np.nan  # shard n - 2 only (6 of 8)
 
     def per_shard(block, axis_name):
         return all_finite({"g": block}, axis_name=axis_name).reshape(1)
@@ -173,12 +174,12 @@ def test_axis_name_inside_shard_map(mesh):
         return np.asarray(jax.jit(fn)(x))
 
     local = run(None)
-    assert local.dtype == np.bool_ and local.shape == (8,)
-    assert local.tolist() == [True, True, False, True, True, True, True, True]
+    assert local.dtype == np.bool_ and local.shape == (n,)
+    assert local.tolist() == [i != n - 2 for i in range(n)]
     agreed = run("d")
-    assert agreed.tolist() == [False] * 8
-    x[5] = 1.0
-    assert run("d").tolist() == [True] * 8
+    assert agreed.tolist() == [False] * n
+    x[2 * n - 3] = 1.0
+    assert run("d").tolist() == [True] * n
 
 
 def test_axis_name_empty_tree_inside_shard_map(mesh):
@@ -188,7 +189,7 @@ def test_axis_name_empty_tree_inside_shard_map(mesh):
         in_specs=P("d"),
         out_specs=P("d"),
     )
-    assert np.asarray(fn(np.ones(8, np.float32))).tolist() == [True] * 8
+    assert np.asarray(fn(np.ones(mesh.size, np.float32))).tolist() == [True] * mesh.size
 
 
 # --- values a sum-based check would get wrong (overflowing or cancelling sums) -----------------

@@ -342,15 +342,15 @@ def test_multi_transform_per_group_skip():
 # --- FAULTS 16: sharded and replicated --------------------------------------------------------------
 
 
-def test_sharded_nan_in_one_shard_makes_every_shard_skip():
-    devices = jax.devices()
-    assert len(devices) == 8
-    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+def test_sharded_nan_in_one_shard_makes_every_shard_skip(replica_devices):
+    n = len(replica_devices)
+    mesh = jax.sharding.Mesh(np.array(replica_devices), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-    params = {"w": jax.device_put(jnp.ones((16, 4)), sharding)}
+    params = {"w": jax.device_put(jnp.ones((2 * n, 4)), sharding)}
     tx = jaxamp.loss_scaled(optax.adam(1e-2))
     state = tx.init(params)
-    grads = {"w": jnp.ones((16, 4)).at[13, 2].set(jnp.nan)}  # row 13 lives on device 6
+    # Row 2n - 3 lives on device n - 2 (device 6 of 8): one shard of several.
+    grads = {"w": jnp.ones((2 * n, 4)).at[2 * n - 3, 2].set(jnp.nan)}
     grads = jax.device_put(grads, sharding)
     updates, new_state = jax.jit(tx.update)(grads, state, params)
     new_params = optax.apply_updates(params, updates)
@@ -360,13 +360,14 @@ def test_sharded_nan_in_one_shard_makes_every_shard_skip():
     assert float(new_state.loss_scale.loss_scale) == 2.0**15
 
 
-def test_shard_map_axis_name_makes_every_replica_skip():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+def test_shard_map_axis_name_makes_every_replica_skip(replica_devices):
+    n = len(replica_devices)
+    mesh = jax.sharding.Mesh(np.array(replica_devices), ("d",))
     spec = jax.sharding.PartitionSpec("d")
     tx = jaxamp.loss_scaled(optax.sgd(0.5), axis_name="d")
-    params = jnp.ones((8, 2))
-    # Per-replica gradients (not yet reduced): only replica 5 sees a NaN.
-    grads = jnp.ones((8, 2)).at[5, 0].set(jnp.nan)
+    params = jnp.ones((n, 2))
+    # Per-replica gradients (not yet reduced): only the last replica sees a NaN.
+    grads = jnp.ones((n, 2)).at[n - 1, 0].set(jnp.nan)
 
     def step(p, g):
         state = tx.init(p)
@@ -387,7 +388,7 @@ def test_shard_map_axis_name_makes_every_replica_skip():
 
     local = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
     out = np.asarray(local(params, grads))
-    assert np.all(out[5] == 1.0) and np.all(out[0] != 1.0)
+    assert np.all(out[n - 1] == 1.0) and np.all(out[0] != 1.0)
 
 
 # --- FAULTS 20: optimizer state stays float32 under a mixed policy --------------------------------

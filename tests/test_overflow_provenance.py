@@ -301,9 +301,9 @@ def _replica_reference(per_replica: list[dict]) -> list[float]:
     return list(np.min([_reference_headroom(g) for g in per_replica], axis=0))
 
 
-def test_shard_map_replicas_agree_on_the_first_leaf():
-    n = 4
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("d",))
+def test_shard_map_replicas_agree_on_the_first_leaf(replica_devices):
+    n = min(4, len(replica_devices))
+    mesh = jax.sharding.Mesh(np.array(replica_devices[:n]), ("d",))
     params = _params()
     tx = jaxamp.loss_scaled(optax.sgd(0.1), axis_name="d", provenance=True)
     stacked, per_replica = _replica_grads(n)
@@ -315,7 +315,7 @@ def test_shard_map_replicas_agree_on_the_first_leaf():
     state = tx.init(params)
     run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("d"), P()), out_specs=P()))
     overflow = jaxamp.amp_info(run(stacked, state)).overflow
-    assert overflow.leaf_path() == "['dense0']['bias']"  # replica 3's NaN: leaf 0 of 4
+    assert overflow.leaf_path() == "['dense0']['bias']"  # the last replica's NaN: leaf 0
     _assert_headroom(overflow.headroom, _replica_reference(per_replica))
     # Without the NaN the first is replica 1's kernel; finite replicas alone report nothing.
     stacked["dense0"]["bias"] = jnp.zeros_like(stacked["dense0"]["bias"])
@@ -327,14 +327,14 @@ def test_shard_map_replicas_agree_on_the_first_leaf():
     _no_overflow(jaxamp.amp_info(run(finite, state)).overflow)
 
 
-def test_pmap_replicas_agree_on_the_first_leaf():
+def test_pmap_replicas_agree_on_the_first_leaf(replica_devices):
     n = 2
     params = _params()
     tx = jaxamp.loss_scaled(optax.sgd(0.1), axis_name="batch", provenance=True)
     stacked, per_replica = _replica_grads(n)
     state = jax.tree.map(lambda x: jnp.stack([x] * n), tx.init(params))
     step = jax.pmap(
-        lambda g, s: tx.update(g, s, params)[1], axis_name="batch", devices=jax.devices()[:n]
+        lambda g, s: tx.update(g, s, params)[1], axis_name="batch", devices=replica_devices[:n]
     )
     new_state = step(stacked, state)
     leaves = np.asarray(new_state.overflow.overflow_leaf)
@@ -376,12 +376,11 @@ def _primitives(jaxpr, inside_cond: bool, found: dict) -> None:
                     _primitives(inner, inside_cond or eqn.primitive.name == "cond", found)
 
 
-def test_measurement_runs_inside_the_skip_branch_only():
+def test_measurement_runs_inside_the_skip_branch_only(monkeypatch):
     """The measurement's log2 (and the unsigned maximum of the bits) run only inside a
-    `lax.cond`; outside it the step is the one without provenance (on CPU: on GPU a branch
-    syncs with the host, so there it is selected)."""
-    if jax.default_backend() == "gpu":
-        pytest.skip("XLA:GPU: measured every step and selected (a branch would sync)")
+    `lax.cond`; outside it the step is the one without provenance: the branch form, CPU's and
+    TPU's (GPU's program selects: tests/test_platform_programs.py)."""
+    monkeypatch.setattr("jaxamp._provenance.branch_or_select", lambda branch, select: branch())
     params = _params()
     grads = _scaled_grads(jnp.float32, inf_at=None)
     found_with: dict = {}
@@ -398,8 +397,8 @@ def test_measurement_runs_inside_the_skip_branch_only():
 
 def test_select_form_where_a_branch_syncs_with_the_host(monkeypatch):
     """The GPU form (measured every step, then selected) gives the branch's records; run here
-    by pretending the backend's branches sync with the host."""
-    monkeypatch.setattr("jaxamp._provenance.branch_syncs_host", lambda: True)
+    by handing the select form to the CPU."""
+    monkeypatch.setattr("jaxamp._provenance.branch_or_select", lambda branch, select: select())
     params = _params()
     tx = jaxamp.loss_scaled(optax.sgd(0.1), provenance=True)
     step = jax.jit(tx.update)

@@ -178,10 +178,14 @@ def test_auto_policy_name(platform, capability, expected):
 
 
 def test_auto_resolves_on_this_backend():
-    assert jax.devices()[0].platform == "cpu"
-    assert auto_policy_name() == "fp32"
-    assert get_policy("auto") == get_policy("fp32")
-    assert get_policy(" AUTO ") == get_policy("fp32")
+    device = jax.devices()[0]
+    expected = {"cpu": "fp32", "tpu": "bf16-mixed", "rocm": "bf16-mixed"}.get(device.platform)
+    if device.platform in ("gpu", "cuda"):
+        major = int(str(device.compute_capability).split(".")[0])
+        expected = "bf16-mixed" if major >= 8 else "fp16-mixed"
+    assert auto_policy_name() == expected
+    assert get_policy("auto") == get_policy(expected)
+    assert get_policy(" AUTO ") == get_policy(expected)
 
 
 def test_jmp_policy_accepted_and_ours_is_a_jmp_policy():
