@@ -41,7 +41,7 @@ from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
 from parity.replay.rows import replay_verdicts
-from parity.training.user_loop import LOOP_CONFIG_FIELDS, TrainingLoop
+from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
 from parity.verdicts.compare import compare_runs
@@ -422,16 +422,7 @@ def compare_models(
         jax_loss=jax_loss,
         replay_steps=replay_steps,
     )
-    if loop.has_optimizer:
-        clash = sorted(set(config) & set(LOOP_CONFIG_FIELDS))
-        if clash:
-            raise ValueError(
-                f"compare_models: {', '.join(clash)} describe the harness's own optimizer; with "
-                "torch_optimizer/jax_optimizer your optimizers, schedules and clipping are used "
-                "(torch_scheduler, torch_clip, and the optax chain): leave them out."
-            )
-        # the run's config then describes no optimizer of its own
-        config = {**config, "clip_norm": None, "schedule": "constant"}
+    config = run_config_fields("compare_models", loop, config)
     if fp16_stress:
         config = {**FP16_STRESS, **config}
     if transfer is not None and not callable(transfer):

@@ -215,7 +215,8 @@ def _run_cell(
         else:
             step0 = None
         replay = None
-        if step0 is not None and step0.passed and getattr(pair, "loop", None) is not None:
+        loop = getattr(pair, "loop", None)
+        if step0 is not None and step0.passed and loop is not None and loop.sides == "both":
             # the user's optimizer and loss on identical gradients and logits: a step-0 gate
             with phase("replay"):
                 step0, replay = replay_gate(step0, config, pair, first, echo=echo)

@@ -122,7 +122,8 @@ def assert_trains_like(
       allow_inconclusive: accept INCONCLUSIVE (no check could decide) as well as PASS.
       flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
       **options: for a torch reference, any `parity.compare_models` option (``transfer``,
-        ``task``, ``lr``, ``noise``...).
+        ``task``, ``lr``, ``noise``, your ``torch_optimizer`` and ``jax_optimizer``...); for a
+        golden exported with your torch loop, ``jax_optimizer`` / ``jax_loss``.
 
     Returns:
       A `TrainsLike` (status, verdicts, runs, report).
@@ -133,13 +134,14 @@ def assert_trains_like(
       ValueError / TypeError: bad arguments (before anything runs where possible).
     """
     if isinstance(reference, str | os.PathLike | Golden):
+        loop = {k: options.pop(k) for k in ("jax_optimizer", "jax_loss") if k in options}
         if batches is not None or options:
             raise TypeError(
                 "assert_trains_like: a golden reference holds its own batches and configuration; "
                 f"got batches={'...' if batches is not None else None} and options "
                 f"{sorted(options)} (pass a torch module to choose them)."
             )
-        result = check_golden(reference, flax_model, flax_kwargs=flax_kwargs)
+        result = check_golden(reference, flax_model, flax_kwargs=flax_kwargs, **loop)
         config = result.runs[0]["config"]
         for name, given, recorded in (
             ("precision", precision, config["precision"]),

@@ -539,3 +539,40 @@ def test_gpt2_with_the_users_loop():
         (v.check, v.detail) for v in result.verdicts if v.passed is False
     ]
     assert result.replay["optimizer"]["findings"] == {"real": None, "tiny": None, "extremes": None}
+
+
+@pytest.mark.integration
+def test_golden_records_the_torch_loop_and_checks_the_jax_one(tmp_path):
+    """export_models with your torch optimizer, scheduler, clipping and loss trains torch with
+    them and records what they were; check_golden then runs your optax port and loss (required:
+    a check without them is refused), and a schedule one step ahead fails the trajectory."""
+    from examples.parity_ci.data import make_batches
+    from examples.parity_ci.torch_model import reference
+    from parity.golden.check import check_golden
+    from parity.golden.export import export_models
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+    torch.manual_seed(0)
+    path = export_models(
+        tmp_path / "loop.npz",
+        reference(),
+        "examples.parity_ci.flax_model:FlaxNet",
+        make_batches(TOTAL),
+        torch_optimizer=adamw,
+        torch_scheduler=torch_scheduler,
+        torch_clip=CLIP,
+        torch_loss=smoothed_torch,
+        eval=False,
+    )
+
+    def port_of(sched):
+        return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(sched, weight_decay=WD))
+
+    result = check_golden(path, jax_optimizer=port_of(schedule()), jax_loss=smoothed_jax)
+    assert result.status == "PASS", result.report()
+    with pytest.raises(ValueError, match="pass its JAX port as jax_optimizer="):
+        check_golden(path, jax_loss=smoothed_jax)
+    ahead = check_golden(path, jax_optimizer=port_of(schedule(shift=1)), jax_loss=smoothed_jax)
+    assert ahead.status == "FAIL", ahead.report()

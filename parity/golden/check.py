@@ -55,6 +55,7 @@ from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
 from parity.pairs.adapters import AdapterError, as_flax_model
 from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
+from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
 from parity.verdicts.compare import compare_runs
 from parity.verdicts.power import judge
@@ -246,6 +247,7 @@ class _Pair:
     flax_model: Any
     config: dict
     mapping: Any = None
+    loop: Any = None  # the user's JAX optimizer and loss (`TrainingLoop`, sides "jax")
 
     def flax_apply(self, variables, inputs, train: bool):
         return self.flax_model.apply(variables, inputs, train)
@@ -467,6 +469,8 @@ def check_golden(
     flax_kwargs: Any = None,
     progress: bool = False,
     current_hardware: Mapping[str, Any] | None = None,
+    jax_optimizer: Any = None,
+    jax_loss: Any = None,
 ) -> GoldenResult:
     """Runs the JAX side of a recorded cell and judges it against the recorded torch side.
 
@@ -484,15 +488,40 @@ def check_golden(
       flax_kwargs: ``inputs -> dict`` of extra keyword arguments for the Flax call.
       progress: report training progress.
       current_hardware: this machine's `parity.core.hardware.hardware_info` (default: measured).
+      jax_optimizer, jax_loss: your JAX optimizer (optax) and loss, where the golden was
+        exported with your torch optimizer / loss (`parity.golden.export.export_models`);
+        required then, refused otherwise.
 
     Returns:
       A `GoldenResult` (``result.report()`` for the table and the notes).
 
     Raises:
-      GoldenFileError: the file breaks the schema. ValueError: no Flax model can be found.
+      GoldenFileError: the file breaks the schema. ValueError: no Flax model can be found, or
+      the golden's training loop and the JAX one given do not pair.
     """
     golden = golden if isinstance(golden, Golden) else load_golden(golden)
     pair = flax_pair(golden, flax_model, flax_kwargs=flax_kwargs)
+    recorded = golden.header["model"].get("training_loop") or {}
+    for torch_name, jax_name, given in (
+        ("torch_optimizer", "jax_optimizer", jax_optimizer),
+        ("torch_loss", "jax_loss", jax_loss),
+    ):
+        if (torch_name in recorded) != (given is not None):
+            raise ValueError(
+                f"check_golden({jax_name}=...): the golden was recorded "
+                + (
+                    f"with your torch {torch_name[6:]} ({recorded[torch_name]}): pass its JAX "
+                    f"port as {jax_name}="
+                    if torch_name in recorded
+                    else f"with the harness's own {torch_name[6:]}: leave {jax_name} out (or "
+                    f"export with torch_{torch_name[6:]}=)"
+                )
+            )
+    if jax_optimizer is not None or jax_loss is not None:
+        pair = dataclasses.replace(
+            pair,
+            loop=TrainingLoop(jax_optimizer=jax_optimizer, jax_loss=jax_loss, sides="jax"),
+        )
     check_fits(golden, pair)
     return check_pair(golden, pair, progress=progress, current_hardware=current_hardware)
 

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from parity.core.config import RunConfig
 from parity.golden.check import flax_model_of
 from parity.golden.format import write_golden
 from parity.training.trainers import train_framework
+from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.verdicts.torch_side import torch_stage_side
 
 __all__ = ["export_golden", "export_models"]
@@ -119,6 +121,8 @@ def export_golden(
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(pair.config).items()},
         "flax_model": flax_model,
     }
+    if getattr(pair, "loop", None) is not None:
+        model["training_loop"] = pair.loop.describe()
     return write_golden(
         path,
         config=config,
@@ -145,6 +149,10 @@ def export_models(
     name: str = "user_model",
     flax_kwargs: Any = None,
     progress: bool = False,
+    torch_optimizer: Any = None,
+    torch_scheduler: Any = None,
+    torch_clip: Any = None,
+    torch_loss: Any = None,
     **config: Any,
 ) -> Path:
     """`export_golden` for your own torch module and Flax port.
@@ -161,17 +169,32 @@ def export_models(
       precision: the cell's precision.
       steps: training steps (default: one per batch of a sequence, else 30).
       progress: report progress.
-      **config: any other `RunConfig` field (``lr``, ``optimizer``, ``clip_norm``...).
+      torch_optimizer, torch_scheduler, torch_clip, torch_loss: your torch training loop, as
+        `parity.compare_models` takes it: torch trains with it, the golden records what it is
+        (``model.training_loop``), and `parity.golden.check.check_golden` then needs your
+        ``jax_optimizer`` / ``jax_loss``.
+      **config: any other `RunConfig` field (``lr``, ``optimizer``, ``clip_norm``...; not
+        beside `torch_optimizer`).
 
     Returns:
       The written path.
     """
+    loop = TrainingLoop(
+        torch_optimizer=torch_optimizer,
+        torch_scheduler=torch_scheduler,
+        torch_clip=torch_clip,
+        torch_loss=torch_loss,
+        sides="torch",
+    )
+    config = run_config_fields("export_models", loop, config)
     stream, steps, held_out = user_stream("export_models", batches, eval_batches, steps)
     evaluate = resolve_eval("export_models", config, held_out)
     flax = flax_model_of(flax_module, flax_kwargs=flax_kwargs)
     pair = prepare_pair(
         torch_module, flax, transfer, stream, task=task, name=name, flax_kwargs=flax_kwargs
     )
+    if torch_optimizer is not None or torch_loss is not None:
+        pair = dataclasses.replace(pair, loop=loop)
     run_config = RunConfig(
         model=name,
         precision=precision,

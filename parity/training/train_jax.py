@@ -126,14 +126,14 @@ def build_jax_step(
     batch_stats = recipe.jax_cast(variables.get("batch_stats"))
     params, batch_stats = jax.device_put((params, batch_stats), device)
     loop = getattr(pair, "loop", None)
-    own_optimizer = loop is not None and loop.has_optimizer
+    own_optimizer = loop is not None and loop.jax_optimizer is not None
     if own_optimizer:
         tx = loop_optimizer(loop, config, params, pair=pair)
     else:
         tx = build_jax_optimizer(config, pair=pair)
     opt_state = jax.jit(tx.init)(params)
     task = pair.task
-    user_loss = loop.jax_loss if loop is not None and loop.has_loss else None
+    user_loss = loop.jax_loss if loop is not None else None
     forward = jax_forward(pair, recipe, config.device, train=True)
 
     def loss_fn(params, inputs, targets, batch_stats):

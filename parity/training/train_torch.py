@@ -87,13 +87,14 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
     recipe = config.recipe
     recipe.check_arm("single")
     model, extras = recipe.torch_convert(copy.deepcopy(pair.torch_model).to(device), device)
-    loop = pair.loop if pair.loop is not None and pair.loop.has_optimizer else None
+    loop = pair.loop if getattr(pair, "loop", None) is not None else None
+    loop = loop if loop is not None and loop.torch_optimizer is not None else None
     scheduler = None
     if loop is not None:
         optimizer, scheduler = loop.build_torch(model)
     else:
         optimizer = build_torch_optimizer(config, model.parameters())
-    loss = pair.loop.torch_loss if pair.loop is not None and pair.loop.has_loss else None
+    loss = getattr(getattr(pair, "loop", None), "torch_loss", None)
     scaler = recipe.torch_grad_scaler(config, device_type)
     forward_model = torch.compile(model) if config.torch_compile else model
     params = [p for p in model.parameters() if p.requires_grad]

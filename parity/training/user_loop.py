@@ -17,7 +17,16 @@ from typing import Any
 import jax
 import optax
 
-__all__ = ["LOOP_CONFIG_FIELDS", "TrainingLoop", "contains_loss_scaled", "loop_optimizer"]
+__all__ = [
+    "LOOP_CONFIG_FIELDS",
+    "SIDES",
+    "TrainingLoop",
+    "contains_loss_scaled",
+    "loop_optimizer",
+    "run_config_fields",
+]
+
+SIDES = ("both", "torch", "jax")
 
 # RunConfig fields that describe the harness's own optimizer: refused next to a user optimizer.
 LOOP_CONFIG_FIELDS = (
@@ -55,6 +64,9 @@ class TrainingLoop:
       jax_loss: ``(logits, targets) -> scalar array``; None: the harness's loss of the task.
       replay_steps: real batches the step-0 replay feeds both optimizers (`parity.replay`).
       replay_jit: the replay runs the JAX optimizer step under ``jax.jit`` (as training does).
+      sides: ``"both"`` (a comparison: the optimizers and the losses come in pairs), or
+        ``"torch"`` / ``"jax"`` for one side only (a golden export records torch's side; a
+        golden check runs JAX's against it).
 
     Example:
       >>> import optax, torch
@@ -74,8 +86,11 @@ class TrainingLoop:
     jax_loss: Callable[[Any, Any], Any] | None = None
     replay_steps: int = 4
     replay_jit: bool = True
+    sides: str = "both"
 
     def __post_init__(self):
+        if self.sides not in SIDES:
+            raise ValueError(f"`sides` must be one of {SIDES}; got {self.sides!r}.")
         steps = self.replay_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`replay_steps` must be an integer >= 1; got {steps!r}.")
@@ -102,6 +117,28 @@ class TrainingLoop:
                 "`jax_optimizer` must be an optax.GradientTransformation (e.g. optax.adamw(...)); "
                 f"got {type(tx).__name__}."
             )
+        if self.sides != "both":
+            other = "jax" if self.sides == "torch" else "torch"
+            given = [
+                f"{other}_{n}"
+                for n in (
+                    ("optimizer", "loss")
+                    if other == "jax"
+                    else ("optimizer", "scheduler", "clip", "loss")
+                )
+                if getattr(self, f"{other}_{n}") is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"a loop of the {self.sides} side only takes no {', '.join(given)}: "
+                    f"{'a golden export records torch' if self.sides == 'torch' else 'a golden check runs JAX'}'s side"
+                )
+            for name in ("torch_scheduler", "torch_clip"):
+                if getattr(self, name) is not None and self.torch_optimizer is None:
+                    raise ValueError(
+                        f"`{name}` needs `torch_optimizer` (it belongs to the user's loop)."
+                    )
+            return
         if (self.torch_optimizer is None) != (tx is None):
             given, missing = (
                 ("torch_optimizer", "jax_optimizer")
@@ -127,11 +164,13 @@ class TrainingLoop:
 
     @property
     def has_optimizer(self) -> bool:
-        return self.jax_optimizer is not None
+        """Both optimizers are given (the replay compares them)."""
+        return self.torch_optimizer is not None and self.jax_optimizer is not None
 
     @property
     def has_loss(self) -> bool:
-        return self.jax_loss is not None
+        """Both losses are given (the replay compares them)."""
+        return self.torch_loss is not None and self.jax_loss is not None
 
     def build_torch(self, model: Any) -> tuple[Any, Any]:
         """``(optimizer, scheduler or None)`` for `model`, checked."""
@@ -210,3 +249,23 @@ def loop_optimizer(loop: TrainingLoop, config: Any, params: Any, pair: Any = Non
     if contains_loss_scaled(tx, params):
         return tx
     return config.recipe.jax_optimizer(tx, config, axis_name, pair=pair)
+
+
+def run_config_fields(function: str, loop: TrainingLoop, config: dict[str, Any]) -> dict[str, Any]:
+    """The `RunConfig` fields of a run with the user's optimizer: the harness's own optimizer
+    fields (`LOOP_CONFIG_FIELDS`) refused beside it, its clipping off and its schedule constant
+    (they describe nothing the run does). Unchanged without a user optimizer.
+
+    Raises:
+      ValueError: naming the fields given and what replaces them.
+    """
+    if loop.torch_optimizer is None and loop.jax_optimizer is None:
+        return config
+    clash = sorted(set(config) & set(LOOP_CONFIG_FIELDS))
+    if clash:
+        raise ValueError(
+            f"{function}: {', '.join(clash)} describe the harness's own optimizer; with your "
+            "optimizer, its schedule and clipping are used (torch_scheduler, torch_clip, and the "
+            "optax chain): leave them out."
+        )
+    return {**config, "clip_norm": None, "schedule": "constant"}
