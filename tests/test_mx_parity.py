@@ -53,6 +53,22 @@ def test_step0_scales_and_codes_match_torchao(precision):
     assert fc2_in["codes"] == both * 32 * 64
 
 
+@pytest.mark.slow
+def test_step0_transformer_judges_flips_downstream():
+    # float32 summation order flips a few codes (blocks.1.fc1's input); everything computed
+    # after carries it through block-scaled matmuls. The quantizer stays exact on every tensor,
+    # every weight and the first layer's input stay bit-identical.
+    pair = get_model_pair("transformer", seed=0)
+    x, y = pair.make_data(0, 32).batch(0)
+    rows = pm.step0_mx(pair, "mxfp8", x, y)
+    assert all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+    assert all(r["quantizer_exact"] for r in rows)
+    assert all(r["codes_differing"] == 0 for r in rows if r["tensor"] == "weight")
+    first = next(r for r in rows if r["torch_module"] == "blocks.0.fc1" and r["tensor"] == "input")
+    assert first["codes_differing"] == 0 and not first["downstream_of_flip"]
+    assert {r["torch_module"] for r in rows} >= {"blocks.0.fc1", "blocks.1.fc2", "head"}
+
+
 def test_torch_side_keeps_the_bias_and_parameters():
     import torch
 
