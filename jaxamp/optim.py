@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -146,7 +147,7 @@ def _check_host_callbacks(limit: int, on_max_skips: OnMaxSkips) -> None:
     try:
         jax.devices("cpu")
     except RuntimeError as e:
-        platforms = jax.config.jax_platforms
+        platforms = os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None)
         raise RuntimeError(
             f"loss_scaled(max_consecutive_skips={limit}, on_max_skips={on_max_skips!r}): the "
             "report of a jitted step is a host callback, and JAX runs host callbacks through "
