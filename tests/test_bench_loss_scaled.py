@@ -134,3 +134,25 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
         bench.bench("mlp", "fp32", 2, 1, 8, variants=("loss_scaled",))
     with pytest.raises(ValueError, match="clock must be one of"):
         bench.bench("mlp", "fp32", 2, 1, 8, variants=("plain",), clock="gpu")
+
+
+def test_hlo_analysis_reads_gpus_program(bench):
+    """`benchmarks/hlo_loss_scaled.py` on the MLP, lowered for GPU here: jaxamp's check adds one
+    reduction per gradient leaf (Flax's count), one pass, nothing written between passes, and
+    no conditional; lowered for CPU, the block form and (donated) the branch."""
+    path = _PATH.parent / "hlo_loss_scaled.py"
+    spec = importlib.util.spec_from_file_location("hlo_loss_scaled", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.analyse(
+        ["mlp"], ["fp32"], ["plain", "loss_scaled_in_place", "flax"], ["cpu", "cuda"]
+    )
+    got = {(r["variant"], r["donated"], r["platform"]): r for r in rows}
+    flax = got["flax", True, "cuda"]
+    gpu = got["loss_scaled_in_place", True, "cuda"]
+    assert gpu["extra_reductions"] == flax["extra_reductions"] == 7  # leaves of >= 1024
+    assert gpu["extra_reduced_elements"] == 1.0 and gpu["extra_partial_bytes"] == 0
+    assert gpu["conditionals"] == 0 and gpu["callbacks"] == 0
+    cpu = got["loss_scaled_in_place", True, "cpu"]
+    assert cpu["extra_reductions"] > 7 and cpu["extra_partial_bytes"] > 0
+    assert cpu["conditionals"] == 1
