@@ -10,7 +10,7 @@ figure as unreliable where the CI is wide, the spread large or the machine loade
 are set equal on both sides (`--threads`, default every core) and recorded. Cells this hardware
 cannot run (torch's bf16 LSTM without AVX-512, no GPU) are listed with the reason, not timed.
 
-Gate: correctness first. Each round's runs go through `parity.verdicts.compare`; a failing verdict is
+Gate: correctness first. Each round's runs go through `parity.verdicts.judge`; a failing verdict is
 reported in the "parity" column.
 
     python benchmarks/bench_parity.py --out benchmarks/results/parity_cpu_ci.json
@@ -36,7 +36,7 @@ from parity.cli.commands import CLI_DEFAULTS  # noqa: E402
 from parity.core.config import RunConfig  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
 from parity.perf import measure, speed  # noqa: E402
-from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.judge import compare_runs  # noqa: E402
 
 # Batch sizes that give each model a few ms of work per step on a 2-core CPU. torch's float16
 # kernels on CPU are ~200x slower: fp16-mixed runs are tiny and only indicative there.

@@ -44,8 +44,7 @@ from parity.replay.rows import replay_verdicts
 from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
-from parity.verdicts.compare import compare_runs
-from parity.verdicts.power import judge
+from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import overall_status
 
 __all__ = ["ParityResult", "compare_models", "replay_loop"]
@@ -334,7 +333,7 @@ def compare_models(
 
     Both start from the torch module's current weights (`transfer` converts them), see the same
     batches in the same order and use the same optimizer, schedule, clipping and loss scaling;
-    the verdicts and tolerances are `parity.verdicts.compare`'s.
+    the verdicts and tolerances are `parity.verdicts.judge`'s.
 
     Args:
       torch_module: a ``torch.nn.Module``; ``forward(inputs)`` returns logits, or a Hugging Face
@@ -370,9 +369,9 @@ def compare_models(
       step0: run the step-0 checks (`parity.verdicts.step0`) first and skip training when they fail.
       noise: ``"none"`` (default), ``"torch"``, ``"jax"`` or ``"both"``: calibration runs from
         weights nudged by one ulp (`parity.verdicts.calibrate.noise_runs`), so a chaotic model's per-step
-        gap is judged against its own self-divergence (`parity.verdicts.compare`, noise-calibrated mode).
+        gap is judged against its own self-divergence (`parity.verdicts.judge`, noise-calibrated mode).
       seeds: data orders per framework (``--seeds``); >= 2 decides final loss and eval metric
-        by an equivalence test (`parity.verdicts.power`). Other orders of user batches are
+        by an equivalence test (`parity.verdicts.judge`). Other orders of user batches are
         seeded permutations of them (a BatchStream: its own stream at the next seeds).
       threads: intra-op CPU threads for torch and XLA alike (``--threads``,
         `parity.perf.measure.set_threads`; call before JAX has started for XLA's count to apply).
@@ -470,13 +469,13 @@ def compare_models(
         noise=noise,
         seeds=seeds,
     )
-    verdicts = judge(runs, compare_runs(runs))
+    verdicts = compare_runs(runs)
     done = seeds
     # Escalation: one more data order per framework until the equivalence test decides.
     while budget is not None and done < budget and overall_status(verdicts) == "INCONCLUSIVE":
         runs += seed_runs(run_config, pair, done + 1, first=done, progress=progress)
         done += 1
-        verdicts = judge(runs, compare_runs(runs))
+        verdicts = compare_runs(runs)
     report_path = write_outputs(out_dir, runs)[2] if out_dir is not None else None
     status = overall_status(verdicts)
     return ParityResult(

@@ -39,8 +39,7 @@ from parity.report.markdown import write_report
 from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
-from parity.verdicts.compare import compare_runs
-from parity.verdicts.power import judge
+from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import Verdict, cell_configs, format_verdicts, overall_status
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
@@ -273,7 +272,7 @@ def calibration_runs(
       skip_keys: `parity.core.records.run_key`s already done (a resumed matrix).
 
     Returns:
-      Run records (``variant="noise"`` or another ``data_seed``), for `parity.verdicts.compare`.
+      Run records (``variant="noise"`` or another ``data_seed``), for `parity.verdicts.judge`.
     """
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1; got {seeds!r}.")
@@ -321,14 +320,14 @@ def write_outputs(
     Returns:
       ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"``
       or ``"NOTHING COMPARED"`` (`parity.verdicts.rows.overall_status`); the rows are
-      `parity.verdicts.compare.compare_runs`'s with power (`parity.verdicts.power.judge`).
+      `parity.verdicts.judge.compare_runs`'s.
     """
     out = Path(out_dir)
     data = merge_runs(out, runs) if runs is not None else load_results(out)
     outer = current()
     with clock() as report_clock:
         with phase("verdicts"):
-            verdicts = judge(data["runs"], compare_runs(data["runs"]))
+            verdicts = compare_runs(data["runs"])
     status = overall_status(verdicts)
     if echo:
         print(format_verdicts(verdicts, cell_configs(data["runs"])))

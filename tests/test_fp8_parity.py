@@ -122,7 +122,7 @@ def test_step0_catches_a_wrong_recipe(monkeypatch):
 def test_short_fp8_run_passes_verdicts(tmp_path):
     from parity.training.train_jax import train_jax
     from parity.training.train_torch import train_torch
-    from parity.verdicts.compare import compare_runs
+    from parity.verdicts.judge import compare_runs
 
     pair = get_model_pair("mlp", seed=0)
     config = RunConfig(model="mlp", precision="fp8-tensorwise", steps=4, batch_size=8, eval=False)

@@ -239,7 +239,7 @@ def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
     assert "Runs that raised" in (out / "report.md").read_text()
 
 
-# --- issue 14 / FAULTS 30: invalid files, nothing compared, no finite values ----------------------
+# --- invalid files, nothing compared, no finite values ------------------------------------------
 
 
 def _synthetic(framework, precision="fp32", losses=(2.3, 2.0, 1.8), scales=None, skipped=None):

@@ -25,7 +25,7 @@ from parity.core.records import comparable_labels, load_results  # noqa: E402
 from parity.distributed import DistributedPlan, run_distributed  # noqa: E402
 from parity.distributed.procs import live_worker_pids  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
-from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.judge import compare_runs  # noqa: E402
 
 TINY = {"image_shape": (4, 4, 3), "hidden": 8}
 TINY_ARGS = ["--model-override", "image_shape=[4,4,3]", "--model-override", "hidden=8"]

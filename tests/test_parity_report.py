@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 import parity  # noqa: E402
 from parity.report.markdown import write_report  # noqa: E402
-from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.judge import compare_runs  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 

@@ -26,7 +26,7 @@ from parity.core.config import RunConfig  # noqa: E402
 from parity.core.records import load_results, write_json_atomic  # noqa: E402
 from parity.data import DataSpec, load_text  # noqa: E402
 from parity.report import markdown as report  # noqa: E402
-from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.judge import compare_runs  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 

@@ -24,7 +24,7 @@ from parity.training.steps import (  # noqa: E402
 )
 from parity.training.train_jax import train_jax  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
-from parity.verdicts.compare import compare_runs  # noqa: E402
+from parity.verdicts.judge import compare_runs  # noqa: E402
 
 # optax/flax internals need JAX's standard promotion; torch's profiler and autocast are quiet.
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -243,7 +243,7 @@ def test_diverging_run_is_recorded_not_raised():
         model_overrides=TINY["mlp"],
     )
     torch_run, jax_run = _both(config)
-    from parity.verdicts.compare import compare_runs
+    from parity.verdicts.judge import compare_runs
 
     for run in (torch_run, jax_run):
         summary = run["summary"]

@@ -81,6 +81,10 @@ class Recipe:
         the optimizer's stored state does (the first update is computed from exact moments).
       calibration: the matrix's calibration runs for the recipe (``{"noise": ...}``), merged over
         the model's prescription (`parity.models.calibration_prescribed`); empty: none of its own.
+      verdict_checks: the trajectory checks a trained pair of this recipe is judged by, in
+        order (kinds of `parity.verdicts.checks.CHECKS`: ``"loss"`` per step at float32's
+        bands, ``"fp8 loss"``, ``"fp16 exact"`` (scale trajectory and skip decisions),
+        ``"final loss"``).
     """
 
     name: ClassVar[str] = ""
@@ -93,6 +97,7 @@ class Recipe:
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     first_distinct_step: ClassVar[int] = 0
     calibration: ClassVar[dict[str, Any]] = {}
+    verdict_checks: ClassVar[tuple[str, ...]] = ("loss",)
 
     @property
     def policy(self) -> jaxamp.Policy:
@@ -249,6 +254,7 @@ class _Mixed(Recipe):
     """
 
     torch_dtype_name: ClassVar[str] = "bfloat16"
+    verdict_checks = ("final loss",)
     # jaxamp.autocast's per-op overrides on the JAX side (`with_autocast_overrides`); None: its lists
     autocast_overrides: dict[str, str] | None = None
 
@@ -334,6 +340,7 @@ class Fp16Mixed(_Mixed):
     policy_spec = "fp16-mixed"
     compute_dtype_name = "float16"
     loss_scaling = True
+    verdict_checks = ("fp16 exact", "final loss")
     # The fp16 stress setting (parity.core.config.FP16_STRESS): the short run exercises overflow,
     # backoff and growth. torch's fp16 CPU kernels are slow: tiny runs.
     matrix_plan = {"steps": 20, "batch_size": 4, "init_scale": 2.0**20, "growth_interval": 5}
@@ -371,6 +378,7 @@ class Bf16True(Recipe):
     name = "bf16-true"
     policy_spec = "bf16-true"
     compute_dtype_name = "bfloat16"
+    verdict_checks = ("final loss",)
 
     def torch_convert(self, model: Any, device: Any) -> tuple[Any, dict[str, Any]]:
         del device
@@ -399,6 +407,7 @@ class _Fp8(Recipe):
 
     claims_policy = False
     compute_dtype_name = "float8"
+    verdict_checks = ("fp8 loss", "final loss")
 
     def unsupported(self, arm: str, mode: str | None = None) -> str | None:
         super().unsupported(arm, mode)

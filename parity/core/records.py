@@ -1,6 +1,6 @@
 """Run records: the one schema of ``results.json``, how records are built, validated, merged and written.
 
-``results.json`` is ``{"runs": [run, ...]}`` (DESIGN.md). A run record::
+``results.json`` is ``{"runs": [run, ...]}``. A run record::
 
     {"framework": "torch" | "jax", "model", "precision", "policy", "device", "status",
      "seed", "variant", "versions", "hardware", "config", "steps": [step, ...], "summary": {...}}
@@ -9,7 +9,7 @@
 ``"error"`` (the trainer raised; ``summary.error`` says what) or ``"unsupported"`` (this hardware
 cannot run the cell; ``reason`` says why; never a failure). ``variant`` is ``""`` for the run
 that is compared across frameworks and names a calibration run otherwise (``"noise"``: the same
-framework with an ulp-level perturbation, see `parity.verdicts.compare`). A step is ``{"step", "loss",
+framework with an ulp-level perturbation, see `parity.verdicts.judge`). A step is ``{"step", "loss",
 "loss_finite", "loss_scale", "skipped", "time_s"}``; a non-finite loss is stored as null.
 
 Both trainers build their records here (`build_run_record`), so the fields cannot drift, and
@@ -506,7 +506,7 @@ def build_error_record(framework: str, config: Any, error: BaseException) -> dic
 
 
 def build_unsupported_record(framework: str, config: Any, reason: str) -> dict[str, Any]:
-    """The record of a cell this hardware cannot run (FAULTS 29): reported, never a failure.
+    """The record of a cell this hardware cannot run: reported, never a failure.
 
     Args:
       framework: ``"torch"`` or ``"jax"``.

@@ -5,7 +5,7 @@ training starts every worker (`parity.distributed.worker`) as a subprocess it ow
 (`WorkerGroup`: bounded by a timeout, ended by PID on success, failure and Ctrl-C). Each side
 (torch, each JAX mode) is one run record, labelled ``"torch ddp"``, ``"jax:jit ddp"``...; the one
 writer (`parity.cell.write_outputs`) judges them as every cell is judged (`compare_runs` pairs
-torch with each JAX mode of the arm, `parity.verdicts.power.judge` adds power: PASS, FAIL or
+torch with each JAX mode of the arm, `parity.verdicts.judge` judges them: PASS, FAIL or
 INCONCLUSIVE) and writes ``results.json``, ``verdicts.json`` and ``report.md``. The arm's own
 checks are rows stored with the sides (``distributed_verdicts``), judged with the others:
 

@@ -10,8 +10,7 @@ step; summary, config, versions, hardware) and the model's name, task and config
 `parity.golden.export.export_golden` (or ``python -m parity export``) writes it where torch is
 installed; `check_golden` (or ``python -m parity check --golden FILE``) runs only the JAX side and
 judges it with the harness's own verdicts: the step-0 rows of `parity.verdicts.step0_rows`
-against the recorded torch side, then `parity.verdicts.compare.compare_runs` with
-`parity.verdicts.power.judge`'s power (as `parity.cell` judges a cell: every step covered, the
+against the recorded torch side, then `parity.verdicts.judge.compare_runs` (as `parity.cell` judges a cell: every step covered, the
 per-step gradient and update norms where both runs log them) on the recorded torch run and the
 new JAX run. Neither this module nor anything it imports loads torch.
 
@@ -57,8 +56,7 @@ from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
-from parity.verdicts.compare import compare_runs
-from parity.verdicts.power import judge
+from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import (
     Verdict,
     cell_bottom_lines,
@@ -351,8 +349,7 @@ class GoldenResult:
     Attributes:
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``
         (`parity.verdicts.rows.overall_status`).
-      verdicts: the step-0 rows, then `parity.verdicts.compare.compare_runs`'s with
-        `parity.verdicts.power.judge`'s power.
+      verdicts: the step-0 rows, then `parity.verdicts.judge.compare_runs`'s.
       runs: ``[torch's recorded run, the JAX run]``.
       notes: every recorded-versus-current difference and what it changed.
       golden: the golden file checked.
@@ -477,7 +474,7 @@ def check_golden(
     Step 0 first (the harness's rows: outputs and gradients at float32, then at the run's
     precision, and the compute-dtype rows); a failing step 0 stops before training, as in
     `parity.cell.run_cell`. Then the JAX run from the recorded weights on the recorded batches,
-    judged by `parity.verdicts.compare.compare_runs` and `parity.verdicts.power.judge` against
+    judged by `parity.verdicts.judge.compare_runs` against
     torch's recorded run.
 
     Args:
@@ -621,7 +618,7 @@ def check_pair(
         "verdicts": [v.to_dict() for v in step0],
     }
     runs = [golden.torch_run, jax_run]
-    verdicts = judge(runs, compare_runs(runs))
+    verdicts = compare_runs(runs)
     return GoldenResult(overall_status(verdicts), verdicts, runs, notes, golden.path)
 
 

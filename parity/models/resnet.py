@@ -7,7 +7,7 @@ shortcut (torchvision's ``downsample``); global average pool; Linear(num_classes
 have no bias (BatchNorm follows each), as in torchvision.
 
 This is the harness's chaotic test case: BatchNorm with a realistic AdamW learning rate amplifies
-rounding differences from step to step (ANCHORS.md), so a correct port can drift far apart within
+rounding differences from step to step, so a correct port can drift far apart within
 a few steps, while its step-0 outputs and gradients agree to rounding.
 
 ``wrong_port`` builds a deliberately wrong Flax twin (the must-fail cases of the step-0 checks):

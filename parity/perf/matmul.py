@@ -61,7 +61,7 @@ _NUMPY = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # A torch CPU case in bf16/fp16 is not run when the probe predicts its products (timed, warm-up
 # and the correctness check) would take longer than this in all.
 CPU_CASE_BUDGET_S = 30.0
-# Dense peaks, TFLOP/s (data sheets; ANCHORS.md). fp32 is the non-tensor-core rate: TF32 is off.
+# Dense peaks, TFLOP/s (the vendors' data sheets). fp32 is the non-tensor-core rate: TF32 is off.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},
     "H200": {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0},

@@ -1,6 +1,6 @@
 """Step timing and peak memory for both frameworks, on CPU and GPU, each figure with its method.
 
-Timing rule (ANCHORS.md): the device is synchronised before every clock read (JAX:
+Timing rule: the device is synchronised before every clock read (JAX:
 ``block_until_ready``; torch on CUDA: ``torch.cuda.synchronize``), the first `timing_warmup`
 steps are excluded from the median, and compile time is reported apart.
 

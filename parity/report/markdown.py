@@ -47,6 +47,7 @@ from parity.report.plots import (
 )
 from parity.report.timing import phases_section
 from parity.verdicts.rows import (
+    EXCEEDED,
     cell_bottom_lines,
     cell_configs,
     fmt_value,
@@ -293,10 +294,11 @@ def _header(runs, verdicts) -> list[str]:
     status = overall_status(verdicts)
     lines += ["# PyTorch vs JAX parity report", ""]
     inconclusive = sum(v.mode == "inconclusive" for v in verdicts)
+    exceeded = sum(v.mode == EXCEEDED for v in verdicts)
     counts = (
         f"{sum(v.passed is True for v in verdicts)} passed, {len(failed)} failed, "
-        f"{inconclusive} inconclusive (no power), "
-        f"{sum(v.passed is None for v in verdicts) - inconclusive} informational"
+        f"{exceeded} exceeded (excused, undecided), {inconclusive} inconclusive (no power), "
+        f"{sum(v.passed is None for v in verdicts) - inconclusive - exceeded} informational"
     )
     if status == "NOTHING COMPARED":
         lines.append(
@@ -419,7 +421,7 @@ def _verdict_table(verdicts) -> list[str]:
     ]
     for v in verdicts:
         mark = verdict_mark(v)
-        mark = f"**{mark}**" if mark in ("FAIL", "inconclusive") else mark
+        mark = f"**{mark}**" if mark in ("FAIL", "exceeded", "inconclusive") else mark
         lines.append(
             f"| {v.model} | {v.precision} | {v.device} | {v.check} | {v.compared} | {v.value_text} "
             f"| {v.tolerance_text} | {fmt_value(v.power)} | {v.mode} | {mark} |"

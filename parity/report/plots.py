@@ -18,7 +18,6 @@ import numpy as np
 
 from parity.core.records import run_label, write_bytes_atomic
 from parity.perf import speed
-from parity.verdicts.power import step_tolerances
 from parity.verdicts.rows import (
     POWER_BOUNDS,
     TOLERANCES,
@@ -27,6 +26,7 @@ from parity.verdicts.rows import (
     run_losses,
     self_divergence,
 )
+from parity.verdicts.tolerances import step_tolerances
 
 __all__ = [
     "cell_groups",
@@ -289,7 +289,7 @@ def plot_divergence(runs, path: Path) -> bool:
 def plot_gaps(runs, path: Path) -> bool:
     """Gap per step, one panel per cell with a torch/JAX pair: the relative loss gap, and the
     gradient-norm and update-norm gaps where the records carry them, on a log axis against the
-    loss tolerance of each step (`parity.verdicts.power.step_tolerances`, with the cell's
+    loss tolerance of each step (`parity.verdicts.tolerances.step_tolerances`, with the cell's
     self-divergence where calibration runs exist). Unlike the loss curves, it shows a 1e-4 gap.
 
     Returns:

@@ -155,7 +155,8 @@ def train_torch(
       progress: report progress (a bar on a terminal, a plain line every 30 s elsewhere).
 
     Returns:
-      A run record as in DESIGN.md (framework ``"torch"``; ``torch_compile`` in the config).
+      A run record (`parity.core.records.build_run_record`; framework ``"torch"``,
+      ``torch_compile`` in the config).
     """
     if stream is None:
         stream = pair.make_data(config.stream_seed, config.batch_size)

@@ -3,7 +3,7 @@
 `train_framework` calls `parity.training.train_torch.train_torch` or `parity.training.train_jax.train_jax` and turns
 what stops them into records: a cell this machine cannot run (`UnsupportedHere`: no GPU, no
 oneDNN kernel, a recipe an arm cannot run) is an ``unsupported`` record, any other exception an
-``error`` record that `parity.verdicts.compare` fails. The main runs of a cell (`parity.cell`) and its
+``error`` record that `parity.verdicts.judge` fails. The main runs of a cell (`parity.cell`) and its
 calibration runs (`parity.verdicts.calibrate`) both come through here.
 """
 

@@ -2,11 +2,11 @@
 
 - `noise_runs`: the same framework trained again from weights nudged by one ulp (every floating
   parameter moved to the next representable float32 towards +inf). The gap between such a run
-  and the unperturbed one is the model's own noise floor; `parity.verdicts.compare` judges the
+  and the unperturbed one is the model's own noise floor; `parity.verdicts.judge` judges the
   cross-framework gap against it (noise-calibrated mode). Records get ``variant="noise"`` and a
   ``perturbation`` text.
 - `seed_runs`: K data seeds per framework, same initial weights (``RunConfig.data_seed``), for the
-  seed statistics (`parity.verdicts.power`: an equivalence test of final loss and eval metric).
+  seed statistics (`parity.verdicts.builders.seed_equivalence`: an equivalence test of final loss and eval metric).
 
 Neither changes the trainers: a perturbed torch model is a copy, perturbed Flax variables are
 passed as the trainer's initial variables, and seed runs pass their own batch stream.

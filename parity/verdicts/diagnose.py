@@ -501,7 +501,7 @@ def diagnose_config(config: RunConfig, pair: Any = None, step: int = 0) -> Diagn
 
 
 def diagnose_run(run: dict[str, Any], pair: Any = None, step: int = 0) -> Diagnosis:
-    """`diagnose_config` for a run record (``results.json``): what `parity.verdicts.compare` calls when a
+    """`diagnose_config` for a run record (``results.json``): what `parity.verdicts.judge` calls when a
     trajectory verdict fails, to put the per-layer table in the report.
 
     Args:

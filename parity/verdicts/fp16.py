@@ -1,5 +1,5 @@
 """fp16 runs whose skip decisions differ: what overflowed, whether it was a rounding flip, and
-the comparison continued past a flip with the scales realigned (`parity.verdicts.power.judge`
+the comparison continued past a flip with the scales realigned (`parity.verdicts.judge`
 adds these rows to an fp16 pair).
 
 - `fp16_skip_rows`: the first step where the two sides' skip decisions differ. The skipping
@@ -30,23 +30,18 @@ import numpy as np
 
 from parity.core.records import run_label
 from parity.verdicts.rows import Verdict, fmt_value, pair_fields
+from parity.verdicts.tolerances import TOLERANCES
 
 __all__ = [
-    "FP16_FLIP_NOISE_K",
-    "FP16_FLIP_ULPS",
-    "FP16_MAX",
     "explained_steps",
     "flip_window",
     "fp16_realigned_rows",
     "fp16_skip_rows",
 ]
 
-# A skip decision that differs because both sides sat within this many float16 ulps of
-# float16's largest value is a rounding flip, not a port difference.
-FP16_FLIP_ULPS = 4
-# With a calibration run: the window is this many times the model's own spread (see above).
-FP16_FLIP_NOISE_K = 2.0
-FP16_MAX = 65504.0
+FP16_FLIP_ULPS = TOLERANCES["fp16_flip_ulps"]
+FP16_FLIP_NOISE_K = TOLERANCES["fp16_flip_noise_k"]
+FP16_MAX = TOLERANCES["fp16_max"]
 
 Calibration = Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
 
@@ -166,6 +161,7 @@ def fp16_skip_rows(ref, cand, calibration: Calibration = ()) -> list[Verdict]:
                 mode="informational" if flip else "exact",
                 first_failing_step=i,
                 power=0.0,
+                kind="fp16 skip",
                 **pair_fields(ref, cand),
             )
         )
@@ -284,6 +280,7 @@ def fp16_realigned_rows(ref, cand, flip: int, calibration: Calibration = ()) -> 
             detail=detail,
             mode=mode,
             first_failing_step=unexplained[0] if unexplained else None,
+            kind="fp16 realigned",
             **base,
         )
     ]
@@ -318,6 +315,7 @@ def fp16_realigned_rows(ref, cand, flip: int, calibration: Calibration = ()) -> 
                 detail=detail,
                 mode="exact",
                 first_failing_step=min((step for _, step, _ in bad), default=None),
+                kind="fp16 replayed",
                 **base,
             )
         )

@@ -21,13 +21,14 @@ Gaussian errors of deviation ``sigma`` is about ``sigma * sqrt(2 ln(2 N V))``. `
 the sources the loss rows use (`eval_logit_band`):
 
 - step 0 (the same weights on both sides): ``max(1e-4, 8 u(compute dtype))``: the fp32 loss band
-  of step 0 (`parity.verdicts.power.step_band`), or 8 unit roundoffs of the dtype the logits
+  of step 0 (`parity.verdicts.tolerances.step_band`), or 8 unit roundoffs of the dtype the logits
   are computed in (bfloat16 3.1e-2, float16 3.9e-3, float8_e4m3 0.5: inconclusive unless it
   fails), `parity.verdicts.tolerance.SAFETY` times the one rounding a stored logit carries.
 - after training, fp32: the per-step loss tolerance of the last step
-  (`parity.verdicts.power.step_tolerances`: the fixed bands, or noise-calibrated with
-  calibration runs); past step 30 uncalibrated a failure is inconclusive, as the loss rows'
-  (`parity.verdicts.power.UNCALIBRATED_NOTE`); above the loss bound (20%) the row is beyond the
+  (`parity.verdicts.tolerances.step_tolerances`: the fixed bands, or noise-calibrated with
+  calibration runs); past step 30 uncalibrated a failure is excused (exceeded, not failed) and a
+  pass stands, as for the loss rows'
+  (`parity.verdicts.qualifiers.UNCALIBRATED_NOTE`); above the loss bound (20%) the row is beyond the
   horizon: inconclusive unless it fails even that.
 - after training, below fp32: the final-loss band (5%, or ``k`` times the self-divergence
   envelope at the end when larger), at least the step-0 ``eps``.
@@ -56,11 +57,9 @@ from scipy import special
 
 from parity.core.recipes import get_recipe
 from parity.core.records import eval_logit_sample, run_label
-from parity.verdicts.power import CHAOS_STEP, UNCALIBRATED_NOTE, step_band, step_tolerances
+from parity.verdicts.qualifiers import EXCEEDED, UNCALIBRATED_NOTE
 from parity.verdicts.rows import (
     LOSS_UNIT,
-    POWER_BOUNDS,
-    TOLERANCES,
     Verdict,
     fmt_value,
     loss_floor,
@@ -68,17 +67,15 @@ from parity.verdicts.rows import (
     run_losses,
 )
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
+from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
 
 __all__ = [
-    "TOP_K",
     "eval_logit_band",
     "logit_rows",
     "token_kl",
     "top1_agrees",
     "topk_agreement",
 ]
-
-TOP_K = 5
 
 
 def _float64(logits: Any) -> np.ndarray:
@@ -131,7 +128,7 @@ def _same_shape(reference: Any, candidate: Any) -> tuple[np.ndarray, np.ndarray]
     return a, b
 
 
-def topk_agreement(reference: Any, candidate: Any, k: int = TOP_K) -> np.ndarray:
+def topk_agreement(reference: Any, candidate: Any, k: int = TOLERANCES["top_k"]) -> np.ndarray:
     """Per-token share of the `k` largest logits the two sides have in common: ``|top_k(ref) ∩
     top_k(cand)| / k`` (``k = 1``: 1.0 where the argmax agrees, else 0.0).
 
@@ -274,6 +271,7 @@ def logit_rows(
                     detail="the two records sampled different eval tokens (positions or inputs "
                     "differ): the eval batches are not the same data, so nothing else was compared",
                     mode="exact",
+                    kind="logit tokens",
                     **base,
                 )
             )
@@ -295,7 +293,7 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
         kl = token_kl(z_ref, z_cand)
         mean_kl, max_kl, worst = float(np.mean(kl)), float(np.max(kl)), int(np.argmax(kl))
         top1 = float(np.mean(topk_agreement(z_ref, z_cand, 1)))
-        top5 = float(np.mean(topk_agreement(z_ref, z_cand, min(TOP_K, vocab))))
+        top5 = float(np.mean(topk_agreement(z_ref, z_cand, min(TOLERANCES["top_k"], vocab))))
         margin = 2 * math.sqrt(2 * spread) * eps * np.sqrt(ms)
         agrees = top1_agrees(z_ref, z_cand, margin)
     else:
@@ -303,14 +301,20 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
         worst, top1, top5, agrees = 0, 0.0, 0.0, np.zeros(tokens, bool)
     kl_passed: bool | None = mean_kl <= mean_tol and max_kl <= max_tol
     top_passed: bool | None = bool(agrees.all())
-    notes = []
-    if eps > POWER_BOUNDS["loss"]:
-        notes.append(
-            f"beyond the horizon: the model's own divergence makes eps {fmt_value(eps)}, above "
-            f"the loss bound {fmt_value(POWER_BOUNDS['loss'])}: a pass decides nothing"
-        )
-    elif mode == "fixed bands" and step > CHAOS_STEP and _compute_dtype(ref) == "float32":
-        notes.append(UNCALIBRATED_NOTE)
+    # Beyond the horizon a pass has no power; past the chaos step, uncalibrated, a failure is
+    # excused (exceeded, not failed) as the loss rows' are, and a pass stands.
+    beyond = (
+        f"beyond the horizon: the model's own divergence makes eps {fmt_value(eps)}, above "
+        f"the loss bound {fmt_value(POWER_BOUNDS['loss'])}: a pass decides nothing"
+        if eps > POWER_BOUNDS["loss"]
+        else None
+    )
+    uncalibrated = (
+        beyond is None
+        and mode == "fixed bands"
+        and step > TOLERANCES["chaos_step"]
+        and _compute_dtype(ref) == "float32"
+    )
     where = (
         f"{tokens} tokens of the first eval batch x vocab {vocab}, eval mode, after {step} "
         f"update(s); eps {fmt_value(eps)} ({source}): could detect a relative logit difference "
@@ -318,11 +322,10 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
     )
 
     def finish(passed, detail, row_mode):
-        if notes and passed is not None:
-            if passed:  # no power: never a pass
-                return None, "inconclusive", f"{detail}; {notes[0]}"
-            if notes[0] is UNCALIBRATED_NOTE:
-                return None, "inconclusive", f"{detail}; {notes[0]}"
+        if beyond is not None and passed:  # no power: never a pass
+            return None, "inconclusive", f"{detail}; {beyond}"
+        if uncalibrated and passed is False:
+            return None, EXCEEDED, f"{detail}; {UNCALIBRATED_NOTE}"
         return passed, row_mode, detail
 
     kl_passed, kl_mode, kl_detail = finish(
@@ -335,7 +338,7 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
     disagree = int(np.sum(~agrees))
     top_passed, top_mode, top_detail = finish(
         top_passed,
-        f"top-1 agreement {top1:.3f}, top-{min(TOP_K, vocab)} overlap {top5:.3f}; "
+        f"top-1 agreement {top1:.3f}, top-{min(TOLERANCES['top_k'], vocab)} overlap {top5:.3f}; "
         + (
             f"{disagree} token(s) whose top-1 differs by more than a near-tie "
             "(2 sqrt(2 ln(2NV)) eps rms(z) of the largest logit)"
@@ -356,6 +359,7 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
             absolute=max_kl,
             unit=LOSS_UNIT,
             power=eps,
+            kind="logit kl",
             **base,
         ),
         Verdict(
@@ -366,6 +370,7 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
             detail=top_detail,
             mode=top_mode,
             power=eps,
+            kind="logit top1",
             **base,
         ),
     ]

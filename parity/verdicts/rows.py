@@ -1,7 +1,7 @@
-"""Verdict rows and the numbers they are made of: one `Verdict` per check, the fixed bands
-(`TOLERANCES`), per-step relative gaps with their floor, the self-divergence envelope, and what
-is said about a set of rows (`overall_status`, `cell_bottom_lines`, `format_verdicts`).
-`parity.verdicts.compare` makes the rows; `parity.verdicts.step0`, the distributed runner and the report use them.
+"""Verdict rows and the numbers they are made of: one `Verdict` per check, per-step relative
+gaps with their floor, the self-divergence envelope, and what is said about a set of rows
+(`overall_status`, `cell_bottom_lines`, `format_verdicts`). `parity.verdicts.judge` makes a
+trained pair's rows; `parity.verdicts.step0`, the distributed runner and the report use them.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 
 from parity.core.flags import run_arguments
 from parity.core.records import run_label
+from parity.verdicts.checks import CHECKS
+from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES
 
 __all__ = [
-    "DECIDING_SEEDS",
+    "EXCEEDED",
     "LOSS_UNIT",
     "PADDING_CHECK",
-    "POWER_BOUNDS",
-    "TOLERANCES",
     "WEAK_CHECKS",
     "cell_bottom_lines",
     "cell_configs",
@@ -47,38 +47,16 @@ __all__ = [
 ]
 
 
-TOLERANCES = {
-    "fp32_first": (10, 1e-4),  # (steps, relative tolerance)
-    "fp32_next": (30, 1e-3),  # and 1e-3 after step 29 (`parity.verdicts.power.judge`)
-    "final_loss_rel": 0.05,
-    "final_window": 5,
-    "final_loss_floor_frac": 0.01,  # of the first loss: the relative gap's denominator floor
-    "noise_k": 10.0,  # the cross-framework gap may be k times the self-divergence envelope
-    "noise_floor": 2.0**-24,  # smallest self-divergence credited at step 0 (a float32 half-ulp)
-    "noise_lag": 2,  # steps the envelope is read ahead (see the module docstring)
-    "seed_confidence": 0.95,  # Welch's t-test level
-    "seed_accuracy_floor": 0.01,  # absolute floor for accuracy differences
-}
-
-
-# The largest tolerance a check may have and still decide (`Verdict.power` above it: the row is
-# inconclusive, never a pass). Gradients and outputs, compared normwise: a relative error of 1 is
-# what an all-zero result scores, so a band at or above 1 passes a model that computes nothing.
-# Losses, relative: the built-in pairs' losses fall by 30-60% over a 30-40 step run (cross-entropy
-# from ~ln(classes)), so a check blind to 20% cannot tell a model that trains from one that
-# barely does; 20% is also 4x the final-loss band (5%) a correct port is held to.
-# Gradient and update norms are scalar summaries of a step, as a loss is: the same 20%.
-POWER_BOUNDS = {"loss": 0.2, "norm": 0.2, "relative error": 1.0}
+# The mode of a row that exceeded its band with power and whose failure a stated reason excuses
+# (`parity.verdicts.qualifiers`): undecided, never a FAIL, never inside a PASS.
+EXCEEDED = "exceeded"
 
 # Checks that can pass a wrong port whatever their figures: they never make a cell PASS.
 WEAK_CHECKS = ("no divergence", "run completed")
 
 # The step-0 row naming torch embedding rows that never train (`parity.verdicts.step0_checks`);
-# `parity.verdicts.power` reads it from the run records to explain a trajectory that parts.
+# `parity.verdicts.judge` reads it from the run records to explain a trajectory that parts.
 PADDING_CHECK = "step 0: embedding rows torch never trains (padding_idx)"
-
-# Data seeds the bottom line asks for when a cell is inconclusive.
-DECIDING_SEEDS = 5
 
 
 LOSS_UNIT = "nats"  # mean cross-entropy
@@ -102,6 +80,8 @@ class Verdict:
       step0_gap: relative loss gap at step 0 (None where not measured).
       absolute: the absolute difference behind `value`, in `unit`.
       unit: unit of `absolute` (``"nats"`` for losses).
+      kind: the row's check kind (`parity.verdicts.checks.CHECKS`; empty for rows made outside
+        the judging pass): with the steps it covers, the row's identity.
       power: the smallest relative difference the check could have detected (its tolerance for
         a band, 0 for an exact comparison, the equivalence margin for seed statistics); None
         where it cannot be stated. A row that would pass with a power above its bound
@@ -131,16 +111,17 @@ class Verdict:
     absolute: float | None = None
     unit: str = ""
     power: float | None = None
+    kind: str = ""
 
     def __post_init__(self) -> None:
-        # Every row states its power; a pass that could not have failed is no pass (STYLE 18).
+        # Every row states its power; a pass that could not have failed is no pass.
         power = self.power
         if power is None and isinstance(self.tolerance, int | float):
             power = float(self.tolerance)
         elif power is None and self.mode == "exact":
             power = 0.0
         object.__setattr__(self, "power", power)
-        bound = power_bound(self.check)
+        bound = power_bound(self.check, self.kind)
         if self.passed is True and power is not None and bound is not None and not power <= bound:
             object.__setattr__(self, "passed", None)
             object.__setattr__(self, "mode", "inconclusive")
@@ -149,7 +130,7 @@ class Verdict:
                 "detail",
                 (self.detail + "; " if self.detail else "")
                 + f"no power: the tolerance {fmt_value(power)} exceeds the bound "
-                f"{fmt_value(bound)} for a {_quantity(self.check)} (a difference up to "
+                f"{fmt_value(bound)} for a {_quantity(self.check, self.kind)} (a difference up to "
                 f"{fmt_value(power)} would pass), so this row decides nothing",
             )
 
@@ -181,22 +162,28 @@ class Verdict:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _quantity(check: str) -> str:
+def _quantity(check: str, kind: str = "") -> str:
+    if kind:
+        return CHECKS[kind].quantity
+    # rows made outside the judging pass (step 0) carry no kind: their label says the quantity
     if "gradient norm" in check or "update norm" in check:
         return "norm"
     return "loss" if "loss" in check and "loss scale" not in check else "relative error"
 
 
-def power_bound(check: str) -> float | None:
-    """The largest tolerance a check named `check` may have and still decide (`POWER_BOUNDS`):
-    a loss check's (``"loss"`` in its name) and a gradient or update norm's 20%, any other
+def power_bound(check: str, kind: str = "") -> float | None:
+    """The largest tolerance a row may have and still decide (`POWER_BOUNDS`): by its `kind`'s
+    quantity (`parity.verdicts.checks.CHECKS`); a row without a kind (step 0), by its label: a
+    loss check's (``"loss"`` in its name) and a gradient or update norm's 20%, any other
     relative check's 1.
 
     Example:
       >>> power_bound("final loss (mean of last 5)"), power_bound("step 0 fp32: gradients")
       (0.2, 1.0)
+      >>> power_bound("per-step update norm, steps 0-9", "update norm")
+      0.2
     """
-    return POWER_BOUNDS[_quantity(check)]
+    return POWER_BOUNDS[_quantity(check, kind)]
 
 
 def is_decisive(v: Verdict) -> bool:
@@ -210,12 +197,12 @@ def is_decisive(v: Verdict) -> bool:
         return False
     if v.mode == "step 0" or v.check.startswith(("step 0", "compute dtype")):
         return False
-    return v.power is None or v.power <= (power_bound(v.check) or math.inf)
+    return v.power is None or v.power <= (power_bound(v.check, v.kind) or math.inf)
 
 
 def deciding_command(
     cell: tuple[str, str, str],
-    seeds: int = DECIDING_SEEDS,
+    seeds: int = TOLERANCES["deciding_seeds"],
     config: Mapping[str, Any] | None = None,
 ) -> str:
     """The command that decides an inconclusive cell: seed statistics (an equivalence test,
@@ -345,11 +332,12 @@ def overall_status(verdicts: Sequence[Verdict]) -> str:
 
     - ``"FAIL"``: a verdict failed;
     - ``"NOTHING COMPARED"``: no torch/JAX pair was compared;
-    - ``"PASS"``: nothing failed and every compared cell has a decisive check (`is_decisive`:
-      a pass with power, past step 0);
-    - ``"INCONCLUSIVE"``: nothing failed, but some compared cell has no decisive check (only
-      step 0, rows without power, informational rows): see `cell_bottom_lines` for the
-      command that would decide.
+    - ``"PASS"``: nothing failed, nothing exceeded its band (`EXCEEDED` rows: excused, not
+      failed) and every compared cell has a decisive check (`is_decisive`: a pass with power,
+      past step 0);
+    - ``"INCONCLUSIVE"``: nothing failed, but some compared cell has a row that exceeded its
+      band or no decisive check (only step 0, rows without power, informational rows): see
+      `cell_bottom_lines` for the cause and the command that would decide.
 
     Example:
       >>> overall_status([])
@@ -361,6 +349,7 @@ def overall_status(verdicts: Sequence[Verdict]) -> str:
     if not compared or not any(v.passed is True for v in verdicts):
         return "NOTHING COMPARED" if not _judged(verdicts) else "INCONCLUSIVE"
     decided = {v.cell for v in verdicts if is_decisive(v)}
+    decided -= {v.cell for v in verdicts if v.mode == EXCEEDED}
     return "PASS" if compared <= decided else "INCONCLUSIVE"
 
 
@@ -369,11 +358,11 @@ _NOT_COMPARED = ("nothing compared", "unsupported here")
 
 def _judged(verdicts: Sequence[Verdict]) -> bool:
     """Something was compared and judged, passing or not (inconclusive rows count)."""
-    return any(v.mode == "inconclusive" for v in verdicts)
+    return any(v.mode in ("inconclusive", EXCEEDED) for v in verdicts)
 
 
 def _why_inconclusive(v: Verdict) -> str:
-    bound = power_bound(v.check)
+    bound = power_bound(v.check, v.kind)
     if v.power is not None and bound is not None and v.power > bound:
         return f"{v.check}: tolerance {fmt_value(v.power)} above the bound {fmt_value(bound)}"
     return f"{v.check}: undecided"
@@ -405,7 +394,8 @@ def cell_bottom_lines(
     configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
 ) -> dict[tuple[str, str, str], str]:
     """One parity sentence per cell: PASS naming its decisive check, FAIL naming the first
-    failing one, or INCONCLUSIVE naming what lacked power and the command that would decide
+    failing one, or INCONCLUSIVE naming the first row that exceeded its band (excused, not
+    failed), else what lacked power, and the command that would decide
     (`deciding_command`: with the cell's run config from `configs`, where given, that run's
     settings).
 
@@ -422,6 +412,8 @@ def cell_bottom_lines(
         passed = [v for v in rows if v.passed is True]
         decisive = [v for v in rows if is_decisive(v)]
         inconclusive = [v for v in rows if v.mode == "inconclusive"]
+        exceeded = [v for v in rows if v.mode == EXCEEDED]
+        command = deciding_command(cell, seeds_to_decide(rows), (configs or {}).get(cell))
         if failed:
             first = failed[0]
             where = (
@@ -434,13 +426,27 @@ def cell_bottom_lines(
                 f"{where}{'; ' + first.mode if first.mode else ''}"
                 + (f"; {len(failed) - 1} more failing check(s)" if len(failed) > 1 else "")
             )
+        elif exceeded:
+            first = exceeded[0]
+            where = (
+                f", first at step {first.first_failing_step}"
+                if first.first_failing_step is not None
+                else ""
+            )
+            out[cell] = (
+                f"parity INCONCLUSIVE: {first.check} exceeded its band ({first.value_text} "
+                f"against {first.tolerance_text}{where}) and is excused, not failed (its note "
+                "says why)"
+                + (f"; {len(exceeded) - 1} more such row(s)" if len(exceeded) > 1 else "")
+                + f"; to decide: {command}"
+            )
         elif decisive:
             modes = sorted({v.mode for v in passed if v.mode and v.mode != "exact"})
             best = min(decisive, key=lambda v: math.inf if v.power is None else v.power)
             info = [
                 v
                 for v in rows
-                if v.passed is None and v.mode == "informational" and "scale" in v.check
+                if v.passed is None and v.mode == "informational" and v.kind == "scale"
             ]
             text = (
                 f"parity PASS: {len(passed)} checks"
@@ -465,8 +471,7 @@ def cell_bottom_lines(
             out[cell] = (
                 "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
                 + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
-                + "; to decide: "
-                + deciding_command(cell, seeds_to_decide(rows), (configs or {}).get(cell))
+                + f"; to decide: {command}"
             )
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
@@ -478,17 +483,21 @@ _SEEDS_NEEDED = re.compile(r"about (\d+) seeds per framework would decide")
 
 
 def seeds_to_decide(rows: Sequence[Verdict]) -> int:
-    """`DECIDING_SEEDS`, or more where an undecided equivalence row (`parity.verdicts.power`)
+    """The tolerance table's ``deciding_seeds``, or more where an undecided equivalence row (`parity.verdicts.builders.seed_equivalence`)
     says how many seeds its observed spread needs (the fewest of its rows: one decides)."""
     needed = [
         int(m.group(1)) for v in rows if (m := _SEEDS_NEEDED.search(v.detail or "")) is not None
     ]
-    return max(DECIDING_SEEDS, min(needed, default=DECIDING_SEEDS))
+    least = TOLERANCES["deciding_seeds"]
+    return max(least, min(needed, default=least))
 
 
 def verdict_mark(v: Verdict) -> str:
-    """``"pass"``, ``"FAIL"``, ``"inconclusive"`` (no power) or ``"info"``."""
+    """``"pass"``, ``"FAIL"``, ``"exceeded"`` (exceeded its band, excused, undecided),
+    ``"inconclusive"`` (no power) or ``"info"``."""
     if v.passed is None:
+        if v.mode == EXCEEDED:
+            return "exceeded"
         return "inconclusive" if v.mode == "inconclusive" else "info"
     return "pass" if v.passed else "FAIL"
 
@@ -535,8 +544,16 @@ def format_verdicts(
     for v in failed:
         lines.append(f"FAIL {v.model} {v.precision} {v.check}: {v.detail}")
     status = overall_status(verdicts)
+    exceeded = [v for v in verdicts if v.mode == EXCEEDED]
+    for v in exceeded:
+        lines.append(
+            f"EXCEEDED (not failed, undecided) {v.model} {v.precision} {v.check}: {v.detail}"
+        )
     inconclusive = sum(v.mode == "inconclusive" for v in verdicts)
-    lines.append(f"{passed} passed, {len(failed)} failed, {inconclusive} inconclusive: {status}")
+    lines.append(
+        f"{passed} passed, {len(failed)} failed, {len(exceeded)} exceeded (excused, undecided), "
+        f"{inconclusive} inconclusive (no power): {status}"
+    )
     if status == "INCONCLUSIVE":
         for cell, text in cell_bottom_lines(verdicts, configs).items():
             if text.startswith("parity INCONCLUSIVE"):

@@ -17,7 +17,7 @@
   informational): a torch ``nn.Embedding(padding_idx=i)`` gives row ``i`` a zero gradient, where
   the Flax ``Embed`` it maps to trains it (BERT's word embeddings, ``pad_token_id`` 0). That row
   is left out of the gradient comparison (`mask_padding_rows`), and the trajectory rows past step
-  0 say it (`parity.verdicts.power`).
+  0 say it (`parity.verdicts.judge`).
 
 `explain_failure` then names the cause of a failed step 0 on the diagnosis: a non-layer check
 (stochastic layers, the compute dtype) before any layer, and the probe's first failing layer

@@ -1,0 +1,793 @@
+"""The rows each check of a trained torch/JAX pair makes (the checks: `parity.verdicts.checks.CHECKS`).
+
+A check says what series is compared, by which tolerance rule, and which power bound its
+quantity has; a recipe names the trajectory checks that apply to it
+(`parity.core.recipes.Recipe.verdict_checks`), the others apply wherever their series was
+recorded. Each builder takes the pair's one context (`parity.verdicts.judge.Pair`: runs,
+envelope, per-step tolerances, seed groups) and returns `Row` drafts; `parity.verdicts.judge`
+applies the qualifiers (`parity.verdicts.qualifiers`) and freezes them into `Verdict` rows.
+
+The rules:
+
+- ``loss`` (recipes computing in float32): the relative gap ``|L_jax - L_torch| /
+  max(|L_torch|, 1% of the first torch loss)`` per step, within the fixed bands (1e-4 for steps
+  0-9, 1e-3 after) or, with calibration runs (the same framework from weights nudged by one
+  ulp), ``max(band(s), k * min(r * env(s + lag), max env))``
+  (`parity.verdicts.tolerances.step_tolerances`). Windows 0-9 and 10-29, then the rest of the
+  run; a window whose tolerance climbs above the loss bound is split at the horizon: the steps
+  after it decide nothing unless they fail even that tolerance.
+- ``fp8 loss``: step 0 at the fp32 band, steps 1-9 at e4m3's unit roundoff.
+- ``scale`` and ``skips`` (loss-scaled recipes): identical loss-scale trajectory and skip
+  decisions, step for step; a run without a scale event tested nothing (informational).
+- ``final loss`` (below float32): the mean of the last 5 losses within 5% relative, or ``k``
+  times the envelope at the end when larger.
+- ``grad norm`` / ``update norm``: per step, `signal_factor` times the loss tolerance of the
+  step (fp32, or the signal's own calibrated tolerance where larger); below float32 the
+  final-loss band times `signal_factor`.
+- seed statistics with K >= 2 data seeds per framework: ``equivalence loss`` / ``equivalence
+  eval`` (two one-sided Welch tests against a margin) decide; ``welch loss`` / ``welch eval``
+  (a difference test) are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from parity.core.records import run_label
+from parity.verdicts.checks import CHECKS
+from parity.verdicts.rows import (
+    LOSS_UNIT,
+    Verdict,
+    final_mean,
+    fmt_value,
+    run_losses,
+    signal_envelope,
+    signal_gaps,
+)
+from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
+
+__all__ = ["Row", "equivalence"]
+
+
+@dataclasses.dataclass
+class Row:
+    """A row being judged: `Verdict`'s fields, its identity (`kind`, `window`: the steps it
+    covers) and what the qualifiers need; `freeze` makes the `Verdict`."""
+
+    kind: str
+    check: str
+    value: Any
+    tolerance: Any
+    passed: bool | None
+    detail: str = ""
+    mode: str = ""
+    window: tuple[int, int] | None = None
+    first_failing_step: int | None = None
+    worst_step: int | None = None
+    step0_gap: float | None = None
+    absolute: float | None = None
+    unit: str = ""
+    power: float | None = None
+    split_at_chaos: bool = False  # an uncalibrated per-step row: past the chaos step undecided
+    seeds_needed: int | None = None  # an undecided equivalence row: seeds that would decide
+    late: bool = False  # listed after the pair's first rows (signals, seeds, fp16 explanations)
+    qualified: list[str] = dataclasses.field(default_factory=list)
+
+    def quantity(self) -> str:
+        return CHECKS[self.kind].quantity
+
+    def bound(self) -> float:
+        return POWER_BOUNDS[self.quantity()]
+
+    def stated_power(self) -> float | None:
+        """The smallest difference this row could detect: its `power`, else a numeric
+        tolerance, else 0 for an exact comparison."""
+        if self.power is not None:
+            return self.power
+        if isinstance(self.tolerance, int | float):
+            return float(self.tolerance)
+        return 0.0 if self.mode == "exact" else None
+
+    def freeze(self, base: dict[str, Any]) -> Verdict:
+        return Verdict(
+            check=self.check,
+            value=self.value,
+            tolerance=self.tolerance,
+            passed=self.passed,
+            detail=self.detail,
+            mode=self.mode,
+            first_failing_step=self.first_failing_step,
+            worst_step=self.worst_step,
+            step0_gap=self.step0_gap,
+            absolute=self.absolute,
+            unit=self.unit,
+            power=self.stated_power(),
+            kind=self.kind,
+            **base,
+        )
+
+    @classmethod
+    def of(cls, kind: str, verdict: Verdict, late: bool = False) -> Row:
+        """A row from a `Verdict` a helper module built (fp16 explanations, logits)."""
+        fields = {
+            f.name: getattr(verdict, f.name)
+            for f in dataclasses.fields(Verdict)
+            if f.name not in ("model", "precision", "device", "compared", "kind")
+        }
+        return cls(kind=kind, late=late, **fields)
+
+
+# --- the fp32 per-step loss ---------------------------------------------------------------------
+
+
+def loss_windows(pair) -> list[Row]:
+    """Windows 0-9 and 10-29 (and the rest with calibration runs), each split at the horizon
+    where its tolerance climbs above the loss bound."""
+    gaps, tolerances, envelope = pair.gaps, pair.tolerances, pair.envelope
+    n = len(gaps)
+    if n == 0:
+        return [
+            Row(
+                "loss",
+                "per-step loss",
+                "no steps on both sides",
+                "at least one step",
+                False,
+                "nothing to compare: a run recorded no steps",
+                mode="fixed bands",
+            )
+        ]
+    first, second = TOLERANCES["fp32_first"][0], TOLERANCES["fp32_next"][0]
+    windows = [(0, first), (first, second)]
+    if envelope is not None and n > second:
+        windows.append((second, n))
+    rows: list[Row] = []
+    for start, stop in windows:
+        stop = min(stop, n)
+        if start >= stop:
+            continue
+        power = max(tolerances[start:stop])
+        row = _compare_window(pair, start, stop)
+        if row.passed is True and power > POWER_BOUNDS["loss"]:
+            rows += split_at_horizon(
+                pair, "loss", "per-step loss", gaps, tolerances, start, stop, "loss"
+            )
+        else:
+            row.power = power
+            rows.append(row)
+    covered = max((r.window[1] for r in rows if r.window), default=0)
+    if covered < n:
+        rows += split_at_horizon(
+            pair, "loss", "per-step loss", gaps, tolerances, covered, n, "loss", late=True
+        )
+    return rows
+
+
+def _compare_window(pair, start: int, stop: int) -> Row:
+    gaps, tolerances, envelope = pair.gaps, pair.tolerances, pair.envelope
+    ref, cand = pair.ref, pair.cand
+    ref_l, cand_l = pair.ref_losses, pair.cand_losses
+    k = TOLERANCES["noise_k"]
+    step0 = gaps[0] if gaps else None
+    window_tols = tolerances[start:stop]
+    deciders = [
+        "noise-calibrated" if t > step_band(s) else "fixed bands"
+        for s, t in zip(range(start, stop), window_tols, strict=True)
+    ]
+    segment = gaps[start:stop]
+    failing = [
+        start + i for i, (g, t) in enumerate(zip(segment, window_tols, strict=True)) if not g <= t
+    ]
+    margins = [g / t for g, t in zip(segment, window_tols, strict=True)]
+    worst_i = max(range(len(segment)), key=lambda i: (margins[i], segment[i]))
+    worst_step = start + worst_i
+    judge_i = failing[0] - start if failing else worst_i
+    mode = "noise-calibrated" if "noise-calibrated" in deciders else "fixed bands"
+    a, b = ref_l[worst_step], cand_l[worst_step]
+    absolute = abs(a - b) if a is not None and b is not None else None
+    parts = [f"step-0 gap {fmt_value(step0)} relative"]
+    if failing:
+        parts.append(
+            f"first failing step {failing[0]} ({len(failing)} of {stop - start} steps fail)"
+        )
+    else:
+        parts.append("no step fails")
+    parts.append(
+        f"worst step {worst_step}: {fmt_value(segment[worst_i])} relative ({fmt_value(absolute, LOSS_UNIT)}; "
+        f"{run_label(ref)} {fmt_value(a)}, {run_label(cand)} {fmt_value(b)}) vs tolerance {fmt_value(window_tols[worst_i])}"
+    )
+    if envelope is not None:
+        s = start + judge_i
+        lag = TOLERANCES["noise_lag"]
+        env_s = envelope[min(s + lag, len(envelope) - 1)]
+        parts.append(
+            f"self-divergence ({pair.calibrated_by}) by step {s}+{lag}: {fmt_value(env_s)}; tolerance at step {s} "
+            f"{fmt_value(window_tols[judge_i])} from the {deciders[judge_i]}"
+            + (
+                f" (k={k:g}, rescaled x{pair.ratio:.3g} to the step-0 gap)"
+                if deciders[judge_i] != "fixed bands"
+                else ""
+            )
+        )
+    if envelope is None or mode == "fixed bands":
+        tolerance_value: Any = step_band(start)
+    else:
+        tolerance_value = f"max({step_band(start):.0e}, {k:g} x envelope)"
+    return Row(
+        "loss",
+        f"per-step loss, steps {start}-{stop - 1}",
+        segment[judge_i],
+        tolerance_value,
+        not failing,
+        "; ".join(parts),
+        mode=mode,
+        window=(start, stop),
+        first_failing_step=failing[0] if failing else None,
+        worst_step=worst_step,
+        step0_gap=step0,
+        absolute=absolute,
+        unit=LOSS_UNIT,
+    )
+
+
+def split_at_horizon(
+    pair, kind, prefix, gaps, tolerances, start, stop, what, calibrated=None, late=False
+) -> list[Row]:
+    """Per-step rows over steps [start, stop) of a series: uncalibrated, the steps from the
+    chaos step on in a window of their own; each window split at its horizon (the last step
+    whose tolerance is within the bound, counting from its start)."""
+    calibrated = pair.calibrated if calibrated is None else calibrated
+    chaos = TOLERANCES["chaos_step"]
+    if calibrated or stop <= chaos:
+        pieces = [(start, stop)]
+    else:
+        split = max(start, chaos)
+        pieces = [(start, split), (split, stop)]
+    rows: list[Row] = []
+    for a, b in pieces:
+        rows += _horizon(pair, kind, prefix, gaps, tolerances, a, b, what, calibrated)
+    for row in rows:
+        row.split_at_chaos = not calibrated
+        row.late = late or row.late
+    return rows
+
+
+# Why a window past its horizon decides nothing: (the cause, with {low}, {high} and {bound};
+# the remedy; the label's words; the mode where a step exceeds even that tolerance).
+_CALIBRATED_CAUSE = (
+    "the model's own divergence makes the tolerance {low}-{high}, above the bound {bound}",
+    "(inconclusive; seed statistics decide: --seeds)",
+    "beyond the horizon",
+    "noise-calibrated",
+)
+
+
+def _horizon(
+    pair, kind, prefix, gaps, tolerances, start, stop, what, calibrated, cause=_CALIBRATED_CAUSE
+) -> list[Row]:
+    if start >= stop:
+        return []
+    bound = POWER_BOUNDS[CHECKS[kind].quantity]
+    horizon = start
+    while horizon < stop and tolerances[horizon] <= bound:
+        horizon += 1
+    rows = []
+    if horizon > start:
+        label = f"{prefix}, steps {start}-{horizon - 1}"
+        if horizon < stop:
+            label += " (horizon)"
+        row = _window_row(kind, label, gaps, tolerances, start, horizon, bound, what, calibrated)
+        if horizon == 1:  # step 0 alone: the gate's business, never what makes a PASS
+            row.mode = "step 0"
+        rows.append(row)
+    if horizon < stop:
+        rows.append(
+            _beyond_row(
+                kind,
+                f"{prefix}, steps {horizon}-{stop - 1} ({cause[2]})",
+                gaps,
+                tolerances,
+                horizon,
+                stop,
+                bound,
+                what,
+                cause,
+            )
+        )
+    return rows
+
+
+def _window_row(kind, check, gaps, tolerances, start, stop, bound, what, calibrated) -> Row:
+    segment = gaps[start:stop]
+    tols = tolerances[start:stop]
+    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    worst = max(range(len(segment)), key=lambda i: (segment[i] / tols[i], segment[i]))
+    judge_i = failing[0] - start if failing else worst
+    return Row(
+        kind,
+        check,
+        segment[judge_i],
+        max(tols),
+        not failing,
+        f"{what}: "
+        + (
+            f"first failing step {failing[0]} ({len(failing)} of {stop - start} fail); "
+            if failing
+            else "no step fails; "
+        )
+        + f"worst step {start + worst}: {fmt_value(segment[worst])} relative against "
+        f"{fmt_value(tols[worst])}; could detect a relative difference of "
+        f"{fmt_value(min(tols))} at its most sensitive step, {fmt_value(max(tols))} at every "
+        f"step (bound {fmt_value(bound)})",
+        mode="noise-calibrated" if calibrated else "fixed bands",
+        window=(start, stop),
+        first_failing_step=failing[0] if failing else None,
+        worst_step=start + worst,
+        power=max(tols),
+    )
+
+
+def _beyond_row(kind, check, gaps, tolerances, start, stop, bound, what, cause) -> Row:
+    segment, tols = gaps[start:stop], tolerances[start:stop]
+    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    why = cause[0].format(
+        low=fmt_value(min(tols)), high=fmt_value(max(tols)), bound=fmt_value(bound)
+    )
+    return Row(
+        kind,
+        check,
+        max(segment),
+        max(tols),
+        False if failing else None,
+        f"{what} {cause[2]}: {why}"
+        + (
+            f"; yet step {failing[0]} exceeds even that"
+            if failing
+            else f": these steps could not have failed a port bug and decide nothing {cause[1]}"
+        ),
+        mode=cause[3] if failing else "inconclusive",
+        window=(start, stop),
+        first_failing_step=failing[0] if failing else None,
+        power=max(tols),
+    )
+
+
+# --- fp8, fp16, final loss ----------------------------------------------------------------------
+
+
+def fp8_loss(pair) -> list[Row]:
+    """Step 0 at the fp32 band (both sides hold the same fp8 codes there), steps 1-9 at e4m3's
+    unit roundoff (a summation-order flip moves a code by one step)."""
+    gaps = pair.gaps[: TOLERANCES["fp32_first"][0]]
+    if not gaps:
+        return [
+            Row("fp8 loss", "per-step loss", "no steps on both sides", "at least one step", False)
+        ]
+    band = TOLERANCES["fp8_step_band"]
+    tolerances = [step_band(0)] + [band] * (len(gaps) - 1)
+    failing = [i for i, (g, t) in enumerate(zip(gaps, tolerances, strict=True)) if not g <= t]
+    worst = max(range(len(gaps)), key=lambda i: gaps[i] / tolerances[i])
+    return [
+        Row(
+            "fp8 loss",
+            f"per-step loss, steps 0-{len(gaps) - 1} (fp8)",
+            gaps[worst],
+            f"{fmt_value(step_band(0))} at step 0, {fmt_value(band)} after",
+            not failing,
+            f"step-0 gap {fmt_value(gaps[0])} relative; worst step {worst}"
+            + (f"; first failing step {failing[0]}" if failing else ""),
+            mode="fixed bands",
+            window=(0, len(gaps)),
+            step0_gap=gaps[0],
+            worst_step=worst,
+        )
+    ]
+
+
+def _scale_events(steps) -> int:
+    events = 0
+    previous = None
+    for step in steps:
+        scale = step.get("loss_scale")
+        if step.get("skipped"):
+            events += 1
+        elif previous is not None and scale is not None and scale != previous:
+            events += 1
+        previous = scale
+    return events
+
+
+def fp16_exact(pair) -> list[Row]:
+    """The loss-scale trajectory and the skip decisions, identical step for step."""
+    ref, cand = pair.ref, pair.cand
+    n = min(len(ref["steps"]), len(cand["steps"]))
+    events = max(_scale_events(ref["steps"][:n]), _scale_events(cand["steps"][:n]))
+    no_event = events == 0
+    note = (
+        f"no scale event (no skip, no growth) in {n} steps: the scaler was not exercised, so "
+        "this is informational, not a pass; use the fp16 stress setting (init scale 2**20, "
+        "growth interval 5: `--fp16-stress`)"
+    )
+    scales_ref = [s.get("loss_scale") for s in ref["steps"][:n]]
+    scales_cand = [s.get("loss_scale") for s in cand["steps"][:n]]
+    diff = [i for i in range(n) if scales_ref[i] != scales_cand[i]]
+    final = scales_ref[-1] if n else None
+    untested = no_event and not diff and n
+    detail = (
+        f"{n} steps, {events} scale events; final scale {final}"
+        if not diff
+        else f"step {diff[0]}: {run_label(ref)} {scales_ref[diff[0]]}, {run_label(cand)} {scales_cand[diff[0]]}"
+    )
+    rows = [
+        Row(
+            "scale",
+            "loss-scale trajectory",
+            "identical" if not diff else f"differs from step {diff[0]}",
+            "identical",
+            False if diff or n == 0 else (None if no_event else True),
+            note if untested else detail,
+            mode="informational" if untested else "exact",
+            window=(0, n),
+            first_failing_step=diff[0] if diff else None,
+        )
+    ]
+    skips_ref = [bool(s.get("skipped")) for s in ref["steps"][:n]]
+    skips_cand = [bool(s.get("skipped")) for s in cand["steps"][:n]]
+    diff = [i for i in range(n) if skips_ref[i] != skips_cand[i]]
+    untested = no_event and not diff and n
+    rows.append(
+        Row(
+            "skips",
+            "skip decisions",
+            f"identical ({sum(skips_ref)} skipped)" if not diff else f"differ at steps {diff[:5]}",
+            "identical",
+            False if diff or n == 0 else (None if no_event else True),
+            note if untested else f"skipped steps: {[i for i in range(n) if skips_ref[i]][:10]}",
+            mode="informational" if untested else "exact",
+            window=(0, n),
+            first_failing_step=diff[0] if diff else None,
+        )
+    )
+    return rows
+
+
+def final_loss(pair) -> list[Row]:
+    """The mean of the last losses within the final-loss band (or k x the envelope at the end)."""
+    ref, cand, envelope = pair.ref, pair.cand, pair.envelope
+    window = TOLERANCES["final_window"]
+    ref_l, cand_l = pair.ref_losses, pair.cand_losses
+    a, b = final_mean(ref_l, window), final_mean(cand_l, window)
+    floor = pair.floor
+    value = math.inf if a is None or b is None else abs(a - b) / max(abs(a), floor, 1e-30)
+    tolerance = TOLERANCES["final_loss_rel"]
+    mode = "fixed bands"
+    detail = (
+        f"{run_label(ref)} {fmt_value(a, LOSS_UNIT)}, {run_label(cand)} {fmt_value(b, LOSS_UNIT)}; "
+        f"difference {fmt_value(None if a is None or b is None else abs(a - b), LOSS_UNIT)}, "
+        f"relative to max(|{run_label(ref)}|, floor {fmt_value(floor, LOSS_UNIT)} = 1% of the first loss)"
+    )
+    if envelope:
+        env_final = envelope[min(len(envelope), len(ref_l)) - 1]
+        noise = TOLERANCES["noise_k"] * env_final
+        if noise > tolerance:
+            tolerance, mode = noise, "noise-calibrated"
+            detail += (
+                f"; self-divergence at the end {fmt_value(env_final)}: tolerance k x envelope "
+                "(one run cannot tell chaos from a port bug here: use seed statistics)"
+            )
+    passed: bool | None = value <= tolerance
+    if pair.seeds_decide:
+        passed, mode = None, "informational"
+        detail += "; decided by the seed statistics row"
+    n = len(ref_l)
+    return [
+        Row(
+            "final loss",
+            f"final loss (mean of last {window})",
+            value,
+            tolerance,
+            passed,
+            detail,
+            mode=mode,
+            window=(max(0, n - window), n),
+            absolute=None if a is None or b is None else abs(a - b),
+            unit=LOSS_UNIT,
+        )
+    ]
+
+
+def max_gap(pair) -> list[Row]:
+    """Informational: the largest per-step loss gap over the whole run."""
+    gaps, envelope = pair.gaps, pair.envelope
+    if not gaps:
+        return []
+    finite = [g for g in gaps if math.isfinite(g)]
+    worst = max(finite) if finite else math.inf
+    return [
+        Row(
+            "max gap",
+            "max per-step loss difference (all steps)",
+            worst,
+            "—",
+            None,
+            f"step-0 gap {fmt_value(gaps[0])}; worst at step {gaps.index(worst) if finite else '—'}"
+            + (f"; self-divergence at the end {fmt_value(envelope[-1])}" if envelope else ""),
+            mode="informational",
+            window=(0, len(gaps)),
+            step0_gap=gaps[0],
+            worst_step=gaps.index(worst) if finite else None,
+        )
+    ]
+
+
+def eval_metric(pair) -> list[Row]:
+    """Informational: the eval metric of each side."""
+    ref, cand = pair.ref, pair.cand
+    ea, eb = ref["summary"].get("eval_metric"), cand["summary"].get("eval_metric")
+    if ea is None or eb is None:
+        return []
+    name = ref["summary"].get("eval_metric_name", "metric")
+    return [
+        Row(
+            "eval",
+            f"eval {name}: {run_label(ref)} {ea:.4g}, {run_label(cand)} {eb:.4g}",
+            abs(ea - eb),
+            "—",
+            None,
+            mode="informational",
+            absolute=abs(ea - eb),
+            unit="" if name == "accuracy" else LOSS_UNIT,
+        )
+    ]
+
+
+# --- gradient and update norms -------------------------------------------------------------------
+
+
+def signals(pair) -> list[Row]:
+    """Per-step gradient norm and update norm rows, where both runs recorded them."""
+    n = len(pair.gaps)
+    factor = TOLERANCES["signal_factor"]
+    rows: list[Row] = []
+    for field, kind, name in (
+        ("grad_norm", "grad norm", "gradient norm"),
+        ("update_norm", "update norm", "update norm"),
+    ):
+        signal = signal_gaps(pair.ref, pair.cand, field)
+        if signal is None or not n:
+            continue
+        signal = [0.0 if s in pair.skipped_apart else g for s, g in enumerate(signal)]
+        m = min(len(signal), n)
+        own = None
+        if pair.fp32:
+            tols = [factor * t for t in pair.tolerances[:m]]
+            own = signal_envelope(pair.noise, pair.mains, field)
+            if own:  # the signal's own rounding divergence, where it outruns the loss's
+                own_tols = step_tolerances(signal[:m], own)
+                tols = [max(t, o) for t, o in zip(tols, own_tols, strict=False)]
+        else:  # below float32: the final-loss band per step, as a rounding-level check
+            tols = [factor * TOLERANCES["final_loss_rel"]] * m
+        what = (
+            f"{name} (unscaled, before clipping; {factor:g} x the loss tolerance"
+            + (", or its own noise-calibrated tolerance where larger)" if own else ")")
+            if field == "grad_norm"
+            else f"{name} (||params after - params before||)"
+        )
+        if not pair.fp32:  # a fixed band: no chaos split, no horizon, its own cause
+            fixed = _horizon(
+                pair, kind, f"per-step {name}", signal[:m], tols, 0, m, what, False, _FIXED_CAUSE
+            )
+            for row in fixed:
+                row.late = True
+            rows += fixed
+            continue
+        rows += split_at_horizon(
+            pair,
+            kind,
+            f"per-step {name}",
+            signal[:m],
+            tols,
+            0,
+            m,
+            what,
+            calibrated=pair.calibrated,
+            late=True,
+        )
+    return rows
+
+
+# Below float32 a norm is held to `signal_factor` x the final-loss band: a fixed band, set by the
+# precision, not by the model's divergence; no calibration or seed count changes it.
+_FIXED_CAUSE = (
+    "below float32 the band is fixed at {high} (signal_factor x the final-loss band), above the "
+    "bound {bound}",
+    "(no power at this precision: a calibration run or more seeds would not change a fixed "
+    "band; the final loss decides here, and the fp32 cell judges the norms step by step)",
+    "no power",
+    "fixed bands",
+)
+
+
+# --- seed statistics ----------------------------------------------------------------------------
+
+
+def _welch(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """(t, degrees of freedom, two-sided p) of Welch's test; p = 1 when both have no spread."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var_x = sum((x - mean_x) ** 2 for x in xs) / (len(xs) - 1)
+    var_y = sum((y - mean_y) ** 2 for y in ys) / (len(ys) - 1)
+    se2 = var_x / len(xs) + var_y / len(ys)
+    if se2 == 0:
+        return (
+            (0.0 if mean_x == mean_y else math.inf),
+            math.nan,
+            1.0 if mean_x == mean_y else 0.0,
+        )
+    result = stats.ttest_ind(xs, ys, equal_var=False)
+    df = se2**2 / ((var_x / len(xs)) ** 2 / (len(xs) - 1) + (var_y / len(ys)) ** 2 / (len(ys) - 1))
+    return float(result.statistic), float(df), float(result.pvalue)
+
+
+def _seed_series(refs):
+    window = TOLERANCES["final_window"]
+    name = refs[0]["summary"].get("eval_metric_name", "metric")
+    return [
+        ("loss", "final loss", lambda r: final_mean(run_losses(r), window), "loss"),
+        ("eval", f"eval {name}", lambda r: r["summary"].get("eval_metric"), name),
+    ]
+
+
+def welch(pair) -> list[Row]:
+    """Welch's t-test of final loss and eval metric over the seeds (a difference test)."""
+    refs, cands = pair.seed_refs, pair.seed_cands
+    alpha = 1 - TOLERANCES["seed_confidence"]
+    first_losses = [run_losses(r)[0] for r in refs if r["steps"] and run_losses(r)[0] is not None]
+    floor_loss = TOLERANCES["final_loss_floor_frac"] * (
+        sum(abs(x) for x in first_losses) / len(first_losses) if first_losses else 0.0
+    )
+    rows = []
+    for series, label, get, metric in _seed_series(refs):
+        accuracy = metric == "accuracy"
+        floor = TOLERANCES["seed_accuracy_floor"] if accuracy else floor_loss
+        unit = "" if accuracy else LOSS_UNIT
+        kind = f"welch {series}"
+        xs, ys = [get(r) for r in refs], [get(r) for r in cands]
+        if any(v is None for v in xs + ys):
+            if series == "eval" and all(v is None for v in xs + ys):
+                continue
+            rows.append(
+                Row(
+                    kind,
+                    f"{label} over seeds (Welch t-test)",
+                    "missing values",
+                    f"p >= {alpha:g}",
+                    False,
+                    "a seed run has no finite final value",
+                    mode="seed statistics",
+                    unit=unit,
+                )
+            )
+            continue
+        t, df, p = _welch(xs, ys)
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        sd = lambda v, m: (sum((a - m) ** 2 for a in v) / (len(v) - 1)) ** 0.5  # noqa: E731
+        difference = abs(mean_y - mean_x)
+        u = (" " + unit) if unit else ""
+        rows.append(
+            Row(
+                kind,
+                f"{label} over seeds (Welch t-test)",
+                p,
+                f"p >= {alpha:g} or diff <= floor",
+                p >= alpha or difference <= floor,
+                f"Welch's two-sample t-test, two-sided, {TOLERANCES['seed_confidence']:.0%} confidence: "
+                f"t = {t:.3g}, df = {df:.3g}, p = {p:.3g}; {run_label(refs[0])} {mean_x:.4g} ± {sd(xs, mean_x):.2g}, "
+                f"{run_label(cands[0])} {mean_y:.4g} ± {sd(ys, mean_y):.2g} (mean ± sd over seeds); "
+                f"difference {difference:.3g}{u} (absolute floor {floor:.3g}{u})",
+                mode="seed statistics",
+                absolute=difference,
+                unit=unit,
+            )
+        )
+    return rows
+
+
+def equivalence(
+    xs: Sequence[float], ys: Sequence[float], margin: float, alpha: float = 0.05
+) -> tuple[bool | None, float, float]:
+    """Two one-sided tests (Welch) of ``|mean(ys) - mean(xs)| < margin`` at level `alpha`.
+
+    Returns ``(decision, low, high)``: the ``1 - 2 alpha`` confidence interval of
+    ``mean(ys) - mean(xs)``, and True (inside the margin: equivalent), False (wholly outside:
+    different) or None (undecided: more seeds).
+
+    Example:
+      >>> equivalence([1.0, 1.01, 0.99], [1.0, 1.02, 0.98], margin=0.1)[0]
+      True
+    """
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    if x.std() == 0 and y.std() == 0:
+        low = high = float(y.mean() - x.mean())
+    else:
+        interval = stats.ttest_ind(y, x, equal_var=False).confidence_interval(1 - 2 * alpha)
+        low, high = float(interval.low), float(interval.high)
+    if -margin < low and high < margin:
+        return True, low, high
+    if low >= margin or high <= -margin:
+        return False, low, high
+    return None, low, high
+
+
+def seeds_needed(xs, ys, margin, alpha=0.05) -> int:
+    """Seeds per framework at which the observed spread and difference would decide."""
+    spread = max(float(np.std(xs, ddof=1)), float(np.std(ys, ddof=1)), 1e-12)
+    room = abs(margin - abs(float(np.mean(ys) - np.mean(xs))))
+    z = stats.norm.ppf(1 - alpha)
+    return max(len(xs) + 1, math.ceil(2 * (z * spread / max(room, 1e-12)) ** 2))
+
+
+def seed_equivalence(pair) -> list[Row]:
+    """Final loss and eval metric over the seeds: equivalent within the margin (TOST)."""
+    refs, cands = pair.seed_refs, pair.seed_cands
+    alpha = TOLERANCES["seed_alpha"]
+    rows = []
+    for series, label, get, metric in _seed_series(refs):
+        xs, ys = [get(r) for r in refs], [get(r) for r in cands]
+        if any(v is None for v in xs + ys):
+            continue  # the Welch row says which value is missing
+        if metric == "accuracy":
+            margin, relative = TOLERANCES["seed_margin_accuracy"], None
+        else:
+            scale = abs(float(np.mean(xs))) or 1.0
+            relative = TOLERANCES["seed_margin_loss"]
+            margin = relative * scale
+        decision, low, high = equivalence(xs, ys, margin, alpha)
+        unit = "" if metric == "accuracy" else f" {LOSS_UNIT}"
+        detail = (
+            f"TOST (two one-sided Welch tests, alpha {alpha:.0%}): the {1 - 2 * alpha:.0%} interval "
+            f"of the difference is [{low:.3g}, {high:.3g}]{unit} against the margin +-{margin:.3g}{unit}"
+            + (f" ({relative:.0%} of the torch mean)" if relative is not None else " (absolute)")
+            + f"; torch {np.mean(xs):.4g}, jax {np.mean(ys):.4g} over {len(xs)} seeds"
+        )
+        needed = None
+        if decision is None:
+            needed = seeds_needed(xs, ys, margin, alpha)
+            detail += (
+                f"; undecided: about {needed} seeds per framework would decide at this spread "
+                "(--seeds N)"
+            )
+        elif decision is False:
+            detail += "; the frameworks differ by more than the margin"
+        rows.append(
+            Row(
+                f"equivalence {series}",
+                f"{label} over seeds (equivalence)",
+                max(abs(low), abs(high)),
+                f"+-{margin:.3g}{unit}"
+                + (f" ({relative:.0%} of torch's mean)" if relative is not None else ""),
+                decision,
+                detail,
+                mode="seed statistics" if decision is not None else "inconclusive",
+                absolute=abs(float(np.mean(ys) - np.mean(xs))),
+                unit=unit.strip(),
+                power=relative if relative is not None else margin,
+                seeds_needed=needed,
+                late=True,
+            )
+        )
+    return rows
+
+
+def structural(pair) -> list[Row]:
+    """Informational rows naming a structural difference between the two models (a weight
+    mapping that folds trainable tensors, embedding padding rows torch never trains)."""
+    return [
+        Row("structural", check, value, "—", None, detail, mode="informational", late=True)
+        for check, value, detail in pair.structural_rows
+    ]

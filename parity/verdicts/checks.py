@@ -1,0 +1,57 @@
+"""The checks of a trained torch/JAX pair, as a table: each row kind, the series it compares,
+its tolerance rule and its quantity (which power bound applies:
+`parity.verdicts.tolerances.POWER_BOUNDS`). A row's identity is its kind (`Verdict.kind`) and the
+steps it covers, never its label. `parity.verdicts.builders` makes the rows of each kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CHECKS", "Check"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One kind of row: the series it compares, its tolerance rule, its quantity (which power
+    bound applies: `parity.verdicts.rows.POWER_BOUNDS`)."""
+
+    kind: str
+    series: str
+    rule: str
+    quantity: str
+
+
+CHECKS: dict[str, Check] = {
+    c.kind: c
+    for c in (
+        Check("completed", "run status", "exact", "relative error"),
+        Check("divergence", "loss finiteness", "exact", "relative error"),
+        Check("left out", "calibration run settings", "informational", "relative error"),
+        Check("loss", "per-step loss", "fixed band or calibrated envelope", "loss"),
+        Check("fp8 loss", "per-step loss, steps 0-9", "fixed band", "loss"),
+        Check("scale", "loss-scale trajectory", "exact", "loss"),
+        Check("skips", "skip decisions", "exact", "relative error"),
+        Check("final loss", "mean of the last losses", "fixed band or calibrated envelope", "loss"),
+        Check("max gap", "per-step loss over the run", "informational", "loss"),
+        Check("eval", "eval metric", "informational", "relative error"),
+        Check("grad norm", "per-step gradient norm", "fixed band or calibrated envelope", "norm"),
+        Check("update norm", "per-step update norm", "fixed band or calibrated envelope", "norm"),
+        Check("welch loss", "final loss over seeds", "difference test", "loss"),
+        Check("welch eval", "eval metric over seeds", "difference test", "relative error"),
+        Check("equivalence loss", "final loss over seeds", "equivalence margin", "loss"),
+        Check("equivalence eval", "eval metric over seeds", "equivalence margin", "relative error"),
+        Check("fp16 skip", "first differing skip decision", "flip window", "relative error"),
+        Check(
+            "fp16 realigned",
+            "skips after a flip, scales realigned",
+            "flip window",
+            "relative error",
+        ),
+        Check("fp16 replayed", "each side's scale from its own skips", "exact", "relative error"),
+        Check("logit tokens", "eval tokens sampled", "exact", "relative error"),
+        Check("logit kl", "eval logits, per-token KL", "logit band", "relative error"),
+        Check("logit top1", "eval logits, top-1 agreement", "logit band", "relative error"),
+        Check("structural", "weight mapping and padding rows", "informational", "relative error"),
+    )
+}

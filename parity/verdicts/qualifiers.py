@@ -1,0 +1,179 @@
+"""The one ordered list of qualifiers: each turns a judged row of a trained pair undecided
+(``passed`` None) for one stated reason, before the row is frozen into a `Verdict`.
+
+Two outcomes come out of them. A row whose tolerance is above its power bound passed without
+power: ``"inconclusive"``. A row that **exceeded** its band with power, and whose failure one
+reason excuses (no band calibrated to the model's own chaos past step 30, a structural
+difference of the two models, a departure from the rounding floor), is ``"exceeded"``: never a
+FAIL, and never inside a PASS either (`parity.verdicts.rows.overall_status`): its cell is
+INCONCLUSIVE with the command that would decide it.
+
+A qualifier is a predicate on a `Row` and its pair's context (`Pair`, `parity.verdicts.judge`)
+with the reason it adds to the row's detail and the mode it gives the row. They are applied in
+`QUALIFIERS`' order; a row's identity is its ``kind`` and ``window``, never its label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from parity.verdicts.rows import fmt_value
+from parity.verdicts.tolerances import TOLERANCES
+
+if TYPE_CHECKING:
+    from parity.verdicts.builders import Row
+
+__all__ = [
+    "ADAPTIVE_UPDATE_NOTE",
+    "EXCEEDED",
+    "QUALIFIERS",
+    "Qualifier",
+    "UNCALIBRATED_NOTE",
+    "qualify",
+]
+
+CHAOS_STEP = TOLERANCES["chaos_step"]
+
+EXCEEDED = "exceeded"  # the mode of a row that exceeded its band and was excused, not failed
+
+UNCALIBRATED_NOTE = (
+    f"exceeded, not failed: from step {CHAOS_STEP} on, no band is calibrated to this "
+    "model's own float32 divergence (a correct port's gap grows by chaotic amplification); "
+    "decide with --noise torch (self-divergence) or seed statistics (equivalence: the seeds "
+    "the cell's deciding command names)"
+)
+
+# AdamW divides each element's moment by its own magnitude: an element whose gradient is zero in
+# exact arithmetic but rounding noise in floats (a bias before a BatchNorm, a padded row) moves by
+# up to lr * |g| / (|g| + eps) either way, so the update norm measures rounding there, not the port.
+ADAPTIVE_UPDATE_NOTE = (
+    "informational under AdamW: each element's step is its gradient over its own magnitude, so "
+    "parameters whose exact gradient is zero (a bias before BatchNorm) move by rounding noise "
+    "and set the update norm; judged under SGD"
+)
+
+WELCH_NOTE = "a difference test that does not reject proves nothing: the equivalence row decides"
+
+# Row kinds (`parity.verdicts.checks.CHECKS`) each qualifier looks at.
+_PER_STEP = ("loss", "fp8 loss", "grad norm", "update norm")
+_STRUCTURAL = (*_PER_STEP, "final loss", "welch loss", "equivalence loss")
+_DEPARTURE = ("loss", "grad norm", "final loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qualifier:
+    """One reason a judged row decides nothing.
+
+    Attributes:
+      name: what it is, e.g. ``"no power"``.
+      applies: ``(row, pair) -> bool``.
+      note: ``(row, pair) -> str``: the reason added to the row's detail.
+      mode: the mode the row gets (``"inconclusive"``, ``"informational"``), or None to keep its own.
+    """
+
+    name: str
+    applies: Callable[[Row, Any], bool]
+    note: Callable[[Row, Any], str]
+    mode: str | None
+
+
+def _no_power_note(row: Row, pair: Any) -> str:
+    power, bound = row.stated_power(), row.bound()
+    return (
+        f"no power: the tolerance {fmt_value(power)} exceeds the bound {fmt_value(bound)} for a "
+        f"{row.quantity()} (a difference up to {fmt_value(power)} would pass), so this row "
+        "decides nothing"
+    )
+
+
+def _no_power(row: Row, pair: Any) -> bool:
+    power, bound = row.stated_power(), row.bound()
+    return row.passed is True and power is not None and bound is not None and not power <= bound
+
+
+def _uncalibrated(row: Row, pair: Any) -> bool:
+    return (
+        row.kind in _PER_STEP
+        and row.split_at_chaos
+        and row.window is not None
+        and row.window[0] >= CHAOS_STEP
+        and row.passed is False
+    )
+
+
+def _flip(row: Row, pair: Any) -> bool:
+    flip = pair.flip
+    return (
+        flip is not None
+        and row.kind in ("scale", "skips")
+        and row.first_failing_step in (flip, flip + 1)
+    )
+
+
+def _flip_note(row: Row, pair: Any) -> str:
+    return (
+        f"explained: a rounding flip at step {pair.flip} (both sides within the flip window of "
+        "float16's max: its fp16 skip row); the scales part there, and the rows after the flip "
+        "(scales realigned) decide"
+    )
+
+
+def _structural(row: Row, pair: Any) -> bool:
+    return (
+        bool(pair.structural)
+        and row.passed is False
+        and row.kind in _STRUCTURAL
+        and (row.first_failing_step is None or row.first_failing_step > 0)
+    )
+
+
+def _departure(row: Row, pair: Any) -> bool:
+    departure = pair.departure
+    return (
+        departure is not None
+        and row.passed is False
+        and row.kind in _DEPARTURE
+        and (row.first_failing_step is None or row.first_failing_step >= departure[0])
+    )
+
+
+QUALIFIERS: tuple[Qualifier, ...] = (
+    Qualifier("no power", _no_power, _no_power_note, "inconclusive"),
+    Qualifier("uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED),
+    Qualifier(
+        "adaptive update",
+        lambda row, pair: row.kind == "update norm" and pair.adaptive,
+        lambda row, pair: ADAPTIVE_UPDATE_NOTE,
+        "informational",
+    ),
+    Qualifier(
+        "seed statistics decide",
+        lambda row, pair: row.kind in ("welch loss", "welch eval"),
+        lambda row, pair: WELCH_NOTE,
+        "informational",
+    ),
+    Qualifier("fp16 flip", _flip, _flip_note, "informational"),
+    Qualifier(
+        "structural difference",
+        _structural,
+        lambda row, pair: "; ".join(pair.structural),
+        EXCEEDED,
+    ),
+    Qualifier("rounding departure", _departure, lambda row, pair: pair.departure[1], EXCEEDED),
+)
+
+
+def qualify(row: Row, pair: Any) -> Row:
+    """`row` with every qualifier of `QUALIFIERS` that applies, in order: ``passed`` None, the
+    qualifier's mode, its reason appended to the detail. Changes `row` in place and returns it."""
+    for q in QUALIFIERS:
+        if q.applies(row, pair):
+            note = q.note(row, pair)
+            row.passed = None
+            if q.mode is not None:
+                row.mode = q.mode
+            row.detail = f"{row.detail}; {note}" if row.detail else note
+            row.qualified.append(q.name)
+    return row
