@@ -158,7 +158,7 @@ def test_features_in_another_order_fail_step0(monkeypatch):
 def test_short_mx_run_passes_verdicts():
     from parity.training.train_jax import train_jax
     from parity.training.train_torch import train_torch
-    from parity.verdicts.compare import compare_runs
+    from parity.verdicts.judge import compare_runs
 
     pair, _, _ = _small_mlp()
     config = RunConfig(model="mlp", precision="mxfp8", steps=4, batch_size=32, eval=False)

@@ -1,4 +1,4 @@
-"""Verdicts with power (parity.verdicts.power, parity.verdicts.rows): a check whose tolerance is
+"""Verdicts with power (parity.verdicts.judge, parity.verdicts.rows): a check whose tolerance is
 above its bound decides nothing, PASS needs a decisive check past step 0, every step is judged,
 chaotic trajectories stop at their horizon, seed statistics decide by equivalence, and
 compare_models takes the command line's options."""

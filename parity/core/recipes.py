@@ -470,6 +470,7 @@ class _Mx(Recipe):
 
     claims_policy = False
     compute_dtype_name = "float8"  # e4m3 elements: fp8's step bands
+    verdict_checks = ("fp8 loss", "final loss")
     # The weight-gradient matmul blocks the batch rows in 32s: a batch of 32 (mlp: 32 rows).
     matrix_plan = {"steps": 30, "batch_size": 32}
 
