@@ -5,11 +5,11 @@ initialisation per seed, every variant on the same batches:
 
 * **masters**: bf16 compute; float32 master weights (params float32, cast to bf16 for the forward
   pass) against bf16 weights updated by round to nearest (optax as is), by stochastic rounding
-  (`jaxamp.stochastic_rounding`) and by Kahan summation (`jaxamp.kahan_summation`), at a
+  (`jaxamp.optim_precision.stochastic_rounding`) and by Kahan summation (`jaxamp.optim_precision.kahan_summation`), at a
   learning rate and weight decay small enough that round to nearest drops most updates (an
   AdamW step of ~lr per weight is below half a bf16 spacing of weights above ~lr * 2**8).
 * **state**: float32 params and compute; AdamW's moments in float32 against bf16, fp8, 8-bit and
-  4-bit states (`jaxamp.low_precision_state`, torchao's schemes).
+  4-bit states (`jaxamp.optim_precision.low_precision_state`, torchao's schemes).
 
 Per variant: final test accuracy, test loss and the mean training loss of the last 10% of steps,
 mean and sample sd over seeds, Welch's t-test against the float32 reference (two-sided p), and a
@@ -110,13 +110,17 @@ def variants(lr_masters: float, wd_masters: float, lr_state: float, wd_state: fl
     masters = {
         "float32 masters": (adamw_m(), jnp.float32, True),
         "bf16 nearest": (adamw_m(), jnp.bfloat16, False),
-        "bf16 stochastic": (jaxamp.stochastic_rounding(adamw_m()), jnp.bfloat16, False),
-        "bf16 kahan": (jaxamp.kahan_summation(adamw_m()), jnp.bfloat16, False),
+        "bf16 stochastic": (
+            jaxamp.optim_precision.stochastic_rounding(adamw_m()),
+            jnp.bfloat16,
+            False,
+        ),
+        "bf16 kahan": (jaxamp.optim_precision.kahan_summation(adamw_m()), jnp.bfloat16, False),
     }
     state = {"float32 state": (adamw_s(), jnp.float32, False)}
     for fmt in ("bf16", "fp8", "8bit", "4bit"):
         state[f"{fmt} state"] = (
-            jaxamp.low_precision_state(adamw_s(), fmt),
+            jaxamp.optim_precision.low_precision_state(adamw_s(), fmt),
             jnp.float32,
             False,
         )
@@ -138,7 +142,7 @@ def run_study(name, table, data, seeds, steps, batch_size):
             )
             params = cast(init_params(seed), dtype)
             state = tx.init(params)
-            if isinstance(state, jaxamp.StochasticRoundingState):
+            if isinstance(state, jaxamp.optim_precision.StochasticRoundingState):
                 state = state._replace(key=jax.random.key_data(jax.random.key(seed)))
             args = (params, state, jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx]))
             if seed == seeds[0]:

@@ -1,8 +1,10 @@
 """jaxamp: torch.amp for JAX — mixed-precision policies, dynamic loss scaling, autocast.
 
-The public API is what ``__all__`` lists; ``jaxamp.flax`` (imported as ``jaxamp.flax``) holds the
-Flax integration; ``jaxamp.fp8`` holds fp8 training (torchao's recipes, delayed scaling);
-``jaxamp.optim_precision`` holds optimizer precision (low-bit state, bf16 masters).
+The public API is what ``__all__`` lists, each name at this one address; the modules that define
+them are private. The subpackages are namespaces of their own, imported by name:
+``jaxamp.flax`` (the Flax integration), ``jaxamp.fp8`` (fp8 training: torchao's recipes, delayed
+scaling), ``jaxamp.optim_precision`` (optimizer precision: low-bit state, bf16 weights without
+float32 masters) and ``jaxamp.mx`` (block-scaled formats).
 
 Examples:
   >>> policy = jaxamp.get_policy("bf16-mixed")
@@ -11,6 +13,10 @@ Examples:
   65536.0
 """
 
+from jaxamp import _deprecation
+from jaxamp import optim_precision as optim_precision  # loads with jaxamp, as jaxamp.fp8 does
+from jaxamp._accumulate import MultiStepsState as MultiStepsState
+from jaxamp._accumulate import multi_steps as multi_steps
 from jaxamp._autocast import AUTOCAST_CATEGORIES as AUTOCAST_CATEGORIES
 from jaxamp._autocast import DtypeRecord as DtypeRecord
 from jaxamp._autocast import autocast as autocast
@@ -18,35 +24,30 @@ from jaxamp._autocast import autocast_op_list as autocast_op_list
 from jaxamp._autocast import autocast_rules as autocast_rules
 from jaxamp._autocast import autocast_trace as autocast_trace
 from jaxamp._autocast import full_precision as full_precision
+from jaxamp._grad import value_and_grad as value_and_grad
+from jaxamp._loss_scale import DynamicLossScale as DynamicLossScale
+from jaxamp._loss_scale import LossScale as LossScale
+from jaxamp._loss_scale import NoOpLossScale as NoOpLossScale
+from jaxamp._loss_scale import StaticLossScale as StaticLossScale
+from jaxamp._loss_scale import default_loss_scale as default_loss_scale
+from jaxamp._loss_scaled_state import AmpInfo as AmpInfo
+from jaxamp._loss_scaled_state import LossScaledState as LossScaledState
+from jaxamp._loss_scaled_state import amp_info as amp_info
+from jaxamp._loss_scaled_state import get_loss_scale as get_loss_scale
+from jaxamp._loss_scaled_state import loss_scaled_states as loss_scaled_states
+from jaxamp._loss_scaled_state import set_loss_scale as set_loss_scale
 from jaxamp._numerics import all_finite as all_finite
-from jaxamp.accumulate import MultiStepsState as MultiStepsState
-from jaxamp.accumulate import multi_steps as multi_steps
-from jaxamp.grad import value_and_grad as value_and_grad
-from jaxamp.loss_scale import DynamicLossScale as DynamicLossScale
-from jaxamp.loss_scale import LossScale as LossScale
-from jaxamp.loss_scale import NoOpLossScale as NoOpLossScale
-from jaxamp.loss_scale import StaticLossScale as StaticLossScale
-from jaxamp.loss_scaled_state import AmpInfo as AmpInfo
-from jaxamp.loss_scaled_state import LossScaledState as LossScaledState
-from jaxamp.loss_scaled_state import amp_info as amp_info
-from jaxamp.loss_scaled_state import get_loss_scale as get_loss_scale
-from jaxamp.loss_scaled_state import loss_scaled_states as loss_scaled_states
-from jaxamp.loss_scaled_state import set_loss_scale as set_loss_scale
-from jaxamp.optim import LossScaleDivergedError as LossScaleDivergedError
-from jaxamp.optim import LossScaledTransformation as LossScaledTransformation
-from jaxamp.optim import apply_gradients as apply_gradients
-from jaxamp.optim import apply_updates as apply_updates
-from jaxamp.optim import loss_scaled as loss_scaled
-from jaxamp.optim_precision import KahanSummationState as KahanSummationState
-from jaxamp.optim_precision import LowPrecisionState as LowPrecisionState
-from jaxamp.optim_precision import StochasticRoundingState as StochasticRoundingState
-from jaxamp.optim_precision import kahan_summation as kahan_summation
-from jaxamp.optim_precision import low_precision_state as low_precision_state
-from jaxamp.optim_precision import stochastic_round as stochastic_round
-from jaxamp.optim_precision import stochastic_rounding as stochastic_rounding
-from jaxamp.policy import Policy as Policy
-from jaxamp.policy import cast_floating as cast_floating
-from jaxamp.policy import get_policy as get_policy
+from jaxamp._optim import LossScaleDivergedError as LossScaleDivergedError
+from jaxamp._optim import LossScaledTransformation as LossScaledTransformation
+from jaxamp._optim import apply_gradients as apply_gradients
+from jaxamp._optim import apply_updates as apply_updates
+from jaxamp._optim import loss_scaled as loss_scaled
+from jaxamp._policy import Policy as Policy
+from jaxamp._policy import cast_floating as cast_floating
+from jaxamp._policy import get_policy as get_policy
+from jaxamp._policy import parse_dtype as parse_dtype
+
+_deprecation.install()  # the old module addresses (jaxamp.policy, ...), one release
 
 __version__ = "0.1.0"
 
@@ -55,17 +56,14 @@ __all__ = [
     "AmpInfo",
     "DtypeRecord",
     "DynamicLossScale",
-    "KahanSummationState",
     "LossScale",
     "LossScaleDivergedError",
     "LossScaledState",
     "LossScaledTransformation",
-    "LowPrecisionState",
     "MultiStepsState",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
-    "StochasticRoundingState",
     "all_finite",
     "amp_info",
     "apply_gradients",
@@ -75,17 +73,15 @@ __all__ = [
     "autocast_rules",
     "autocast_trace",
     "cast_floating",
+    "default_loss_scale",
     "full_precision",
     "get_loss_scale",
     "get_policy",
-    "kahan_summation",
     "loss_scaled",
     "loss_scaled_states",
-    "low_precision_state",
     "multi_steps",
+    "parse_dtype",
     "set_loss_scale",
-    "stochastic_round",
-    "stochastic_rounding",
     "value_and_grad",
 ]
 
@@ -100,10 +96,11 @@ _REMOVED = {
 def __getattr__(name: str):
     if name in _REMOVED:
         raise AttributeError(f"jaxamp.{name} was removed: call {_REMOVED[name]}.", name=name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
+    # Old addresses (jaxamp.policy, jaxamp.kahan_summation, ...): one release with a warning.
+    return _deprecation.package_getattr(__name__, name)
 
 
 def __dir__() -> list[str]:
-    # The namespace users see is the API: submodules (jaxamp.policy, jaxamp.optim, ...) stay
-    # importable by name but are not listed next to it.
+    # The namespace users see is the API: the subpackages (jaxamp.flax, jaxamp.fp8, ...) are
+    # imported by name and not listed next to it.
     return sorted([*__all__, "__version__"])

@@ -209,9 +209,8 @@ def _largest_in_blocks(x: jax.Array) -> jax.Array:
     hand (``params.astype(bfloat16)``, a Flax module's ``dtype=``) XLA:CPU leaves each kernel's
     gradient as ``convert(transpose(dot))``; rows along the last axis then read it with a
     stride of a whole row, one cache line per element, while a square block reads the same
-    cache lines in either layout (CPU time of BENCHMARKS.md's fp16-mixed MLP step with its
-    casts written out: 69 ms with rows, 58 ms with blocks, 56 ms checking one element per
-    leaf; float32 unchanged). 1-d arrays take rows.
+    cache lines in either layout (measured on BENCHMARKS.md's fp16-mixed MLP step with its
+    casts written out; float32 unchanged). 1-d arrays take rows.
     """
     magnitudes, inf_bits = _magnitude_bits(x)
     if x.ndim == 1:

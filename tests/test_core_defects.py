@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxamp
 import jaxamp.flax as jf
-from jaxamp.optim import apply_updates
+from jaxamp._optim import apply_updates
 
 # optax's own arithmetic is not strict-promotion clean (float ** int32 in bias correction).
 pytestmark = pytest.mark.standard_promotion

@@ -1,4 +1,4 @@
-"""The examples in jaxamp's docstrings run, and every public name has one (issue 13, structure).
+"""The examples in jaxamp's docstrings run, and every public name has one.
 
 Each docstring with ``>>>`` lines is one test, run with `doctest` in a namespace that holds the
 usual imports (``jax``, ``jnp``, ``np``, ``optax``, ``jaxamp``, ``jf`` = ``jaxamp.flax``, ``nn`` =
@@ -70,6 +70,8 @@ def _public_objects() -> dict[str, object]:
     for sub in ("linen", "nnx", "checkpoint"):
         module = getattr(jf, sub)
         out.update({f"jaxamp.flax.{sub}.{n}": getattr(module, n) for n in module.__all__})
+    for module in (jaxamp.fp8, jaxamp.optim_precision):
+        out.update({f"{module.__name__}.{n}": getattr(module, n) for n in module.__all__})
     return out
 
 
@@ -80,6 +82,9 @@ _DATA = {
     "jaxamp.flax.float32_compute": "jaxamp.flax.override",
     "jaxamp.flax.linen.DEFAULT_RULES": "jaxamp.flax.linen.with_policy",
     "jaxamp.flax.nnx.DEFAULT_RULES": "jaxamp.flax.nnx.apply_policy",
+    "jaxamp.fp8.RECIPE_NAMES": "jaxamp.fp8.recipe",
+    "jaxamp.optim_precision.PRESETS": "jaxamp.optim_precision.preset",
+    "jaxamp.optim_precision.STATE_FORMATS": "jaxamp.optim_precision.low_precision_state",
 }
 PUBLIC = _public_objects()
 
@@ -97,6 +102,6 @@ def test_every_public_name_has_an_example(name):
 def test_examples_are_collected():
     # A failure to import or find them must not pass silently.
     names = {t.name for t in DOCTESTS}
-    assert "jaxamp.policy.get_policy" in names
+    assert "jaxamp._policy.get_policy" in names
     assert "jaxamp._autocast.api.autocast" in names
     assert len(DOCTESTS) > 20

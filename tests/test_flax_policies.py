@@ -441,7 +441,7 @@ def test_nnx_rule_matching_no_module_warns():
 
 def test_override_uses_get_policy_dtype_grammar():
     # One dtype-name grammar: whatever get_policy reads, override reads too.
-    from jaxamp.policy import _NAME_TO_DTYPE, get_policy
+    from jaxamp._policy import _NAME_TO_DTYPE, get_policy
 
     for name, dtype in _NAME_TO_DTYPE.items():
         assert jf.override(compute=name).compute == dtype

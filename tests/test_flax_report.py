@@ -75,7 +75,7 @@ def test_nnx_report():
 
 def test_report_names_use_the_policy_grammar():
     # One dtype grammar (issue 13 item 7): every dtype and policy the report prints parses back.
-    from jaxamp.policy import get_policy, parse_dtype
+    from jaxamp._policy import get_policy, parse_dtype
 
     rules = {"Dense_2": jf.override(compute="full"), "LayerNorm_0": "p=f32,c=f32,o=bf16"}
     report = jf.precision_report(Linen(), X, policy="bf16-mixed", rules=rules)
@@ -94,9 +94,9 @@ def test_report_reads_only_public_queries_of_the_flax_glue():
     import ast
     import inspect
 
+    from jaxamp.flax import _report as report
     from jaxamp.flax import linen as jl
     from jaxamp.flax import nnx as jn
-    from jaxamp.flax import report
 
     used = {
         (node.value.id, node.attr)

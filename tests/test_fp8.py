@@ -154,7 +154,7 @@ def test_quantize_bits_and_scales_equal_torchao(in_dtype, granularity, axis, dty
             axiswise_dim=axis,
             round_scales_to_power_of_2=power_of_2,
         )
-        q, s = f8.quantize(jnp.asarray(x), f8.Cast(dtype, granularity), axis, power_of_2)
+        q, s = f8.to_fp8_dynamic(jnp.asarray(x), f8.Cast(dtype, granularity), axis, power_of_2)
         np.testing.assert_array_equal(np.asarray(s), t._scale.numpy())
         np.testing.assert_array_equal(
             np.asarray(q).view(np.uint8), t._data.view(torch.uint8).numpy()
@@ -163,7 +163,7 @@ def test_quantize_bits_and_scales_equal_torchao(in_dtype, granularity, axis, dty
 
 def test_quantize_saturates_and_keeps_nan():
     s = jnp.float32(1.0)
-    q = f8.quantize_with_scale(jnp.array([1e6, -1e6, jnp.nan], jnp.float32), s, jnp.float8_e4m3fn)
+    q = f8.to_fp8(jnp.array([1e6, -1e6, jnp.nan], jnp.float32), s, jnp.float8_e4m3fn)
     out = np.asarray(q.astype(jnp.float32))
     assert out[0] == 448.0 and out[1] == -448.0 and np.isnan(out[2])
 
@@ -531,16 +531,16 @@ def test_fp8_public_names_are_pinned():
             "check_hardware",
             "combine_states",
             "convert",
-            "dequantize",
             "dot_general",
             "fp8_matmul_hardware",
             "fp8_max",
+            "from_fp8",
             "init_state",
-            "quantize",
-            "quantize_with_scale",
             "recipe",
             "report",
             "select_state",
+            "to_fp8",
+            "to_fp8_dynamic",
         ]
     )
     for name in f8.__all__:

@@ -194,7 +194,7 @@ def test_capture_operands_gives_each_matmuls_three_tensors():
         embed.grad_output.sum(0), grads["embed"]["bias"], rtol=1e-6, atol=1e-7
     )
     # The quantized codes it feeds are those the fp8 matmul used: dynamic tensorwise scale.
-    _, scale = f8.quantize(embed.input, TENSORWISE.input, -1, False)
+    _, scale = f8.to_fp8_dynamic(embed.input, TENSORWISE.input, -1, False)
     assert float(scale) == float(f8.amax_to_scale(jnp.max(jnp.abs(x)), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="outside jit"):
         jax.jit(lambda p: f8.capture_operands(loss_fn, p, x, y, recipe=TENSORWISE))(params)

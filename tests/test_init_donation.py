@@ -47,16 +47,19 @@ TRANSFORMATIONS = {
     ),
     "multi_steps": (lambda: jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), 2), PARAMS),
     "stochastic_rounding_int_seed": (
-        lambda: jaxamp.stochastic_rounding(optax.sgd(0.1), seed=3),
+        lambda: jaxamp.optim_precision.stochastic_rounding(optax.sgd(0.1), seed=3),
         BF16_PARAMS,
     ),
     "stochastic_rounding_key": (
-        lambda: jaxamp.stochastic_rounding(optax.sgd(0.1), seed=jax.random.key(3)),
+        lambda: jaxamp.optim_precision.stochastic_rounding(optax.sgd(0.1), seed=jax.random.key(3)),
         BF16_PARAMS,
     ),
-    "kahan_summation": (lambda: jaxamp.kahan_summation(optax.sgd(0.1)), BF16_PARAMS),
+    "kahan_summation": (
+        lambda: jaxamp.optim_precision.kahan_summation(optax.sgd(0.1)),
+        BF16_PARAMS,
+    ),
     "low_precision_state_bf16": (
-        lambda: jaxamp.low_precision_state(optax.adam(1e-3), "bf16"),
+        lambda: jaxamp.optim_precision.low_precision_state(optax.adam(1e-3), "bf16"),
         PARAMS,
     ),
     "adamw_8bit": (lambda: adamw_8bit(1e-3, min_size=0), PARAMS),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
-from jaxamp.loss_scale import PRESET_NAMES
+from jaxamp._loss_scale import PRESET_NAMES
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)

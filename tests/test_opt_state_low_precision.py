@@ -1,4 +1,4 @@
-"""`jaxamp.low_precision_state` and its codecs: dtypes and shapes, errors, error bounds, and the
+"""`jaxamp.optim_precision.low_precision_state` and its codecs: dtypes and shapes, errors, error bounds, and the
 compositions it promises (loss_scaled skips, multi_steps, optax.MultiSteps, sharding, jit)."""
 
 import dataclasses
@@ -59,7 +59,7 @@ def _max_error(state_format, signed, scale):
 def test_quantize_round_trip_dtypes_shapes_and_error(state_format, signed, float_dtype, maybe_jit):
     x = jax.random.normal(jax.random.key(0), (8, 128)) * 3.0
     x = (x if signed else jnp.abs(x)).astype(float_dtype)
-    q = maybe_jit(lambda v: optim_precision.quantize(v, state_format, signed=signed))(x)
+    q = maybe_jit(lambda v: optim_precision.encode_blockwise(v, state_format, signed=signed))(x)
     block = optim_precision._codecs.DEFAULT_BLOCK_SIZE[state_format]
     assert q.scale.dtype == jnp.float32 and q.scale.shape == (1024 // block,)
     want_codes = {
@@ -68,7 +68,7 @@ def test_quantize_round_trip_dtypes_shapes_and_error(state_format, signed, float
         "fp8": (jnp.float8_e4m3fn, (8, 128)),
     }[state_format]
     assert (q.codes.dtype, q.codes.shape) == (jnp.dtype(want_codes[0]), want_codes[1])
-    back = maybe_jit(optim_precision.dequantize)(q)
+    back = maybe_jit(optim_precision.decode_blockwise)(q)
     assert back.dtype == jnp.float32 and back.shape == x.shape
     x32 = np.asarray(x.astype(jnp.float32)).reshape(-1, block)
     bound = _max_error(state_format, signed, np.abs(x32).max(-1, keepdims=True))
@@ -81,8 +81,8 @@ def test_quantize_round_trip_dtypes_shapes_and_error(state_format, signed, float
 
 
 def test_quantize_zeros_and_pytree_round_trip():
-    q = optim_precision.quantize(jnp.zeros(256), "8bit", signed=False)
-    np.testing.assert_array_equal(optim_precision.dequantize(q), np.zeros(256))
+    q = optim_precision.encode_blockwise(jnp.zeros(256), "8bit", signed=False)
+    np.testing.assert_array_equal(optim_precision.decode_blockwise(q), np.zeros(256))
     leaves, treedef = jax.tree_util.tree_flatten(q)
     assert len(leaves) == 2  # codes and scale; the rest is static
     again = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -94,13 +94,13 @@ def test_quantize_zeros_and_pytree_round_trip():
 
 def test_codec_errors_name_the_parameter_and_the_closest_value():
     with pytest.raises(ValueError, match=r"state_format='8-bit'.*did you mean '8bit'.*Formats"):
-        optim_precision.quantize(jnp.zeros(256), "8-bit")
+        optim_precision.encode_blockwise(jnp.zeros(256), "8-bit")
     with pytest.raises(ValueError, match=r"block_size=3.*even"):
-        optim_precision.quantize(jnp.zeros(256), "4bit", block_size=3)
+        optim_precision.encode_blockwise(jnp.zeros(256), "4bit", block_size=3)
     with pytest.raises(ValueError, match=r"size 100 .*multiple of block_size=256"):
-        optim_precision.quantize(jnp.zeros(100), "8bit")
+        optim_precision.encode_blockwise(jnp.zeros(100), "8bit")
     with pytest.raises(TypeError, match="QuantizedArray"):
-        optim_precision.dequantize(jnp.zeros(3))
+        optim_precision.decode_blockwise(jnp.zeros(3))
 
 
 # --- the wrapper -------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_codec_errors_name_the_parameter_and_the_closest_value():
 
 @pytest.mark.parametrize("state_format", ALL)
 def test_state_layout_dtypes_and_update_dtypes(state_format, float_dtype, maybe_jit):
-    tx = jaxamp.low_precision_state(optax.adamw(1e-3), state_format)
+    tx = jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format)
     params = _params(float_dtype)
     state = tx.init(params)
     adam = state.inner_state[0]
@@ -133,7 +133,10 @@ def test_updates_follow_float32_adamw_within_the_formats_error(state_format):
     """Over a few steps the low-precision state gives AdamW's float32 updates up to the codes'
     resolution: a wrapper that dropped or mis-scaled a moment would be off by O(lr)."""
     lr = 1e-3
-    exact, narrow = optax.adamw(lr), jaxamp.low_precision_state(optax.adamw(lr), state_format)
+    exact, narrow = (
+        optax.adamw(lr),
+        jaxamp.optim_precision.low_precision_state(optax.adamw(lr), state_format),
+    )
     params = _params()
     s_exact, s_narrow = exact.init(params), narrow.init(params)
     for step in range(5):
@@ -152,7 +155,9 @@ def test_updates_follow_float32_adamw_within_the_formats_error(state_format):
 
 @pytest.mark.parametrize("state_format", BLOCK)
 def test_skipped_step_keeps_codes_bit_for_bit(state_format, maybe_jit):
-    tx = jaxamp.loss_scaled(jaxamp.low_precision_state(optax.adamw(1e-3), state_format))
+    tx = jaxamp.loss_scaled(
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format)
+    )
     params = _params()
     state = tx.init(params)
     update = maybe_jit(tx.update)
@@ -174,7 +179,7 @@ def test_skipped_step_keeps_codes_bit_for_bit(state_format, maybe_jit):
 
 @pytest.mark.parametrize("accumulate", ["jaxamp.multi_steps", "optax.MultiSteps"])
 def test_gradient_accumulation_equals_one_step_on_the_mean(accumulate):
-    base = jaxamp.low_precision_state(optax.adamw(1e-3), "8bit")
+    base = jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit")
     wrapped = (
         jaxamp.multi_steps(base, every_k=2)
         if accumulate == "jaxamp.multi_steps"
@@ -201,7 +206,7 @@ def test_sharded_update_gives_the_unsharded_codes(state_format):
     if devices.size < 2:
         pytest.skip("needs several devices (conftest sets 8 CPU devices)")
     mesh = Mesh(devices, ("data",))
-    tx = jaxamp.low_precision_state(optax.adamw(1e-3), state_format)
+    tx = jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format)
     params, grads = _params(), _grads(0)
     state = tx.init(params)
     want_updates, want_state = jax.jit(tx.update)(grads, state, params)
@@ -228,7 +233,7 @@ def test_sharded_update_gives_the_unsharded_codes(state_format):
 
 def test_second_jitted_call_does_not_retrace():
     traces = []
-    tx = jaxamp.loss_scaled(jaxamp.low_precision_state(optax.adamw(1e-3), "4bit"))
+    tx = jaxamp.loss_scaled(jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "4bit"))
 
     @jax.jit
     def step(params, state, grads):
@@ -250,7 +255,7 @@ def test_state_bytes_per_parameter():
         name: optim_precision.state_bytes(tx.init(params)) / n
         for name, tx in {
             "f32": optax.adamw(1e-3),
-            "bf16": jaxamp.low_precision_state(optax.adamw(1e-3), "bf16"),
+            "bf16": jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "bf16"),
             "fp8": optim_precision.adamw_fp8(),
             "8bit": optim_precision.adamw_8bit(),
             "4bit": optim_precision.adamw_4bit(),
@@ -266,24 +271,26 @@ def test_state_bytes_per_parameter():
 
 def test_wrapper_errors_name_the_parameter_and_the_fix():
     with pytest.raises(ValueError, match=r"state_format='4-bit'.*did you mean '4bit'"):
-        jaxamp.low_precision_state(optax.adamw(1e-3), "4-bit")
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "4-bit")
     with pytest.raises(ValueError, match=r"fields=\('m',\).*its fields are .*'mu'.*Did you mean"):
-        jaxamp.low_precision_state(optax.adamw(1e-3), "8bit", fields=("m",)).init(_params())
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit", fields=("m",)).init(
+            _params()
+        )
     with pytest.raises(ValueError, match=r"put loss_scaled outside"):
-        jaxamp.low_precision_state(jaxamp.loss_scaled(optax.adamw(1e-3)), "8bit")
+        jaxamp.optim_precision.low_precision_state(jaxamp.loss_scaled(optax.adamw(1e-3)), "8bit")
     with pytest.raises(TypeError, match=r"inner=\.\.\.\) takes an optax GradientTransformation"):
-        jaxamp.low_precision_state(lambda g: g, "8bit")
+        jaxamp.optim_precision.low_precision_state(lambda g: g, "8bit")
     with pytest.raises(ValueError, match=r"min_size=-1"):
-        jaxamp.low_precision_state(optax.adamw(1e-3), "8bit", min_size=-1)
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit", min_size=-1)
     with pytest.raises(ValueError, match=r"block_size=0"):
-        jaxamp.low_precision_state(optax.adamw(1e-3), "8bit", block_size=0)
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit", block_size=0)
     with pytest.raises(TypeError, match=r"fields=3"):
-        jaxamp.low_precision_state(optax.adamw(1e-3), "8bit", fields=3)
+        jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit", fields=3)
 
 
 def test_other_state_fields_and_small_leaves():
     # optax.sgd with momentum keeps a `trace`: it can be stored narrowly too.
-    tx = jaxamp.low_precision_state(
+    tx = jaxamp.optim_precision.low_precision_state(
         optax.sgd(0.1, momentum=0.9), "8bit", fields=("trace",), unsigned=(), min_size=256
     )
     params = {"w": jnp.ones(512), "odd": jnp.ones(300)}
@@ -314,8 +321,8 @@ def test_checkpoint_round_trip_keeps_codes_static_fields_and_key(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
     for state_format in ALL:
-        tx = jaxamp.stochastic_rounding(
-            jaxamp.low_precision_state(optax.adamw(1e-3), state_format), seed=3
+        tx = jaxamp.optim_precision.stochastic_rounding(
+            jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format), seed=3
         )
         state = tx.init(params)
         _, state = tx.update({"w": jnp.full((64, 64), 0.5, jnp.bfloat16)}, state, params)
@@ -342,17 +349,19 @@ def test_block_order_blocks_the_permuted_elements(state_format, float_dtype, may
     kernel blocked as its (32, 64) transpose), and dequantize puts every value back in place."""
     x = (jax.random.normal(jax.random.key(1), (64, 32)) * 3.0).astype(float_dtype)
     order = optim_precision.BlockOrder(np.arange(x.size).reshape(x.shape).T.reshape(-1))
-    q = maybe_jit(lambda v: optim_precision.quantize(v, state_format, order=order))(x)
-    plain = optim_precision.quantize(x.T, state_format)
+    q = maybe_jit(lambda v: optim_precision.encode_blockwise(v, state_format, order=order))(x)
+    plain = optim_precision.encode_blockwise(x.T, state_format)
     assert q.order is order and q.codes.ndim == 1 and q.scale.shape == plain.scale.shape
     np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(plain.scale))
     np.testing.assert_array_equal(
         np.asarray(q.codes).reshape(-1).view(np.uint8),
         np.asarray(plain.codes).reshape(-1).view(np.uint8),
     )
-    back = maybe_jit(optim_precision.dequantize)(q)
+    back = maybe_jit(optim_precision.decode_blockwise)(q)
     assert back.shape == x.shape and back.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(back), np.asarray(optim_precision.dequantize(plain)).T)
+    np.testing.assert_array_equal(
+        np.asarray(back), np.asarray(optim_precision.decode_blockwise(plain)).T
+    )
 
 
 def test_block_order_in_the_optimizer_keeps_its_order_and_stays_finite(maybe_jit):
@@ -371,14 +380,14 @@ def test_block_order_in_the_optimizer_keeps_its_order_and_stays_finite(maybe_jit
 def test_block_order_errors_name_the_parameter_and_the_closest_name():
     params = {"dense": {"kernel": jnp.ones((64, 64))}}
     order = np.arange(4096)
-    tx = jaxamp.low_precision_state(
+    tx = jaxamp.optim_precision.low_precision_state(
         optax.adam(1e-3), "8bit", block_order={"dense": {"kernal": order}}
     )
     with pytest.raises(
         ValueError, match=r"'dense/kernal' is not a parameter.*Did you mean 'dense/kernel'"
     ):
         tx.init(params)
-    tx = jaxamp.low_precision_state(
+    tx = jaxamp.optim_precision.low_precision_state(
         optax.adam(1e-3), "8bit", block_order={"dense": {"kernel": order[:100]}}
     )
     with pytest.raises(
@@ -389,14 +398,16 @@ def test_block_order_errors_name_the_parameter_and_the_closest_name():
         ValueError,
         match=r"dense/kernel.*each of 0 .. 4095 exactly once; index 0 appears 4096 times",
     ):
-        jaxamp.low_precision_state(
+        jaxamp.optim_precision.low_precision_state(
             optax.adam(1e-3), "8bit", block_order={"dense": {"kernel": np.zeros(4096, int)}}
         )
     with pytest.raises(ValueError, match=r"1-D integer array.*float64"):
         optim_precision.BlockOrder(np.zeros(8))
     with pytest.raises(ValueError, match=r"state_format='bf16', block_order.*block formats"):
-        jaxamp.low_precision_state(
+        jaxamp.optim_precision.low_precision_state(
             optax.adam(1e-3), "bf16", block_order={"dense": {"kernel": order}}
         )
-    with pytest.raises(ValueError, match=r"quantize\(order=.*BlockOrder of size 256"):
-        optim_precision.quantize(jnp.zeros(256), "8bit", order=optim_precision.BlockOrder(order))
+    with pytest.raises(ValueError, match=r"encode_blockwise\(order=.*BlockOrder of size 256"):
+        optim_precision.encode_blockwise(
+            jnp.zeros(256), "8bit", order=optim_precision.BlockOrder(order)
+        )

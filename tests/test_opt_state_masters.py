@@ -1,4 +1,4 @@
-"""bf16/f16 parameters without float32 masters: `jaxamp.stochastic_round`, `stochastic_rounding`
+"""bf16/f16 parameters without float32 masters: `jaxamp.optim_precision.stochastic_round`, `stochastic_rounding`
 and `kahan_summation`. Unbiasedness is tested statistically (scipy, fixed seeds, alpha stated);
 the bf16 rounding is torchao's (same random bits, same result: test_opt_state_torchao.py), and a
 run of torchao's ``_AdamW(bf16_stochastic_round=True)`` drifts as ours does."""
@@ -132,34 +132,41 @@ def test_small_steps_accumulate_where_nearest_stalls(dtype):
     master = 1.0 + steps * lr
     nearest, _ = _run(optax.sgd(lr), params, grads, steps)
     assert float(nearest["w"].astype(jnp.float32).max()) == 1.0
-    sr, _ = _run(jaxamp.stochastic_rounding(optax.sgd(lr), seed=0), params, grads, steps)
+    sr, _ = _run(
+        jaxamp.optim_precision.stochastic_rounding(optax.sgd(lr), seed=0), params, grads, steps
+    )
     values = np.asarray(sr["w"].astype(jnp.float32))
     # Each element's end value is master + a sum of 64 independent zero-mean rounding errors.
     assert stats.ttest_1samp(values - master, 0.0).pvalue > ALPHA
-    kahan, _ = _run(jaxamp.kahan_summation(optax.sgd(lr)), params, grads, steps)
+    kahan, _ = _run(jaxamp.optim_precision.kahan_summation(optax.sgd(lr)), params, grads, steps)
     np.testing.assert_allclose(np.asarray(kahan["w"].astype(jnp.float32)), master, atol=spacing)
 
 
 def test_stochastic_rounding_is_reproducible_and_jit_equals_eager():
     params = {"w": jnp.ones((16, 16), jnp.bfloat16), "b": jnp.zeros(16, jnp.bfloat16)}
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.3, p.dtype), params)
-    tx = jaxamp.stochastic_rounding(optax.adamw(1e-3, weight_decay=0.1), seed=3)
+    tx = jaxamp.optim_precision.stochastic_rounding(optax.adamw(1e-3, weight_decay=0.1), seed=3)
     a, state_a = _run(tx, params, grads, 5)
     b, state_b = _run(tx, params, grads, 5, update=tx.update)  # eager
     for x, y in zip(jax.tree.leaves((a, state_a)), jax.tree.leaves((b, state_b)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     other, _ = _run(
-        jaxamp.stochastic_rounding(optax.adamw(1e-3, weight_decay=0.1), seed=4), params, grads, 5
+        jaxamp.optim_precision.stochastic_rounding(optax.adamw(1e-3, weight_decay=0.1), seed=4),
+        params,
+        grads,
+        5,
     )
     assert not np.array_equal(np.asarray(a["w"]), np.asarray(other["w"]))
     # A typed key and its raw data are the same seed.
-    typed = jaxamp.stochastic_rounding(optax.sgd(0.1), seed=jax.random.key(3)).init(params)
+    typed = jaxamp.optim_precision.stochastic_rounding(optax.sgd(0.1), seed=jax.random.key(3)).init(
+        params
+    )
     np.testing.assert_array_equal(typed.key, jax.random.key_data(jax.random.key(3)))
 
 
 @pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
 def test_dtypes_and_float32_parameters(wrapper, float_dtype, maybe_jit):
-    make = getattr(jaxamp, wrapper)
+    make = getattr(jaxamp.optim_precision, wrapper)
     params = {"w": jnp.ones((8, 8), float_dtype)}
     grads = {"w": jnp.full((8, 8), 0.5, float_dtype)}
     tx = make(optax.adam(1e-3))
@@ -178,7 +185,7 @@ def test_dtypes_and_float32_parameters(wrapper, float_dtype, maybe_jit):
 
 @pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
 def test_skipped_step_keeps_key_compensation_and_parameters(wrapper, maybe_jit):
-    make = getattr(jaxamp, wrapper)
+    make = getattr(jaxamp.optim_precision, wrapper)
     tx = jaxamp.loss_scaled(make(optax.adamw(1e-3)))
     params = {"w": jnp.ones((8, 8), jnp.bfloat16)}
     state = tx.init(params)
@@ -198,8 +205,9 @@ def test_skipped_step_keeps_key_compensation_and_parameters(wrapper, maybe_jit):
 def test_composes_with_low_precision_state_without_retracing():
     traces = []
     tx = jaxamp.loss_scaled(
-        jaxamp.stochastic_rounding(
-            jaxamp.low_precision_state(optax.adamw(1e-3, weight_decay=0.1), "8bit"), seed=0
+        jaxamp.optim_precision.stochastic_rounding(
+            jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3, weight_decay=0.1), "8bit"),
+            seed=0,
         )
     )
 
@@ -231,7 +239,7 @@ def test_kahan_tracks_the_float32_master_within_one_step():
     params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params32)
     params32 = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(jnp.float32), params32)
     master_tx = optax.sgd(1e-3)
-    kahan_tx = jaxamp.kahan_summation(optax.sgd(1e-3))
+    kahan_tx = jaxamp.optim_precision.kahan_summation(optax.sgd(1e-3))
     nearest_tx = optax.sgd(1e-3)
     m_state, k_state, n_state = (
         master_tx.init(params32),
@@ -268,16 +276,16 @@ def test_kahan_tracks_the_float32_master_within_one_step():
 
 def test_wrapper_errors():
     with pytest.raises(ValueError, match=r"update\(params=None\).*needs them"):
-        tx = jaxamp.stochastic_rounding(optax.sgd(0.1))
+        tx = jaxamp.optim_precision.stochastic_rounding(optax.sgd(0.1))
         tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
     with pytest.raises(TypeError, match=r"seed='a'\): must be an int or a PRNG key"):
-        jaxamp.stochastic_rounding(optax.sgd(0.1), seed="a")
+        jaxamp.optim_precision.stochastic_rounding(optax.sgd(0.1), seed="a")
     with pytest.raises(ValueError, match=r"put loss_scaled outside"):
-        jaxamp.kahan_summation(jaxamp.loss_scaled(optax.sgd(0.1)))
+        jaxamp.optim_precision.kahan_summation(jaxamp.loss_scaled(optax.sgd(0.1)))
     with pytest.raises(ValueError, match=r"compensation_dtype='int8'"):
-        jaxamp.kahan_summation(optax.sgd(0.1), compensation_dtype="int8")
+        jaxamp.optim_precision.kahan_summation(optax.sgd(0.1), compensation_dtype="int8")
     with pytest.raises(TypeError, match=r"inner=\.\.\.\) takes an optax"):
-        jaxamp.stochastic_rounding(None)
+        jaxamp.optim_precision.stochastic_rounding(None)
 
 
 def test_drifts_like_torchaos_adamw_with_bf16_stochastic_round(monkeypatch):
@@ -301,7 +309,7 @@ def test_drifts_like_torchaos_adamw_with_bf16_stochastic_round(monkeypatch):
         opt.step()
     theirs = weight.detach().float().numpy().astype(np.float64)
 
-    tx = jaxamp.stochastic_rounding(optax.adamw(lr, weight_decay=wd), seed=1)
+    tx = jaxamp.optim_precision.stochastic_rounding(optax.adamw(lr, weight_decay=wd), seed=1)
     params = {"w": jnp.ones(n, jnp.bfloat16)}
     ours, _ = _run(tx, params, {"w": jnp.zeros(n, jnp.bfloat16)}, steps)
     ours = np.asarray(ours["w"].astype(jnp.float32)).astype(np.float64)
@@ -317,8 +325,8 @@ def test_drifts_like_torchaos_adamw_with_bf16_stochastic_round(monkeypatch):
 @pytest.mark.parametrize(
     "name,state_type",
     [
-        ("bf16-true-sr", jaxamp.StochasticRoundingState),
-        ("bf16-true-kahan", jaxamp.KahanSummationState),
+        ("bf16-true-sr", jaxamp.optim_precision.StochasticRoundingState),
+        ("bf16-true-kahan", jaxamp.optim_precision.KahanSummationState),
     ],
 )
 def test_presets_give_bf16_true_and_the_wrapper(name, state_type):
@@ -334,7 +342,9 @@ def test_presets_give_bf16_true_and_the_wrapper(name, state_type):
 def test_apply_gradients_lands_on_the_same_parameters_as_update(wrapper):
     """`jaxamp.apply_gradients` (the update inside loss_scaled's decision) gives the parameters
     `update` + `optax.apply_updates` give: the bf16 update `new_p - p` lands exactly."""
-    tx = jaxamp.loss_scaled(getattr(jaxamp, wrapper)(optax.adamw(1e-4, weight_decay=0.1)))
+    tx = jaxamp.loss_scaled(
+        getattr(jaxamp.optim_precision, wrapper)(optax.adamw(1e-4, weight_decay=0.1))
+    )
     params = {"w": jax.random.normal(jax.random.key(0), (32, 32)).astype(jnp.bfloat16)}
     grads = {"w": jax.random.normal(jax.random.key(1), (32, 32)).astype(jnp.bfloat16) * 65536}
     state = tx.init(params)
@@ -360,10 +370,13 @@ def test_applied_parameters_are_a_neighbour_of_the_float32_result():
     )
     target = np.asarray(p32["w"] + u32["w"], np.float32)
     lo, hi, _ = _neighbours_array(target, jnp.bfloat16)
-    for wrapper in (jaxamp.stochastic_rounding(inner), jaxamp.kahan_summation(inner)):
+    for wrapper in (
+        jaxamp.optim_precision.stochastic_rounding(inner),
+        jaxamp.optim_precision.kahan_summation(inner),
+    ):
         updates, _ = jax.jit(wrapper.update)(grads, wrapper.init(params), params)
         got = np.asarray(optax.apply_updates(params, updates)["w"].astype(jnp.float32))
-        if isinstance(wrapper.init(params), jaxamp.StochasticRoundingState):
+        if isinstance(wrapper.init(params), jaxamp.optim_precision.StochasticRoundingState):
             assert ((got == lo) | (got == hi)).all()
             assert 0 < (got == hi).mean() < 1  # both neighbours occur
         else:

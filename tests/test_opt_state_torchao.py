@@ -170,7 +170,7 @@ def test_initial_state_is_torchaos_zeros_and_bends_no_small_gradient(state_forma
         stored = getattr(state.inner_state[0], field)["w"]
         assert isinstance(stored, optim_precision.QuantizedArray)
         np.testing.assert_array_equal(np.asarray(stored.scale), 0.0)
-        np.testing.assert_array_equal(np.asarray(optim_precision.dequantize(stored)), 0.0)
+        np.testing.assert_array_equal(np.asarray(optim_precision.decode_blockwise(stored)), 0.0)
     grads = {k: v * np.float32(1e-6) for k, v in _grads(2).items()}
     theirs = _torch_step(torch_cls, torch.float32, grads)
     updates, _ = _jax_step(factory, jnp.float32, grads, maybe_jit)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.optim import LossScaledTransformation
+from jaxamp._optim import LossScaledTransformation
 
 # optax's own arithmetic is not strict-promotion clean (float ** int32 in bias correction).
 pytestmark = pytest.mark.standard_promotion

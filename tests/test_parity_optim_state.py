@@ -178,8 +178,8 @@ def _planted(monkeypatch, bug):
     if bug == "flax layout blocks":  # the state blocked in the Flax layout (no order)
         monkeypatch.setattr(_LowBitAdamW, "torch_block_order", staticmethod(lambda pair: {}))
     elif bug == "doubled block size":
-        doubled = functools.partial(jaxamp.low_precision_state, block_size=256)
-        monkeypatch.setattr(jaxamp, "low_precision_state", doubled)
+        doubled = functools.partial(jaxamp.optim_precision.low_precision_state, block_size=256)
+        monkeypatch.setattr(jaxamp.optim_precision, "low_precision_state", doubled)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxamp
-from jaxamp.policy import PRESETS, Policy, auto_policy_name, cast_floating, get_policy
+from jaxamp._policy import PRESETS, Policy, auto_policy_name, cast_floating, get_policy
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -557,7 +557,7 @@ def test_error_names_closest_valid_spelling(spec, suggestion):
 
 
 def test_full_list_of_names_is_documented():
-    from jaxamp.policy import _ALIASES, _NAME_TO_DTYPE
+    from jaxamp._policy import _ALIASES, _NAME_TO_DTYPE
 
     doc = get_policy.__doc__
     for name in (*PRESETS, *_ALIASES, *_NAME_TO_DTYPE, "half", "auto", "r``/``reduce"):

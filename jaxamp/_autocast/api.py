@@ -15,9 +15,9 @@ from jaxamp._autocast.interpreter import DtypeRecord, Hook, Interpreter
 from jaxamp._autocast.options import check_device, check_dtype
 from jaxamp._autocast.rules import FULL_PRECISION_SCOPE, Rules
 from jaxamp._numerics import is_array, over_array_leaves
+from jaxamp._policy import parse_dtype
 from jaxamp._reduce import reduce_in
 from jaxamp.fp8._convert import AutocastFp8
-from jaxamp.policy import parse_dtype
 
 __all__ = ["autocast", "autocast_op_list", "autocast_trace", "full_precision"]
 

@@ -34,21 +34,21 @@ Examples:
   >>> optimizer = jf.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, policy="bf16-mixed")
 """
 
+from jaxamp import _deprecation
 from jaxamp.flax import checkpoint as checkpoint
 from jaxamp.flax import linen as linen
 from jaxamp.flax import nnx as nnx
 from jaxamp.flax._attention import float32_softmax_attention as float32_softmax_attention
+from jaxamp.flax._nnx_optimizer import Optimizer as Optimizer
+from jaxamp.flax._nnx_optimizer import nnx_value_and_grad as nnx_value_and_grad
+from jaxamp.flax._report import ModuleReport as ModuleReport
+from jaxamp.flax._report import PrecisionReport as PrecisionReport
+from jaxamp.flax._report import precision_report as precision_report
 from jaxamp.flax._rules import PolicyOverride as PolicyOverride
 from jaxamp.flax._rules import UnmatchedRuleWarning as UnmatchedRuleWarning
 from jaxamp.flax._rules import float32_compute as float32_compute
 from jaxamp.flax._rules import override as override
-from jaxamp.flax.nnx_optimizer import Optimizer as Optimizer
-from jaxamp.flax.nnx_optimizer import nnx_value_and_grad as nnx_value_and_grad
-from jaxamp.flax.report import ModuleReport as ModuleReport
-from jaxamp.flax.report import PrecisionReport as PrecisionReport
-from jaxamp.flax.report import precision_report as precision_report
-from jaxamp.flax.train_state import TrainState as TrainState
-from jaxamp.loss_scale import default_loss_scale as default_loss_scale
+from jaxamp.flax._train_state import TrainState as TrainState
 
 __all__ = [
     "ModuleReport",
@@ -58,7 +58,6 @@ __all__ = [
     "TrainState",
     "UnmatchedRuleWarning",
     "checkpoint",
-    "default_loss_scale",
     "float32_compute",
     "float32_softmax_attention",
     "linen",
@@ -67,3 +66,9 @@ __all__ = [
     "override",
     "precision_report",
 ]
+
+
+def __getattr__(name: str):
+    # Old addresses (jaxamp.flax.train_state, jaxamp.flax.default_loss_scale, ...): one release
+    # with a warning.
+    return _deprecation.package_getattr(__name__, name)

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp.loss_scale import default_loss_scale
-from jaxamp.loss_scaled_state import find_states_with_keys
-from jaxamp.optim import LossScaledTransformation, loss_scaled
-from jaxamp.policy import Policy
+from jaxamp._loss_scale import default_loss_scale
+from jaxamp._loss_scaled_state import find_states_with_keys
+from jaxamp._optim import LossScaledTransformation, loss_scaled
+from jaxamp._policy import Policy
 
 __all__ = [
     "PARAM_DTYPE_FIX",
@@ -42,7 +42,7 @@ __all__ = [
     "wrap_optimizer",
 ]
 
-# What `jaxamp.policy.check_param_dtypes` tells a Flax user whose params miss the policy.
+# What `jaxamp._policy.check_param_dtypes` tells a Flax user whose params miss the policy.
 PARAM_DTYPE_FIX = (
     "Fix: create the params under the policy (jf.linen.with_policy(model.init, policy) / "
     "jf.nnx.apply_policy(model, policy)) or cast them: policy.cast_to_param(params)."
@@ -66,7 +66,7 @@ def wrap_optimizer(
         holds the loss-scaled state, found from `params`).
       policy: the policy; ``loss_scale="auto"`` reads it.
       params: the parameters `tx` will be initialised with (shapes only are used), or None.
-      loss_scale: "auto" (see `jaxamp.loss_scale.default_loss_scale`), None (torch's defaults), a preset name or
+      loss_scale: "auto" (see `jaxamp.default_loss_scale`), None (torch's defaults), a preset name or
         a loss scale object. Must be "auto" when `tx` is already loss-scaled.
       max_consecutive_skips, on_max_skips: passed to `loss_scaled` (FAULTS 21: report a model
         that overflows at every scale instead of halving forever).

@@ -36,7 +36,7 @@ from typing import Any
 import jmp
 import numpy as np
 
-from jaxamp.policy import Policy, get_policy, parse_dtype, short_dtype_name
+from jaxamp._policy import Policy, get_policy, parse_dtype, short_dtype_name
 
 __all__ = ["override", "PolicyOverride", "Rules", "float32_compute", "resolve", "normalize_rules"]
 

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxamp.loss_scaled_state import LossScaledState
+from jaxamp._loss_scaled_state import LossScaledState
 from jaxamp.optim_precision import QuantizedArray
 
 __all__ = ["save", "restore", "latest_step", "all_steps", "amp_metadata"]

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from jaxamp._policy import Policy, cast_floating
 from jaxamp.flax import _rules
 from jaxamp.flax._attention import float32_softmax_attention
-from jaxamp.policy import Policy, cast_floating
 
 __all__ = [
     "DEFAULT_RULES",

@@ -63,6 +63,19 @@ class MatmulInfo:
       dimension_numbers: as `jax.lax.dot_general`'s.
       dtype: the lhs dtype.
       linear: None if it is a linear layer's matmul (fp8-capable), else why not.
+
+    Examples:
+      A filter is called with one per matmul:
+
+      >>> import jaxamp.fp8 as f8
+      >>> seen = []
+      >>> def fp8_filter(info):
+      ...     seen.append((info.name, info.lhs_shape, info.rhs_shape, info.linear))
+      ...     return True
+      >>> loss = f8.convert(lambda x, w: x @ w, f8.recipe("tensorwise", emulate=True), fp8_filter=fp8_filter)
+      >>> _ = loss(jnp.ones((4, 8)), jnp.ones((8, 2)))
+      >>> seen
+      [('dot_general', (4, 8), (8, 2), None)]
     """
 
     name: str
@@ -76,7 +89,15 @@ class MatmulInfo:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulRecord:
-    """One row of `report`: a matmul, whether it ran in fp8, how, and why not."""
+    """One row of `report`: a matmul, whether it ran in fp8, how, and why not.
+
+    Examples:
+      >>> import jaxamp.fp8 as f8
+      >>> (row,) = f8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
+      ...                    recipe=f8.recipe("tensorwise", emulate=True))
+      >>> row.name, row.lhs_shape, row.fp8, row.how
+      ('dot_general', (4, 8), True, 'tensorwise, emulated (float32 matmul of fp8 values)')
+    """
 
     name: str
     path: str
@@ -98,6 +119,14 @@ class MatmulOperands:
       input: ``(M, K)``: the input rows (leading dimensions flattened).
       weight: ``(K, N)``.
       grad_output: ``(M, N)``: the gradient flowing into the matmul's output.
+
+    Examples:
+      >>> import jaxamp.fp8 as f8
+      >>> operands = f8.capture_operands(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 2)),
+      ...                                jnp.ones((4, 8)), recipe=f8.recipe("tensorwise", emulate=True))
+      >>> found = operands["dot_general"]
+      >>> found.input.shape, found.weight.shape, found.grad_output.shape
+      ((4, 8), (8, 2), (4, 2))
     """
 
     input: jax.Array
@@ -552,7 +581,7 @@ def capture_operands(
     ``args[argnums]`` (compiled once; the operands leave through host callbacks) and keeps each
     selected matmul's input, weight and grad_output as 2-D arrays, before quantization: what a comparison of scales and fp8 codes against
     another framework (torchao's ``Float8Linear``) needs. Quantize them with
-    `jaxamp.fp8.quantize` and the recipe's casts.
+    `jaxamp.fp8.to_fp8_dynamic` and the recipe's casts.
 
     Args:
       fn: returns a scalar floating loss.

@@ -20,11 +20,11 @@ __all__ = [
     "check_hardware",
     "fp8_matmul_hardware",
     "amax_to_scale",
-    "dequantize",
+    "from_fp8",
     "dot_general",
     "fp8_max",
-    "quantize",
-    "quantize_with_scale",
+    "to_fp8_dynamic",
+    "to_fp8",
 ]
 
 # torchao's EPS (float8_utils.py): the amax is clamped to at least this before dividing.
@@ -107,12 +107,13 @@ def amax_to_scale(amax: jax.Array, dtype: Any, power_of_2: bool = False) -> jax.
     return _floor_pow2(scale) if power_of_2 else scale
 
 
-def quantize_with_scale(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """torchao's cast: ``float32(x) * scale``, clamped to the fp8 range, rounded to `dtype`.
+def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """Casts `x` to fp8 with a given scale: ``float32(x) * scale``, clamped to the fp8 range,
+    rounded to `dtype` (torchao's ``hp_tensor_and_scale_to_float8``).
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
-      >>> q = jaxamp.fp8.quantize_with_scale(jnp.array([1.0, 1e6]), jnp.float32(2.0), jnp.float8_e4m3fn)
+      >>> q = jaxamp.fp8.to_fp8(jnp.array([1.0, 1e6]), jnp.float32(2.0), jnp.float8_e4m3fn)
       >>> q.astype(jnp.float32).tolist()  # saturates at 448
       [2.0, 448.0]
     """
@@ -126,10 +127,11 @@ def _amax(x: jax.Array, axis: int | None) -> jax.Array:
     return jnp.max(a) if axis is None else jnp.max(a, axis=axis, keepdims=True)
 
 
-def quantize(
+def to_fp8_dynamic(
     x: jax.Array, cast: Cast, axis: int | None = None, power_of_2: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """Dynamic fp8 cast of `x` per `cast`: returns ``(fp8 values, float32 scale)``.
+    """Casts `x` to fp8 with a scale computed from its own amax (per tensor or per row, as `cast`
+    says): returns ``(fp8 values, float32 scale)`` (torchao's ``hp_tensor_to_float8_dynamic``).
 
     Args:
       x: a float array.
@@ -142,24 +144,24 @@ def quantize(
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
-      >>> q, s = jaxamp.fp8.quantize(jnp.ones((2, 3)), jaxamp.fp8.Cast("float8_e4m3fn"))
+      >>> q, s = jaxamp.fp8.to_fp8_dynamic(jnp.ones((2, 3)), jaxamp.fp8.Cast("float8_e4m3fn"))
       >>> q.dtype, float(s)
       (dtype(float8_e4m3fn), 448.0)
     """
     if not cast.fp8:
-        raise ValueError("jaxamp.fp8.quantize: `cast` is high precision (dtype=None).")
+        raise ValueError("jaxamp.fp8.to_fp8_dynamic: `cast` is high precision (dtype=None).")
     scale = amax_to_scale(
         _amax(x, None if cast.granularity == "tensorwise" else axis), cast.dtype, power_of_2
     )
-    return quantize_with_scale(x, scale, cast.dtype), scale
+    return to_fp8(x, scale, cast.dtype), scale
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-    """``q / scale`` in `dtype` (torchao's ``to_original_precision``).
+def from_fp8(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """Casts fp8 values back: ``q / scale`` in `dtype` (torchao's ``to_original_precision``).
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
-      >>> float(jaxamp.fp8.dequantize(jnp.array(448.0, jnp.float8_e4m3fn), jnp.float32(224.0)))
+      >>> float(jaxamp.fp8.from_fp8(jnp.array(448.0, jnp.float8_e4m3fn), jnp.float32(224.0)))
       2.0
     """
     return (q.astype(jnp.float32) / scale).astype(dtype)
@@ -181,7 +183,7 @@ class _Operand:
 def _cast(x: jax.Array, cast: Cast, axis: int, rec: Recipe) -> _Operand:
     if not cast.fp8:
         return _Operand(x)
-    q, s = quantize(x, cast, axis, rec.power_of_2_scales)
+    q, s = to_fp8_dynamic(x, cast, axis, rec.power_of_2_scales)
     return _Operand(q, s)
 
 
@@ -251,6 +253,12 @@ class DelayedScalingState:
     dequantization factor (``x ≈ q * scale``) and ``*_amax_history`` (shape ``(L,)``) holds the
     last L amaxes, newest first. Under `jax.grad` the gradient of this state *is* the updated
     state (Flax's overwrite-with-gradient convention).
+
+    Examples:
+      >>> import jax, jaxamp.fp8 as f8
+      >>> jax.tree.map(jnp.shape, f8.DelayedScalingState.create(amax_history_length=4))
+      DelayedScalingState(input_amax_history=(4,), kernel_amax_history=(4,),
+      output_grad_amax_history=(4,), input_scale=(1,), kernel_scale=(1,), output_grad_scale=(1,))
     """
 
     input_amax_history: jax.Array
@@ -386,7 +394,20 @@ def fp8_matmul_hardware() -> str | None:
 
 
 def check_hardware(rec: Recipe) -> None:
-    """Raise unless `rec` can run here: fp8 hardware, or ``emulate=True``. Never falls back."""
+    """Raise unless `rec` can run here: fp8 hardware, or ``emulate=True``. Never falls back.
+
+    Examples:
+      >>> import jaxamp.fp8 as f8
+      >>> f8.check_hardware(f8.recipe("tensorwise", emulate=True))  # emulation runs anywhere
+      >>> def runs_here(rec):
+      ...     try:
+      ...         f8.check_hardware(rec)
+      ...     except ValueError:  # the message says why and to pass emulate=True
+      ...         return False
+      ...     return True
+      >>> runs_here(f8.recipe("tensorwise")) == (f8.fp8_matmul_hardware() is None)
+      True
+    """
     if rec.emulate:
         return
     why = fp8_matmul_hardware()

@@ -51,6 +51,11 @@ class Cast:
       granularity: ``"tensorwise"`` (one scale) or ``"rowwise"`` (one scale per row of the
         operand as the matmul sees it: the amax is taken over the matmul's contracting axis,
         torchao's ``AXISWISE``).
+
+    Examples:
+      >>> import jaxamp.fp8 as f8
+      >>> str(f8.Cast("float8_e4m3fn", "rowwise")), f8.Cast().fp8  # Cast(): high precision
+      ('e4m3/rowwise', False)
     """
 
     dtype: Any = None
@@ -106,6 +111,14 @@ class Recipe:
         float8 arrays) and a backend without fp8 matmuls is refused.
       amax_history_length, margin: delayed scaling only (Flax defaults 1024 and 0): the scale
         is ``fp8_max / max(history) / 2**margin``.
+
+    Examples:
+      >>> import dataclasses, jaxamp.fp8 as f8
+      >>> rec = f8.recipe("rowwise_with_gw_hp")
+      >>> str(rec.input), str(rec.grad_output_for_grad_weight), rec.scaling
+      ('e4m3/rowwise', 'hp', 'dynamic')
+      >>> dataclasses.replace(rec, name="mine", emulate=True).name
+      'mine'
     """
 
     name: str

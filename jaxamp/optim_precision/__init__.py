@@ -3,11 +3,12 @@ schemes, bit-identical codes), and bf16 parameters without float32 masters that 
 (stochastic rounding, Kahan summation). All are optax wrappers that compose with
 `jaxamp.loss_scaled` and `jaxamp.multi_steps`."""
 
+from jaxamp import _deprecation
 from jaxamp.optim_precision._codecs import STATE_FORMATS as STATE_FORMATS
 from jaxamp.optim_precision._codecs import BlockOrder as BlockOrder
 from jaxamp.optim_precision._codecs import QuantizedArray as QuantizedArray
-from jaxamp.optim_precision._codecs import dequantize as dequantize
-from jaxamp.optim_precision._codecs import quantize as quantize
+from jaxamp.optim_precision._codecs import decode_blockwise as decode_blockwise
+from jaxamp.optim_precision._codecs import encode_blockwise as encode_blockwise
 from jaxamp.optim_precision._masters import PRESETS as PRESETS
 from jaxamp.optim_precision._masters import KahanSummationState as KahanSummationState
 from jaxamp.optim_precision._masters import StochasticRoundingState as StochasticRoundingState
@@ -33,12 +34,17 @@ __all__ = [
     "adamw_4bit",
     "adamw_8bit",
     "adamw_fp8",
-    "dequantize",
+    "decode_blockwise",
+    "encode_blockwise",
     "kahan_summation",
     "low_precision_state",
     "preset",
-    "quantize",
     "state_bytes",
     "stochastic_round",
     "stochastic_rounding",
 ]
+
+
+def __getattr__(name: str):
+    # Old names (quantize, dequantize): one release with a warning.
+    return _deprecation.package_getattr(__name__, name)

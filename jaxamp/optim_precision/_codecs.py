@@ -41,8 +41,8 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "STATE_FORMATS",
     "QuantizedArray",
-    "dequantize",
-    "quantize",
+    "decode_blockwise",
+    "encode_blockwise",
 ]
 
 # The formats `low_precision_state` takes, and the default block size of each block format
@@ -165,11 +165,11 @@ class QuantizedArray:
         order, 8-bit and fp8 codes are 1-D, in block order.
 
     Examples:
-      >>> from jaxamp.optim_precision import quantize, dequantize
-      >>> q = quantize(jnp.linspace(-1.0, 1.0, 256), "8bit", signed=True, block_size=128)
+      >>> from jaxamp.optim_precision import decode_blockwise, encode_blockwise
+      >>> q = encode_blockwise(jnp.linspace(-1.0, 1.0, 256), "8bit", signed=True, block_size=128)
       >>> q.codes.dtype, q.codes.shape, q.scale.shape
       (dtype('uint8'), (256,), (2,))
-      >>> bool(jnp.abs(dequantize(q) - jnp.linspace(-1.0, 1.0, 256)).max() < 0.02)
+      >>> bool(jnp.abs(decode_blockwise(q) - jnp.linspace(-1.0, 1.0, 256)).max() < 0.02)
       True
     """
 
@@ -218,7 +218,7 @@ def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return numerator / jax.lax.optimization_barrier(denominator)
 
 
-def quantize(
+def encode_blockwise(
     x: jax.Array,
     state_format: str,
     *,
@@ -239,26 +239,26 @@ def quantize(
         None (row-major).
 
     Returns:
-      A `QuantizedArray`; `dequantize` gives float32 back.
+      A `QuantizedArray`; `decode_blockwise` gives float32 back.
 
     Examples:
-      >>> from jaxamp.optim_precision import quantize
-      >>> q = quantize(jnp.arange(512.0), "fp8")
+      >>> from jaxamp.optim_precision import encode_blockwise
+      >>> q = encode_blockwise(jnp.arange(512.0), "fp8")
       >>> q.codes.dtype, q.scale
       (dtype(float8_e4m3fn), Array([0.5691964, 1.140625 ], dtype=float32))
     """
     if state_format not in BLOCK_FORMATS:
-        raise ValueError(_unknown_format("quantize", state_format, BLOCK_FORMATS))
-    block_size = _check_block_size("quantize", state_format, block_size)
+        raise ValueError(_unknown_format("encode_blockwise", state_format, BLOCK_FORMATS))
+    block_size = _check_block_size("encode_blockwise", state_format, block_size)
     size = math.prod(x.shape)
     if size % block_size:
         raise ValueError(
-            f"quantize(x=...): size {size} (shape {tuple(x.shape)}) is not a multiple of "
+            f"encode_blockwise(x=...): size {size} (shape {tuple(x.shape)}) is not a multiple of "
             f"block_size={block_size}; low_precision_state keeps such leaves unquantized."
         )
     if order is not None and (not isinstance(order, BlockOrder) or order.size != size):
         raise ValueError(
-            f"quantize(order={order!r}): must be a BlockOrder of size {size} (x's shape "
+            f"encode_blockwise(order={order!r}): must be a BlockOrder of size {size} (x's shape "
             f"{tuple(x.shape)}) or None."
         )
     blocks = _blocks(x, block_size, order)
@@ -283,21 +283,21 @@ def quantize(
     )
 
 
-def dequantize(q: QuantizedArray) -> jax.Array:
+def decode_blockwise(q: QuantizedArray) -> jax.Array:
     """The float32 values of `q` (map value times block scale, as torchao's ``dequantize``).
 
     Examples:
       The signed maps end at 1.0 but start above -1 (-0.8875 for 4 bits, -0.993 for 8), as
       torchao's: a block's most negative value comes back smaller in magnitude.
 
-      >>> from jaxamp.optim_precision import dequantize, quantize
-      >>> dequantize(quantize(jnp.full(128, -2.0), "4bit", signed=True))[:3]
+      >>> from jaxamp.optim_precision import decode_blockwise, encode_blockwise
+      >>> decode_blockwise(encode_blockwise(jnp.full(128, -2.0), "4bit", signed=True))[:3]
       Array([-1.775, -1.775, -1.775], dtype=float32)
-      >>> dequantize(quantize(jnp.full(128, 2.0), "4bit", signed=True))[:3]
+      >>> decode_blockwise(encode_blockwise(jnp.full(128, 2.0), "4bit", signed=True))[:3]
       Array([2., 2., 2.], dtype=float32)
     """
     if not isinstance(q, QuantizedArray):
-        raise TypeError(f"dequantize(q=...) takes a QuantizedArray; got {type(q).__name__}.")
+        raise TypeError(f"decode_blockwise(q=...) takes a QuantizedArray; got {type(q).__name__}.")
     if q.state_format == "fp8":
         values = q.codes.astype(jnp.float32).reshape(-1, q.block_size)
     else:

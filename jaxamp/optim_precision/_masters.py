@@ -13,9 +13,9 @@ import numpy as np
 import optax
 
 from jaxamp._numerics import fresh_buffers
-from jaxamp.optim import LossScaledTransformation
+from jaxamp._optim import LossScaledTransformation
+from jaxamp._policy import Policy, get_policy
 from jaxamp.optim_precision._state import _is_float_array, like_stored, to_compute
-from jaxamp.policy import Policy, get_policy
 
 __all__ = [
     "PRESETS",
@@ -79,7 +79,7 @@ def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any = jnp.bfloat16) ->
 
     Examples:
       >>> x = jnp.full(10_000, 1.0 + 2.0**-9)  # a quarter of the way from 1 to the next bf16
-      >>> y = jaxamp.stochastic_round(x, jax.random.key(0))
+      >>> y = jaxamp.optim_precision.stochastic_round(x, jax.random.key(0))
       >>> y.dtype, sorted(set(y.tolist()))
       (dtype(bfloat16), [1.0, 1.0078125])
       >>> round(float(y.astype(jnp.float32).mean()), 4)  # unbiased: 1 + 2**-9 = 1.00195...
@@ -109,7 +109,7 @@ class StochasticRoundingState(NamedTuple):
       inner_state: the wrapped optimizer's state.
 
     Examples:
-      >>> tx = jaxamp.stochastic_rounding(optax.adamw(1e-3), seed=0)
+      >>> tx = jaxamp.optim_precision.stochastic_rounding(optax.adamw(1e-3), seed=0)
       >>> state = tx.init({"w": jnp.ones(4, jnp.bfloat16)})
       >>> state.key.dtype, state.key.shape
       (dtype('uint32'), (2,))
@@ -128,7 +128,7 @@ class KahanSummationState(NamedTuple):
       inner_state: the wrapped optimizer's state.
 
     Examples:
-      >>> tx = jaxamp.kahan_summation(optax.adamw(1e-3))
+      >>> tx = jaxamp.optim_precision.kahan_summation(optax.adamw(1e-3))
       >>> state = tx.init({"w": jnp.ones(4, jnp.bfloat16)})
       >>> state.compensation["w"].dtype
       dtype(bfloat16)
@@ -205,7 +205,7 @@ def stochastic_rounding(
 
     Examples:
       >>> params = {"w": jnp.full(4096, 1.0, jnp.bfloat16)}
-      >>> tx = jaxamp.stochastic_rounding(optax.sgd(2.0**-12), seed=0)  # 1/32 of a bf16 step
+      >>> tx = jaxamp.optim_precision.stochastic_rounding(optax.sgd(2.0**-12), seed=0)  # 1/32 of a bf16 step
       >>> state = tx.init(params)
       >>> grads = {"w": jnp.full(4096, -1.0, jnp.bfloat16)}
       >>> for _ in range(32):
@@ -275,7 +275,7 @@ def kahan_summation(
 
     Examples:
       >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
-      >>> tx = jaxamp.kahan_summation(optax.sgd(2.0**-12))
+      >>> tx = jaxamp.optim_precision.kahan_summation(optax.sgd(2.0**-12))
       >>> state = tx.init(params)
       >>> for _ in range(32):
       ...     updates, state = tx.update({"w": -jnp.ones(2, jnp.bfloat16)}, state, params)

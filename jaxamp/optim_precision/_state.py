@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp.optim import LossScaledTransformation
+from jaxamp._optim import LossScaledTransformation
 from jaxamp.optim_precision._codecs import (
     BLOCK_FORMATS,
     STATE_FORMATS,
@@ -22,8 +22,8 @@ from jaxamp.optim_precision._codecs import (
     QuantizedArray,
     _check_block_size,
     _unknown_format,
-    dequantize,
-    quantize,
+    decode_blockwise,
+    encode_blockwise,
 )
 
 __all__ = [
@@ -48,7 +48,7 @@ class LowPrecisionState(NamedTuple):
         leaf as the wrapped optimizer made it.
 
     Examples:
-      >>> tx = jaxamp.low_precision_state(optax.adam(1e-3), "8bit")
+      >>> tx = jaxamp.optim_precision.low_precision_state(optax.adam(1e-3), "8bit")
       >>> state = tx.init({"w": jnp.zeros((64, 64))})
       >>> type(state.inner_state[0].mu["w"]).__name__, state.inner_state[0].mu["w"].codes.dtype
       ('QuantizedArray', dtype('uint8'))
@@ -78,7 +78,7 @@ def to_compute(tree: Any, *, decode: bool = True) -> Any:
 
     def up(x):
         if _is_quantized(x):
-            return dequantize(x) if decode else x
+            return decode_blockwise(x) if decode else x
         if _is_float_array(x) and jnp.dtype(x.dtype).itemsize < 4:
             return x.astype(jnp.float32)
         return x
@@ -94,7 +94,7 @@ def like_stored(new: Any, stored: Any) -> Any:
         if _is_quantized(value):  # encoded already, by a low_precision_state inside
             return value
         if _is_quantized(old):
-            return quantize(
+            return encode_blockwise(
                 value,
                 old.state_format,
                 signed=old.signed,
@@ -165,7 +165,7 @@ def low_precision_state(
         valid name).
 
     Examples:
-      >>> tx = jaxamp.loss_scaled(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))
+      >>> tx = jaxamp.loss_scaled(jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit"))
       >>> params = {"w": jnp.ones((64, 64))}
       >>> opt_state = tx.init(params)
       >>> updates, opt_state = tx.update({"w": jnp.full((64, 64), 65536.0)}, opt_state, params)
@@ -230,7 +230,7 @@ def low_precision_state(
             )
         if order is not None and order.is_identity:
             order = None
-        return quantize(
+        return encode_blockwise(
             leaf,
             state_format,
             signed=chosen[-1] not in unsigned,

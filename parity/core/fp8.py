@@ -31,7 +31,7 @@ from parity.pairs.mapping import apply_transform
 from parity.pairs.variables import flatten_variables
 
 # One compiled quantizer per (shape, cast, axis), not one program per primitive run eagerly.
-_quantize = jax.jit(jaxamp.fp8.quantize, static_argnums=(1, 2, 3))
+_quantize = jax.jit(jaxamp.fp8.to_fp8_dynamic, static_argnums=(1, 2, 3))
 
 __all__ = [
     "FP8_PRECISIONS",
@@ -331,7 +331,7 @@ _TENSORS = ("input", "weight", "grad_output")
 
 
 def _quantizer_exact(hp: np.ndarray, scale: np.ndarray, codes: np.ndarray, cast, axis, rec) -> bool:
-    """jaxamp.fp8.quantize of torch's own high-precision tensor gives torchao's scale and codes."""
+    """jaxamp.fp8.to_fp8_dynamic of torch's own high-precision tensor gives torchao's scale and codes."""
     q, s = _quantize(hp, cast, axis, rec.power_of_2_scales)
     s, q = np.asarray(s), np.asarray(q).view(np.uint8)
     return (

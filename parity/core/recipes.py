@@ -12,7 +12,7 @@ A recipe is an object with two faces, built once per run from its name:
 
 A precision can also be the optimizer's: ``adamw-8bit``, ``adamw-4bit`` and ``adamw-fp8`` keep
 AdamW's moments as torchao's block-wise codes (``torchao.optim.AdamW8bit`` / ``AdamW4bit`` /
-``AdamWFp8`` against ``jaxamp.low_precision_state``) with float32 compute; ``bf16-true-sr`` is
+``AdamWFp8`` against ``jaxamp.optim_precision.low_precision_state``) with float32 compute; ``bf16-true-sr`` is
 ``bf16-true`` whose weights are rounded stochastically (torchao's
 ``_AdamW(bf16_stochastic_round=True)`` against ``jaxamp.optim_precision.preset``). Their torch
 face replaces the run's optimizer (`Recipe.torch_optimizer`); they run AdamW only.
@@ -569,7 +569,7 @@ def _torchao_adamw_kwargs(config: Any) -> dict[str, Any]:
 
 class _LowBitAdamW(Fp32):
     """float32 compute; AdamW's two moments stored as block-wise codes: torchao's optimizer on
-    the torch side, ``jaxamp.low_precision_state`` around the run's optax AdamW on the JAX side
+    the torch side, ``jaxamp.optim_precision.low_precision_state`` around the run's optax AdamW on the JAX side
     (torchao's maps, block sizes and 4096-element minimum: smaller leaves stay float32)."""
 
     baseline = False
@@ -585,7 +585,7 @@ class _LowBitAdamW(Fp32):
             return (
                 f"FSDP2 shards each state: torchao's {self.torchao_class} quantizes every rank's "
                 "local shard (its 4096-element minimum and its blocks per shard), "
-                "jaxamp.low_precision_state the global array, so the two hold different codes"
+                "jaxamp.optim_precision.low_precision_state the global array, so the two hold different codes"
             )
         if arm == "ddp":
             return (
@@ -627,7 +627,7 @@ class _LowBitAdamW(Fp32):
                 "own row-major order, and the JAX state needs the pair's weight mapping to hold "
                 "the same blocks; pass the run's ModelPair (build_jax_optimizer(config, pair=...))."
             )
-        low = jaxamp.low_precision_state(
+        low = jaxamp.optim_precision.low_precision_state(
             inner, self.state_format, block_order=self.torch_block_order(pair)
         )
         return jaxamp.loss_scaled(low, self.jax_loss_scale(config), axis_name=axis_name)
@@ -663,7 +663,7 @@ class _LowBitAdamW(Fp32):
     def jax_method(self, device: str, arm: str = "single") -> str:
         del device, arm
         return (
-            f"float32, jaxamp.low_precision_state(adamw, {self.state_format!r}; "
+            f"float32, jaxamp.optim_precision.low_precision_state(adamw, {self.state_format!r}; "
             "blocked in torch's element order)"
         )
 

@@ -235,7 +235,7 @@ def _name(fn: Any) -> str:
 
 def contains_loss_scaled(tx: optax.GradientTransformation, params: Any) -> bool:
     """Whether `tx`'s state holds a ``jaxamp.loss_scaled`` state (the user scaled it already)."""
-    from jaxamp.loss_scaled_state import LossScaledState
+    from jaxamp._loss_scaled_state import LossScaledState
 
     state = jax.eval_shape(tx.init, params)
     leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScaledState))

@@ -3,7 +3,7 @@
 From identical gradients (torch's step-0 gradients, the JAX side given the same tensors through
 the pair's weight mapping) and identical weights, one torchao step and one jaxamp step must give
 the same quantized moments: torchao quantizes each moment of a large tensor block by block in the
-torch tensor's row-major order, ``jaxamp.low_precision_state`` in the block order the recipe takes
+torch tensor's row-major order, ``jaxamp.optim_precision.low_precision_state`` in the block order the recipe takes
 from the pair's mapping, so the codes and scales are equal bit for bit. A state blocked in the
 Flax layout, or with another block size, puts other elements under each scale: its codes and
 scales differ from the first step on, which end to end at 4 bits is lost in rounding noise over
@@ -212,7 +212,9 @@ def optimizer_state_verdicts(
         return None
     base = {"model": config.model, "precision": config.precision, "device": config.device}
     prefix = f"step 0 {config.precision}"
-    compared = f"jaxamp.low_precision_state vs torchao.optim.{torchao_class}, one step"
+    compared = (
+        f"jaxamp.optim_precision.low_precision_state vs torchao.optim.{torchao_class}, one step"
+    )
     try:
         rows = optimizer_state_step0(pair, config, inputs, targets)
     except ValueError as e:  # no mapping to take the block order from

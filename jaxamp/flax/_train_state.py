@@ -12,6 +12,10 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
+from jaxamp._grad import value_and_grad as _value_and_grad
+from jaxamp._loss_scaled_state import AmpInfo, amp_info, get_loss_scale
+from jaxamp._optim import apply_gradients
+from jaxamp._policy import Policy, check_param_dtypes, get_policy
 from jaxamp.flax._glue import (
     PARAM_DTYPE_FIX,
     advance_step,
@@ -20,10 +24,6 @@ from jaxamp.flax._glue import (
     wrap_optimizer,
 )
 from jaxamp.flax.linen import with_policy
-from jaxamp.grad import value_and_grad as _value_and_grad
-from jaxamp.loss_scaled_state import AmpInfo, amp_info, get_loss_scale
-from jaxamp.optim import apply_gradients
-from jaxamp.policy import Policy, check_param_dtypes, get_policy
 
 __all__ = ["TrainState"]
 

@@ -33,10 +33,10 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from jaxamp._policy import Policy, short_dtype_name
 from jaxamp.flax import _rules
 from jaxamp.flax import linen as jl
 from jaxamp.flax import nnx as jn
-from jaxamp.policy import Policy, short_dtype_name
 
 __all__ = ["ModuleReport", "PrecisionReport", "precision_report"]
 

@@ -567,10 +567,9 @@ def default_loss_scale(policy: Any) -> LossScale:
     where float16 takes part in the policy, no scaling otherwise (bfloat16 has float32's range).
 
     Examples:
-      >>> from jaxamp.loss_scale import default_loss_scale
-      >>> type(default_loss_scale(jaxamp.get_policy("fp16-mixed"))).__name__
+      >>> type(jaxamp.default_loss_scale(jaxamp.get_policy("fp16-mixed"))).__name__
       'DynamicLossScale'
-      >>> type(default_loss_scale(jaxamp.get_policy("bf16-mixed"))).__name__
+      >>> type(jaxamp.default_loss_scale(jaxamp.get_policy("bf16-mixed"))).__name__
       'NoOpLossScale'
     """
     return DynamicLossScale.create() if policy.needs_loss_scaling else NoOpLossScale()

@@ -11,6 +11,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxamp._grad import scaled_loss
+from jaxamp._loss_scale import NoOpLossScale
+from jaxamp._loss_scaled_state import AmpInfo, amp_info, get_loss_scale
+from jaxamp._optim import apply_updates
+from jaxamp._policy import Policy, check_param_dtypes, get_policy, parse_dtype
 from jaxamp._reduce import reduce_in
 from jaxamp.flax import _rules
 from jaxamp.flax._glue import (
@@ -20,11 +25,6 @@ from jaxamp.flax._glue import (
     wrap_optimizer,
 )
 from jaxamp.flax.nnx import module_policies
-from jaxamp.grad import scaled_loss
-from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.loss_scaled_state import AmpInfo, amp_info, get_loss_scale
-from jaxamp.optim import apply_updates
-from jaxamp.policy import Policy, check_param_dtypes, get_policy, parse_dtype
 
 __all__ = ["Optimizer", "nnx_value_and_grad"]
 

@@ -283,8 +283,7 @@ def parse_dtype(value: Any, *, where: str = "dtype") -> np.dtype:
       TypeError: `value` is neither a string nor a dtype.
 
     Examples:
-      >>> from jaxamp.policy import parse_dtype
-      >>> parse_dtype("BF16"), parse_dtype("full"), parse_dtype(jnp.float16)
+      >>> jaxamp.parse_dtype("BF16"), jaxamp.parse_dtype("full"), jaxamp.parse_dtype(jnp.float16)
       (dtype(bfloat16), dtype('float32'), dtype('float16'))
     """
     if isinstance(value, str):
@@ -320,7 +319,7 @@ def short_dtype_name(dtype: Any) -> str:
     uses); any other dtype keeps its NumPy name.
 
     Examples:
-      >>> from jaxamp.policy import short_dtype_name
+      >>> from jaxamp._policy import short_dtype_name
       >>> short_dtype_name(jnp.bfloat16), short_dtype_name("float32"), short_dtype_name("int32")
       ('bf16', 'f32', 'int32')
     """
@@ -429,7 +428,7 @@ def get_policy(spec: Policy | jmp.Policy | str) -> Policy:
           ``"float32"`` (fp32); ``"mixed_bfloat16"``, ``"bf16"`` (bf16-mixed); ``"16-mixed"``,
           ``"16"``, ``"mixed_float16"``, ``"fp16"`` (fp16-mixed); ``"16-true"`` (fp16-true);
         * ``"auto"``: bf16-mixed on TPU and GPUs of compute capability >= 8.0, fp16-mixed on
-          older GPUs, fp32 on CPU (see `jaxamp.policy.auto_policy_name`);
+          older GPUs, fp32 on CPU (`jaxamp._policy.auto_policy_name`);
         * a single dtype name, for all four dtypes: ``f32``/``float32``/``fp32``/``full``/
           ``float``, ``bf16``/``bfloat16``, ``f16``/``float16``/``fp16``, ``half`` (float16;
           bfloat16 on TPU), ``f64``/``float64``/``fp64``/``double``;

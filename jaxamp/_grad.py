@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._autocast.api import transform
+from jaxamp._loss_scale import NoOpLossScale
+from jaxamp._loss_scaled_state import get_loss_scale
 from jaxamp._numerics import scale_tree
+from jaxamp._policy import Policy, check_param_dtypes, get_policy, parse_dtype
 from jaxamp._reduce import needs_reduce_transform, reduce_in
-from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.loss_scaled_state import get_loss_scale
-from jaxamp.policy import Policy, check_param_dtypes, get_policy, parse_dtype
 
 __all__ = ["value_and_grad", "scaled_loss"]
 
@@ -111,7 +111,7 @@ def value_and_grad(
       >>> loss.dtype, grads["w"].dtype
       (dtype('float32'), dtype('float32'))
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
+      >>> params = jaxamp.apply_updates(params, updates, opt_state)
     """
     if not callable(fun):
         raise TypeError(f"value_and_grad(fun=...) takes a callable; got {type(fun).__name__}.")

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._loss_scale import LossScale, as_loss_scale
 from jaxamp._provenance import OverflowProvenance
-from jaxamp.loss_scale import LossScale, as_loss_scale
 
 __all__ = [
     "AmpInfo",

@@ -1,6 +1,6 @@
 """`loss_scaled`: the optax wrapper that unscales, checks, skips and adjusts, as GradScaler does;
 `apply_gradients` and `apply_updates`, its steps. Its state and the queries on it (`amp_info`,
-`get_loss_scale`, ...) live in `jaxamp.loss_scaled_state`."""
+`get_loss_scale`, ...) live in `jaxamp._loss_scaled_state`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ import jmp
 import numpy as np
 import optax
 
+from jaxamp._loss_scale import NoOpLossScale, as_loss_scale
+from jaxamp._loss_scaled_state import (
+    LossScaledState,
+    check_outermost,
+    find_states_with_keys,
+    loss_scaled_states,
+    one_state,
+    unwrap_variables,
+)
 from jaxamp._numerics import (
     AxisName,
     branch_or_select,
@@ -30,17 +39,8 @@ from jaxamp._numerics import (
     skip_updates,
     unscale_tree,
 )
+from jaxamp._policy import Policy, check_param_dtypes, get_policy
 from jaxamp._provenance import leaf_paths, measure_overflow, no_overflow
-from jaxamp.loss_scale import NoOpLossScale, as_loss_scale
-from jaxamp.loss_scaled_state import (
-    LossScaledState,
-    check_outermost,
-    find_states_with_keys,
-    loss_scaled_states,
-    one_state,
-    unwrap_variables,
-)
-from jaxamp.policy import Policy, check_param_dtypes, get_policy
 
 __all__ = [
     "LossScaleDivergedError",
@@ -241,8 +241,8 @@ def loss_scaled(
         donation copies about as many as Flax's and jmp's selects do. One exception measured
         on CPU: under a 16-bit compute dtype with the casts written by hand (a Flax module's
         ``dtype=``), XLA:CPU stores weight gradients transposed, and True was the faster form
-        even without donation (BENCHMARKS.md's MLP: 0.69-0.86x an unscaled step, against
-        1.20-1.26x for False).
+        even without donation (figures: BENCHMARKS.md, "Loss scaling with and without buffer
+        donation").
       provenance: True records, on each skipped step, which gradient leaf first held inf or
         NaN and every leaf's headroom below float16's maximum (`AmpInfo.overflow`, an
         `OverflowProvenance`). Measured inside the skip branch only, so an applied step does
@@ -264,7 +264,7 @@ def loss_scaled(
       >>> scale = jaxamp.get_loss_scale(opt_state)
       >>> grads = scale.scale({"w": jnp.full(3, 0.5)})  # gradients of the scaled loss
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = jaxamp.optim.apply_updates(params, updates, opt_state)
+      >>> params = jaxamp.apply_updates(params, updates, opt_state)
       >>> bool(jaxamp.amp_info(opt_state).last_step_applied)
       True
     """
