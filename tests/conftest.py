@@ -1,5 +1,6 @@
 """Test configuration: 8 host devices, strict dtype promotion, warnings as errors (pyproject)."""
 
+import math
 import os
 
 # Must happen before jax is imported anywhere: multi-device tests run on 8 virtual CPU devices.
@@ -126,3 +127,68 @@ def pytest_terminal_summary(terminalreporter, config):
     tr.write_sep("-", f"slowest {n} tests by CPU seconds")
     for nodeid, seconds in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
         tr.write_line(f"{seconds:8.1f}s  {nodeid}")
+
+
+_FAKE_POLICIES = {
+    "fp32": "p=f32,c=f32,o=f32",
+    "bf16-mixed": "p=f32,c=bf16,o=f32",
+    "fp16-mixed": "p=f32,c=f16,o=f32",
+}
+
+
+def fake_run(
+    framework,
+    losses,
+    precision="fp32",
+    *,
+    variant="",
+    data_seed=0,
+    scales=None,
+    skips=None,
+    eval_metric=None,
+    torch_mode="eager",
+    steps_extra=None,
+    model="m",
+):
+    """One run record for the verdict tests, valid under the record schema: `losses` per step
+    (None or a non-finite value: a non-finite step), the loss scale and skip decision per step
+    where given, `steps_extra` ({step: fields}) merged into its steps, the cell (`model`,
+    `precision`, cpu), a calibration `variant` and a data seed."""
+    from parity.core.records import validate_run
+
+    steps = []
+    for i, loss in enumerate(losses):
+        finite = loss is not None and math.isfinite(loss)
+        step = {
+            "step": i,
+            "loss": float(loss) if finite else None,
+            "loss_finite": finite,
+            "loss_scale": None if scales is None else scales[i],
+            "skipped": bool(skips[i]) if skips is not None else False,
+            "time_s": 0.01,
+        }
+        step.update((steps_extra or {}).get(i, {}))
+        steps.append(step)
+    run = {
+        "framework": framework,
+        "model": model,
+        "precision": precision,
+        "policy": _FAKE_POLICIES[precision],
+        "device": "cpu",
+        "status": "completed",
+        "seed": 0,
+        "variant": variant,
+        "config": {"seed": 0, "data_seed": data_seed},
+        "steps": steps,
+        "summary": {
+            "final_loss": steps[-1]["loss"] if steps else None,
+            "eval_metric": eval_metric,
+            "eval_metric_name": "accuracy",
+            "skipped_steps": sum(bool(s["skipped"]) for s in steps),
+            "diverged": any(not s["loss_finite"] for s in steps),
+        },
+    }
+    if framework == "torch":
+        run["torch_mode"] = torch_mode
+    validate_run(run)
+    return run

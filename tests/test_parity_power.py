@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]  # optax/flax internals train
 
+from conftest import fake_run as _run  # noqa: E402
+
 import parity  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
 from parity.core import flags  # noqa: E402
@@ -37,49 +39,6 @@ from parity.verdicts.rows import (  # noqa: E402
 from parity.verdicts.tolerances import POWER_BOUNDS, step_tolerances  # noqa: E402
 
 CELL = ("m", "fp32", "cpu")
-
-
-def _run(framework, losses, precision="fp32", *, variant="", data_seed=0, steps_extra=None):
-    policy = {
-        "fp32": "p=f32,c=f32,o=f32",
-        "bf16-mixed": "p=f32,c=bf16,o=f32",
-        "fp16-mixed": "p=f32,c=f16,o=f32",
-    }[precision]
-    steps = []
-    for i, loss in enumerate(losses):
-        step = {
-            "step": i,
-            "loss": float(loss),
-            "loss_finite": True,
-            "loss_scale": None,
-            "skipped": False,
-            "time_s": 0.01,
-        }
-        step.update((steps_extra or {}).get(i, {}))
-        steps.append(step)
-    run = {
-        "framework": framework,
-        "model": "m",
-        "precision": precision,
-        "policy": policy,
-        "device": "cpu",
-        "status": "completed",
-        "seed": 0,
-        "variant": variant,
-        "config": {"seed": 0, "data_seed": data_seed},
-        "steps": steps,
-        "summary": {
-            "final_loss": steps[-1]["loss"],
-            "eval_metric": None,
-            "eval_metric_name": "accuracy",
-            "skipped_steps": 0,
-            "diverged": False,
-        },
-    }
-    if framework == "torch":
-        run["torch_mode"] = "eager"
-    validate_run(run)
-    return run
 
 
 def _judged(runs):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from conftest import fake_run as _run
 
-from parity.core.records import validate_run
 from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import (
     Verdict,
@@ -17,61 +15,6 @@ from parity.verdicts.rows import (
     self_divergence,
 )
 from parity.verdicts.tolerances import TOLERANCES
-
-
-def _run(
-    framework,
-    losses,
-    precision="fp32",
-    *,
-    variant="",
-    data_seed=0,
-    scales=None,
-    skips=None,
-    eval_metric=None,
-    torch_mode="eager",
-):
-    policy = {
-        "fp32": "p=f32,c=f32,o=f32",
-        "bf16-mixed": "p=f32,c=bf16,o=f32",
-        "fp16-mixed": "p=f32,c=f16,o=f32",
-    }[precision]
-    steps = []
-    for i, loss in enumerate(losses):
-        finite = loss is not None and math.isfinite(loss)
-        steps.append(
-            {
-                "step": i,
-                "loss": float(loss) if finite else None,
-                "loss_finite": finite,
-                "loss_scale": None if scales is None else scales[i],
-                "skipped": bool(skips[i]) if skips is not None else False,
-                "time_s": 0.01,
-            }
-        )
-    run = {
-        "framework": framework,
-        "model": "m",
-        "precision": precision,
-        "policy": policy,
-        "device": "cpu",
-        "status": "completed",
-        "seed": 0,
-        "variant": variant,
-        "config": {"seed": 0, "data_seed": data_seed},
-        "steps": steps,
-        "summary": {
-            "final_loss": steps[-1]["loss"] if steps else None,
-            "eval_metric": eval_metric,
-            "eval_metric_name": "accuracy",
-            "skipped_steps": sum(s["skipped"] for s in steps),
-            "diverged": any(not s["loss_finite"] for s in steps),
-        },
-    }
-    if framework == "torch":
-        run["torch_mode"] = torch_mode
-    validate_run(run)
-    return run
 
 
 def _chaos(n, start_gap, rate=1.6, seed=0, level=2.0):
