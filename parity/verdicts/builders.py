@@ -7,26 +7,10 @@ recorded. Each builder takes the pair's one context (`parity.verdicts.judge.Pair
 envelope, per-step tolerances, seed groups) and returns `Row` drafts; `parity.verdicts.judge`
 applies the qualifiers (`parity.verdicts.qualifiers`) and freezes them into `Verdict` rows.
 
-The rules:
-
-- ``loss`` (recipes computing in float32): the relative gap ``|L_jax - L_torch| /
-  max(|L_torch|, 1% of the first torch loss)`` per step, within the fixed bands (1e-4 for steps
-  0-9, 1e-3 after) or, with calibration runs (the same framework from weights nudged by one
-  ulp), ``max(band(s), k * min(r * env(s + lag), max env))``
-  (`parity.verdicts.tolerances.step_tolerances`). Windows 0-9 and 10-29, then the rest of the
-  run; a window whose tolerance climbs above the loss bound is split at the horizon: the steps
-  after it decide nothing unless they fail even that tolerance.
-- ``fp8 loss``: step 0 at the fp32 band, steps 1-9 at e4m3's unit roundoff.
-- ``scale`` and ``skips`` (loss-scaled recipes): identical loss-scale trajectory and skip
-  decisions, step for step; a run without a scale event tested nothing (informational).
-- ``final loss`` (below float32): the mean of the last 5 losses within 5% relative, or ``k``
-  times the envelope at the end when larger.
-- ``grad norm`` / ``update norm``: per step, `signal_factor` times the loss tolerance of the
-  step (fp32, or the signal's own calibrated tolerance where larger); below float32 the
-  final-loss band times `signal_factor`.
-- seed statistics with K >= 2 data seeds per framework: ``equivalence loss`` / ``equivalence
-  eval`` (two one-sided Welch tests against a margin) decide; ``welch loss`` / ``welch eval``
-  (a difference test) are reported.
+The rules each builder applies (what is compared, by which tolerance, in which windows) are
+written once, for users, in the documentation page "What a PASS means"
+(``docs/harness/verdicts.md``); the constants and the reason for each value are
+`parity.verdicts.tolerances.CONSTANTS`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """One judging pass: runs paired once, every applicable check evaluated, one list of qualifiers
-applied, each row frozen once.
+applied, each row frozen once. The verdict rules are written once, in the documentation page
+"What a PASS means" (``docs/harness/verdicts.md``); this module is the order they are applied in.
 
 `compare_runs(runs)` groups the run records by cell (model, precision, device). In a cell it
 pairs each torch run with the JAX run of the same data seed (each torch mode, eager and
