@@ -271,7 +271,7 @@ def test_loss_scaled_low_precision_state_skip_and_checkpoint(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params, x, y = _setup()
     loss = mx.convert(lambda p, x, y: jnp.mean((_mlp(p, x) - y) ** 2), _emu("mxfp8"))
-    inner = jaxamp.low_precision_state(optax.adam(1e-2), "bf16")
+    inner = jaxamp.optim_precision.low_precision_state(optax.adam(1e-2), "bf16")
     tx = jaxamp.loss_scaled(inner, jaxamp.DynamicLossScale.create(init_scale=2.0**4))
 
     @jax.jit
