@@ -155,3 +155,35 @@ def test_op_lists_are_public():
     assert jaxamp.autocast_op_list("cuda").category("softmax.int") == "fp32_set_opt_dtype"
     with pytest.raises(ValueError, match="device"):
         jaxamp.autocast_op_list("tpu")
+
+
+def test_every_public_name_has_one_home():
+    # A function or class is public at exactly one address across the namespaces (no name
+    # exported both at the top level and in a subpackage), and the modules that define them are
+    # private (an underscore in their path) or the namespace itself.
+    import importlib
+
+    namespaces = [
+        "jaxamp",
+        "jaxamp.flax",
+        "jaxamp.flax.linen",
+        "jaxamp.flax.nnx",
+        "jaxamp.flax.checkpoint",
+        "jaxamp.fp8",
+        "jaxamp.optim_precision",
+        "jaxamp.mx",
+    ]
+    homes: dict[int, list[str]] = {}
+    for namespace in namespaces:
+        module = importlib.import_module(namespace)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            homes.setdefault(id(obj), []).append(f"{namespace}.{name}")
+            defined_in = obj.__module__
+            assert defined_in == namespace or any(
+                part.startswith("_") for part in defined_in.split(".")
+            ), f"{namespace}.{name} is defined in the public module {defined_in}"
+    shared = sorted(addresses for addresses in homes.values() if len(addresses) > 1)
+    assert not shared, f"public at more than one address: {shared}"
