@@ -179,35 +179,8 @@ def loss_scaled(
     (Adam's count does not advance, as in torch). Then the scale is adjusted and the skip
     counters move. The decision is in-graph (a select fused into the update): no host sync.
 
-    Checking the *unscaled* gradients is torch's check (an overflow is inf before and after
-    unscaling) plus one torch does not need: with a scale below 1 a finite float16 gradient
-    can overflow when unscaled (torch refuses float16 gradients instead). So no step ever
-    hands a non-finite gradient to `inner`, and none writes a non-finite value into the
-    parameters through a finite optimizer.
-
-    Per loss-scale type, on a non-finite step:
-      * `DynamicLossScale` (and jmp's): skip; the scale backs off.
-      * `StaticLossScale` (and jmp's): skip; the scale stays.
-      * `NoOpLossScale` (and jmp's): skip (nothing is unscaled). Finite steps are
-        bit-identical to a run without the wrapper; a NaN step does not write NaN.
-
-    Composition:
-      * `optax.chain(clip, ...)` *inside* `loss_scaled` clips the unscaled gradients, as
-        `GradScaler.unscale_` then `clip_grad_norm_` does; non-finite steps are skipped, not
-        clipped. The other way round, ``optax.chain(clip, loss_scaled(...))``, the clip sees
-        scaled gradients: `apply_gradients`, `apply_updates` and `get_loss_scale` (so
-        `jaxamp.value_and_grad`) refuse such a state.
-      * `loss_scaled(optax.multi_transform(...))` makes one global decision: a non-finite value
-        in any group skips every group (torch with one optimizer).
-      * `loss_scaled({"a": tx_a, "b": tx_b}, param_labels=labels)` is torch with several
-        optimizers and one `GradScaler`: one shared scale (backed off if any group
-        overflowed), and each group skips only when its own gradients are non-finite.
-      * `multi_transform` of several `loss_scaled` optimizers gives each group its own scale
-        and skip decision; then `get_loss_scale` asks which one you mean.
-      * `jaxamp.multi_steps(loss_scaled(opt), k)` accumulates scaled gradients over k
-        micro-batches with a constant scale; the scale moves once per real step and a non-finite
-        micro-batch skips the whole window. Not `optax.MultiSteps`: it clears its accumulator
-        with `0 * acc`, so one NaN poisons every later window.
+    Where clipping and accumulation go, parameter groups, devices, and what a skipped step
+    keeps per loss-scale type: the documentation page "Loss scaling".
 
     Args:
       inner: the optimizer to run on the unscaled gradients; with `param_labels`, a mapping
@@ -233,16 +206,10 @@ def loss_scaled(
         parameters returning one (as `optax.multi_transform`): switches on a skip decision
         per group under one shared loss scale.
       in_place: True where the jitted step donates the parameters and the optimizer state
-        (``jax.jit(step, donate_argnums=...)``): XLA then updates them in place and a step
-        costs what an unscaled step costs plus the check. False (the default, for steps that
-        do not donate, as the README's) keeps every buffer copy out of applied steps. A wrong
-        setting costs speed, never values (both forms compute the same bits): ``in_place=True``
-        without donation copies every parameter and state buffer on every step; False with
-        donation copies about as many as Flax's and jmp's selects do. One exception measured
-        on CPU: under a 16-bit compute dtype with the casts written by hand (a Flax module's
-        ``dtype=``), XLA:CPU stores weight gradients transposed, and True was the faster form
-        even without donation (figures: BENCHMARKS.md, "Loss scaling with and without buffer
-        donation").
+        (``jax.jit(step, donate_argnums=...)``): XLA then updates them in place. False (the
+        default, for steps that do not donate) keeps every buffer copy out of applied steps.
+        A wrong setting costs speed, never values (both forms compute the same bits); the
+        documentation page "Loss scaling" says when each is faster.
       provenance: True records, on each skipped step, which gradient leaf first held inf or
         NaN and every leaf's headroom below float16's maximum (`AmpInfo.overflow`, an
         `OverflowProvenance`). Measured inside the skip branch only, so an applied step does
