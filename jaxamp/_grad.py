@@ -29,7 +29,7 @@ def scaled_loss(
 
     The one scaled loss every gradient helper differentiates (`value_and_grad`, the Flax glue's
     `TrainState.value_and_grad` and `nnx_value_and_grad`). The loss is cast to float32 *before*
-    it is multiplied: a float16 loss times 2**16 is inf in float16, not in float32 (FAULTS 18).
+    it is multiplied: a float16 loss times 2**16 is inf in float16, not in float32.
 
     Args:
       fun: returns a scalar loss, or ``(loss, aux)`` with `has_aux`.
@@ -71,7 +71,7 @@ def value_and_grad(
        (`jaxamp.autocast(device="cuda", dtype=float16)`): losses, softmax, sums, exp/log run in
        float32, as torch's float16 autocast runs them, so the loss is float32 before it is
        scaled and the default scale 2**16 (inf in float16) reaches the float16 part of the
-       backward pass already divided by the loss's reductions (FAULTS 35). A loss that is
+       backward pass already divided by the loss's reductions. A loss that is
        still float16 at the end (a bare ``jnp.mean`` of float16 values, which torch also
        leaves in float16) overflows at scales above 65504: compute it in float32;
     3. scales the loss in float32 and differentiates that with respect to `args[argnums]`;

@@ -348,7 +348,7 @@ def check_param_dtypes(
 
     torch refuses to unscale float16 gradients (float16 master weights lose small updates and
     overflow); a policy that says float32 params while the params are float16 would silently
-    train in float16 (FAULTS 27).
+    train in float16.
 
     Args:
       params: the parameter pytree.

@@ -1,4 +1,4 @@
-"""all_finite: empty trees, ignored leaves, detection anywhere, mixed dtypes, sharding (FAULTS 6, 7)."""
+"""all_finite: empty trees, ignored leaves, detection anywhere, mixed dtypes, sharding."""
 
 import math
 
@@ -24,7 +24,7 @@ def _check(result, expected):
     assert bool(result) is expected
 
 
-# --- FAULTS 6 -------------------------------------------------------------------------------
+# --- empty trees and ignored leaves ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tree", [{}, [], (), None, {"a": {}, "b": [None]}], ids=repr)
@@ -70,7 +70,7 @@ def test_numpy_and_python_float_leaves_are_checked(maybe_jit):
         _check(maybe_jit(all_finite)({"g": leaf}), True)
 
 
-# --- FAULTS 7: mixed trees ------------------------------------------------------------------
+# --- mixed trees ----------------------------------------------------------------------------------
 
 
 def _mixed_tree():
@@ -134,7 +134,7 @@ def test_mixed_tree_unscales_exactly_and_keeps_dtypes(loss_scale, maybe_jit):
     assert jax.tree.map(lambda x: x.dtype, static) == jax.tree.map(lambda x: x.dtype, tree)
 
 
-# --- sharded arrays (FAULTS 6, 16) ----------------------------------------------------------
+# --- sharded arrays -------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_axis_name_empty_tree_inside_shard_map(mesh):
     assert np.asarray(fn(np.ones(mesh.size, np.float32))).tolist() == [True] * mesh.size
 
 
-# --- values a sum-based check would get wrong (overflowing or cancelling sums) -----------------
+# --- values a sum-based check would get wrong (overflowing or cancelling sums) --------------------
 
 
 def test_finite_rows_whose_sums_overflow_are_finite(float_dtype, maybe_jit):

@@ -1,4 +1,4 @@
-"""FAULTS 11: save mid-run with orbax, restore in a fresh process, continue bit-identically."""
+"""Save mid-run with orbax, restore in a fresh process, continue bit-identically."""
 
 import json
 import os

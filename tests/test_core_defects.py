@@ -1,5 +1,5 @@
 """Issue 13 defects in the loss-scaling core (items 1, 2, 4, 5, 6, 9): each test failed before
-the fix. FAULTS.md 24-27 and 15. Parity claims run torch's GradScaler("cpu") and flax's
+the fix. Parity claims run torch's GradScaler("cpu") and flax's
 DynamicScale themselves.
 """
 
@@ -34,7 +34,7 @@ def _all_finite_host(tree):
     return all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(tree))
 
 
-# --- item 1 / FAULTS 24: unscaling is exact at the largest scales ---------------------------------
+# --- unscaling is exact at the largest scales -----------------------------------------------------
 
 EXTREME_SCALES = [2.0**126, 1.5 * 2.0**126, 2.0**127, 1.75 * 2.0**127, F32_MAX]
 
@@ -82,7 +82,7 @@ def test_unscale_at_2_127_moves_parameters(maybe_jit):
     assert bool(jaxamp.amp_info(state).last_step_applied)
 
 
-# --- item 2 / FAULTS 26: one skip mechanism, linen and NNX alike -----------------------------------
+# --- one skip mechanism, linen and NNX alike ------------------------------------------------------
 
 
 class _LinenMLP(nn.Module):
@@ -185,7 +185,7 @@ def test_every_loss_scale_type_skips_a_nan_step(loss_scale, float_dtype, maybe_j
     assert not bool(info.last_step_applied) and int(info.skipped_steps) == 1
 
 
-# --- item 4 / FAULTS 27: params outside the policy's param dtype are refused ----------------------
+# --- params outside the policy's param dtype are refused ------------------------------------------
 
 
 def test_float16_master_weights_are_refused():
@@ -209,7 +209,7 @@ def test_float16_master_weights_are_refused():
         jf.Optimizer(nnx_model, optax.adam(1e-3), wrt=nnx.Param, policy="fp16-mixed")
 
 
-# --- item 5 + item 9 (fp16 overflow when unscaling) / FAULTS 25 --------------------------------
+# --- fp16 overflow when unscaling -----------------------------------------------------------------
 
 
 def _overflowing_loss(p):
@@ -252,7 +252,7 @@ def test_fp16_gradient_overflowing_when_unscaled_is_skipped(inner, maybe_jit):
     assert not bool(state.last_step_finite)
 
 
-# --- item 6 / FAULTS 15: several optimizers, one GradScaler (torch's test_grad_scaling_multiple) -
+# --- several optimizers, one GradScaler (torch's test_grad_scaling_multiple) ----------------------
 
 
 def test_per_group_skip_matches_torch_grad_scaling_multiple(maybe_jit):
@@ -353,7 +353,7 @@ def test_per_group_skip_matches_torch_grad_scaling_multiple(maybe_jit):
             )
 
 
-# --- item 9: the adversarial cases -----------------------------------------------------------------
+# --- item 9: the adversarial cases ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""orbax checkpoints of Flax mixed-precision state (FAULTS.md 11 and 12), linen and NNX.
+"""orbax checkpoints of Flax mixed-precision state, linen and NNX.
 
-FAULTS 11: save at step t, restore in a fresh process (a subprocess), continue: the next steps are
-bit-identical to an uninterrupted run, skip decisions included. FAULTS 12: a checkpoint without
+Save at step t, restore in a fresh process (a subprocess), continue: the next steps are
+bit-identical to an uninterrupted run, skip decisions included. A checkpoint without
 loss scaling restored into a run with it (and the reverse) raises, or resets when asked to.
 """
 
@@ -160,7 +160,7 @@ def worker(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax's adam computes float ** int32
 def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):
-    """FAULTS 11, linen and NNX, with a skipped step before and after the save point."""
+    """Save, restore in a fresh process, continue bit-identically: linen and NNX, with a skipped step before and after the save point."""
     path, w = worker
     # The interrupted run: SAVE_AT steps, then save.
     state, _ = w["run_linen"](w["make_linen"](), 0, SAVE_AT)
@@ -198,7 +198,7 @@ def test_restore_in_fresh_process_continues_bit_identically(worker, tmp_path):
 
 @pytest.mark.standard_promotion
 def test_linen_loss_scale_mismatch(worker, tmp_path):
-    """FAULTS 12, linen: plain <-> loss-scaled, and another loss-scale type."""
+    """A checkpoint with or without loss scaling restored into the other, linen: plain <-> loss-scaled, and another loss-scale type."""
     _, w = worker
     scaled = w["make_linen"]()
     scaled, _ = w["linen_step"](scaled, *w["batch"](1))  # a skip: scale 512, skipped_steps 1
@@ -239,7 +239,7 @@ def test_linen_loss_scale_mismatch(worker, tmp_path):
 
 @pytest.mark.standard_promotion
 def test_nnx_loss_scale_mismatch(worker, tmp_path):
-    """FAULTS 12, NNX."""
+    """A checkpoint with or without loss scaling restored into the other, NNX."""
     _, w = worker
     model, optimizer = w["make_nnx"]()
     w["nnx_step"](model, optimizer, *w["batch"](1))  # a skip
@@ -322,7 +322,7 @@ def test_corrupted_checkpoint_is_a_value_error_naming_the_file(tmp_path, corrupt
     assert str(tmp_path / "3" / item) in str(err.value)
 
 
-# --- format versions and foreign checkpoints (FAULTS 37) -------------------------------------------
+# --- format versions and foreign checkpoints ------------------------------------------------------
 
 
 def _set_format(step_dir, value):

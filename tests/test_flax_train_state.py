@@ -1,7 +1,7 @@
 """TrainState (linen) and Optimizer (NNX): skipping, step counting, telemetry.
 
-FAULTS.md 17 (fp16 warm-up skips as torch), 20 (optimizer state float32), 21 (always-overflowing
-model reported), in the Flax setting, linen and NNX, with and without jit.
+fp16 warm-up skips as torch, optimizer state float32, an always-overflowing
+model reported, in the Flax setting, linen and NNX, with and without jit.
 """
 
 import flax.linen as nn
@@ -170,7 +170,7 @@ def test_no_retrace():
 @pytest.mark.standard_promotion  # optax's adam computes float ** int32
 @pytest.mark.parametrize("compute", ["float16", "bfloat16"])
 def test_optimizer_state_float32_under_mixed_policy(compute):
-    """FAULTS 20: adam's moments stay float32; a zero-gradient step gives no NaN."""
+    """adam's moments stay float32; a zero-gradient step gives no NaN."""
     policy = f"p=f32,c={compute},o=f32"
     state = make_linen(policy, tx=optax.adam(1e-3))
     zero = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.zeros_like, s.params)))
@@ -219,7 +219,7 @@ class NNXBoom(nnx.Module):
 
 
 def test_always_overflowing_model_is_reported(maybe_jit):
-    """FAULTS 21: after M consecutive skips the run is reported, and amp_info shows it."""
+    """after M consecutive skips the run is reported, and amp_info shows it."""
     model = LinenBoom()
     params = jf.linen.with_policy(model.init, "fp16-mixed")(jax.random.key(0), X)["params"]
     kw = dict(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy="fp16-mixed")
@@ -256,7 +256,7 @@ def test_always_overflowing_model_is_reported(maybe_jit):
 
 @pytest.mark.torch
 def test_fp16_warmup_skips_match_torch():
-    """FAULTS 17: fp16 at 2**16 overflows in the first steps; torch skips as many."""
+    """fp16 at 2**16 overflows in the first steps; torch skips as many."""
     torch = pytest.importorskip("torch")
     x = np.full((4, 2), 8.0, np.float32)  # d(loss)/d(kernel) = 32 * scale: inf while > 65504
 

@@ -1,4 +1,4 @@
-"""A float16 policy at the default loss scale (FAULTS 18, 27, 35): the loss is float32 before it
+"""A float16 policy at the default loss scale: the loss is float32 before it
 is scaled, so 2**16 (inf in float16) never makes a step's gradients inf by the loss's own dtype;
 checked against torch.autocast(float16) + GradScaler step by step."""
 
@@ -143,7 +143,7 @@ def test_fp16_policy_follows_torch_gradscaler_from_the_default_scale(maybe_jit):
 
 
 def test_float16_master_params_refused(maybe_jit):
-    # FAULTS 27 for the bare helper (the Flax glue refused them already).
+    # Params outside the policy's param dtype, for the bare helper (the Flax glue refused them already).
     params = {"w": jnp.ones((8, 4), jnp.float16), "b": jnp.zeros(4, jnp.float32)}
     grad_fn = maybe_jit(
         jaxamp.value_and_grad(

@@ -1,4 +1,4 @@
-"""fp8 faults (FAULTS 28, 36): delayed scales finite and > 0 for any amax history, range-checked
+"""fp8 faults: delayed scales finite and > 0 for any amax history, range-checked
 recipe options, filters that select nothing refused, the operand capture, the documentation page's snippet."""
 
 import dataclasses
@@ -124,7 +124,7 @@ def test_recipe_power_of_2_scales_must_be_bool():
         f8.recipe("tensorwise", power_of_2_scales=1)
 
 
-# --- filters that select nothing (FAULTS 28) ------------------------------------------------------
+# --- filters that select nothing ------------------------------------------------------------------
 
 
 class _MLP(nn.Module):
@@ -176,7 +176,7 @@ def test_convert_filter_selecting_nothing_raises(maybe_jit):
     assert [r.fp8 for r in rows] == [False, False, False]
 
 
-# --- the public operand capture ---------------------------------------------------------------------
+# --- the public operand capture -------------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion
@@ -204,7 +204,7 @@ def test_capture_operands_gives_each_matmuls_three_tensors():
         f8.capture_operands(loss_fn, params, x, y, recipe=TENSORWISE, argnums=5)
 
 
-# --- the documentation page's snippet ---------------------------------------------------------------------------
+# --- the documentation page's snippet -------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion

@@ -1,6 +1,6 @@
 """Loss scales, checked step by step against torch, jmp, flax, Keras and Megatron's rules.
 
-FAULTS 1-5, 18 and 22; state_dict interop with torch.amp.GradScaler; pytree round trips.
+Growth timing, the minimum scale, extremes, dtypes, bad configuration; state_dict interop with torch.amp.GradScaler; pytree round trips.
 """
 
 import dataclasses
@@ -81,7 +81,7 @@ def ulps_apart(a, b):
     return abs(int(a.view(np.int32)) - int(b.view(np.int32)))
 
 
-# --- torch reference --------------------------------------------------------------------------
+# --- torch reference ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ class TorchScaler:
         return self.scaler.get_scale(), int(self.scaler._get_growth_tracker())
 
 
-# --- FAULTS 1 ---------------------------------------------------------------------------------
+# --- backoff and growth against torch's GradScaler ------------------------------------------------
 
 
 def test_faults_1_update_arithmetic(maybe_jit):
@@ -142,7 +142,7 @@ def test_faults_1_against_torch(torch):
     assert ours == torch_states
 
 
-# --- FAULTS 2: growth timing ------------------------------------------------------------------
+# --- growth timing --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("interval", [1, 2, 3])
@@ -177,7 +177,7 @@ def test_faults_2_non_finite_resets_the_counter(interval, rule, maybe_jit):
 
 
 def test_faults_2_anchor_example(maybe_jit):
-    """ANCHORS.md: interval 3 from 4: torch 4, 4, 8, 8, 8, 16; flax 4, 4, 4, 8."""
+    """Interval 3 from 4: torch 4, 4, 8, 8, 8, 16; flax 4, 4, 4, 8."""
     step = maybe_jit(_adjust)
     torch_rule = DynamicLossScale.create(init_scale=4.0, growth_interval=3)
     flax_rule = DynamicLossScale.from_preset("flax", init_scale=4.0, growth_interval=3)
@@ -197,7 +197,7 @@ def test_anchor_example_against_torch(torch):
     assert [reference.step(FINITE)[0] for _ in range(6)] == [4, 4, 8, 8, 8, 16]
 
 
-# --- against torch.amp.GradScaler, step by step -------------------------------------------------
+# --- against torch.amp.GradScaler, step by step ---------------------------------------------------
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -296,7 +296,7 @@ def test_min_scale_zero_collapse_step_count_equals_torch(torch):
     assert our_steps == torch_steps
 
 
-# --- against jmp, flax, Keras, Megatron ---------------------------------------------------------
+# --- against jmp, flax, Keras, Megatron -----------------------------------------------------------
 
 
 @pytest.mark.standard_promotion  # jmp's adjust multiplies an int32 counter by a bool
@@ -368,7 +368,7 @@ def test_matches_flax_dynamic_scale(events, interval, init):
 
 
 def keras_reference(events, init=2.0**15, interval=2000):
-    """Keras 3 LossScaleOptimizer (ANCHORS.md): x2 on the N-th clean step, /2 on overflow."""
+    """Keras 3 LossScaleOptimizer: x2 on the N-th clean step, /2 on overflow."""
     scale, counter, out = np.float32(init), 0, []
     for finite in events:
         if finite:
@@ -478,7 +478,7 @@ def test_default_preset_is_torch():
     assert_same_fields(DynamicLossScale.from_preset(), DynamicLossScale.create())
 
 
-# --- FAULTS 3: the minimum scale survives everything --------------------------------------------
+# --- the minimum scale survives everything --------------------------------------------------------
 
 
 def _overflow_many(loss_scale, steps=400):
@@ -567,7 +567,7 @@ def test_faults_3_survives_orbax_checkpoint(tmp_path):
     assert trajectory(restored, events)[0] == trajectory(loss_scale, events)[0]
 
 
-# --- FAULTS 4 and 5: extremes -------------------------------------------------------------------
+# --- extremes -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("max_scale", [None, 2.0**127, 1e38, F32_MAX])
@@ -654,7 +654,7 @@ def test_faults_5_without_floor_training_is_stuck():
     assert np.isfinite(np.asarray(params)).all()  # skipped, never applied
 
 
-# --- FAULTS 18 and dtypes of scale/unscale ------------------------------------------------------
+# --- dtypes of scale/unscale (a float16 loss is scaled in float32) --------------------------------
 
 
 def _loss_scales(value=2.0**16):
@@ -729,7 +729,7 @@ def test_static_adjust_is_constant(maybe_jit):
     assert StaticLossScale(jnp.asarray(4.0, jnp.bfloat16)).loss_scale.dtype == jnp.float32
 
 
-# --- FAULTS 22: bad configuration ---------------------------------------------------------------
+# --- bad configuration ----------------------------------------------------------------------------
 
 BAD_CONFIGS = [
     ("growth_factor", 1.0, ValueError),
@@ -806,7 +806,7 @@ def test_adjust_rejects_non_scalar_bool(grads_finite):
         DynamicLossScale.create().adjust(grads_finite)
 
 
-# --- torch state_dict interop -------------------------------------------------------------------
+# --- torch state_dict interop ---------------------------------------------------------------------
 
 
 def test_state_dict_format():
@@ -890,7 +890,7 @@ def test_from_state_dict_errors():
         DynamicLossScale.from_state_dict({**full, "backoff_factor": 2.0})
 
 
-# --- pytree round trips and retracing -----------------------------------------------------------
+# --- pytree round trips and retracing -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -939,7 +939,7 @@ def test_jitted_adjust_does_not_retrace():
         assert not leaf.weak_type
 
 
-# --- jmp's protocol -----------------------------------------------------------------------------
+# --- jmp's protocol -------------------------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion  # jmp's own scale/adjust rely on default promotion

@@ -1,5 +1,5 @@
 """Loss scales and loss-scaled states as users build, map and misuse them (issue 23 items 3, 4,
-8, 9; FAULTS 34): validation where the user builds, never when JAX rebuilds; jmp's idiom; errors
+8, 9): validation where the user builds, never when JAX rebuilds; jmp's idiom; errors
 that name the parameter, the value and the closest valid name; misplaced loss scaling refused."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _grads(scale: float, bad: bool = False):
     return grads
 
 
-# --- item 3 / FAULTS 34: stacked and replicated states -----------------------------------------
+# --- stacked and replicated states ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", list(SCALES))
@@ -97,7 +97,7 @@ def test_static_scale_validates_the_users_value_only():
     assert jax.eval_shape(lambda s: s, scale).loss_scale.shape == ()
 
 
-# --- item 4: concrete 0-d arrays accepted (jmp's idiom), tracers/strings/bools refused ----------
+# --- item 4: concrete 0-d arrays accepted (jmp's idiom), tracers/strings/bools refused ------------
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_tracers_are_refused_with_the_fix():
         )
 
 
-# --- item 8: messages that name the parameter, the value and the closest valid name ------------
+# --- item 8: messages that name the parameter, the value and the closest valid name ---------------
 
 
 def test_unknown_axis_name_is_named_with_the_axes_in_scope():
@@ -217,7 +217,7 @@ def test_preset_name_errors_name_the_valid_names():
         jaxamp.loss_scaled(optax.sgd(0.1), "megatorn")
 
 
-# --- item 9: misplaced or missing loss scaling is refused, naming the fix ------------------------
+# --- item 9: misplaced or missing loss scaling is refused, naming the fix -------------------------
 
 
 @pytest.mark.parametrize(
@@ -272,7 +272,7 @@ def test_plain_optimizer_is_refused_by_apply_gradients(inner, maybe_jit):
         )
 
 
-# --- seams: update_and_apply is a method; last_step_applied has its own meaning ------------------
+# --- seams: update_and_apply is a method; last_step_applied has its own meaning -------------------
 
 
 @pytest.mark.standard_promotion  # optax's Adam computes float ** int32
@@ -344,7 +344,7 @@ def test_set_loss_scale_names_itself_when_refusing_a_value():
         jaxamp.loss_scaled(optax.sgd(0.1), 2.0)
 
 
-# --- item 10: no parameter or state buffer copied on every step, donated or not -----------------
+# --- item 10: no parameter or state buffer copied on every step, donated or not -------------------
 
 
 def _big_copies(tx, donate: bool) -> list[str]:
@@ -380,7 +380,7 @@ def test_in_place_must_be_a_bool():
 
 
 def test_float16_master_weights_refused_by_apply_gradients_under_a_policy(maybe_jit):
-    """FAULTS 27 for the bare step: the policy named, the leaf named, the fix named."""
+    """Params outside the policy's param dtype, for the bare step: the policy named, the leaf named, the fix named."""
     half = jax.tree.map(lambda p: p.astype(jnp.float16), _params())
     tx = jaxamp.loss_scaled(optax.sgd(0.1))
     state = tx.init(half)

@@ -1,4 +1,4 @@
-"""`loss_scaled(max_consecutive_skips=M)` reports a run that overflows forever (FAULTS 21), once,
+"""`loss_scaled(max_consecutive_skips=M)` reports a run that overflows forever, once,
 at the step that reaches M, eagerly, under `jit` and under `jit` with a donated state, on every
 platform: eagerly the call reports; under `jit` a host callback inside the step reports before the
 step's outputs are ready."""

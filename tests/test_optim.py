@@ -1,4 +1,5 @@
-"""loss_scaled, get_loss_scale, amp_info, value_and_grad: FAULTS.md 8-16, 20-22."""
+"""loss_scaled, get_loss_scale, amp_info, value_and_grad: skips, clipping, accumulation, parameter
+groups, sharding, optimizer state dtype, overflow reporting, wrapping and bad arguments."""
 
 import jax
 import jax.extend.core
@@ -74,7 +75,7 @@ OPTIMIZERS = {
 }
 
 
-# --- FAULTS 8: a skipped step is a true no-op --------------------------------------------------
+# --- a skipped step is a true no-op ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -119,7 +120,7 @@ def test_adam_count_does_not_advance_on_skip():
     assert int(state.inner_state[0].count) == 1  # as torch: Adam's step is not taken
 
 
-# --- FAULTS 9: an injected overflow equals leaving the step out ---------------------------------
+# --- an injected overflow equals leaving the step out ---------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum", "clip_adam"])
@@ -157,7 +158,7 @@ def test_overflow_at_step_k_equals_run_without_step_k(name):
     assert scales == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
 
 
-# --- FAULTS 10: NoOp is the identity --------------------------------------------------------------
+# --- NoOp is the identity -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("loss_scale", [jaxamp.NoOpLossScale(), jmp.NoOpLossScale()])
@@ -182,7 +183,7 @@ def test_noop_run_equals_unwrapped_run(loss_scale, maybe_jit):
     assert noop.adjust(jnp.array(False)) is noop
 
 
-# --- FAULTS 13: clipping after unscaling ---------------------------------------------------------
+# --- clipping after unscaling ---------------------------------------------------------------------
 
 
 def test_clipping_after_unscaling_equals_fp32_clipping(maybe_jit):
@@ -202,7 +203,7 @@ def test_clipping_after_unscaling_equals_fp32_clipping(maybe_jit):
     assert int(new_state.skipped_steps) == 1
 
 
-# --- FAULTS 14: gradient accumulation -------------------------------------------------------------
+# --- gradient accumulation ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("poison_micro_step", [None, 0, 2])
@@ -299,7 +300,7 @@ def test_optax_multisteps_never_recovers_from_an_overflow():
     assert int(jaxamp.amp_info(state).skipped_steps) == 3  # every window after the NaN is lost
 
 
-# --- FAULTS 15: parameter groups ------------------------------------------------------------------
+# --- parameter groups -----------------------------------------------------------------------------
 
 
 def test_multi_transform_global_skip():
@@ -339,7 +340,7 @@ def test_multi_transform_per_group_skip():
         jaxamp.get_loss_scale(new_state)
 
 
-# --- FAULTS 16: sharded and replicated --------------------------------------------------------------
+# --- sharded and replicated -----------------------------------------------------------------------
 
 
 def test_sharded_nan_in_one_shard_makes_every_shard_skip(replica_devices):
@@ -391,7 +392,7 @@ def test_shard_map_axis_name_makes_every_replica_skip(replica_devices):
     assert np.all(out[n - 1] == 1.0) and np.all(out[0] != 1.0)
 
 
-# --- FAULTS 20: optimizer state stays float32 under a mixed policy --------------------------------
+# --- optimizer state stays float32 under a mixed policy -------------------------------------------
 
 
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
@@ -410,7 +411,7 @@ def test_optimizer_state_float32_and_no_nan_on_zero_grads(policy, maybe_jit):
     assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
 
 
-# --- FAULTS 21: a model that overflows forever is reported ------------------------------------------
+# --- a model that overflows forever is reported ---------------------------------------------------
 
 
 # The report itself (once, at the limit, eager / jit / donated): tests/test_max_skips_report.py
@@ -428,7 +429,7 @@ def test_consecutive_counter_resets_on_finite_step():
     assert bool(info.last_step_applied)
 
 
-# --- FAULTS 22 (wrapping) and bad arguments -----------------------------------------------------------
+# --- wrapping and bad arguments -------------------------------------------------------------------
 
 
 def test_wrapping_a_loss_scaled_optimizer_raises():
@@ -458,7 +459,7 @@ def test_bad_arguments(kwargs, error, match):
         jaxamp.loss_scaled(lambda g: g)
 
 
-# --- FAULTS 12: state saved without loss scaling ---------------------------------------------------
+# --- state saved without loss scaling -------------------------------------------------------------
 
 
 def test_state_without_loss_scaling_is_rejected_clearly():
@@ -475,7 +476,7 @@ def test_state_without_loss_scaling_is_rejected_clearly():
     assert float(jaxamp.get_loss_scale(state).loss_scale) == 8.0
 
 
-# --- composition, telemetry, protocol ---------------------------------------------------------------
+# --- composition, telemetry, protocol -------------------------------------------------------------
 
 
 def test_get_loss_scale_finds_nested_states():
@@ -538,7 +539,7 @@ def test_amp_info_fields_and_types():
     assert bool(info.last_step_finite) and bool(info.last_step_applied)
 
 
-# --- value_and_grad -----------------------------------------------------------------------------
+# --- value_and_grad -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", None])
@@ -581,7 +582,7 @@ def test_value_and_grad_has_aux_and_argnums():
 
 
 def test_fp16_scaled_loss_is_float32():
-    # FAULTS 18 through the helper: a float16 loss times 2**16 is inf in float16, not in float32.
+    # Through the helper: a float16 loss times 2**16 is inf in float16, not in float32.
     params = {"w": jnp.full((2,), 100.0, jnp.float32)}
 
     def loss_fn(p):
@@ -594,7 +595,7 @@ def test_fp16_scaled_loss_is_float32():
     assert grads["w"].dtype == jnp.float32
 
 
-# --- no retrace ------------------------------------------------------------------------------------
+# --- no retrace -----------------------------------------------------------------------------------
 
 
 def test_jitted_train_step_does_not_retrace():
@@ -617,7 +618,7 @@ def test_jitted_train_step_does_not_retrace():
     assert len(traces) == 1
 
 
-# --- apply_gradients: update + apply as one decision (issue 13 item 8) --------------------------
+# --- apply_gradients: update + apply as one decision (issue 13 item 8) ----------------------------
 
 
 def _fused_and_split(tx, maybe_jit):

@@ -1,4 +1,4 @@
-"""Policies: preset names, jmp's grammar, "auto", jmp interop and float-only casting (FAULTS 19)."""
+"""Policies: preset names, jmp's grammar, "auto", jmp interop and float-only casting."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)
 F64 = np.dtype(jnp.float64)
 
-# DESIGN.md's preset names and aliases, plus the extra aliases the source documents.
+# The preset names and aliases of the public contract, plus the extra aliases the source documents.
 EXPECTED_PRESETS = {
     # name: (param, compute, output)
     "fp32": (F32, F32, F32),
@@ -233,7 +233,7 @@ def test_policy_properties():
     assert not get_policy("bf16-true").is_mixed
 
 
-# --- casting (FAULTS 19) --------------------------------------------------------------------
+# --- casting --------------------------------------------------------------------------------------
 
 
 def _array_tree():
@@ -316,7 +316,7 @@ def test_cast_under_jit_does_not_recast_keys():
     assert keys.shape == (2,)
 
 
-# --- malformed specs (FAULTS 19) ------------------------------------------------------------
+# --- malformed specs ------------------------------------------------------------------------------
 
 BAD_SPECS = [
     "",
@@ -443,7 +443,7 @@ def test_public_names():
     assert jaxamp.cast_floating is cast_floating
 
 
-# --- reduce_dtype (FSDP2's MixedPrecisionPolicy.reduce_dtype) -------------------------------
+# --- reduce_dtype (FSDP2's MixedPrecisionPolicy.reduce_dtype) -------------------------------------
 
 # Presets reduce in their param dtype: mixed presets in float32 (what DDP and FSDP2 do with
 # float32 params), *-true presets in their own dtype.
@@ -531,7 +531,7 @@ def test_reduce_dtype_validated():
         get_policy("r=f32,reduce=bf16")
 
 
-# --- short errors with the closest name (issue 13 item 7) -----------------------------------
+# --- short errors with the closest name (issue 13 item 7) -----------------------------------------
 
 
 @pytest.mark.parametrize(

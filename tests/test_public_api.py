@@ -1,4 +1,4 @@
-"""The public API: `jaxamp.__all__` is pinned; DESIGN.md's contract names are all present."""
+"""The public API: `jaxamp.__all__` is pinned; the contract's names are all present."""
 
 import inspect
 
@@ -44,7 +44,7 @@ EXPECTED_ALL = sorted(
     ]
 )
 
-# DESIGN.md, "jaxamp: the public contract": names examples and downstream code rely on.
+# The public contract: names examples and downstream code rely on.
 CONTRACT = [
     "Policy",
     "get_policy",

@@ -68,7 +68,7 @@ def wrap_optimizer(
       params: the parameters `tx` will be initialised with (shapes only are used), or None.
       loss_scale: "auto" (see `jaxamp.default_loss_scale`), None (torch's defaults), a preset name or
         a loss scale object. Must be "auto" when `tx` is already loss-scaled.
-      max_consecutive_skips, on_max_skips: passed to `loss_scaled` (FAULTS 21: report a model
+      max_consecutive_skips, on_max_skips: passed to `loss_scaled` (report a model
         that overflows at every scale instead of halving forever).
 
     Raises:

@@ -240,7 +240,7 @@ def _linear_dynamic_bwd(rec, out_dtype, res, g):
 _linear_dynamic.defvjp(_linear_dynamic_fwd, _linear_dynamic_bwd)
 
 
-# --- delayed scaling (Flax's Fp8DirectDotGeneralOp, same state layout) -------------------------
+# --- delayed scaling (Flax's Fp8DirectDotGeneralOp, same state layout) ----------------------------
 
 
 @jax.tree_util.register_dataclass
@@ -310,7 +310,7 @@ def _flax_scale(amax, scale, fmax, margin):
     # reciprocals. Flax divides by any positive amax: 448 / 1e-37 is
     # inf in float32, the scale 1 / inf = 0, and the next outputs NaN. torchao clamps the amax
     # at 1e-12 (float8_utils.amax_to_scale): so does this, and the factor is clipped to the
-    # scale's safe range (_SF_MIN), so that it stays finite and > 0 for any history (FAULTS 36).
+    # scale's safe range (_SF_MIN), so that it stays finite and > 0 for any history.
     scale_inv = 1.0 / scale
     quotient = jnp.where(amax < _EPS32, np.float32(fmax / _EPS), np.float32(fmax) / amax)
     sf = jnp.clip(quotient / (2**margin), _SF_MIN, _SF_MAX)
@@ -419,7 +419,7 @@ def check_hardware(rec: Recipe) -> None:
         )
 
 
-# --- dot_general front end ---------------------------------------------------------------------
+# --- dot_general front end ------------------------------------------------------------------------
 
 
 def linear_like(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> str | None:
