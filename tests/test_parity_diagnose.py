@@ -91,7 +91,7 @@ def test_gradient_only_divergence_names_the_deepest_layer():
         {"layer": "b", "stage": "fp32", "failed_kinds": ["gradients"]},
         {"layer": "c", "stage": "fp32", "failed_kinds": []},
     ]
-    from parity.verdicts.diagnose import _first_failing
+    from parity.verdicts.layer_table import first_failing as _first_failing
 
     assert _first_failing(rows) == ("b", "fp32", "gradients")  # backward runs in reverse
     rows[0]["failed_kinds"] = ["running stats"]
@@ -154,7 +154,7 @@ def test_shaped_error_broadcasts_and_explains_shape_mismatches():
 
 
 def test_shape_rows_are_named_only_when_nothing_else_differs():
-    from parity.verdicts.diagnose import _first_failing
+    from parity.verdicts.layer_table import first_failing as _first_failing
 
     rows = [
         {"layer": "pos", "stage": "fp32", "failed_kinds": ["shape"]},

@@ -55,76 +55,31 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.pairs.adapters import intercept_calls, output_logits
 from parity.pairs.mapping import apply_transform, parse_transform
-from parity.verdicts.diagnose import first_tensor, module_pairs, shaped_error
+from parity.verdicts.diagnose import first_tensor, module_pairs
+from parity.verdicts.layer_table import shaped_error
+from parity.verdicts.probe_judge import (
+    NOISE_K,
+    PROBE_EXAMPLES,
+    PROBE_SCALES,
+    LayerProbe,
+    ProbeLayer,
+    ProbeMode,
+    ProbeRecord,
+    ProbeScale,
+    _band,
+    judge_probe,
+)
 from parity.verdicts.sides import flatten
-from parity.verdicts.tolerance import SAFETY, unit_roundoff
 
-__all__ = ["NOISE_K", "PROBE_EXAMPLES", "PROBE_SCALES", "LayerProbe", "probe_layers"]
+__all__ = ["NOISE_K", "PROBE_EXAMPLES", "PROBE_SCALES", "LayerProbe", "probe_layers", "probe_torch"]
 
-# Output RMS of every mapped layer in the two probes: the nonlinear range, and the range where a
-# normalisation's epsilon is comparable with its variance.
-PROBE_SCALES = (1.0, 1e-2)
-
-# A layer may differ from torch by this many times torch's own float32 rounding (the floor).
-NOISE_K = 32.0
 
 # Relative spread of the random offsets given to constant vector parameters.
 _OFFSET = 0.5
-
-# The probe runs on the batch's first examples: it asks whether each layer computes the same
-# function, which a few examples show (thousands of values per layer); the whole batch would
-# multiply every float64 floor and comparison by the batch size for nothing.
-PROBE_EXAMPLES = 8
-
-
-@dataclasses.dataclass
-class LayerProbe:
-    """What `probe_layers` measured.
-
-    Attributes:
-      rows: one dict per (probe scale, mode, layer, kind): ``layer`` (torch name), ``flax``,
-        ``scale``, ``mode`` (``"eval"``/``"train"``), ``kind`` (``"output"``/``"input"``),
-        ``error``, ``floor`` (None for inputs), ``band``, ``threshold``, ``passed``, ``note``.
-      skipped: ``{torch layer: reason}`` for layers that could not be probed.
-    """
-
-    rows: list[dict[str, Any]]
-    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[dict[str, Any]]:
-        """Rows over their threshold, worst first (by error / threshold)."""
-        bad = [r for r in self.rows if not r["passed"]]
-        return sorted(bad, key=lambda r: -_ratio(r))
-
-    @property
-    def worst(self) -> dict[str, Any] | None:
-        """The row nearest to (or furthest past) its threshold."""
-        return max(self.rows, key=_ratio, default=None)
-
-    def describe(self, row: dict[str, Any]) -> str:
-        """``"blocks.0.fc2 input (eval, output RMS 1): 3.1e-04 = 410 x its noise floor"``."""
-        text = (
-            f"{row['layer']} {row['kind']} ({row['mode']}, layer outputs at RMS "
-            f"{row['scale']:g}): {row['error']:.3g}"
-        )
-        if row.get("floor"):
-            text += f" = {row['error'] / row['floor']:.3g} x its noise floor {row['floor']:.2g}"
-        if row.get("note"):
-            text += f" ({row['note']})"
-        return text
-
-
-def _ratio(row: dict[str, Any]) -> float:
-    threshold = row["threshold"]
-    return row["error"] / threshold if threshold > 0 else math.inf
 
 
 # --- the probe weights ---------------------------------------------------------------------------
@@ -284,125 +239,6 @@ def _float64_floor(module: torch.nn.Module, entry: dict[str, Any], train: bool) 
     return shaped_error(got, exact.cpu().numpy())[0]
 
 
-def _trace_of(value: Any) -> Any:
-    """The JAX trace a traced value belongs to (None for a concrete array)."""
-    return getattr(value, "_trace", None) if isinstance(value, jax.core.Tracer) else None
-
-
-def _nested(value: Any, outer: Any) -> bool:
-    """Whether `value` is traced by a transform inside the program (a scan over time steps),
-    not by the program itself."""
-    return isinstance(value, jax.core.Tracer) and _trace_of(value) is not outer
-
-
-class _FlaxRunner:
-    """The Flax model with each mapped module fed torch's input to the matching layer, in eval
-    and in train mode.
-
-    Calling it returns, per mode, ``{torch name: {"own_input", "output", "substituted",
-    "note"}}`` and, under ``""``, the model output and the running statistics it left.
-    """
-
-    def __init__(self, pair, flax_of: dict[str, tuple[str, ...]]):
-        self.pair = pair
-        self.torch_of = {tuple(str(p) for p in path): name for name, path in flax_of.items()}
-        self.meta: dict[bool, dict[str, dict[str, Any]]] = {False: {}, True: {}}
-        # One compiled program (eval and train mode) whose arguments are the probe weights and
-        # every layer's substituted input: traced and compiled once, then reused for every probe
-        # scale (same shapes). ``meta`` holds the facts of that one trace.
-        self.program = jax.jit(self._both)
-
-    def _both(self, variables, x, substitutes_eval, substitutes_train):
-        return (
-            self._forward(variables, x, substitutes_eval, False),
-            self._forward(variables, x, substitutes_train, True),
-        )
-
-    def _forward(self, variables, x, substitutes, train: bool):
-        meta = self.meta[train]  # static facts of the trace (which inputs were substituted)
-        meta.clear()
-        found: dict[str, dict[str, Any]] = {}
-        outer = _trace_of(x)  # the program's own trace; a layer called under another is nested
-
-        def interceptor(path, next_fun, args, kwargs):
-            name = self.torch_of.get(path)
-            if name is None or name in meta or name not in substitutes:
-                return next_fun(*args, **kwargs)
-            info = meta[name] = {"substituted": False, "note": ""}
-            if any(_nested(a, outer) for a in jax.tree_util.tree_leaves(args)):
-                # Inside a transform (nn.RNN's scan over time steps): a per-step call that
-                # torch's whole-sequence layer has no counterpart of.
-                info["note"] = "called inside a JAX transform (a scan over time steps)"
-                return next_fun(*args, **kwargs)
-            values: dict[str, Any] = {}
-            new_args = list(args)
-            arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array | np.ndarray)]
-            if arrays:
-                values["own_input"] = args[arrays[0]]
-            given_all = substitutes[name]
-            if not arrays or not given_all:
-                info["note"] = "no array input to substitute"
-            for position, index in enumerate(arrays[: len(given_all)]):
-                own, given = args[index], given_all[position]
-                try:
-                    shape = np.broadcast_shapes(given.shape, own.shape)
-                except ValueError:
-                    shape = None
-                if shape != tuple(own.shape):
-                    info["note"] = (
-                        f"input shapes differ: torch {tuple(given.shape)}, flax {tuple(own.shape)}"
-                    )
-                    new_args = list(args)
-                    break
-                new_args[index] = jnp.broadcast_to(given, own.shape).astype(own.dtype)
-            else:
-                info["substituted"] = bool(arrays and given_all)
-            out = next_fun(*new_args, **kwargs)
-            first = jax.tree_util.tree_leaves(out)
-            if first:
-                values["output"] = first[0]
-            found[name] = values
-            return out
-
-        with intercept_calls(interceptor):
-            logits, stats = self.pair.flax_apply(variables, x, train)
-        return output_logits(logits, "flax"), found, stats
-
-    def __call__(self, variables, inputs, substitutes_eval, substitutes_train):
-        with jax.default_matmul_precision("highest"):
-            both = jax.device_get(
-                self.program(
-                    dict(variables), jnp.asarray(inputs), substitutes_eval, substitutes_train
-                )
-            )
-        results = {}
-        for train, (logits, found, stats) in zip((False, True), both, strict=True):
-            out = {
-                name: {
-                    **info,
-                    **{k: np.asarray(v) for k, v in found.get(name, {}).items()},
-                }
-                for name, info in self.meta[train].items()
-            }
-            out[""] = {"output": np.asarray(logits), "substituted": True, "note": ""}
-            out[""]["stats"] = flatten(stats) if stats is not None else {}
-            results[train] = out
-        return results
-
-
-def _substitutes(pair, torch_entries) -> dict[str, list[np.ndarray]]:
-    """Each layer's torch inputs in Flax's layout (the arguments of `_FlaxRunner`)."""
-    return {
-        name: [
-            _to_flax_layout(pair, a, _feature_order(pair, name))
-            for a in entry["args"]
-            if torch.is_tensor(a)
-        ]
-        for name, entry in torch_entries.items()
-        if name
-    }
-
-
 # --- bands ---------------------------------------------------------------------------------------
 
 
@@ -436,21 +272,97 @@ def _steps(module: torch.nn.Module, entry: dict[str, Any]) -> int:
     return 1
 
 
-def _band(fan_in: int, steps: int) -> float:
-    u = unit_roundoff("float32")
-    return SAFETY * (math.sqrt(fan_in) * u + u) * math.sqrt(steps)
-
-
-def _threshold(band: float, floor: float | None) -> float:
-    """``NOISE_K`` times the layer's noise floor (never below ``SAFETY * u(float32)``): below
-    the band where the correct arithmetic is quiet, above it where the layer itself amplifies
-    rounding (a recurrence); the band where no floor could be measured."""
-    if floor is None:
-        return band
-    return max(NOISE_K * floor, SAFETY * unit_roundoff("float32"))
-
-
 # --- the probe -----------------------------------------------------------------------------------
+
+
+def _substitutes(pair, torch_entries) -> dict[str, list[np.ndarray]]:
+    """Each layer's torch inputs in Flax's layout (what the Flax layer is fed)."""
+    return {
+        name: [
+            _to_flax_layout(pair, a, _feature_order(pair, name))
+            for a in entry["args"]
+            if torch.is_tensor(a)
+        ]
+        for name, entry in torch_entries.items()
+        if name
+    }
+
+
+def _record_mode(pair, model, entries, train: bool) -> ProbeMode:
+    """One torch pass's layers, recorded: inputs and output in Flax's layout, floor and band."""
+    inputs = _substitutes(pair, entries)
+    layers = []
+    for name, entry in entries.items():
+        if not name:
+            continue
+        module = model.get_submodule(name)
+        output = entry.get("output")
+        layers.append(
+            ProbeLayer(
+                name=name,
+                inputs=inputs[name],
+                output=None if output is None else _to_flax_layout(pair, output),
+                floor=None if output is None else _float64_floor(module, entry, train),
+                band=_band(_fan_in(module, entry), _steps(module, entry)),
+            )
+        )
+    return ProbeMode(
+        layers,
+        entries[""]["output"].float().cpu().numpy(),
+        dict(entries[""].get("stats") or {}),
+    )
+
+
+def probe_torch(
+    pair: Any,
+    inputs: Any,
+    *,
+    scales: tuple[float, ...] = PROBE_SCALES,
+    seed: int = 0,
+) -> ProbeRecord:
+    """torch's side of the layer probe: the probe weights (Flax layout) and, per probe scale and
+    mode, each mapped layer's inputs, output, noise floor and band (`ProbeRecord`), for
+    `parity.verdicts.probe_judge.judge_probe` here or from a golden file.
+
+    Args: as `probe_layers`.
+    """
+    inputs = np.asarray(inputs)[:PROBE_EXAMPLES]
+    variables = pair.torch_to_flax()
+    pairs, unmatched = module_pairs(pair, variables)
+    names = [t for t, _ in pairs]
+    flax_of = {t: tuple(f) for t, f in pairs}
+    skipped = {name: "no Flax counterpart found" for name in unmatched}
+    previous = torch.get_float32_matmul_precision()
+    previous_threads = torch.get_num_threads()
+    torch.set_float32_matmul_precision("highest")
+    # One layer at a time on small batches: extra threads only contend (70x slower measured on a
+    # loaded 2-core machine for the tiny resnet).
+    torch.set_num_threads(1)
+    probes = []
+    try:
+        for scale in scales:
+            generator = torch.Generator().manual_seed(seed)
+            model = copy.deepcopy(pair.torch_model).float().cpu()
+            x = torch.from_numpy(np.ascontiguousarray(inputs))
+            _offset_constant_vectors(model, generator)
+            _rescale(pair, model, names, x, scale)
+            probe_pair = dataclasses.replace(pair, torch_model=model)
+            modes = {}
+            for train in (False, True):
+                trained = copy.deepcopy(model)
+                entries = _torch_capture(probe_pair, trained, names, x, train)
+                if train:  # the running statistics the train-mode pass left behind
+                    entries[""]["stats"] = flatten(
+                        probe_pair.to_flax(trained).get("batch_stats", {})
+                    )
+                modes[train] = _record_mode(pair, model, entries, train)
+            probes.append(
+                ProbeScale(float(scale), probe_pair.torch_to_flax(), modes[False], modes[True])
+            )
+    finally:
+        torch.set_num_threads(previous_threads)
+        torch.set_float32_matmul_precision(previous)
+    return ProbeRecord(inputs, flax_of, skipped, probes)
 
 
 def probe_layers(
@@ -463,7 +375,9 @@ def probe_layers(
     """Compares every mapped layer of a pair on probe weights, each fed the same input.
 
     Runs in float32 at the highest matmul precision (the probe asks whether the port computes
-    the same function; the precision checks are step 0's other rows).
+    the same function; the precision checks are step 0's other rows): torch's side
+    (`probe_torch`), then the Flax side judged against it
+    (`parity.verdicts.probe_judge.judge_probe`).
 
     Args:
       pair: a `parity.models.ModelPair` (linen, Hugging Face Flax or NNX on the Flax side).
@@ -479,167 +393,4 @@ def probe_layers(
       >>> probe.failed
       []
     """
-    inputs = np.asarray(inputs)[:PROBE_EXAMPLES]
-    variables = pair.torch_to_flax()
-    pairs, unmatched = module_pairs(pair, variables)
-    names = [t for t, _ in pairs]
-    flax_of = {t: f for t, f in pairs}
-    skipped = {name: "no Flax counterpart found" for name in unmatched}
-    rows: list[dict[str, Any]] = []
-    previous = torch.get_float32_matmul_precision()
-    previous_threads = torch.get_num_threads()
-    torch.set_float32_matmul_precision("highest")
-    # One layer at a time on small batches: extra threads only contend (70x slower measured on a
-    # loaded 2-core machine for the tiny resnet).
-    torch.set_num_threads(1)
-    runner = _FlaxRunner(pair, flax_of)
-    try:
-        for scale in scales:
-            generator = torch.Generator().manual_seed(seed)
-            model = copy.deepcopy(pair.torch_model).float().cpu()
-            x = torch.from_numpy(np.ascontiguousarray(inputs))
-            _offset_constant_vectors(model, generator)
-            _rescale(pair, model, names, x, scale)
-            probe_pair = dataclasses.replace(pair, torch_model=model)
-            probe_variables = probe_pair.torch_to_flax()
-            captures = {}
-            for train in (False, True):
-                trained = copy.deepcopy(model)
-                captures[train] = _torch_capture(probe_pair, trained, names, x, train)
-                if train:  # the running statistics the train-mode pass left behind
-                    captures[train][""]["stats"] = flatten(
-                        probe_pair.to_flax(trained).get("batch_stats", {})
-                    )
-            flax_results = runner(
-                probe_variables,
-                inputs,
-                _substitutes(pair, captures[False]),
-                _substitutes(pair, captures[True]),
-            )
-            for train in (False, True):
-                rows += _judge(
-                    pair,
-                    model,
-                    names,
-                    flax_of,
-                    captures[train],
-                    flax_results[train],
-                    scale,
-                    "train" if train else "eval",
-                    train,
-                    skipped,
-                )
-    finally:
-        torch.set_num_threads(previous_threads)
-        torch.set_float32_matmul_precision(previous)
-    return LayerProbe(rows, skipped)
-
-
-def _stats_error(torch_stats, flax_stats, name, flax_of) -> tuple[float, str] | None:
-    """The worst running-statistic difference of one layer after the train-mode pass."""
-    if not torch_stats:
-        return None
-    prefix = "/".join(flax_of[name]) + "/"
-    keys = [k for k in torch_stats if k.startswith(prefix)]
-    if not keys:
-        return None
-    worst, note = 0.0, ""
-    for key in keys:
-        if key not in (flax_stats or {}):
-            return math.inf, f"{key} only on torch's side"
-        error, shape_note = shaped_error(flax_stats[key], torch_stats[key])
-        if error > worst:
-            worst, note = error, key.rsplit("/", 1)[-1] + (f"; {shape_note}" if shape_note else "")
-    return worst, note
-
-
-def _judge(pair, model, names, flax_of, torch_entries, flax_entries, scale, mode, train, skipped):
-    rows: list[dict[str, Any]] = []
-    layer_rows = []
-    # Execution order (torch's pre-hooks fired in it); layers never called go last.
-    ordered = [n for n in torch_entries if n in flax_of] + [
-        n for n in names if n not in torch_entries
-    ]
-    for name in ordered:
-        t, f = torch_entries.get(name), flax_entries.get(name)
-        if t is None or f is None:
-            if t is None and f is None:
-                continue  # not called by this forward pass (either side)
-            side = "torch" if f is None else "flax"
-            skipped.setdefault(name, f"called by {'torch' if t else 'flax'} only, not by {side}")
-            continue
-        if not f["substituted"]:
-            skipped.setdefault(name, f["note"] or "input not substituted")
-            continue
-        module = model.get_submodule(name)
-        band = _band(_fan_in(module, t), _steps(module, t))
-        base = {"layer": name, "flax": "/".join(flax_of[name]), "scale": scale, "mode": mode}
-        if t.get("output") is not None and f.get("output") is not None:
-            error, note = shaped_error(f["output"], _to_flax_layout(pair, t["output"]))
-            floor = _float64_floor(module, t, train)
-            threshold = _threshold(band, floor)
-            layer_rows.append(
-                base
-                | {
-                    "kind": "output",
-                    "error": error,
-                    "floor": floor,
-                    "band": band,
-                    "threshold": threshold,
-                    "passed": bool(error <= threshold),
-                    "note": note,
-                }
-            )
-        stats = _stats_error(
-            torch_entries[""].get("stats"), flax_entries[""].get("stats"), name, flax_of
-        )
-        if stats is not None:
-            error, note = stats
-            layer_rows.append(
-                base
-                | {
-                    "kind": "running stats",
-                    "error": error,
-                    "floor": None,
-                    "band": band,
-                    "threshold": band,
-                    "passed": bool(error <= band),
-                    "note": note,
-                }
-            )
-        torch_inputs = [a for a in t["args"] if torch.is_tensor(a)]
-        if torch_inputs and f.get("own_input") is not None:
-            given = _to_flax_layout(pair, torch_inputs[0], _feature_order(pair, name))
-            error, note = shaped_error(f["own_input"], given)
-            layer_rows.append(
-                base | {"kind": "input", "error": error, "floor": None, "band": band, "note": note}
-            )
-    # What runs between two layers reduces no further than the layers do, and carries what an
-    # amplifying layer upstream (a recurrence) does to its own rounding.
-    floors = [r["floor"] for r in layer_rows if r.get("floor")]
-    input_band = max(
-        [r["band"] for r in layer_rows] + [NOISE_K * f for f in floors] or [_band(1, 1)]
-    )
-    for row in layer_rows:
-        if row["kind"] == "input":
-            row["threshold"] = input_band
-            row["passed"] = bool(row["error"] <= input_band)
-        rows.append(row)
-    t_out, f_out = torch_entries[""]["output"], flax_entries[""]["output"]
-    error, note = shaped_error(f_out, t_out.float().cpu().numpy())
-    rows.append(
-        {
-            "layer": "(model output)",
-            "flax": "",
-            "scale": scale,
-            "mode": mode,
-            "kind": "output",
-            "error": error,
-            "floor": None,
-            "band": input_band,
-            "threshold": input_band,
-            "passed": bool(error <= input_band),
-            "note": note,
-        }
-    )
-    return rows
+    return judge_probe(pair, probe_torch(pair, inputs, scales=scales, seed=seed))

@@ -35,7 +35,9 @@ import torch
 
 from parity.automap.explain import folded_tensors
 from parity.pairs.adapters import torch_stochastic_modules
-from parity.verdicts.layer_probe import NOISE_K, PROBE_SCALES, LayerProbe, probe_layers
+from parity.verdicts.layer_probe import probe_layers
+from parity.verdicts.layer_table import FOLDED_CHECK, STOCHASTIC_CHECK, explain_failure
+from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
 from parity.verdicts.rows import PADDING_CHECK, Verdict
 from parity.verdicts.sides import Side
 
@@ -51,10 +53,6 @@ __all__ = [
     "stochastic_verdict",
 ]
 
-PROBE_CHECK = "step 0 fp32: each layer on its operating range"
-STOCHASTIC_CHECK = "step 0: deterministic train-mode forward (torch)"
-FOLDED_CHECK = "step 0: tensors folded by the mapping"
-
 
 def _base(config) -> dict[str, Any]:
     return {"model": config.model, "precision": config.precision, "device": config.device}
@@ -62,63 +60,11 @@ def _base(config) -> dict[str, Any]:
 
 def probe_verdict(pair: Any, config: Any, inputs: Any) -> tuple[Verdict, LayerProbe | None]:
     """The probe's row (and the probe), or an informational row saying why it did not run."""
-    compared = "jax vs torch, each Flax layer fed torch's input, on probe weights"
     try:
         probe = probe_layers(pair, inputs)
     except Exception as e:  # a model the probe cannot drive: the other rows stand without it
-        return Verdict(
-            check=PROBE_CHECK,
-            compared=compared,
-            value="not run",
-            tolerance="-",
-            passed=None,
-            detail=f"the probe raised {type(e).__name__}: {str(e)[:300]}",
-            mode="step 0",
-            **_base(config),
-        ), None
-    if not probe.rows:
-        return Verdict(
-            check=PROBE_CHECK,
-            compared=compared,
-            value="no layer probed",
-            tolerance="-",
-            passed=None,
-            detail="; ".join(f"{k}: {v}" for k, v in probe.skipped.items())[:500],
-            mode="step 0",
-            **_base(config),
-        ), probe
-    failed = probe.failed
-    row = failed[0] if failed else probe.worst
-    layers = {r["layer"] for r in probe.rows} - {"(model output)"}
-    # In execution order, so the first named is where the two models first part.
-    over = list(dict.fromkeys(f"{r['layer']} {r['kind']}" for r in probe.rows if not r["passed"]))
-    detail = (
-        f"worst: {probe.describe(row)}; "
-        + (
-            f"over their thresholds, in execution order: {', '.join(over[:8])}"
-            + (f" and {len(over) - 8} more" if len(over) > 8 else "")
-            + "; "
-            if failed
-            else ""
-        )
-        + f"{len(layers)} layers (and the model output), each fed torch's input, with every "
-        f"layer's output rescaled to RMS {' and '.join(f'{s:g}' for s in PROBE_SCALES)} and zero "
-        "biases / unit scales offset at random, eval and train mode; each output against "
-        f"{NOISE_K:g} x its noise floor (torch's float32 layer against float64), inputs and "
-        "running statistics against the layer's own band (8 x (sqrt(fan-in) + 1) x "
-        "u(float32)), never grown by the model's depth"
-        + (f"; not probed: {probe.skipped}" if probe.skipped else "")
-    )
-    return Verdict(
-        check=PROBE_CHECK,
-        compared=compared,
-        value=float(row["error"]),
-        tolerance=float(row["threshold"]),
-        passed=not failed,
-        detail=detail,
-        mode="step 0",
-        **_base(config),
-    ), probe
+        return probe_row(config, None, f"{type(e).__name__}: {str(e)[:300]}"), None
+    return probe_row(config, probe), probe
 
 
 def stochastic_verdict(pair: Any, config: Any, inputs: Any) -> Verdict:
@@ -249,28 +195,3 @@ def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | 
         mode="informational",
         **_base(config),
     )
-
-
-def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: LayerProbe | None) -> None:
-    """Names the cause of a failed step 0 on `diagnosis` (in place): a failed non-layer check
-    first (stochastic layers, the compute dtype), and the probe's first failing layer (in
-    execution order) when the model's own init showed no diverging layer."""
-    failed = {v.check: v for v in verdicts if v.passed is False}
-    if STOCHASTIC_CHECK in failed:
-        diagnosis.cause = f"stochastic torch modules: {failed[STOCHASTIC_CHECK].value}"
-    else:
-        dtype = [v for check, v in failed.items() if check.startswith("compute dtype")]
-        if dtype:
-            diagnosis.cause = f"{dtype[0].check}: {dtype[0].detail}"
-    if PROBE_CHECK in failed and probe is not None and diagnosis.first_failing is None:
-        row = next(r for r in probe.rows if not r["passed"])  # execution order
-        diagnosis.first_failing = row["layer"]
-        diagnosis.first_failing_stage = "fp32"
-        diagnosis.first_failing_kind = (
-            f"{row['kind']} on probe weights ({row['mode']}, layer outputs at RMS {row['scale']:g})"
-        )
-    for verdict in verdicts:
-        if verdict.check == FOLDED_CHECK:
-            diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")
-        if verdict.check == PADDING_CHECK:
-            diagnosis.notes.append(f"{verdict.value} with a padding row: {verdict.detail}")
