@@ -17,7 +17,7 @@ import pytest
 
 from parity import bisect
 from parity.golden import check
-from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
+from parity.golden.format import HEADER_KEY, SCHEMA_VERSION, GoldenFileError, load_golden
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -111,7 +111,9 @@ def test_wrong_version_and_not_a_golden(tmp_path, capsys):
     arrays[HEADER_KEY] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     path = tmp_path / "v99.npz"
     path.write_bytes(_archive(arrays))
-    _one_error_line(capsys, _check(path), str(path), "schema_version 99", "reads version 1")
+    _one_error_line(
+        capsys, _check(path), str(path), "schema_version 99", f"reads version {SCHEMA_VERSION}"
+    )
     path = tmp_path / "plain.npz"
     path.write_bytes(_archive({"x": np.zeros(3)}))
     _one_error_line(capsys, _check(path), str(path), "not a golden file")

@@ -51,6 +51,7 @@ from parity.core.records import (
     write_json_atomic,
 )
 from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
+from parity.golden.step0 import golden_step0
 from parity.pairs.adapters import AdapterError, as_flax_model
 from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
@@ -64,13 +65,9 @@ from parity.verdicts.rows import (
     format_verdicts,
     overall_status,
 )
-from parity.verdicts.sides import jax_side
-from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
+from parity.verdicts.step0_result import Step0Failure, Step0Result
 from parity.verdicts.tolerance import (
-    LOW_PRECISION_GRADIENT_FACTOR,
     SAFETY,
-    program_shapes,
-    unit_roundoff,
 )
 
 __all__ = [
@@ -207,30 +204,6 @@ def hardware_allowance(
                 "above"
             )
     return extra, notes
-
-
-def _widen(rows: list[Verdict], dtype: str, shapes, reason: str) -> list[Verdict]:
-    """Step-0 rows of a low-precision stage with the one-rounding-per-layer allowance added."""
-    out = []
-    for row in rows:
-        if not isinstance(row.tolerance, float) or not isinstance(row.value, int | float):
-            out.append(row)
-            continue
-        gradients = row.check.endswith("gradients")
-        depth = shapes["grad" if gradients else "forward"][1]
-        extra = SAFETY * depth * unit_roundoff(dtype)
-        if gradients:
-            extra *= LOW_PRECISION_GRADIENT_FACTOR
-        tolerance = row.tolerance + extra
-        out.append(
-            dataclasses.replace(
-                row,
-                tolerance=tolerance,
-                passed=bool(row.value <= tolerance),
-                detail=f"{row.detail}; + {extra:.3g} for {reason}",
-            )
-        )
-    return out
 
 
 # --- the JAX side -----------------------------------------------------------------------------
@@ -377,6 +350,9 @@ class GoldenResult:
         lines = [format_verdicts(self.verdicts, configs)]
         for cell, line in cell_bottom_lines(self.verdicts, configs).items():
             lines.append(f"{' '.join(cell)}: {line}")
+        diagnosis = (self.runs[1].get("step0") or {}).get("diagnosis")
+        if diagnosis:  # the per-layer table and the first diverging layer, as compare_models
+            lines.append(diagnosis["markdown"].rstrip())
         lines.append(f"golden: {self.golden}")
         recorded = self.runs[0]
         lines.append(
@@ -528,48 +504,6 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines() or [""])[0][:400]
 
 
-def _step0_rows(golden, pair, config, variables, stream, extra) -> list[Verdict]:
-    """The step-0 rows of every recorded stage (stops after the first failing stage)."""
-    inputs, targets = stream.batch(0)
-    shapes = program_shapes(pair, variables, inputs, targets)
-    step0: list[Verdict] = []
-    for stage in golden.stages:
-        stage_config = config.replace(precision=stage["precision"])
-        low = not stage_config.recipe.baseline
-        torch_numbers = golden.side(stage["stage"])
-        jax_numbers = jax_side(
-            pair,
-            variables,
-            inputs,
-            targets,
-            stage_config,
-            stage["loss_scale"],
-            trace_flops=low,
-        )
-        rows, _, _ = stage_verdicts(
-            pair,
-            config,
-            stage["stage"],
-            stage_config.compute_dtype,
-            torch_numbers,
-            jax_numbers,
-            shapes,
-        )
-        if extra.get(stage_config.compute_dtype):
-            rows = _widen(
-                rows,
-                stage_config.compute_dtype,
-                shapes,
-                f"the recorded {stage_config.compute_dtype} kernels (one rounding per layer)",
-            )
-        step0 += rows
-        if low:
-            step0 += compute_verdicts(stage_config, torch_numbers, jax_numbers)
-        if any(v.passed is False for v in step0):
-            break
-    return step0
-
-
 def check_pair(
     golden: Golden,
     pair: Any,
@@ -594,29 +528,36 @@ def check_pair(
         golden.eval_batches(),
     )
     extra, notes = hardware_allowance(golden.header, current_hardware)
+    inputs, targets = stream.batch(0)
     try:
-        step0 = _step0_rows(golden, pair, config, variables, stream, extra)
-        error = None
+        result = golden_step0(golden, pair, config, variables, inputs, targets, extra)
     except Exception as e:  # the Flax model fails on the golden's inputs: the port's failure
-        step0 = []
-        error = f"step 0: the Flax model raised {type(e).__name__}: {_first_line(e)}"
-        print(f"error: jax {config.model}: {error}", file=sys.stderr)
-    failed = [v for v in step0 if v.passed is False]
-    summary = error or ""
-    if failed or error:
-        summary = error or "; ".join(
-            f"{v.check}: {v.value_text} > {v.tolerance_text}" for v in failed
+        error = f"the Flax model raised {type(e).__name__}: {_first_line(e)}"
+        print(f"error: jax {config.model}: step 0: {error}", file=sys.stderr)
+        result = Step0Result(
+            [
+                Verdict(
+                    model=config.model,
+                    precision=config.precision,
+                    device=config.device,
+                    check="step 0",
+                    compared="jax vs torch, step 0",
+                    value="error",
+                    tolerance="runs",
+                    passed=False,
+                    detail=error,
+                    mode="step 0",
+                )
+            ],
+            False,
         )
-        jax_run = build_error_record("jax", config, RuntimeError(f"step 0 FAILED: {summary}"))
-    else:
+    if result.passed:
         jax_run = _train(config, pair, stream, variables, progress)
-    # Stored as the harness stores its step-0 result (`parity.verdicts.step0.attach_step0`): the rows
-    # enter the verdicts through the run record, with mode "step 0".
-    jax_run["step0"] = {
-        "passed": not (failed or error),
-        "summary": f"step 0 FAILED: {summary}" if summary else "step 0: all checks pass",
-        "verdicts": [v.to_dict() for v in step0],
-    }
+    else:  # a broken port is not trained, as in parity.cell.run_cell
+        jax_run = build_error_record("jax", config, Step0Failure(result))
+    # Stored as the harness stores its step-0 result (`parity.verdicts.step0.attach_step0`): the
+    # rows enter the verdicts through the run record, with mode "step 0".
+    jax_run["step0"] = result.to_dict()
     runs = [golden.torch_run, jax_run]
     verdicts = compare_runs(runs)
     return GoldenResult(overall_status(verdicts), verdicts, runs, notes, golden.path)

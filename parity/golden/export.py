@@ -38,13 +38,24 @@ from parity.golden.check import flax_model_of
 from parity.golden.format import write_golden
 from parity.training.trainers import train_framework
 from parity.training.user_loop import TrainingLoop, run_config_fields
+from parity.verdicts.diagnose import module_pairs, torch_layer_outputs
+from parity.verdicts.layer_probe import probe_torch
+from parity.verdicts.step0_checks import (
+    folded_verdict,
+    padding_rows,
+    padding_verdict,
+    stochastic_verdict,
+)
 from parity.verdicts.torch_side import torch_stage_side
 
 __all__ = ["export_golden", "export_models"]
 
 
-def _torch_sides(pair: Any, config: RunConfig, inputs, targets):
-    """``(stage, precision, loss scale, Side)`` per step-0 stage, as `parity.verdicts.step0` takes them."""
+def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, dict[str, Any]]:
+    """torch's step 0 as `parity.verdicts.step0.check_step0` computes it, recorded: ``(stage,
+    precision, loss scale, Side)`` per stage, and the rest (`parity.golden.format.write_golden`'s
+    ``step0``): the layer probe's torch side, torch's layer outputs at each stage for the
+    diagnosis, and the rows only torch computes."""
     if config.recipe.compute_dtype_name == "float8":
         raise ValueError(
             f"export: precision {config.precision!r} is judged at step 0 by torchao's per-layer "
@@ -55,20 +66,46 @@ def _torch_sides(pair: Any, config: RunConfig, inputs, targets):
         stages.append((config.precision, config))
     previous = torch.get_float32_matmul_precision()
     previous_cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision(
-        "highest"
-    )  # as parity.verdicts.step0: full float32 on both sides
+    # as parity.verdicts.step0: full float32 on both sides
+    torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
     try:
-        out = []
+        sides = []
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
             side, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
-            out.append((stage, stage_config.precision, scale, side))
-        return out
+            sides.append((stage, stage_config.precision, scale, side))
+        try:
+            probe, probe_error = probe_torch(pair, inputs), None
+        except Exception as e:  # recorded as check_step0 reports it: the probe did not run
+            probe, probe_error = None, f"{type(e).__name__}: {str(e)[:300]}"
+        pairs, unmatched = module_pairs(pair, pair.torch_to_flax())
+        names = [name for name, _ in pairs]
+        layers = {
+            stage: torch_layer_outputs(pair, names, inputs, stage_config)
+            for stage, stage_config in stages
+        }
+        padding = padding_rows(pair)
+        # in check_step0's order; the probe's row goes after the first (the check inserts it)
+        torch_rows = [stochastic_verdict(pair, config, inputs)]
+        torch_rows += [
+            row
+            for row in (folded_verdict(pair, config), padding_verdict(config, padding))
+            if row is not None
+        ]
     finally:
         torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
         torch.set_float32_matmul_precision(previous)
+    step0 = {
+        "probe": probe,
+        "probe_error": probe_error,
+        "pairs": pairs,
+        "unmatched": unmatched,
+        "layers": layers,
+        "torch_rows": torch_rows,
+        "padding": padding,
+    }
+    return sides, step0
 
 
 def export_golden(
@@ -110,7 +147,7 @@ def export_golden(
     eval_batches = (
         [tuple(np.asarray(b) for b in e) for e in stream.eval_batches()] if config.eval else []
     )
-    sides = _torch_sides(pair, config, *batches[0])
+    sides, step0 = _torch_step0(pair, config, *batches[0])
     torch_run = train_framework("torch", config, pair, stream, progress=progress)
     if torch_run.get("status") != "completed":
         reason = torch_run.get("reason") or torch_run["summary"].get("error")
@@ -132,6 +169,7 @@ def export_golden(
         batches=batches,
         eval_batches=eval_batches,
         sides=sides,
+        step0=step0,
     )
 
 

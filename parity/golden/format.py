@@ -27,6 +27,9 @@ import numpy as np
 from parity.core.config import RunConfig
 from parity.core.hardware import hardware_info, versions
 from parity.core.records import ResultsFileError, validate_run, write_bytes_atomic
+from parity.golden.step0_data import decode_layers, decode_probe, encode_layers, encode_probe
+from parity.verdicts.probe_judge import ProbeRecord
+from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, flatten
 
 __all__ = [
@@ -42,7 +45,9 @@ __all__ = [
 ]
 
 FORMAT = "parity-golden"
-SCHEMA_VERSION = 1
+# 2: step 0's rows beyond outputs and gradients recorded (the layer probe's torch side, torch's
+# layer outputs for the diagnosis, the torch-only rows): a version-1 file would check fewer rows.
+SCHEMA_VERSION = 2
 HEADER_KEY = "header.json"
 
 
@@ -124,6 +129,37 @@ class Golden:
             for k in range(self.header["data"]["eval_batches"])
         ]
 
+    def probe(self) -> ProbeRecord | None:
+        """torch's side of the layer probe (None when it did not run: `probe_error` says why)."""
+        info = self.header["step0"]["probe"]
+        return None if "error" in info else decode_probe(info, self.arrays)
+
+    @property
+    def probe_error(self) -> str | None:
+        """Why torch's side of the layer probe did not run (None when it did)."""
+        return self.header["step0"]["probe"].get("error")
+
+    def layer_outputs(self, stage: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """torch's layer outputs at `stage`, ``(eval, train)`` in execution order (the
+        diagnosis's torch side)."""
+        return decode_layers(self.header["step0"]["layers"], self.arrays, stage)
+
+    def module_pairs(self) -> tuple[list[tuple[str, tuple[str, ...]]], list[str]]:
+        """``([(torch module, Flax module path), ...], unmatched torch modules)``."""
+        layers = self.header["step0"]["layers"]
+        pairs = [(str(t), tuple(str(p) for p in f)) for t, f in layers["pairs"]]
+        return pairs, [str(n) for n in layers["unmatched"]]
+
+    def torch_rows(self) -> list[Verdict]:
+        """The step-0 rows only torch computes (stochastic modules, folded tensors, padding
+        rows), as recorded."""
+        return [Verdict.from_dict(row) for row in self.header["step0"]["torch_rows"]]
+
+    def padding(self) -> dict[str, tuple[str, int]]:
+        """``{Flax gradient key: (torch weight, padding_idx)}``: embedding rows torch never
+        trains, left out of the gradient comparison."""
+        return {k: (str(v[0]), int(v[1])) for k, v in self.header["step0"]["padding"].items()}
+
     def side(self, stage: str) -> Side:
         """torch's step-0 `Side` at `stage` (``"fp32"`` or the run's precision)."""
         info = next(s for s in self.stages if s["stage"] == stage)
@@ -153,6 +189,7 @@ def write_golden(
     batches: Sequence[tuple[Any, Any]],
     eval_batches: Sequence[tuple[Any, Any]],
     sides: Sequence[tuple[str, str, float, Side]],
+    step0: Mapping[str, Any],
 ) -> Path:
     """Writes a golden file atomically (the one writer; `parity.golden.export` calls it).
 
@@ -166,6 +203,10 @@ def write_golden(
       batches: one ``(inputs, targets)`` pair per training step.
       eval_batches: the held-out batches (empty when the run does not evaluate).
       sides: ``(stage, precision, loss scale, torch Side)`` per step-0 stage.
+      step0: the rest of torch's step 0 (`parity.golden.export`): ``probe`` (a
+        `parity.verdicts.probe_judge.ProbeRecord`, or None with ``probe_error``), ``pairs`` and
+        ``unmatched`` (module pairs), ``layers`` (``{stage: (eval, train)}`` layer outputs),
+        ``torch_rows`` (`Verdict` rows only torch computes), ``padding`` (embedding rows).
 
     Returns:
       `path` as a `Path`, validated by reading it back.
@@ -195,13 +236,25 @@ def write_golden(
                 "flops": side.flops,
             }
         )
+    probe_header, probe_arrays = encode_probe(step0["probe"], step0.get("probe_error"))
+    layers_header, layers_arrays = encode_layers(
+        step0["pairs"], step0["unmatched"], step0["layers"]
+    )
+    arrays.update(probe_arrays)
+    arrays.update(layers_arrays)
     header = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
         "config": config.to_dict(),
         "model": dict(model),
         "torch_run": dict(torch_run),
-        "step0": {"stages": stages},
+        "step0": {
+            "stages": stages,
+            "probe": probe_header,
+            "layers": layers_header,
+            "torch_rows": [row.to_dict() for row in step0["torch_rows"]],
+            "padding": {k: [v[0], int(v[1])] for k, v in step0["padding"].items()},
+        },
         "data": {"train_batches": len(batches), "eval_batches": len(eval_batches)},
         "versions": versions(),
         "hardware": hardware_info(),
@@ -324,6 +377,22 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
             for k in arrays
             if k.startswith("init/params/")
         ]
+    step0 = header["step0"]
+    for key, kind in (("probe", dict), ("layers", dict), ("torch_rows", list), ("padding", dict)):
+        _require(step0, key, kind, path, "step0.")
+    try:
+        if "error" not in step0["probe"]:
+            decode_probe(step0["probe"], arrays)
+        for stage in step0["layers"]["stages"]:
+            decode_layers(step0["layers"], arrays, stage)
+        for row in step0["torch_rows"]:
+            Verdict.from_dict(row)
+    except KeyError as e:
+        raise GoldenFileError(
+            f"step-0 record incomplete: {e.args[0]!r} missing", path=path, field="step0"
+        ) from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise GoldenFileError(f"step-0 record malformed ({e})", path=path, field="step0") from None
     missing = [k for k in needed if k not in arrays and not k.endswith("...")]
     missing += [k for k in needed if k.endswith("...")]
     if missing:

@@ -69,6 +69,7 @@ __all__ = [
     "first_tensor",
     "module_pairs",
     "shaped_error",
+    "torch_layer_outputs",
 ]
 
 
@@ -151,21 +152,30 @@ def _torch_outputs(pair, names, inputs, config: RunConfig, train: bool) -> dict[
 # --- the diagnosis ------------------------------------------------------------------------------
 
 
+def torch_layer_outputs(
+    pair, names: list[str], inputs, config: RunConfig
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """torch's first output of each of the modules `names`, in eval then train mode
+    (``{module: array in Flax's layout}`` in execution order), at `config`'s precision: the
+    diagnosis's torch side (`parity.verdicts.layer_table.layer_rows`; a golden file records it)."""
+    return (
+        _torch_outputs(pair, names, inputs, config, train=False),
+        _torch_outputs(pair, names, inputs, config, train=True),
+    )
+
+
 def _stage_rows(
     pair, config: RunConfig, stage: str, inputs, targets, variables, pairs, shapes, sides
 ):
     names = [t for t, _ in pairs]
-    torch_eval = _torch_outputs(pair, names, inputs, config, train=False)
-    torch_train = _torch_outputs(pair, names, inputs, config, train=True)
+    torch_outputs = torch_layer_outputs(pair, names, inputs, config)
     if sides is None:
         scale = config.recipe.step0_loss_scale(config)
         sides = (
             torch_side(pair, inputs, targets, config, scale, trace_flops=False),
             jax_side(pair, variables, inputs, targets, config, scale, trace_flops=False),
         )
-    return layer_rows(
-        pair, config, stage, (torch_eval, torch_train), variables, inputs, pairs, shapes, sides
-    )
+    return layer_rows(pair, config, stage, torch_outputs, variables, inputs, pairs, shapes, sides)
 
 
 def diagnose_pair(

@@ -19,7 +19,7 @@ import numpy as np
 from parity.core.config import RunConfig
 from parity.pairs.adapters import intercept_calls
 from parity.verdicts.rows import PADDING_CHECK, Verdict
-from parity.verdicts.sides import jax_device
+from parity.verdicts.sides import Side, jax_device
 from parity.verdicts.tolerance import (
     gradient_tolerance,
     group_error,
@@ -38,6 +38,7 @@ __all__ = [
     "first_failing",
     "first_tensor",
     "layer_rows",
+    "mask_padding_rows",
     "shaped_error",
 ]
 
@@ -322,3 +323,15 @@ def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: Any) -> None
             diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")
         if verdict.check == PADDING_CHECK:
             diagnosis.notes.append(f"{verdict.value} with a padding row: {verdict.detail}")
+
+
+def mask_padding_rows(side: Side, rows: dict[str, tuple[str, int]]) -> Side:
+    """`side` with each padding row (`padding_rows`) left out of its gradients."""
+    if not rows:
+        return side
+    grads = dict(side.grads)
+    for key, (_, index) in rows.items():
+        grad = grads.get(key)
+        if grad is not None and grad.ndim == 2 and index < grad.shape[0]:
+            grads[key] = np.delete(grad, index, axis=0)
+    return dataclasses.replace(side, grads=grads)

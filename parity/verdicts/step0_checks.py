@@ -27,7 +27,6 @@ when the model's own init showed none.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -36,10 +35,14 @@ import torch
 from parity.automap.explain import folded_tensors
 from parity.pairs.adapters import torch_stochastic_modules
 from parity.verdicts.layer_probe import probe_layers
-from parity.verdicts.layer_table import FOLDED_CHECK, STOCHASTIC_CHECK, explain_failure
+from parity.verdicts.layer_table import (
+    FOLDED_CHECK,
+    STOCHASTIC_CHECK,
+    explain_failure,
+    mask_padding_rows,
+)
 from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
 from parity.verdicts.rows import PADDING_CHECK, Verdict
-from parity.verdicts.sides import Side
 
 __all__ = [
     "PROBE_CHECK",
@@ -160,18 +163,6 @@ def padding_rows(pair: Any) -> dict[str, tuple[str, int]]:
         if getattr(entry, "transform", "identity") == "identity":  # rows stay on axis 0
             out["/".join(path)] = (entry.torch_name, int(index) % shape[0])
     return out
-
-
-def mask_padding_rows(side: Side, rows: dict[str, tuple[str, int]]) -> Side:
-    """`side` with each padding row (`padding_rows`) left out of its gradients."""
-    if not rows:
-        return side
-    grads = dict(side.grads)
-    for key, (_, index) in rows.items():
-        grad = grads.get(key)
-        if grad is not None and grad.ndim == 2 and index < grad.shape[0]:
-            grads[key] = np.delete(grad, index, axis=0)
-    return dataclasses.replace(side, grads=grads)
 
 
 def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | None:

@@ -1,0 +1,144 @@
+"""What a golden file holds for step 0 beyond the model's outputs and gradients: the layer
+probe's torch side, torch's per-layer outputs for the diagnosis, and the rows only torch can
+compute (stochastic modules, folded tensors, embedding padding rows). Encoded as JSON header
+fields and arrays (`encode_step0`), read back and checked (`decode_probe`, `decode_layers`);
+no torch here.
+
+Arrays: ``probe/inputs``; ``probe/S/variables/...`` (the probe weights, Flax layout);
+``probe/S/MODE/L/in0..`` and ``probe/S/MODE/L/out`` (layer ``L``'s inputs and output in Flax's
+layout, torch's execution order); ``probe/S/MODE/output``; ``probe/S/train/stats/...``;
+``layers/STAGE/MODE/L`` (torch's layer outputs at a step-0 stage). The header's ``step0.probe``
+holds names, floors and bands, ``step0.layers`` the module pairs and each pass's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from parity.verdicts.probe_judge import ProbeLayer, ProbeMode, ProbeRecord, ProbeScale
+from parity.verdicts.sides import flatten
+
+__all__ = ["MODES", "decode_layers", "decode_probe", "encode_layers", "encode_probe"]
+
+MODES = ("eval", "train")
+
+
+def _nest(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split("/")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+def encode_probe(record: ProbeRecord | None, error: str | None) -> tuple[dict, dict]:
+    """``(header, arrays)`` of torch's side of the layer probe (or of why it did not run)."""
+    if record is None:
+        return {"error": str(error)}, {}
+    arrays: dict[str, np.ndarray] = {"probe/inputs": np.asarray(record.inputs)}
+    scales = []
+    for s, probe in enumerate(record.scales):
+        for key, value in flatten(probe.variables).items():
+            arrays[f"probe/{s}/variables/{key}"] = np.asarray(value, np.float32)
+        modes = {}
+        for mode_name, mode in zip(MODES, (probe.eval, probe.train), strict=True):
+            prefix = f"probe/{s}/{mode_name}"
+            arrays[f"{prefix}/output"] = np.asarray(mode.output, np.float32)
+            for key, value in mode.stats.items():
+                arrays[f"{prefix}/stats/{key}"] = np.asarray(value, np.float32)
+            layers = []
+            for i, layer in enumerate(mode.layers):
+                for k, value in enumerate(layer.inputs):
+                    arrays[f"{prefix}/{i}/in{k}"] = np.asarray(value)
+                if layer.output is not None:
+                    arrays[f"{prefix}/{i}/out"] = np.asarray(layer.output, np.float32)
+                layers.append(
+                    {
+                        "name": layer.name,
+                        "inputs": len(layer.inputs),
+                        "output": layer.output is not None,
+                        "floor": layer.floor,
+                        "band": layer.band,
+                    }
+                )
+            modes[mode_name] = {"layers": layers, "stats": sorted(mode.stats)}
+        scales.append({"scale": probe.scale, "modes": modes})
+    header = {
+        "flax_of": [[name, list(path)] for name, path in record.flax_of.items()],
+        "skipped": dict(record.skipped),
+        "scales": scales,
+    }
+    return header, arrays
+
+
+def decode_probe(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> ProbeRecord:
+    """The `ProbeRecord` `encode_probe` wrote.
+
+    Raises:
+      KeyError / TypeError / ValueError: a field or array missing or malformed (the golden
+        reader turns it into a `parity.golden.format.GoldenFileError`).
+    """
+    flax_of = {str(name): tuple(str(p) for p in path) for name, path in header["flax_of"]}
+    scales = []
+    for s, probe in enumerate(header["scales"]):
+        modes = []
+        for mode_name in MODES:
+            prefix = f"probe/{s}/{mode_name}"
+            info = probe["modes"][mode_name]
+            layers = [
+                ProbeLayer(
+                    name=str(layer["name"]),
+                    inputs=[arrays[f"{prefix}/{i}/in{k}"] for k in range(int(layer["inputs"]))],
+                    output=arrays[f"{prefix}/{i}/out"] if layer["output"] else None,
+                    floor=None if layer["floor"] is None else float(layer["floor"]),
+                    band=float(layer["band"]),
+                )
+                for i, layer in enumerate(info["layers"])
+            ]
+            stats = {key: arrays[f"{prefix}/stats/{key}"] for key in info["stats"]}
+            modes.append(ProbeMode(layers, arrays[f"{prefix}/output"], stats))
+        start = f"probe/{s}/variables/"
+        variables = _nest({k[len(start) :]: v for k, v in arrays.items() if k.startswith(start)})
+        scales.append(ProbeScale(float(probe["scale"]), variables, *modes))
+    return ProbeRecord(arrays["probe/inputs"], flax_of, dict(header["skipped"]), scales)
+
+
+def encode_layers(
+    pairs: list[tuple[str, tuple[str, ...]]],
+    unmatched: list[str],
+    outputs: Mapping[str, tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray]]],
+) -> tuple[dict, dict]:
+    """``(header, arrays)`` of torch's layer outputs per step-0 stage (eval and train mode, each
+    ``{torch module: array}`` in execution order) and the module pairs they are matched by."""
+    arrays: dict[str, np.ndarray] = {}
+    stages = {}
+    for stage, passes in outputs.items():
+        orders = {}
+        for mode_name, captured in zip(MODES, passes, strict=True):
+            orders[mode_name] = list(captured)
+            for i, value in enumerate(captured.values()):
+                arrays[f"layers/{stage}/{mode_name}/{i}"] = np.asarray(value, np.float32)
+        stages[stage] = orders
+    header = {
+        "pairs": [[name, list(path)] for name, path in pairs],
+        "unmatched": list(unmatched),
+        "stages": stages,
+    }
+    return header, arrays
+
+
+def decode_layers(
+    header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], stage: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """torch's layer outputs at `stage`: ``(eval, train)``, each in execution order."""
+    orders = header["stages"][stage]
+    return tuple(
+        {str(name): arrays[f"layers/{stage}/{mode}/{i}"] for i, name in enumerate(orders[mode])}
+        for mode in MODES
+    )
