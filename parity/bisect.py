@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-import jaxamp
 from parity.core.config import RunConfig
 from parity.core.recipes import Recipe, get_recipe
 from parity.golden.check import bad_input, check_fits, check_pair, flax_pair
@@ -67,6 +66,7 @@ from parity.verdicts.step0_rows import stage_verdicts
 from parity.verdicts.tolerance import program_shapes
 
 __all__ = [
+    "FLOAT32_FAILS",
     "JUDGES",
     "BisectResult",
     "PrimitiveStage",
@@ -80,6 +80,8 @@ __all__ = [
 
 DEFAULT_BUDGET = 64
 NOT_SEARCHED = "not searched (not a linen model: primitives only)"
+# bisect_golden's outcome when the float32 stage of step 0 fails: a port bug, not a precision one
+FLOAT32_FAILS = "float32 fails"
 # what one run judges: the step-0 rows, or a golden's whole check (step 0, training, trajectory)
 JUDGES = ("step0", "cell")
 _LOW_PRECISION = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
@@ -122,7 +124,9 @@ class BisectResult:
       candidates: every module the forward pass calls (what was searched).
       outcome: ``"found"``, ``"passes already"`` (nothing to keep), ``"no set passes"`` (even
         every module in float32 fails: not a float32 question), ``"budget spent"`` or
-        `NOT_SEARCHED` (an NNX or Hugging Face model: the primitives stage alone ran).
+        `NOT_SEARCHED` (an NNX or Hugging Face model: the primitives stage alone ran), or
+        `FLOAT32_FAILS` (`bisect_golden`: the float32 stage of step 0 already fails, so no
+        search: its rows are `verdicts`).
       minimal: whether `keep` is 1-minimal (removing any one module makes the cell fail).
       precision: the cell's precision.
       verdicts: the step-0 rows with `keep` in float32.
@@ -186,6 +190,15 @@ class BisectResult:
                 f"{len(self.candidates)} modules in float32 "
                 f"({'1-minimal' if self.minimal else 'not shown minimal'}), {self.runs} runs"
             )
+        if self.outcome == FLOAT32_FAILS:
+            return (
+                f"bisect {self.precision}{judged}: not searched: the float32 stage of step 0 "
+                f"already fails ({_worst(self.verdicts)}): the port differs from torch in "
+                "float32, which no module kept in float32 can fix; find that first (parity "
+                "check names the first diverging layer)"
+            )
+        if self.outcome == "no set passes":
+            head += f"; the last run's worst row: {_worst(self.verdicts)}"
         if self.outcome not in ("found", NOT_SEARCHED):
             return head
         lines = [head, self.rules_code()] if self.outcome == "found" else [head]
@@ -200,7 +213,27 @@ class BisectResult:
             )
             if stage.outcome == "found":
                 lines.append(self.overrides_code())
+            elif stage.outcome == "no set passes":
+                lines.append(
+                    "with every candidate primitive in float32, the worst row: "
+                    f"{_worst(stage.verdicts)}"
+                )
         return "\n".join(lines)
+
+
+def _worst(verdicts: Sequence[Verdict]) -> str:
+    """The failing row furthest past its tolerance, as ``check: value > tolerance``."""
+    failed = [v for v in verdicts if v.passed is False]
+    if not failed:
+        return "no row failed"
+
+    def ratio(v: Verdict) -> float:
+        if isinstance(v.value, int | float) and isinstance(v.tolerance, int | float):
+            return float(v.value) / float(v.tolerance) if v.tolerance else math.inf
+        return math.inf  # a non-numeric failure (an error, a NaN) is the worst
+
+    worst = max(failed, key=ratio)
+    return f"{worst.check}: {worst.value_text} > {worst.tolerance_text}"
 
 
 def ddmin(items: Sequence[Any], passes: Callable[[list[Any]], bool]) -> tuple[list[Any], bool]:
@@ -333,8 +366,8 @@ def _primitive_candidates(
     (or fewer times) with the modules `keep` in float32 (those the modules stage moved), each
     with how many low-precision runs of it remain outside `keep` (what a global override would
     also move): fewest of those first, then in program order. `whole_model` (no module tree):
-    every primitive on low-precision operands but those autocast runs in low precision by
-    design (matmuls, convolutions), with all their runs counted as outside."""
+    every primitive on low-precision operands, matmuls (``dot_general``) and convolutions
+    included, with all their runs counted as outside."""
 
     def counts(model_pair):
         forward = jax_forward(model_pair, config.recipe, config.device, train=True)
@@ -343,10 +376,9 @@ def _primitive_candidates(
 
     before = counts(pair)
     if whole_model:
-        by_design = jaxamp.autocast_rules(torch_device(config))
-        after = Counter(
-            {n: c for n, c in before.items() if by_design.get(n) != "lower_precision_fp"}
-        )
+        # no module tree to narrow it down: every primitive on low-precision operands, matmuls
+        # and convolutions included (an attention matmul that overflows is a candidate too)
+        after = before
         moved = list(after)
     else:
         after = counts(_kept(pair, frozenset(keep)))
@@ -506,11 +538,29 @@ def _search(
         all_pass = bool(primitives) and override(primitives)
     except StopIteration:
         return done(keep, module_outcome, modules_minimal, stage([], "budget spent", False))
-    if not all_pass:
-        return done(keep, module_outcome, modules_minimal, stage([], "no set passes", False))
+    if not all_pass:  # its rows are the last run's: every candidate overridden
+        failed_stage = dataclasses.replace(
+            stage([], "no set passes", False), verdicts=rows((), primitives)
+        )
+        return done(keep, module_outcome, modules_minimal, failed_stage)
     found, found_minimal = ddmin(primitives, override)
     outcome = "found" if found_minimal else "budget spent"
     return done(keep, module_outcome, modules_minimal, stage(found, outcome, found_minimal))
+
+
+def _float32_stage(golden: Golden, pair: Any, config: RunConfig) -> list[Verdict]:
+    """The golden's float32 step-0 rows when one fails (else []): outputs and gradients against
+    torch's recorded float32 stage."""
+    fp32 = config.replace(precision="fp32")
+    inputs, targets = golden.batch(0)
+    variables = golden.variables()
+    shapes = program_shapes(pair, variables, inputs, targets)
+    scale = next(s["loss_scale"] for s in golden.stages if s["stage"] == "fp32")
+    jax_numbers = jax_side(pair, variables, inputs, targets, fp32, scale, trace_flops=False)
+    rows, _, _ = stage_verdicts(
+        pair, config, "fp32", "float32", golden.side("fp32"), jax_numbers, shapes
+    )
+    return rows if any(v.passed is False for v in rows) else []
 
 
 def bisect_golden(
@@ -541,6 +591,9 @@ def bisect_golden(
         )
     pair = flax_pair(golden, flax_model)
     check_fits(golden, pair)
+    failing = _float32_stage(golden, pair, config)
+    if failing:  # a port bug, not a precision one: no module kept in float32 can fix it
+        return BisectResult([], 1, [], FLOAT32_FAILS, False, config.precision, failing)
     if judge == "step0":
         return bisect(
             pair,

@@ -33,7 +33,7 @@ from flax import nnx
 import jaxamp
 import jaxamp.flax
 from parity.api import prepare_pair
-from parity.bisect import NOT_SEARCHED, bisect, bisect_golden, ddmin
+from parity.bisect import FLOAT32_FAILS, NOT_SEARCHED, bisect, bisect_golden, ddmin
 from parity.core.config import RunConfig
 from parity.core.recipes import get_recipe
 from parity.golden.format import BatchList, load_golden
@@ -231,6 +231,9 @@ def test_the_whole_cell_judge_fails_a_cell_whose_step_0_passes_and_trajectory_fa
     assert failed and all(v.mode != "step 0" for v in failed)
     assert any(v.check.startswith("final loss") for v in failed), [v.check for v in failed]
     assert "(judged by the whole cell)" in result.report()
+    # "no set passes" says what still fails with every module kept: the last run's worst row
+    worst = result.report().split("the last run's worst row: ")[1]
+    assert " > " in worst and worst.split(":")[0] in {v.check for v in failed}, worst
 
 
 def test_bisect_finds_the_unguarded_exp_and_only_it():
@@ -270,10 +273,28 @@ def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
     assert (result.outcome, result.keep, result.candidates) == (NOT_SEARCHED, [], [])
     stage = result.primitives
     assert stage.outcome == "found" and stage.minimal, result.report()
-    assert stage.keep == ["exp"] and "dot_general" not in stage.candidates
+    # no module tree: matmuls are candidates too (an overflowing attention matmul is in reach)
+    assert stage.keep == ["exp"] and "dot_general" in stage.candidates
     assert result.runs == stage.runs + 1 <= 8 and result.found
     assert all(v.passed for v in stage.verdicts)
     assert "overrides = {'exp': 'fp32'}" in result.report() and "rules =" not in result.report()
     true_bf16 = RunConfig(model="fragile", precision="bf16-true", batch_size=8)
     with pytest.raises(ValueError, match="for this nnx model the primitives stage cannot run"):
         bisect(pair, true_bf16, batch, None, variables, budget=8)
+
+
+def test_bisect_stops_when_the_float32_stage_already_fails(capsys):
+    """The example's port with the tanh GELU for torch's erf: its float32 step 0 fails, so no
+    module kept in float32 can fix it; bisect says so, with the figure, in one run."""
+    from parity import bisect as bisect_module
+
+    golden = Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+    result = bisect_golden(golden, "examples.parity_ci.flax_model:buggy_port")
+    assert (result.outcome, result.runs, result.found) == (FLOAT32_FAILS, 1, False)
+    report = result.report()
+    assert "the float32 stage of step 0 already fails (step 0 fp32:" in report, report
+    assert " > " in report and "first diverging layer" in report
+    code = bisect_module.main(
+        ["--golden", str(golden), "--flax-model", "examples.parity_ci.flax_model:buggy_port"]
+    )
+    assert code == 1 and "already fails" in capsys.readouterr().out

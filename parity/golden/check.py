@@ -9,8 +9,10 @@ step; summary, config, versions, hardware) and the model's name, task and config
 
 `parity.golden.export.export_golden` (or ``python -m parity export``) writes it where torch is
 installed; `check_golden` (or ``python -m parity check --golden FILE``) runs only the JAX side and
-judges it with the harness's own verdicts: the step-0 rows of `parity.verdicts.step0_rows`
-against the recorded torch side, then `parity.verdicts.judge.compare_runs` (as `parity.cell` judges a cell: every step covered, the
+judges it with the harness's own verdicts: step 0 as `parity.verdicts.step0.check_step0`
+computes it (`parity.golden.step0`: the output and gradient rows, the layer probe, the rows only
+torch computes, the compute dtype, and on a failure the per-layer diagnosis naming the first
+diverging layer) against the recorded torch side, then `parity.verdicts.judge.compare_runs` (as `parity.cell` judges a cell: every step covered, the
 per-step gradient and update norms where both runs log them) on the recorded torch run and the
 new JAX run. Neither this module nor anything it imports loads torch.
 
@@ -57,6 +59,7 @@ from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
+from parity.verdicts.depth import pass_depth
 from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import (
     Verdict,
@@ -348,7 +351,9 @@ class GoldenResult:
         and the recorded-versus-current notes."""
         configs = cell_configs(self.runs)
         lines = [format_verdicts(self.verdicts, configs)]
+        depth = pass_depth(self.verdicts, configs)  # a PASS whose decisive rows end early
         for cell, line in cell_bottom_lines(self.verdicts, configs).items():
+            line = f"{line}; {depth[cell]}" if cell in depth else line
             lines.append(f"{' '.join(cell)}: {line}")
         diagnosis = (self.runs[1].get("step0") or {}).get("diagnosis")
         if diagnosis:  # the per-layer table and the first diverging layer, as compare_models

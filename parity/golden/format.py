@@ -3,11 +3,14 @@
 One ``.npz`` (``numpy.savez_compressed``; read with ``allow_pickle=False``): arrays under
 ``init/`` (the initial Flax variables, float32), ``batch/K/`` and ``eval/K/`` (``inputs``,
 ``targets``), ``step0/STAGE/`` (torch's ``eval_logits``, ``train_logits``, ``grads/...``,
-``stats/...``), and the JSON header under ``header.json``: ``format`` (`FORMAT`),
+``stats/...``), ``probe/`` and ``layers/`` (the layer probe's torch side and torch's layer
+outputs, `parity.golden.step0_data`), and the JSON header under ``header.json``: ``format`` (`FORMAT`),
 ``schema_version`` (`SCHEMA_VERSION`), ``config`` (`RunConfig.to_dict`), ``model`` (name, task,
 configuration, the ``"module:attr"`` of the Flax module under test), ``torch_run`` (torch's run
 record, `parity.core.records` schema), ``step0.stages`` (stage, precision, dtype, loss scale, loss,
-matmul FLOPs by dtype), ``data`` (batch counts), ``versions`` and ``hardware``. `load_golden`
+matmul FLOPs by dtype), ``step0.probe`` / ``step0.layers`` (what those arrays are),
+``step0.torch_rows`` (the rows only torch computes: stochastic modules, folded tensors, padding
+rows) and ``step0.padding``, ``data`` (batch counts), ``versions`` and ``hardware``. `load_golden`
 validates all of it before anything runs and names the offending field. No torch here.
 """
 

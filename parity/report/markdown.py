@@ -46,6 +46,7 @@ from parity.report.plots import (
     plot_step_times,
 )
 from parity.report.timing import phases_section
+from parity.verdicts.depth import pass_depth
 from parity.verdicts.rows import (
     EXCEEDED,
     cell_bottom_lines,
@@ -323,9 +324,10 @@ def _bottom_lines(verdicts, groups) -> list[str]:
     lines: list[str] = []
     # each cell's deciding command reruns the cell's own run (its config) with the deciding
     # options added
-    bottom = cell_bottom_lines(
-        verdicts, cell_configs([r for members in groups.values() for r in members])
-    )
+    configs = cell_configs([r for members in groups.values() for r in members])
+    bottom = cell_bottom_lines(verdicts, configs)
+    for cell, depth in pass_depth(verdicts, configs).items():  # a PASS that ends early says so
+        bottom[cell] = f"{bottom[cell]}; {depth}"
     if bottom or groups:
         lines += ["", "## Bottom line", ""]
         for key in sorted(set(bottom) | set(groups)):
