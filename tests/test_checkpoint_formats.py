@@ -36,7 +36,7 @@ def _state(state_format, **kw):
     ],
 )
 def test_restore_refuses_codes_of_another_dtype(tmp_path, saved, target, expect):
-    """F33: 8-bit codes into an fp8 target (and back) have equal shapes; restore refused them
+    """8-bit codes into an fp8 target (and back) have equal shapes; restore refused them
     only by shape and cast the codes."""
     ckpt.save(tmp_path, _state(saved), 1)
     with pytest.raises(ValueError, match=expect):

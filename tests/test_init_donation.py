@@ -80,7 +80,7 @@ def _live(tree) -> list[str]:
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
 def test_init_after_a_donated_step_returns_live_buffers(name):
-    """F34: donate the state `init` made, then `init` again: every leaf of the new state is a
+    """Donate the state `init` made, then `init` again: every leaf of the new state is a
     live buffer of its own, and the next donated step runs."""
     make, params = TRANSFORMATIONS[name]
     tx = make()
