@@ -54,8 +54,8 @@ bench)
   step 200 bench_parity "$PY" benchmarks/bench_parity.py --device gpu --out "$OUT/parity_gpu.json"
   step 150 ddp1 "$PY" -m parity run --model mlp --precision bf16-mixed --devices 1 --strategy ddp \
     --device gpu --steps 8 --batch-size 8 --no-eval --out "$OUT/ddp1"
-  step 200 gpu_tests "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_doctests.py \
-    tests/test_autocast_overrides.py tests/test_policy.py tests/test_reduce_dtype.py
+  step 200 gpu_tests "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/jaxamp/test_doctests.py \
+    tests/jaxamp/test_autocast_overrides.py tests/jaxamp/test_policy.py tests/jaxamp/test_reduce_dtype.py
   ;;
 *)
   echo "unknown phase '$phase': parity or bench" >&2

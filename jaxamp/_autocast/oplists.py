@@ -8,7 +8,7 @@ The lists mirror torch 2.13.0:
   plus ``cudnn_convolution*`` (registered for CUDA only) and ``binary_cross_entropy`` (banned: it
   raises under CUDA autocast).
 * ``"cpu"``: the ``KERNEL_CPU`` registrations of ``aten/src/ATen/autocast_mode.cpp``, which are not
-  in the installed headers; ``tests/test_autocast_oplists.py`` checks this list against the ops
+  in the installed headers; ``tests/jaxamp/test_autocast_oplists.py`` checks this list against the ops
   torch registers for the ``AutocastCPU`` dispatch key and against
   ``torch.testing._internal.autocast_test_lists``, and runs the ops that have JAX counterparts.
 

@@ -5,7 +5,7 @@ torch's vectorised CPU kernel, not on the construction alone (bitsandbytes' dyna
 Dettmers 2015; the 4-bit linear map of Li et al. 2023). The same construction with numpy's float32
 linspace gives 22 of the 256 signed and 26 of the 256 unsigned 8-bit entries 1-2 ulps away
 (torchao 0.18, torch 2.13 CPU), and then codes at a rounding midpoint differ from torchao's. These are the values torchao 0.18 produces with torch 2.x on CPU, written as hex
-floats (exact); ``tests/test_opt_state_torchao.py`` compares them with torchao's own maps.
+floats (exact); ``tests/jaxamp/test_opt_state_torchao.py`` compares them with torchao's own maps.
 """
 
 import numpy as np

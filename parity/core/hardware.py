@@ -16,7 +16,7 @@ hardware it came from, so:
 - `skip_if_unsupported` / `requires_torch_cpu` turn the same reason into a pytest skip.
 
 Restricting a wider CPU to AVX2 (what ``.ci/run`` does for its second pass; both take effect,
-checked in ``tests/test_parity_hardware.py``):
+checked in ``tests/parity/test_parity_hardware.py``):
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -m torch tests
 

@@ -9,7 +9,7 @@ then take their torch-less paths. (A finder that *raises* for them, or ``sys.mod
 None``, is not what such a machine does, and breaks those probes.)
 
 The torch-free CI stage (``.ci/run``) runs the same tests in an environment built without torch;
-tests/test_parity_golden.py uses this folder where torch is installed.
+tests/parity/test_parity_golden.py uses this folder where torch is installed.
 """
 
 import sys

@@ -183,12 +183,14 @@ OPTIMIZER_PRECISIONS = ("adamw-8bit", "adamw-4bit", "adamw-fp8", "bf16-true-sr")
 def test_every_model_and_precision_runs(model, precision):
     skip_if_unsupported("torch", precision, model, "cpu")  # bf16 LSTM needs AVX-512 (oneDNN)
     if precision.startswith("fp8-") and (model not in ("mlp", "cnn") or precision != "fp8-rowwise"):
-        pytest.skip("fp8: one recipe on mlp and cnn here; tests/test_fp8_parity.py covers the rest")
+        pytest.skip(
+            "fp8: one recipe on mlp and cnn here; tests/parity/test_fp8_parity.py covers the rest"
+        )
     if precision in OPTIMIZER_PRECISIONS and model != "mlp":
         pytest.skip(
             "the optimizer's own precisions change no model code (bf16-true-sr is bf16-true, "
             "run on every model, with torchao's optimizer): mlp here; "
-            "tests/test_parity_recipes.py and tests/test_parity_optim_state.py cover the rest"
+            "tests/parity/test_parity_recipes.py and tests/parity/test_parity_optim_state.py cover the rest"
         )
     config = RunConfig(
         model=model,

@@ -19,7 +19,7 @@ from parity.core.records import load_results, merge_runs, write_json_atomic  # n
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
 TINY_MLP = ["--model-override", "image_shape=[8,8,3]", "--model-override", "hidden=16"]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_run(framework, precision="fp32", losses=(2.0, 1.5, 1.0), scales=None, mode="eager"):

@@ -278,13 +278,13 @@ def test_correct_port_passes_the_layer_probe(model):
 
 
 # Each mutation fails step 0 through `check_step0` and through a golden file, naming the row
-# above: tests/test_parity_golden_mutations.py.
+# above: tests/parity/test_parity_golden_mutations.py.
 
 
 # --- the whole step 0: correct ports pass, a mutation fails naming its layer ---------------------
 
 # The full step 0 of a correct pair (its other rows are older than the probe and tested in
-# tests/test_parity_step0.py): the GRU pair, whose mapping folds tensors; the others: probe only.
+# tests/parity/test_parity_step0.py): the GRU pair, whose mapping folds tensors; the others: probe only.
 CORRECT = ("gru",)
 
 

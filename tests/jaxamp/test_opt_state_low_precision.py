@@ -303,7 +303,7 @@ def test_other_state_fields_and_small_leaves():
 
 
 def test_documentation_page_snippet_runs():
-    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "optimizer-precision.md"
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "optimizer-precision.md"
     block = re.search(r"```python\n(.*?)```", page.read_text(), flags=re.S).group(1)
     assert "low_precision_state" in block and "stochastic_rounding" in block
     params = {"w": jnp.ones((64, 64), jnp.bfloat16)}

@@ -35,7 +35,7 @@ from parity.training.train_torch import train_torch  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.standard_promotion]  # optax/flax internals
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 TINY = {"image_shape": (4, 4, 3), "hidden": 8}
 TINY_ARGS = ["--model-override", "image_shape=[4,4,3]", "--model-override", "hidden=8"]
 

@@ -34,7 +34,7 @@ from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, uni
 
 pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside the checks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 NO_TORCH = ROOT / "tests" / "data" / "no_torch"
 FLAX_NET = "examples.parity_ci.flax_model:FlaxNet"

@@ -1,6 +1,6 @@
 """The mutation catalogue through a golden file: `export` then `check` decide as compare_models.
 
-Every porting bug of tests/test_parity_mutations.py, recorded with `export_golden` (torch's side:
+Every porting bug of tests/parity/test_parity_mutations.py, recorded with `export_golden` (torch's side:
 outputs, gradients, the layer probe's inputs and outputs, the layer outputs the diagnosis reads)
 and checked by `check_golden` (the JAX side, torch's read from the file), fails the same step-0
 checks and names the same first diverging layer as `check_step0` (what `compare_models` runs)

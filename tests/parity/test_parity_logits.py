@@ -4,7 +4,7 @@ against scipy/torch/numpy references, the bands on records perturbed by known am
 planted port bug (Flax's causal mask off) caught by the KL row on real runs.
 
 A correct transformer port passing the rows at every precision is checked where every model x
-precision is trained (tests/test_parity_train.py::test_every_model_and_precision_runs).
+precision is trained (tests/parity/test_parity_train.py::test_every_model_and_precision_runs).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def runs():
     """torch's fp32 record of a correct tiny transformer, and a JAX-side record whose step-0
     eval logits are those of the Flax twin with its causal mask off (the real forward on the
     same initial weights and eval batch; training a JAX side would add ~10 s for nothing the
-    verdict reads: tests/test_parity_train.py checks the JAX trainer's records)."""
+    verdict reads: tests/parity/test_parity_train.py checks the JAX trainer's records)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     config = RunConfig(

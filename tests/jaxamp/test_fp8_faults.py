@@ -15,7 +15,7 @@ import pytest
 import jaxamp
 import jaxamp.fp8 as f8
 
-FP8_PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "fp8.md"
+FP8_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "fp8.md"
 DELAYED = f8.recipe("delayed", emulate=True, amax_history_length=4)
 TENSORWISE = f8.recipe("tensorwise", emulate=True)
 

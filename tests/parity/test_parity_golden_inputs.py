@@ -21,7 +21,7 @@ from parity.golden.format import HEADER_KEY, SCHEMA_VERSION, GoldenFileError, lo
 
 pytestmark = pytest.mark.standard_promotion
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 
 

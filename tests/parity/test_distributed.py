@@ -94,7 +94,7 @@ def test_ctrl_c_ends_workers(tmp_path):
             g.wait()
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
     harness = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:

@@ -379,7 +379,7 @@ def _primitives(jaxpr, inside_cond: bool, found: dict) -> None:
 def test_measurement_runs_inside_the_skip_branch_only(monkeypatch):
     """The measurement's log2 (and the unsigned maximum of the bits) run only inside a
     `lax.cond`; outside it the step is the one without provenance: the branch form, CPU's and
-    TPU's (GPU's program selects: tests/test_platform_programs.py)."""
+    TPU's (GPU's program selects: tests/jaxamp/test_platform_programs.py)."""
     monkeypatch.setattr("jaxamp._provenance.branch_or_select", lambda branch, select: branch())
     params = _params()
     grads = _scaled_grads(jnp.float32, inf_at=None)
@@ -440,7 +440,7 @@ def test_state_and_optimizer_must_agree_on_provenance():
 
 # --- the benchmark's provenance variant ------------------------------------------------------------
 
-_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss_scaled.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_loss_scaled.py"
 
 
 def test_benchmark_provenance_variant_is_loss_scaled_with_provenance(monkeypatch):

@@ -30,7 +30,7 @@ from parity.verdicts.judge import compare_runs  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXIT_CODES = {0, 1, 2, 3, 4}  # README: PASS, FAIL, bad input, nothing compared, inconclusive
 TINY_MLP = ["--model-override", "image_shape=[8,8,3]", "--model-override", "hidden=16"]
 

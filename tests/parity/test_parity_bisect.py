@@ -190,7 +190,7 @@ def test_autocast_overrides_reach_the_recipes_jax_forward_only_where_it_is_autoc
 
 
 def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
-    golden = Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+    golden = Path(__file__).resolve().parents[2] / "examples" / "parity_ci" / "port.golden.npz"
     with pytest.raises(ValueError, match="`budget` must be an integer >= 2 runs; got 1"):
         bisect_golden(golden, budget=1)
     with pytest.raises(
@@ -211,7 +211,7 @@ def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
 
 def test_the_whole_cell_judge_fails_a_cell_whose_step_0_passes_and_trajectory_fails():
     golden = load_golden(
-        Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+        Path(__file__).resolve().parents[2] / "examples" / "parity_ci" / "port.golden.npz"
     )
     # torch's recorded trajectory parts from the port's after step 0 (its losses from step 1
     # on 30% higher): step 0, recorded apart, still agrees; only the training can tell
@@ -288,7 +288,7 @@ def test_bisect_stops_when_the_float32_stage_already_fails(capsys):
     module kept in float32 can fix it; bisect says so, with the figure, in one run."""
     from parity import bisect as bisect_module
 
-    golden = Path(__file__).resolve().parents[1] / "examples" / "parity_ci" / "port.golden.npz"
+    golden = Path(__file__).resolve().parents[2] / "examples" / "parity_ci" / "port.golden.npz"
     result = bisect_golden(golden, "examples.parity_ci.flax_model:buggy_port")
     assert (result.outcome, result.runs, result.found) == (FLOAT32_FAILS, 1, False)
     report = result.report()

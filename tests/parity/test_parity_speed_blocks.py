@@ -290,7 +290,7 @@ def test_the_reproduction_benchmark_concludes_from_words_and_intervals():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speed_repro.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_speed_repro.py"
     spec = importlib.util.spec_from_file_location("bench_speed_repro", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -25,7 +25,7 @@ from jaxamp.flax import checkpoint as ckpt
 
 pytest.importorskip("orbax.checkpoint")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOTAL, SAVE_AT = 8, 3
 
 # Shared by this process and the fresh one: the same model, data and steps.

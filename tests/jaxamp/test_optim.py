@@ -414,7 +414,7 @@ def test_optimizer_state_float32_and_no_nan_on_zero_grads(policy, maybe_jit):
 # --- a model that overflows forever is reported ---------------------------------------------------
 
 
-# The report itself (once, at the limit, eager / jit / donated): tests/test_max_skips_report.py
+# The report itself (once, at the limit, eager / jit / donated): tests/jaxamp/test_max_skips_report.py
 
 
 def test_consecutive_counter_resets_on_finite_step():
