@@ -7,7 +7,8 @@ no torch here.
 Arrays: ``probe/inputs``; ``probe/S/variables/...`` (the probe weights, Flax layout);
 ``probe/S/MODE/L/in0..`` and ``probe/S/MODE/L/out`` (layer ``L``'s inputs and output in Flax's
 layout, torch's execution order); ``probe/S/MODE/output``; ``probe/S/train/stats/...``;
-``layers/STAGE/MODE/L`` (torch's layer outputs at a step-0 stage). The header's ``step0.probe``
+``layers/STAGE/MODE/L`` (torch's layer outputs at a step-0 stage); a train-mode array equal to
+the eval-mode one at the same place is stored once (under ``eval``). The header's ``step0.probe``
 holds names, floors and bands, ``step0.layers`` the module pairs and each pass's order.
 """
 
@@ -37,6 +38,24 @@ def _nest(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
     return tree
 
 
+def _put(arrays: dict[str, np.ndarray], key: str, value: np.ndarray) -> None:
+    """Stores a train-mode array only where it differs from the eval-mode one at the same place
+    (a model without dropout or BatchNorm computes the same in both: stored once)."""
+    twin = key.replace("/train/", "/eval/")
+    if twin != key and twin in arrays and _same(arrays[twin], value):
+        return
+    arrays[key] = value
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+
+
+def _get(arrays: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+    """`_put`'s reverse: a train-mode array not stored is the eval-mode one."""
+    return arrays[key] if key in arrays else arrays[key.replace("/train/", "/eval/")]
+
+
 def encode_probe(record: ProbeRecord | None, error: str | None) -> tuple[dict, dict]:
     """``(header, arrays)`` of torch's side of the layer probe (or of why it did not run)."""
     if record is None:
@@ -55,9 +74,9 @@ def encode_probe(record: ProbeRecord | None, error: str | None) -> tuple[dict, d
             layers = []
             for i, layer in enumerate(mode.layers):
                 for k, value in enumerate(layer.inputs):
-                    arrays[f"{prefix}/{i}/in{k}"] = np.asarray(value)
+                    _put(arrays, f"{prefix}/{i}/in{k}", np.asarray(value))
                 if layer.output is not None:
-                    arrays[f"{prefix}/{i}/out"] = np.asarray(layer.output, np.float32)
+                    _put(arrays, f"{prefix}/{i}/out", np.asarray(layer.output, np.float32))
                 layers.append(
                     {
                         "name": layer.name,
@@ -94,8 +113,10 @@ def decode_probe(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) ->
             layers = [
                 ProbeLayer(
                     name=str(layer["name"]),
-                    inputs=[arrays[f"{prefix}/{i}/in{k}"] for k in range(int(layer["inputs"]))],
-                    output=arrays[f"{prefix}/{i}/out"] if layer["output"] else None,
+                    inputs=[
+                        _get(arrays, f"{prefix}/{i}/in{k}") for k in range(int(layer["inputs"]))
+                    ],
+                    output=_get(arrays, f"{prefix}/{i}/out") if layer["output"] else None,
                     floor=None if layer["floor"] is None else float(layer["floor"]),
                     band=float(layer["band"]),
                 )
@@ -123,7 +144,7 @@ def encode_layers(
         for mode_name, captured in zip(MODES, passes, strict=True):
             orders[mode_name] = list(captured)
             for i, value in enumerate(captured.values()):
-                arrays[f"layers/{stage}/{mode_name}/{i}"] = np.asarray(value, np.float32)
+                _put(arrays, f"layers/{stage}/{mode_name}/{i}", np.asarray(value, np.float32))
         stages[stage] = orders
     header = {
         "pairs": [[name, list(path)] for name, path in pairs],
@@ -139,6 +160,9 @@ def decode_layers(
     """torch's layer outputs at `stage`: ``(eval, train)``, each in execution order."""
     orders = header["stages"][stage]
     return tuple(
-        {str(name): arrays[f"layers/{stage}/{mode}/{i}"] for i, name in enumerate(orders[mode])}
+        {
+            str(name): _get(arrays, f"layers/{stage}/{mode}/{i}")
+            for i, name in enumerate(orders[mode])
+        }
         for mode in MODES
     )
