@@ -147,11 +147,11 @@ def test_flax_model_that_is_not_a_model(capsys):
 def test_golden_of_another_model(capsys):
     """The example's golden checked against another port (another hidden width): refused before
     any work, naming the file, the recorded model and the differing leaves."""
-    code = _check(GOLDEN, "--flax-model", "tests.test_parity_golden_inputs:wider_port")
+    code = _check(GOLDEN, "--flax-model", "test_parity_golden_inputs:wider_port")
     line = _one_error_line(capsys, code, str(GOLDEN), "recorded for model", "do not fit")
     assert "params/fc1/kernel: recorded (64, 32), the model has (64, 48)" in line
     code = bisect.main(
-        ["--golden", str(GOLDEN), "--flax-model", "tests.test_parity_golden_inputs:wider_port"]
+        ["--golden", str(GOLDEN), "--flax-model", "test_parity_golden_inputs:wider_port"]
     )
     _one_error_line(capsys, code, str(GOLDEN), "do not fit")
 
