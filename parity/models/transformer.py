@@ -33,9 +33,9 @@ DEFAULTS: dict[str, Any] = {
 # gpt2-small: GPT-2 small's shape (12 layers, 768 wide, 12 heads, context 1024) with a byte-level
 # vocabulary (256, not GPT-2's 50,257 BPE tokens) and untied, learned embeddings and head:
 # 86,235,904 parameters (85,054,464 in the 12 blocks); a training step (forward and backward)
-# does 624.6 MFLOP of matmuls per token at context 1024 (forward 208.2 MFLOP: 2 x 85.1 M matmul
-# weights plus the attention's two T x T products, 37.7 M), counted from the JAX program by
-# `parity.perf.flops.jax_matmul_flops` (benchmarks/bench_harness_cost.py prints it).
+# does 624.0 MFLOP of matmuls per token at context 1024 (forward 208.0 MFLOP: 2 x 85.1 M matmul
+# weights plus the attention's two T x T products, 37.7 M), counted from the JAX program
+# (`parity.perf.flops.jax_matmul_flops` of the gradient's and the forward pass's jaxprs).
 SIZES: dict[str, dict[str, Any]] = {
     "gpt2-small": {
         "vocab_size": 256,
