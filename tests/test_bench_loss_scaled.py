@@ -27,6 +27,7 @@ def bench():
         yield module
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_every_variant_trains_to_the_same_parameters(bench, policy):
     # The tiny MLP: the same code paths as the benchmark's 784-1024-1024-1024-10 one.

@@ -584,6 +584,7 @@ def test_bert_pair_maps_by_name_with_no_transfer_code():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.standard_promotion  # optax internals
 def test_the_record_and_report_show_the_mapping(tmp_path):
     """enc/dec against encoder/decoder through compare_models: the records carry each pair and

@@ -118,6 +118,7 @@ def test_step0_catches_a_wrong_recipe(monkeypatch):
     assert any(not r["passed"] for r in rows)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_short_fp8_run_passes_verdicts(tmp_path):
     from parity.training.train_jax import train_jax

@@ -189,6 +189,7 @@ def test_autocast_overrides_reach_the_recipes_jax_forward_only_where_it_is_autoc
         get_recipe("bf16-true").with_autocast_overrides({"exp": "fp32"})
 
 
+@pytest.mark.integration
 def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
     golden = Path(__file__).resolve().parents[2] / "examples" / "parity_ci" / "port.golden.npz"
     with pytest.raises(ValueError, match="`budget` must be an integer >= 2 runs; got 1"):
@@ -209,6 +210,7 @@ def test_bisect_golden_needs_no_torch_side_and_stops_at_a_passing_cell():
     assert "(judged by the whole cell)" in result.report()
 
 
+@pytest.mark.integration
 def test_the_whole_cell_judge_fails_a_cell_whose_step_0_passes_and_trajectory_fails():
     golden = load_golden(
         Path(__file__).resolve().parents[2] / "examples" / "parity_ci" / "port.golden.npz"
@@ -268,6 +270,7 @@ def test_bisect_finds_the_unguarded_exp_and_only_it():
     assert np.isfinite(np.asarray(scope["apply"](variables, batch[0]), np.float32)).all()
 
 
+@pytest.mark.integration
 def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
     result, variables, batch, pair = _bisected(TorchSoftmaxPair, NnxSoftmaxPair(), "fp16-mixed", 8)
     assert (result.outcome, result.keep, result.candidates) == (NOT_SEARCHED, [], [])

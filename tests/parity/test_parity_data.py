@@ -474,6 +474,7 @@ def test_real_data_resolves_per_model():
     assert get_model_pair("transformer", data="real").config["vocab_size"] == 256
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax internals
 def test_cli_runs_on_real_digits(tmp_path):

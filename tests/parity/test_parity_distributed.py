@@ -128,6 +128,7 @@ def test_compare_pairs_each_torch_side_with_the_jax_sides_of_its_arm(correct):
     assert not any("jax:jit ddp vs torch," in c or c == "jax vs torch ddp" for c in compared)
 
 
+@pytest.mark.integration
 def test_a_planted_wrong_port_fails_at_step_0_and_in_training(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     config = RunConfig(model="mlp", precision="fp32", steps=2, batch_size=4, eval=False)

@@ -202,6 +202,7 @@ def test_hardware_allowance_only_for_a_different_low_precision_kernel_class():
     assert hardware_allowance(native, _AVX2)[0] == {"bfloat16": 1.0}
 
 
+@pytest.mark.integration
 def test_recorded_on_native_bf16_passes_here_with_the_bf16_bands_widened():
     """The committed golden as if recorded on a CPU with native bf16 kernels, checked on an
     AVX2-only one: only the bf16 step-0 rows grow, by 8 x depth x u(bf16) (x4 for gradients),

@@ -39,6 +39,7 @@ def _step0_failures(verdicts) -> set[str]:
     return {v.check for v in verdicts if v.check.startswith("step 0") and v.passed is False}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "model", "mutate", "caught_by"), MUTATIONS, ids=[m[0] for m in MUTATIONS]
 )
@@ -93,6 +94,7 @@ def gpt2_exact_gelu():
     return transformers.FlaxGPT2LMHeadModel(_gpt2_config("gelu"), seed=0)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_gpt2_exact_gelu_fails_the_golden_check_naming_the_layer(tmp_path):
     transformers = pytest.importorskip("transformers")

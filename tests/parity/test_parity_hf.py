@@ -58,6 +58,7 @@ def test_auto_maps_gpt2_with_tied_head_and_conv1d():
     assert len(mapping.entries) == len(list(torch_model.parameters()))
 
 
+@pytest.mark.integration
 def test_gpt2_pair_compares_in_a_few_lines():
     torch_model, flax_model = _gpt2()
     result = parity.compare_models(torch_model, flax_model, batches=_batches(), task="lm")

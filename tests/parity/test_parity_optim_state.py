@@ -84,6 +84,7 @@ def test_plain_adamw_state_is_eight_bytes_per_parameter_on_both_sides():
     assert np.isclose(theirs["optimizer_state_bytes_per_param"], 8.0, atol=1e-3)
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_report_shows_each_sides_state_bytes_per_parameter(tmp_path):
     overrides = {"image_shape": (4, 4, 3), "hidden": 128}  # 6144 elements: one quantized leaf
@@ -129,6 +130,7 @@ def test_jax_state_blocks_each_parameter_in_its_torch_tensors_order(model):
     assert ordered == 3  # every weight; the biases keep their order
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_user_pair_runs_the_low_bit_recipes_with_its_own_mappings_block_order():
     """compare_models on user models: the JAX state takes torchao's block order from the user

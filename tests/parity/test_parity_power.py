@@ -328,6 +328,7 @@ class _FlaxNet(fnn.Module):
         return fnn.Dense(3, name="fc")(x)
 
 
+@pytest.mark.integration
 def test_compare_models_takes_seeds_threads_and_a_budget(tmp_path):
     rng = np.random.default_rng(0)
     batches = [

@@ -180,6 +180,7 @@ def _batches(n, rows=8):
     ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_compare_models_library_entry(tmp_path, precision):
     torch.manual_seed(0)
@@ -242,6 +243,7 @@ def test_report_is_written_for_degenerate_runs(tmp_path, case):
     assert (tmp_path / "steps.csv").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("case", ["nan_batch_0", "all_nan"])
@@ -270,6 +272,7 @@ def test_compare_models_survives_nan_batches(tmp_path, precision, case):
             assert run["steps"][0]["skipped"] and run["summary"]["skipped_steps"] >= len(poisoned)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_compare_models_with_noise_calibration(tmp_path):
     torch.manual_seed(0)

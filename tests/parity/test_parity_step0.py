@@ -300,6 +300,7 @@ def _wrong_transfer(module):
     return variables
 
 
+@pytest.mark.integration
 @pytest.mark.standard_promotion  # optax's AdamW internals
 @pytest.mark.slow
 def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
@@ -318,6 +319,7 @@ def test_compare_models_stops_a_wrong_port_before_training(tmp_path):
     assert good.runs[0]["step0"]["passed"] is True
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
     from parity.cli import commands as cli
@@ -337,6 +339,7 @@ def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
     assert "first diverging layer: blocks.1.conv1" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.standard_promotion  # optax internals
 @pytest.mark.slow
 def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):

@@ -126,6 +126,7 @@ def test_clip_matches_torch_clip_grad_norm():
 # --- per-step parity ------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fp32_per_step_loss_parity(optimizer):
     """fp32: per-step loss within 1e-4 relative for 10 steps, 1e-3 up to 30 (DESIGN tolerances)."""
@@ -147,6 +148,7 @@ def test_fp32_per_step_loss_parity(optimizer):
     assert torch_run["steps"][-1]["loss"] < torch_run["steps"][0]["loss"]  # it learns
 
 
+@pytest.mark.integration
 def test_fp16_loss_scale_trajectory_identical():
     """fp16-mixed: same scale every step and same skip decisions, with overflow and growth."""
     config = RunConfig(
@@ -177,6 +179,7 @@ def test_fp16_loss_scale_trajectory_identical():
 OPTIMIZER_PRECISIONS = ("adamw-8bit", "adamw-4bit", "adamw-fp8", "bf16-true-sr")
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore::UserWarning:torch.*")
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("model", MODEL_NAMES)

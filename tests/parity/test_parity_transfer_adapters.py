@@ -73,6 +73,7 @@ class NNXConvBN(nnx.Module):
         return self.fc(self.drop(x.reshape(x.shape[0], -1)))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax internals
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
@@ -249,6 +250,7 @@ def test_regression_pair_trains_in_parity():
     ]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.standard_promotion  # optax internals
 @pytest.mark.parametrize("precision", ["bf16-mixed"])  # autocast through the NNX adapter

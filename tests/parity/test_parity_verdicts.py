@@ -256,6 +256,7 @@ def test_the_matrix_calibrates_both_batchnorm_models(tmp_path, monkeypatch):
     ]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.standard_promotion  # optax/flax internals
@@ -300,6 +301,7 @@ def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
     assert overall_status(verdicts) == "FAIL"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.standard_promotion
