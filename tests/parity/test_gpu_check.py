@@ -1,0 +1,59 @@
+"""The one GPU check (scripts/gpu_checks.sh, parity.perf.gpu_check): its plan fits 8 minutes and
+every stage's command parses; the dry mode runs the whole plan on CPU (one tiny step) and reads
+the figures back, so it cannot rot where no GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.perf import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_plan_fits_the_budget_and_every_command_parses(tmp_path):
+    stages = gpu_check.plan(tmp_path)
+    assert sum(s.cap_s for s in stages) <= gpu_check.BUDGET_S == 480
+    assert len({s.name for s in stages}) == len(stages)
+    cells = [s for s in stages if s.name.startswith("gpt2-small")]
+    assert len(cells) == 4 and all("--device gpu" in " ".join(s.command) for s in cells)
+    matmul = next(s for s in stages if s.name == "matmul")
+    assert ("1024", "4096", "8192") == matmul.command[matmul.command.index("--sizes") + 1 :][:3]
+    for stage in stages:
+        if stage.command[1:3] == ("-m", "parity"):
+            assert gpu_check._parsed(stage)["rc"] == 0, stage.command
+    broken = gpu_check.Stage("bad", (sys.executable, "-m", "parity", "run", "--nope"), 1)
+    assert gpu_check._parsed(broken)["rc"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.torch
+def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "check"
+    env = {**os.environ, "PY": sys.executable}
+    done = subprocess.run(
+        ["bash", "scripts/gpu_checks.sh", "--dry", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry"] and [s["rc"] for s in report["stages"]] == [0] * len(report["stages"])
+    ran = [s["stage"] for s in report["stages"] if s.get("dry") == "ran"]
+    assert ran == ["machine", "matmul", "gpt2-small fp32"], ran
+    cell = report["figures"]["gpt2_small"]["cells"]["gpt2 fp32"]
+    assert cell["status"] == "PASS" and set(cell["runs"]) == {"torch", "jax"}
+    assert all(r["median_step_s"] > 0 for r in cell["runs"].values())
+    assert report["figures"]["matmul"]
+    log = (out / "gpu_check.log").read_text()
+    assert all(f"== {stage['stage']}: " in log for stage in report["stages"])
