@@ -103,7 +103,9 @@ def test_device_gpu_without_a_gpu_fails_in_one_line_with_a_report(tmp_path, caps
     args = ["run", "--model", "mlp", "--steps", "2", "--batch-size", "2", "--device", "gpu"]
     code = main([*args, "--no-eval", "--out", str(out)])
     assert code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    # one error line; the phase-timing line every run prints at its end comes beside it
+    err = [line for line in lines if not line.startswith("time (wall s / CPU s):")]
     assert len(err) == 1 and err[0].startswith("error: --device gpu: ")
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert {r["status"] for r in runs} == {"unsupported"}

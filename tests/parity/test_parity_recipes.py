@@ -268,6 +268,11 @@ def _optimizer_recipe_runs_as_itself(recipe):
 def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
     precision, fp32_losses, monkeypatch
 ):
+    if precision.startswith("mx"):
+        pytest.skip(
+            "block-scaled formats need linear layers with features in multiples of 32, which "
+            "the tiny mlp lacks: tests/parity/test_mx_parity.py runs them on a single device"
+        )
     recipe = get_recipe(precision)
     # single device
     if recipe.first_distinct_step:
