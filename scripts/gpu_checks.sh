@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU check: every GPU figure the project quotes, in one call of at most 8 minutes
-# (each stage capped; parity/perf/gpu_check.py holds the plan and reads the figures back).
+# (each stage capped; parity/cli/gpu_check.py holds the plan and reads the figures back).
 #
 #   bash scripts/gpu_checks.sh OUT          # on a machine with one CUDA GPU: OUT/gpu_check.json + .log
 #   bash scripts/gpu_checks.sh --dry OUT    # anywhere (CI): every stage built and parsed, one CPU step
@@ -22,4 +22,4 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ ${#dry[@]} -eq 0 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-exec "$PY" -m parity.perf.gpu_check --out "$OUT" "${dry[@]}"
+exec "$PY" -m parity.cli.gpu_check --out "$OUT" "${dry[@]}"

@@ -1,4 +1,4 @@
-"""The one GPU check (scripts/gpu_checks.sh, parity.perf.gpu_check): its plan fits 8 minutes and
+"""The one GPU check (scripts/gpu_checks.sh, parity.cli.gpu_check): its plan fits 8 minutes and
 every stage's command parses; the dry mode runs the whole plan on CPU (one tiny step) and reads
 the figures back, so it cannot rot where no GPU is lent."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.perf import gpu_check
+from parity.cli import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parity.cli.commands import build_parser
+from parity.core.records import load_results, run_label
+from parity.perf import speed
+
 __all__ = ["BUDGET_S", "DRY_CAP_S", "Stage", "main", "plan", "summarise"]
 
 BUDGET_S = 480  # every stage's cap together: 8 minutes
@@ -136,8 +140,6 @@ def _dry_command(stage: Stage, run_it: bool) -> tuple[str, ...] | None:
 def _parse_parity(stage: Stage) -> None:
     """Parses a ``python -m parity`` stage with the command line's own parser (SystemExit on
     a bad argument, as the real run would)."""
-    from parity.cli.commands import build_parser
-
     build_parser().parse_args(list(stage.command[3:]))
 
 
@@ -199,9 +201,6 @@ def summarise(out: Path) -> dict[str, Any]:
     """The figures the stages left in `out`: matmul cases, and per gpt2-small cell the verdict,
     each framework's median step time and allocator peak, the JAX/torch speed figure, and the
     low-precision speed-ups over fp32 per framework."""
-    from parity.core.records import load_results, run_label
-    from parity.perf import speed
-
     figures: dict[str, Any] = {}
     matmul = out / "matmul" / "matmul.json"
     if matmul.exists():
