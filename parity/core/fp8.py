@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -190,9 +191,12 @@ def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndar
     return seen
 
 
-def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
-    """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
-    rec = jax_recipe(precision, "cpu")
+def captured_jax_operands(
+    pair: Any, inputs: np.ndarray, targets: np.ndarray, capture: Callable
+) -> dict[str, tuple[str, Any]]:
+    """The Flax side's train-mode loss on `inputs` run once through `capture` (jaxamp.fp8's or
+    jaxamp.mx's ``capture_operands`` with the recipe and filter bound): per captured matmul, its
+    Flax module path and its operands."""
     variables = pair.torch_to_flax()
 
     def forward(params, x):
@@ -201,16 +205,24 @@ def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarra
         logits = pair.flax_apply(full, x, train=True)[0]
         return loss_jax(pair.task, logits.astype(jnp.float32), jnp.asarray(targets))
 
-    captured = jaxamp.fp8.capture_operands(
-        forward, variables["params"], jnp.asarray(inputs), recipe=rec, fp8_filter=jax_filter
-    )
+    captured = capture(forward, variables["params"], jnp.asarray(inputs))
     weights = {
         "/".join(path[1:-1]): np.asarray(leaf)
         for path, leaf in flatten_variables({"params": variables["params"]}).items()
     }
+    return {
+        name: (_module_path(name, np.asarray(ops.weight), weights), ops)
+        for name, ops in captured.items()
+    }
+
+
+def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    """Per fp8 matmul of the JAX side: jaxamp.fp8's scales and codes of the same three tensors."""
+    rec = jax_recipe(precision, "cpu")
+    capture = functools.partial(jaxamp.fp8.capture_operands, recipe=rec, fp8_filter=jax_filter)
     out = {}
-    for name, ops in captured.items():
-        entry = {"module": _module_path(name, np.asarray(ops.weight), weights)}
+    for name, (module, ops) in captured_jax_operands(pair, inputs, targets, capture).items():
+        entry = {"module": module}
         for key, value, cast, axis in (
             ("input", ops.input, rec.input, -1),
             ("weight", ops.weight, rec.weight, 0),

@@ -18,6 +18,7 @@ This module never imports torch at import time (``parity.training.train_jax`` us
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -31,10 +32,9 @@ import jaxamp.fp8
 import jaxamp.mx
 from jaxamp.mx import _bits
 from jaxamp.mx._linear import operand_axis
-from parity.core.fp8 import _excluded, _feature_orders, _module_path
+from parity.core.fp8 import _excluded, _feature_orders, captured_jax_operands
 from parity.core.hardware import UnsupportedHere
-from parity.core.losses import loss_jax, loss_torch
-from parity.pairs.variables import flatten_variables
+from parity.core.losses import loss_torch
 
 __all__ = [
     "MX_PRECISIONS",
@@ -329,29 +329,15 @@ def _torch_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndar
 def _jax_step0(pair: Any, precision: str, inputs: np.ndarray, targets: np.ndarray) -> dict:
     """Per block-scaled matmul of the JAX side: its three tensors, captured as the run has them."""
     rec = jax_recipe(precision, "cpu")
-    variables = pair.torch_to_flax()
-
-    def forward(params, x):
-        full = dict(variables)
-        full["params"] = params
-        logits = pair.flax_apply(full, x, train=True)[0]
-        return loss_jax(pair.task, logits.astype(jnp.float32), jnp.asarray(targets))
-
-    captured = jaxamp.mx.capture_operands(
-        forward, variables["params"], jnp.asarray(inputs), recipe=rec, mx_filter=jax_filter
-    )
-    weights = {
-        "/".join(path[1:-1]): np.asarray(leaf)
-        for path, leaf in flatten_variables({"params": variables["params"]}).items()
-    }
+    capture = functools.partial(jaxamp.mx.capture_operands, recipe=rec, mx_filter=jax_filter)
     return {
         name: {
-            "module": _module_path(name, np.asarray(ops.weight), weights),
+            "module": module,
             "x": np.asarray(ops.input),
             "w": np.asarray(ops.weight),
             "g": np.asarray(ops.grad_output),
         }
-        for name, ops in captured.items()
+        for name, (module, ops) in captured_jax_operands(pair, inputs, targets, capture).items()
     }
 
 
