@@ -37,6 +37,7 @@ _quantize = jax.jit(jaxamp.fp8.to_fp8_dynamic, static_argnums=(1, 2, 3))
 __all__ = [
     "FP8_PRECISIONS",
     "EXCLUDED_MODULES",
+    "captured_jax_operands",
     "convert_torch",
     "fp8_method",
     "jax_filter",
