@@ -533,6 +533,33 @@ def main(argv=None) -> None:
     print(header)
     print("-" * len(header), flush=True)
     results = []
+
+    def write(complete: bool) -> None:
+        payload = {
+            "benchmark": "loss_scaled_overhead",
+            # False while configurations are still to come: written after each one, so a run
+            # stopped part-way (a time cap) keeps what it measured.
+            "complete": complete,
+            "device": str(jax.devices()[0].device_kind),
+            "platform": jax.default_backend(),
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(),
+                # 1/5/15-minute load averages: a loaded machine widens the spread (compare ratios).
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+            },
+            "versions": {
+                "jax": jax.__version__,
+                "optax": optax.__version__,
+                "jaxamp": jaxamp.__version__,
+                "flax": flax.__version__,
+                "jmp": getattr(jmp, "__version__", "unknown"),
+            },
+            "results": results,
+        }
+        _write_json_atomic(args.out, payload)
+
     for repeat in range(args.repeats):
         for policy in args.policies:
             for model in args.models:
@@ -551,27 +578,8 @@ def main(argv=None) -> None:
                         r["repeat"] = repeat
                         results.append(r)
                         _print_rows(r)  # as each configuration finishes: long runs show progress
-    payload = {
-        "benchmark": "loss_scaled_overhead",
-        "device": str(jax.devices()[0].device_kind),
-        "platform": jax.default_backend(),
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            # 1/5/15-minute load averages: a loaded machine widens the spread (compare ratios).
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        },
-        "versions": {
-            "jax": jax.__version__,
-            "optax": optax.__version__,
-            "jaxamp": jaxamp.__version__,
-            "flax": flax.__version__,
-            "jmp": getattr(jmp, "__version__", "unknown"),
-        },
-        "results": results,
-    }
-    _write_json_atomic(args.out, payload)
+                    write(complete=False)
+    write(complete=True)
     print(f"wrote {args.out}")
 
 

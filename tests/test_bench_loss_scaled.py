@@ -81,6 +81,7 @@ def test_main_prints_a_table_and_writes_json(bench, tmp_path, capsys):
         ]
     )
     payload = json.loads(out.read_text())
+    assert payload["complete"] is True  # written after each configuration, marked when all ran
     donated, not_donated = payload["results"]
     assert (donated["donated"], not_donated["donated"]) == (True, False)
     for result in (donated, not_donated):

@@ -6,12 +6,20 @@ process under its own time cap (a slow stage cannot eat the rest), and writes ``
 ``OUT/gpu_check.log`` (every stage's output). It needs what a CUDA image has (CUDA torch, JAX with
 CUDA, flax, optax) plus jmp and this checkout.
 
-Stages: the machine (``nvidia-smi``, versions); ``parity matmul`` at 1024/4096/8192 in fp32, bf16
-and fp16; the ``gpt2-small`` cell at fp32, bf16-mixed and fp16-mixed (30 steps, alternating speed
-blocks), and bf16-mixed again under ``--torch-compile``; ``benchmarks/bench_loss_scaled.py``; the
-jaxamp test files under ``JAX_PLATFORMS=cuda``. From the cells it reports, per framework, the
-bf16-mixed/fp32 and fp16-mixed/fp32 step-time speed-ups, the JAX/torch figure of each precision
-(eager and torch.compile), allocator peaks and each cell's verdict.
+Stages (each with a key for ``--only`` and ``--cap``): the machine (``machine``: versions);
+``parity matmul`` at 1024/4096/8192 in fp32, bf16 and fp16 (``matmul``); the ``gpt2-small`` cell at
+fp32, bf16-mixed and fp16-mixed (``gpt2-fp32`` ...: 30 steps, alternating speed blocks), and
+bf16-mixed again under ``--torch-compile`` (``gpt2-compile``); ``benchmarks/bench_loss_scaled.py``
+against Flax and jmp (``loss-scaled``); jaxamp's test files under ``JAX_PLATFORMS=cuda,cpu``
+(``jaxamp-tests``: the GPU is the default device; the CPU backend is there for host callbacks).
+From the cells it reports, per framework, the bf16-mixed/fp32 and fp16-mixed/fp32 step-time
+speed-ups, the JAX/torch figure of each precision (eager and torch.compile), allocator peaks and
+each cell's verdict; from the tests, the counts and the names of any that failed; from the
+benchmark, each loss-scaled step's ratio to the peers'.
+
+A stage that reaches its cap is interrupted (SIGINT to its process group, so pytest and the
+cells' phase trace report how far they got), then killed. The cells run with
+``PARITY_PHASE_TRACE=1``: the log says which phase each was in.
 
 ``--dry`` (CPU, CI): every stage's command is built and parsed (the command line's own parser,
 a script's ``--help``, pytest's collection), the first cell runs one step of a one-layer
@@ -20,6 +28,7 @@ cannot rot where no GPU is lent.
 
     bash scripts/gpu_checks.sh OUT          # on the GPU machine
     bash scripts/gpu_checks.sh --dry OUT    # anywhere: the plan, checked
+    bash scripts/gpu_checks.sh OUT --only gpt2-fp32 jaxamp-tests --cap jaxamp-tests=150
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,22 +48,23 @@ from parity.cli.commands import build_parser
 from parity.core.records import load_results, run_label
 from parity.perf import speed
 
-__all__ = ["BUDGET_S", "DRY_CAP_S", "Stage", "main", "plan", "summarise"]
+__all__ = ["BUDGET_S", "DRY_CAP_S", "Stage", "main", "plan", "select", "summarise"]
 
 BUDGET_S = 480  # every stage's cap together: 8 minutes
 # The dry mode's cap per stage: a shared CPU is no GPU, and the caps are the GPU plan's.
 DRY_CAP_S = 900
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-JAXAMP_TESTS = (
-    "tests/jaxamp/test_autocast.py",
-    "tests/jaxamp/test_policy.py",
-    "tests/jaxamp/test_loss_scale.py",
-    "tests/jaxamp/test_all_finite.py",
-    "tests/jaxamp/test_reduce_dtype.py",
-    "tests/jaxamp/test_overflow_edges.py",
-)
+JAXAMP_TESTS = ("tests/jaxamp",)
+# Test processes on the GPU machine (16 cores): one GPU shared, no preallocation.
+TEST_WORKERS = 12
+# The loss-scaled benchmark's variants on GPU: the reference, jaxamp's two forms and the peers.
+LOSS_SCALED_VARIANTS = ("loss_scaled", "loss_scaled_in_place", "flax", "jmp")
+INTERRUPT_GRACE_S = 15
 _ENV = (
-    "import jax, torch; print('jax', jax.__version__, jax.devices(), '| torch', torch.__version__, "
+    "import platform, jax, flax, optax, jmp, numpy, torch; "
+    "print('python', platform.python_version(), '| jax', jax.__version__, jax.devices(), "
+    "'| flax', flax.__version__, '| optax', optax.__version__, '| jmp', jmp.__version__, "
+    "'| numpy', numpy.__version__, '| torch', torch.__version__, "
     "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 )
 
@@ -66,6 +77,7 @@ class Stage:
     command: tuple[str, ...]
     cap_s: int
     env: tuple[tuple[str, str], ...] = ()
+    key: str = ""
 
 
 def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tuple[str, ...]:
@@ -73,6 +85,8 @@ def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tu
     cmd = ["-m", "parity", "run", "--model", "transformer", "--size", "gpt2-small"]
     cmd += ["--precision", precision, "--no-eval", "--no-plots", "--no-progress"]
     cmd += ["--out", str(folder)]
+    # the phase trace on stderr: a cell stopped at its cap still says where its time went
+
     if dry:
         cmd += ["--device", "cpu", "--steps", "1", "--batch-size", "2", "--speed-blocks", "0"]
         cmd += ["--model-override", "seq_len=8", "--model-override", "num_layers=1"]
@@ -83,44 +97,90 @@ def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tu
     return (sys.executable, *cmd)
 
 
+_TRACE = (("PARITY_PHASE_TRACE", "1"), ("PYTHONUNBUFFERED", "1"))
+
+
 def plan(out: Path, *, dry: bool = False) -> list[Stage]:
     """The stages, in order, with their caps (together `BUDGET_S`)."""
     py = sys.executable
     device = "cpu" if dry else "gpu"
     sizes = ["64"] if dry else ["1024", "4096", "8192"]
     stages = [
-        Stage("machine", (py, "-c", _ENV), 15),
+        Stage("machine", (py, "-c", _ENV), 10, key="machine"),
         Stage(
             "matmul",
             (py, "-m", "parity", "matmul", "--device", device, "--sizes", *sizes, "--dtypes")
             + ("fp32", "bf16", "fp16", "--out", str(out / "matmul"), "--quiet"),
-            45,
+            30,
+            key="matmul",
         ),
     ]
-    stages += [Stage(f"gpt2-small {p}", _cell(out, p, dry=dry), 80) for p in PRECISIONS]
+    caps = {"fp32": 80, "bf16-mixed": 75, "fp16-mixed": 75}
+    stages += [
+        Stage(f"gpt2-small {p}", _cell(out, p, dry=dry), caps[p], _TRACE, key=f"gpt2-{p}")
+        for p in PRECISIONS
+    ]
     stages.append(
         Stage(
             "gpt2-small bf16-mixed torch.compile",
             _cell(out, "bf16-mixed", dry=dry, compiled=True),
-            70,
+            60,
+            _TRACE,
+            key="gpt2-compile",
         )
     )
     stages.append(
         Stage(
             "bench_loss_scaled",
-            (py, "benchmarks/bench_loss_scaled.py", "--out", str(out / "loss_scaled.json")),
-            40,
+            (py, "benchmarks/bench_loss_scaled.py", "--out", str(out / "loss_scaled.json"))
+            + ("--variants", *LOSS_SCALED_VARIANTS),
+            70,
+            (("PYTHONUNBUFFERED", "1"),),
+            key="loss-scaled",
         )
     )
+    workers = () if dry else ("-n", str(TEST_WORKERS))
     stages.append(
         Stage(
-            "jaxamp tests (JAX_PLATFORMS=cuda)",
-            (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *JAXAMP_TESTS),
-            60,
-            (("JAX_PLATFORMS", "cpu" if dry else "cuda"),),
+            "jaxamp tests (JAX_PLATFORMS=cuda,cpu)",
+            (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE")
+            + ("--strict-markers", "--junitxml", str(out / "jaxamp_tests.xml"))
+            + workers
+            + JAXAMP_TESTS,
+            80,
+            (("JAX_PLATFORMS", "cpu" if dry else "cuda,cpu"),),
+            key="jaxamp-tests",
         )
     )
     return stages
+
+
+def select(
+    stages: list[Stage], only: list[str] | None = None, caps: list[str] | None = None
+) -> list[Stage]:
+    """The stages whose keys `only` names (all when None), with the caps `caps` sets
+    (``KEY=SECONDS``); an unknown key or a malformed cap is refused, naming the closest key."""
+    keys = [s.key for s in stages]
+
+    def known(key: str, what: str) -> str:
+        if key not in keys:
+            import difflib
+
+            close = difflib.get_close_matches(key, keys, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{what} names stage {key!r}; the stages are {keys}{hint}")
+        return key
+
+    chosen = set(keys) if only is None else {known(k, "--only") for k in only}
+    override: dict[str, int] = {}
+    for item in caps or []:
+        key, sep, value = item.partition("=")
+        if not sep or not value.isdigit() or int(value) <= 0:
+            raise ValueError(f"--cap takes KEY=SECONDS (a positive whole number); got {item!r}")
+        override[known(key, "--cap")] = int(value)
+    return [
+        dataclasses.replace(s, cap_s=override.get(s.key, s.cap_s)) for s in stages if s.key in chosen
+    ]
 
 
 def _dry_command(stage: Stage, run_it: bool) -> tuple[str, ...] | None:
@@ -171,13 +231,23 @@ def run_stage(
     log.flush()
     start = time.perf_counter()
     env = {**os.environ, **dict(stage.env)}
+    # its own process group: at the cap the stage and its children (pytest's workers) are
+    # interrupted together, so each reports how far it got, and killed if they do not stop
+    child = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    timed_out = False
     try:
-        done = subprocess.run(
-            command, stdout=log, stderr=subprocess.STDOUT, timeout=stage.cap_s, env=env
-        )
-        rc, timed_out = done.returncode, False
+        rc = child.wait(timeout=stage.cap_s)
     except subprocess.TimeoutExpired:
-        rc, timed_out = 124, True
+        timed_out = True
+        os.killpg(child.pid, signal.SIGINT)
+        try:
+            child.wait(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        rc = 124
     seconds = time.perf_counter() - start
     log.write(
         f"== {stage.name}: rc={rc}{' (cap reached)' if timed_out else ''} in {seconds:.0f} s\n"
@@ -242,23 +312,99 @@ def summarise(out: Path) -> dict[str, Any]:
         for label, by in medians.items()
     }
     figures["gpt2_small"] = {"cells": cells, "speedup_over_fp32": speedups}
+    tests = _junit(out / "jaxamp_tests.xml")
+    if tests is not None:
+        figures["jaxamp_tests"] = tests
+    loss_scaled = out / "loss_scaled.json"
+    if loss_scaled.exists():
+        figures["loss_scaled"] = _loss_scaled(json.loads(loss_scaled.read_text()))
     return figures
+
+
+def _junit(path: Path) -> dict[str, Any] | None:
+    """pytest's JUnit XML as counts, the failed tests (name and first line of the message) and
+    the skip reasons with their counts; None when there is no file (the stage did not end)."""
+    if not path.exists():
+        return None
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed: list[str] = []
+    skips: dict[str, int] = {}
+    for suite in suites:
+        for field in counts:
+            counts[field] += int(suite.get(field, 0))
+        for case in suite.iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            for tag in ("failure", "error"):
+                for bad in case.iter(tag):
+                    message = (bad.get("message") or "").strip().splitlines()
+                    failed.append(f"{name}: {message[0][:200] if message else tag}")
+            for skip in case.iter("skipped"):
+                reason = (skip.get("message") or "").strip()[:160]
+                skips[reason] = skips.get(reason, 0) + 1
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failed": failed, "skip_reasons": skips}
+
+
+def _loss_scaled(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model, policy and donation: each jaxamp variant's ratio to plain and to each peer."""
+    rows = []
+    for r in payload.get("results", []):
+        for variant, v in r["variants"].items():
+            if not variant.startswith("loss_scaled"):
+                continue
+            rows.append(
+                {
+                    "model": r["model"],
+                    "policy": r["policy"],
+                    "donated": r["donated"],
+                    "variant": variant,
+                    "ratio_to_plain": v["ratio_to_plain"],
+                    "ratio_to_peer": v.get("ratio_to_peer", {}),
+                }
+            )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the one GPU check (see the module docstring)")
-    parser.add_argument("--out", required=True, help="folder for gpt2_check.json and its log")
+    parser.add_argument("--out", required=True, help="folder for gpu_check.json and its log")
     parser.add_argument("--dry", action="store_true", help="CPU: parse every stage, run one step")
+    parser.add_argument("--only", nargs="+", metavar="KEY", help="run only these stages")
+    parser.add_argument(
+        "--cap", nargs="+", metavar="KEY=SECONDS", default=[], help="another cap for a stage"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stages = plan(out, dry=args.dry)
-    results = []
+    try:
+        stages = select(plan(out, dry=args.dry), args.only, args.cap)
+    except ValueError as e:
+        parser.error(str(e))
+    results: list[dict[str, Any]] = []
+
+    def write() -> None:
+        # after every stage: a call stopped part-way keeps the stages that ended
+        report = {
+            "dry": args.dry,
+            "budget_s": BUDGET_S,
+            "caps_s": sum(s.cap_s for s in stages),
+            "stages": results,
+            "figures": summarise(out),
+        }
+        tmp = out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        os.replace(tmp, out / "gpu_check.json")
+
     with open(out / "gpu_check.log", "w") as log:
         cell_ran = False
         for stage in stages:
             if not args.dry:
                 results.append(run_stage(stage, log))
+                write()
                 continue
             is_cell = "run" in stage.command[3:4]
             command = _dry_command(stage, run_it=not (is_cell and cell_ran))
@@ -272,13 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 parsed = run_stage(stage, log, command=command, cap_s=DRY_CAP_S)
                 results.append(parsed | {"dry": "parsed"})
-    report = {
-        "dry": args.dry,
-        "budget_s": BUDGET_S,
-        "stages": results,
-        "figures": summarise(out),
-    }
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+            write()
+    write()
     failed = [r["stage"] for r in results if r["rc"] != 0]
     print(
         f"gpu check{' (dry)' if args.dry else ''}: {len(results) - len(failed)}/{len(results)} "

@@ -18,6 +18,10 @@ The record keeps the list (``"phases"`` in every main run record, `as_records`);
 is the one line ``run``/``matrix`` print at the end, and the report's "Where the time went"
 table reads the same list.
 
+With ``PARITY_PHASE_TRACE=1`` in the environment, each phase also prints a line to stderr as it
+begins and as it ends (its wall and CPU seconds): a run stopped part-way (a time cap, a hang on
+a new device) still says which phase it was in and what the finished ones cost.
+
 Example:
   >>> with clock() as phases:
   ...     with phase("step 0"):
@@ -32,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -113,12 +119,22 @@ def phase(name: str) -> Iterator[None]:
     path = f"{parent}/{name}" if parent else name
     token = _PATH.set(path)
     opened.open(path)
+    trace = os.environ.get("PARITY_PHASE_TRACE", "") not in ("", "0")
+    if trace:
+        print(f"[phase] {path}: begins", file=sys.stderr, flush=True)
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         yield
     finally:
-        opened.add(path, time.perf_counter() - wall, time.process_time() - cpu)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        opened.add(path, wall, cpu)
         _PATH.reset(token)
+        if trace:
+            print(
+                f"[phase] {path}: {_seconds(wall)} s wall / {_seconds(cpu)} s CPU",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def top_level(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,53 @@ def test_the_plan_fits_the_budget_and_every_command_parses(tmp_path):
             assert gpu_check._parsed(stage)["rc"] == 0, stage.command
     broken = gpu_check.Stage("bad", (sys.executable, "-m", "parity", "run", "--nope"), 1)
     assert gpu_check._parsed(broken)["rc"] == 2
+
+
+def test_only_and_cap_pick_stages_by_key_and_refuse_unknown_keys(tmp_path):
+    stages = gpu_check.plan(tmp_path)
+    chosen = gpu_check.select(stages, ["jaxamp-tests", "gpt2-fp32"], ["jaxamp-tests=150"])
+    assert [s.key for s in chosen] == ["gpt2-fp32", "jaxamp-tests"]  # the plan's order
+    assert [s.cap_s for s in chosen] == [80, 150]
+    assert gpu_check.select(stages) == stages
+    tests = chosen[1]
+    assert dict(tests.env)["JAX_PLATFORMS"] == "cuda,cpu"  # host callbacks need the CPU backend
+    with pytest.raises(ValueError, match="did you mean 'gpt2-fp32'"):
+        gpu_check.select(stages, ["gpt2-fp23"])
+    for bad in ("jaxamp-tests", "jaxamp-tests=0", "jaxamp-tests=1.5"):
+        with pytest.raises(ValueError, match="KEY=SECONDS"):
+            gpu_check.select(stages, None, [bad])
+
+
+def test_a_stage_past_its_cap_is_interrupted_with_its_children(tmp_path):
+    """At the cap the stage's process group gets SIGINT (pytest and the cells report how far
+    they got) and the stage ends with rc 124, its children too."""
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('CHILDPID', child.pid, flush=True)\n"
+        "try:\n    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    sys.exit(3)\n"
+    )
+    stage = gpu_check.Stage("sleeper", (sys.executable, "-c", script), 2)
+    with open(tmp_path / "log", "w") as log:
+        result = gpu_check.run_stage(stage, log)
+    assert result["timed_out"] and result["rc"] == 124 and result["seconds"] < 20
+    text = (tmp_path / "log").read_text()
+    assert "interrupted" in text
+    pid = int(text.split("CHILDPID ")[1].split()[0])
+    for _ in range(50):  # the child got SIGINT too (a zombie or gone, never left sleeping)
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in state
 
 
 @pytest.mark.integration

@@ -46,6 +46,25 @@ def test_a_phase_that_raises_is_timed_and_no_clock_costs_nothing():
     assert [e["phase"] for e in phases.as_records()] == ["step 0", "after"]
 
 
+def test_the_trace_says_which_phase_began_and_what_each_finished_one_cost(monkeypatch, capsys):
+    with clock(), phase("step 0"), phase("layer probe"):
+        pass
+    assert capsys.readouterr().err == ""  # off unless asked for
+    monkeypatch.setenv("PARITY_PHASE_TRACE", "1")
+    with clock(), phase("step 0"):
+        with phase("layer probe"):
+            _busy(0.01)
+        with pytest.raises(RuntimeError), phase("diagnosis"):
+            raise RuntimeError("stopped here")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[phase] step 0: begins"
+    assert lines[1] == "[phase] step 0/layer probe: begins"
+    assert lines[2].startswith("[phase] step 0/layer probe: ") and "s CPU" in lines[2]
+    assert lines[3] == "[phase] step 0/diagnosis: begins"
+    assert lines[4].startswith("[phase] step 0/diagnosis: ")  # timed even though it raised
+    assert lines[5].startswith("[phase] step 0: ") and len(lines) == 6
+
+
 @pytest.mark.parametrize(
     "phases, field",
     [
