@@ -59,7 +59,6 @@ from parity.pairs.variables import as_variables, flatten_variables
 from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
-from parity.verdicts.depth import pass_depth
 from parity.verdicts.judge import compare_runs
 from parity.verdicts.rows import (
     Verdict,
@@ -351,10 +350,10 @@ class GoldenResult:
         and the recorded-versus-current notes."""
         configs = cell_configs(self.runs)
         lines = [format_verdicts(self.verdicts, configs)]
-        depth = pass_depth(self.verdicts, configs)  # a PASS whose decisive rows end early
         for cell, line in cell_bottom_lines(self.verdicts, configs).items():
-            line = f"{line}; {depth[cell]}" if cell in depth else line
-            lines.append(f"{' '.join(cell)}: {line}")
+            line = f"{' '.join(cell)}: {line}"
+            if line not in lines[0]:  # the table's summary already says an undecided cell's
+                lines.append(line)
         diagnosis = (self.runs[1].get("step0") or {}).get("diagnosis")
         if diagnosis:  # the per-layer table and the first diverging layer, as compare_models
             lines.append(diagnosis["markdown"].rstrip())

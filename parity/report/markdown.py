@@ -46,7 +46,6 @@ from parity.report.plots import (
     plot_step_times,
 )
 from parity.report.timing import phases_section
-from parity.verdicts.depth import pass_depth
 from parity.verdicts.rows import (
     EXCEEDED,
     cell_bottom_lines,
@@ -326,8 +325,6 @@ def _bottom_lines(verdicts, groups) -> list[str]:
     # options added
     configs = cell_configs([r for members in groups.values() for r in members])
     bottom = cell_bottom_lines(verdicts, configs)
-    for cell, depth in pass_depth(verdicts, configs).items():  # a PASS that ends early says so
-        bottom[cell] = f"{bottom[cell]}; {depth}"
     if bottom or groups:
         lines += ["", "## Bottom line", ""]
         for key in sorted(set(bottom) | set(groups)):

@@ -393,9 +393,10 @@ def cell_bottom_lines(
     verdicts: Sequence[Verdict],
     configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
 ) -> dict[tuple[str, str, str], str]:
-    """One parity sentence per cell: PASS naming its decisive check, FAIL naming the first
-    failing one, or INCONCLUSIVE naming the first row that exceeded its band (excused, not
-    failed), else what lacked power, and the command that would decide
+    """One parity sentence per cell: PASS naming its decisive check (and, when its decisive
+    per-step rows stop at the noise horizon, the steps it covers: ``PASS on steps 0-K only``),
+    FAIL naming the first failing one, or INCONCLUSIVE naming the first row that exceeded its
+    band (excused, not failed), else what lacked power, and the command that would decide
     (`deciding_command`: with the cell's run config from `configs`, where given, that run's
     settings).
 
@@ -465,7 +466,8 @@ def cell_bottom_lines(
                     "; the loss-scale trajectory was NOT tested (no skip, no growth: "
                     "informational, not a pass)"
                 )
-            out[cell] = text
+            depth = _pass_depth(rows, command)
+            out[cell] = f"{text}; {depth}" if depth else text
         elif passed or inconclusive:
             lacking = "; ".join(_why_inconclusive(v) for v in inconclusive[:3])
             out[cell] = (
@@ -477,6 +479,32 @@ def cell_bottom_lines(
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
             out[cell] = "nothing judged (never a pass): " + "; ".join(reasons)[:300]
     return out
+
+
+# A noise-calibrated per-step row split at the horizon (`parity.verdicts.builders`): the steps
+# whose tolerance stays within the loss bound decide, the steps beyond are inconclusive.
+_WINDOW = re.compile(r"^(?P<what>.+), steps (?P<a>\d+)-(?P<b>\d+)( \(horizon\))?$")
+_BEYOND = re.compile(r"^(?P<what>.+), steps (?P<a>\d+)-(?P<b>\d+) \(beyond the horizon\)$")
+
+
+def _pass_depth(rows: Sequence[Verdict], command: str) -> str | None:
+    """How deep a passing cell's PASS goes when its decisive per-step rows stop at a horizon
+    (None when a decisive row covers every step): a PASS decided by ``per-step loss, steps 0-1
+    (horizon)`` says that two steps agree, not that the run does."""
+    covered = [int(m["b"]) for v in rows if is_decisive(v) and (m := _WINDOW.match(v.check))]
+    beyond = [(v, m) for v in rows if v.passed is not True and (m := _BEYOND.match(v.check))]
+    if not covered or not beyond:
+        return None
+    depth = max(covered)
+    start = min(int(m["a"]) for _, m in beyond)
+    stop = max(int(m["b"]) for _, m in beyond)
+    if depth >= start:  # a decisive row covers those steps too
+        return None
+    return (
+        f"PASS on steps 0-{depth} only: from step {start} to {stop} the model's own noise "
+        f"exceeds the bound ({', '.join(v.check for v, _ in beyond)}: inconclusive); more "
+        f"data orders decide more: {command}"
+    )
 
 
 _SEEDS_NEEDED = re.compile(r"about (\d+) seeds per framework would decide")
@@ -505,9 +533,10 @@ def verdict_mark(v: Verdict) -> str:
 def format_verdicts(
     verdicts: list[Verdict], configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None
 ) -> str:
-    """A plain-text table for the terminal, then the explanation of every failing row and, when
-    INCONCLUSIVE, each undecided cell's deciding command (its run's settings from `configs`,
-    `cell_configs` of the runs, where given)."""
+    """A plain-text table for the terminal, then the explanation of every failing row and each
+    undecided cell's deciding command, or a passing cell's bottom line when its PASS covers the
+    first steps only (`cell_bottom_lines`; its run's settings from `configs`, `cell_configs` of
+    the runs, where given)."""
     rows = [
         (
             "model",
@@ -554,9 +583,9 @@ def format_verdicts(
         f"{passed} passed, {len(failed)} failed, {len(exceeded)} exceeded (excused, undecided), "
         f"{inconclusive} inconclusive (no power): {status}"
     )
-    if status == "INCONCLUSIVE":
+    if status in ("INCONCLUSIVE", "PASS"):  # undecided cells, and a PASS that ends early
         for cell, text in cell_bottom_lines(verdicts, configs).items():
-            if text.startswith("parity INCONCLUSIVE"):
+            if text.startswith("parity INCONCLUSIVE") or "PASS on steps 0-" in text:
                 lines.append(f"{' '.join(cell)}: {text}")
     if status == "NOTHING COMPARED":
         lines.append(
