@@ -40,7 +40,7 @@ from parity.pairs import adapters
 from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
-from parity.replay.rows import replay_verdicts
+from parity.replay.rows import replay_status, replay_verdicts
 from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
@@ -557,11 +557,7 @@ def replay_loop(
         flax_kwargs=flax_kwargs,
     )
     rows, record = replay_verdicts(pair, config, stream.batch, loop, steps=steps, jit=jit)
-    # the replay rows decide by themselves (no trajectory to wait for)
-    if any(v.passed is False for v in rows):
-        status = "FAIL"
-    else:
-        status = "PASS" if all(v.passed for v in rows) else "INCONCLUSIVE"
+    status = replay_status(rows)  # the replay rows decide by themselves
     return ParityResult(
         runs=[],
         verdicts=rows,

@@ -9,6 +9,7 @@
     python -m parity bisect --golden golden.npz  # fewest Flax modules to keep in float32
     python -m parity matrix --out runs/matrix  # every model x precision; resumable
     python -m parity run --model resnet --noise torch --seeds 3 --out runs/r  # calibrated verdicts
+    python -m parity replay --model mlp --torch-optimizer m:opt --jax-optimizer m:tx  # your loop
 
 Exit codes: 0 PASS (nothing failed, and every compared cell has a check with power past step 0),
 1 a verdict failed, 2 bad arguments or an invalid results.json, 3 nothing was compared (no
@@ -30,6 +31,7 @@ from typing import Any
 
 from parity import cell
 from parity.bisect import add_bisect_parser, run_bisect
+from parity.cli.replay import add_replay_parser, run_replay
 from parity.core import flags
 from parity.core.config import DEVICES, FP16_STRESS, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from parity.core.hardware import unsupported_reason
@@ -345,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(export, matrix=False)
     add_check_parser(sub)
     add_bisect_parser(sub)
+    add_replay_parser(sub)
     return parser
 
 
@@ -634,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_check(args)
         if args.command == "bisect":  # also torch-free through __main__
             return run_bisect(args)
+        if args.command == "replay":
+            return run_replay(args)
         return _cmd_matrix(args)
     except (ValueError, OSError) as e:  # bad input, or a file that cannot be read or written
         return bad_input(e)

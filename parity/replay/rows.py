@@ -21,7 +21,14 @@ from parity.replay.losses import compare_losses
 from parity.training.user_loop import TrainingLoop
 from parity.verdicts.rows import Verdict
 
-__all__ = ["LOSS_CHECK", "OPTIMIZER_CHECK", "attach_replay", "replay_gate", "replay_verdicts"]
+__all__ = [
+    "LOSS_CHECK",
+    "OPTIMIZER_CHECK",
+    "attach_replay",
+    "replay_gate",
+    "replay_status",
+    "replay_verdicts",
+]
 
 OPTIMIZER_CHECK = "step 0 replay: optimizer on identical gradients"
 LOSS_CHECK = "step 0 replay: loss on identical logits"
@@ -114,6 +121,20 @@ def replay_verdicts(
         record["loss"] = {"finding": finding.to_dict() if finding else None, "cases": loss_rows}
     record["seconds"] = time.perf_counter() - start
     return rows, record
+
+
+def replay_status(rows: list[Verdict]) -> str:
+    """The replay's own status (no trajectory to wait for): FAIL when a row failed, PASS when
+    every row passed, INCONCLUSIVE otherwise (a loss row that agrees on this data only).
+
+    Example:
+      >>> row = Verdict("m", "fp32", "cpu", OPTIMIZER_CHECK, "", "agree", "", True)
+      >>> replay_status([row]), replay_status([row, dataclasses.replace(row, passed=None)])
+      ('PASS', 'INCONCLUSIVE')
+    """
+    if any(v.passed is False for v in rows):
+        return "FAIL"
+    return "PASS" if all(v.passed for v in rows) else "INCONCLUSIVE"
 
 
 def replay_gate(step0: Any, config: Any, pair: Any, stream: Any, *, echo: bool = False):
