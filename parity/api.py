@@ -200,6 +200,11 @@ def prepare_pair(
     inputs, targets = np.asarray(inputs), np.asarray(targets)
     channels_first = adapters.check_image_layout(torch_module, inputs, torch_channels_first)
     model = copy.deepcopy(torch_module)
+    # both sides' rates before they are turned off: step 0 names a difference (not tested)
+    dropout_settings = {
+        "torch": adapters.dropout_settings(model),
+        "flax": adapters.flax_dropout_settings(flax, inputs),
+    }
     found = adapters.torch_dropout_layers(model)
     if found and dropout == "refuse":
         raise adapters.AdapterError(
@@ -244,6 +249,7 @@ def prepare_pair(
         data=None,
         torch_channels_first=channels_first,
         mapping=mapping if isinstance(mapping, WeightMapping) else None,
+        dropout=dropout_settings,
     )
     # One abstract forward pass each side: signatures, outputs and shapes fail here, not mid-run.
     logits = jax.eval_shape(

@@ -179,7 +179,9 @@ def select(
             raise ValueError(f"--cap takes KEY=SECONDS (a positive whole number); got {item!r}")
         override[known(key, "--cap")] = int(value)
     return [
-        dataclasses.replace(s, cap_s=override.get(s.key, s.cap_s)) for s in stages if s.key in chosen
+        dataclasses.replace(s, cap_s=override.get(s.key, s.cap_s))
+        for s in stages
+        if s.key in chosen
     ]
 
 

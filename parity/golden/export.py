@@ -41,6 +41,7 @@ from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.verdicts.diagnose import module_pairs, torch_layer_outputs
 from parity.verdicts.layer_probe import probe_torch
 from parity.verdicts.step0_checks import (
+    dropout_verdict,
     folded_verdict,
     padding_rows,
     padding_verdict,
@@ -90,7 +91,11 @@ def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, d
         torch_rows = [stochastic_verdict(pair, config, inputs)]
         torch_rows += [
             row
-            for row in (folded_verdict(pair, config), padding_verdict(config, padding))
+            for row in (
+                folded_verdict(pair, config),
+                padding_verdict(config, padding),
+                dropout_verdict(pair, config),
+            )
             if row is not None
         ]
     finally:

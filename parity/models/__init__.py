@@ -125,6 +125,9 @@ class ModelPair:
         variables (built-in pairs always have one; the diagnosis uses it layer by layer).
       loop: the user's `parity.training.user_loop.TrainingLoop` (their optimizer, scheduler,
         clipping and losses), or None: the harness's own (`parity.training.steps`).
+      dropout: the two sides' dropout settings before the adapters turned them off
+        (``{"torch": [(name, rate), ...], "flax": [...]}``, `parity.pairs.adapters.dropout_settings`),
+        or None (a built-in pair: no dropout): step 0 names a difference.
     """
 
     name: str
@@ -138,6 +141,7 @@ class ModelPair:
     torch_channels_first: bool = False
     mapping: WeightMapping | None = dataclasses.field(repr=False, default=None)
     loop: Any = dataclasses.field(repr=False, default=None)
+    dropout: dict[str, list[tuple[str, float]]] | None = dataclasses.field(repr=False, default=None)
 
     def __post_init__(self):
         check_task(self.task)

@@ -19,6 +19,9 @@ failure into a message that names the problem and the fix:
   take it; a Flax module that still asks for a ``'dropout'`` PRNG key is refused, naming every
   active linen ``nn.Dropout`` and its rate (`linen_dropouts`): a linen module's rate and
   ``deterministic`` flag are its own code, where torch's rates are set in the harness's copy;
+- the two sides' dropout rates, read before they are turned off (`dropout_settings`,
+  `flax_dropout_settings`) and compared (`dropout_differences`): turned off, a difference is not
+  tested, so step 0 names it in an informational row;
 - image layout: NHWC data, NCHW torch models (`check_image_layout`).
 """
 
@@ -45,6 +48,9 @@ __all__ = [
     "as_flax_model",
     "check_image_layout",
     "disable_torch_dropout",
+    "dropout_differences",
+    "dropout_settings",
+    "flax_dropout_settings",
     "intercept_calls",
     "linen_dropouts",
     "nnx_load",
@@ -233,6 +239,129 @@ def disable_torch_dropout(model: Any) -> list[str]:
                 setattr(config, key, 0.0)
                 changed.append(f"config.{key}")
     return changed
+
+
+def _config_dropouts(obj: Any) -> list[tuple[str, float]]:
+    """``("config.<field>", rate)`` of every ``*dropout*`` / ``*pdrop*`` float field of a Hugging
+    Face configuration (``obj.config``), zeros included; none without one."""
+    config = getattr(obj, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    return [
+        (f"config.{key}", float(value))
+        for key, value in config.to_dict().items()
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float)
+    ]
+
+
+def dropout_settings(model: Any) -> list[tuple[str, float]]:
+    """The torch side's dropout settings before the harness turns them off: ``(name, rate)`` of
+    every dropout layer and dropout-rate attribute above 0 (`torch_dropout_layers`), and every
+    ``*dropout*`` / ``*pdrop*`` field of a Hugging Face config, zeros included.
+
+    Example:
+      >>> import torch
+      >>> dropout_settings(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+      [('1', 0.1)]
+    """
+    layers = [(n, r) for n, r in torch_dropout_layers(model) if not n.startswith("config.")]
+    return layers + _config_dropouts(model)
+
+
+def flax_dropout_settings(model: FlaxModel, inputs: Any) -> list[tuple[str, float]]:
+    """The Flax side's dropout settings, whether or not its calls are deterministic:
+    ``(path, rate)`` of every NNX ``Dropout`` node, or of every linen ``nn.Dropout`` the module
+    calls on `inputs` (an abstract ``init``: nothing is computed), with a rate above 0; and
+    every ``*dropout*`` / ``*pdrop*`` field of a Hugging Face config (zeros included: its
+    layers' rates come from there, so they are not traced).
+
+    Example:
+      >>> import flax.linen as fnn
+      >>> class Net(fnn.Module):
+      ...     @fnn.compact
+      ...     def __call__(self, x, deterministic: bool = True):
+      ...         return fnn.Dropout(0.3)(fnn.Dense(2)(x), deterministic=deterministic)
+      >>> flax_dropout_settings(as_flax_model(Net()), jnp.ones((1, 3)))
+      [('Dropout_0', 0.3)]
+    """
+    configured = _config_dropouts(model.module)
+    if configured:
+        return configured
+    if model.kind == "nnx":
+        nnx = _nnx()
+        return [
+            (".".join(str(p) for p in path) or "Dropout", float(node.rate))
+            for path, node in nnx.iter_graph(model.module)
+            if isinstance(node, nnx.Dropout) and node.rate > 0
+        ]
+    import flax.linen as fnn
+
+    found: dict[str, float] = {}
+
+    def record(next_fun, args, call_kwargs, context):
+        dropout = context.module
+        if isinstance(dropout, fnn.Dropout) and context.method_name == "__call__":
+            if dropout.rate > 0:
+                path = "/".join(str(p) for p in dropout.scope.path) or "Dropout"
+                found[path] = float(dropout.rate)
+        return next_fun(*args, **call_kwargs)
+
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    inputs = jnp.asarray(inputs)
+    kwargs = model.call_kwargs(inputs, True)
+    try:
+        with fnn.intercept_methods(record):
+            jax.eval_shape(lambda x: model.module.init(keys, x, **kwargs), inputs)
+    except Exception:  # what was recorded before the failure stands
+        pass
+    return list(found.items())
+
+
+def _rates(settings: list[tuple[str, float]]) -> dict[float, list[str]]:
+    rates: dict[float, list[str]] = {}
+    for name, rate in settings:
+        if rate > 0:
+            rates.setdefault(round(rate, 9), []).append(name)
+    return dict(sorted(rates.items()))
+
+
+def _listed(rates: dict[float, list[str]]) -> str:
+    if not rates:
+        return "no dropout"
+    return ", ".join(
+        f"{rate:g} ({', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
+        for rate, names in rates.items()
+    )
+
+
+def dropout_differences(
+    torch_settings: list[tuple[str, float]], flax_settings: list[tuple[str, float]]
+) -> list[str]:
+    """Where the two sides' dropout settings (`dropout_settings`, `flax_dropout_settings`)
+    differ: field by field where both sides have a Hugging Face config, else the rates their
+    layers drop at. Empty when they agree.
+
+    Example:
+      >>> dropout_differences([("config.resid_pdrop", 0.1)], [("config.resid_pdrop", 0.3)])
+      ['config.resid_pdrop: torch 0.1, Flax 0.3']
+      >>> dropout_differences([("drop", 0.1)], [("Dropout_0", 0.3), ("Dropout_1", 0.1)])
+      ['dropout rates: torch 0.1 (drop); Flax 0.1 (Dropout_1), 0.3 (Dropout_0)']
+    """
+    torch_config = {n: r for n, r in torch_settings if n.startswith("config.")}
+    flax_config = {n: r for n, r in flax_settings if n.startswith("config.")}
+    if torch_config and flax_config:
+        return [
+            f"{name}: torch {torch_config[name]:g}, Flax {flax_config[name]:g}"
+            for name in sorted(torch_config.keys() & flax_config.keys())
+            if round(torch_config[name], 9) != round(flax_config[name], 9)
+        ]
+    torch_rates = _rates([(n, r) for n, r in torch_settings if not n.startswith("config.")])
+    flax_rates = _rates([(n, r) for n, r in flax_settings if not n.startswith("config.")])
+    if not flax_rates and flax_config:  # a config's rates, no layers traced
+        flax_rates = _rates(list(flax_config.items()))
+    if set(torch_rates) == set(flax_rates):
+        return []
+    return [f"dropout rates: torch {_listed(torch_rates)}; Flax {_listed(flax_rates)}"]
 
 
 def check_image_layout(

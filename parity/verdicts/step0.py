@@ -59,6 +59,7 @@ from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_checks import (
+    dropout_verdict,
     explain_failure,
     folded_verdict,
     mask_padding_rows,
@@ -193,7 +194,9 @@ def check_step0(
       A `Step0Result`: rows ``step 0 fp32: eval-mode output``, ``... train-mode output`` (logits,
       loss, running statistics), ``... gradients``, then ``step 0: deterministic train-mode
       forward (torch)``, ``step 0 fp32: each layer on its operating range`` (and, when the mapping
-      folds tensors, the informational ``step 0: tensors folded by the mapping``); the same
+      folds tensors, the informational ``step 0: tensors folded by the mapping``; when the two
+      models' dropout rates differ, the informational ``step 0: dropout rates differ (turned
+      off on both sides)``); the same
       output and gradient rows with ``step 0 <precision>`` for a
       low-precision run, then ``compute dtype (torch)``, ``compute dtype (jax)``. For an fp8
       precision the run-precision rows are ``step 0 <precision>: fp8 {input,weight,grad_output}
@@ -244,6 +247,9 @@ def check_step0(
         padding = padding_verdict(config, padded)
         if padding is not None:
             structure.append(padding)
+        dropout = dropout_verdict(pair, config)  # rates that differ, turned off: not tested
+        if dropout is not None:
+            structure.append(dropout)
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
             fp8_rows = None

@@ -13,6 +13,10 @@
 - ``step 0: tensors folded by the mapping`` (`folded_verdict`, informational): Flax leaves that
   hold the sum of several torch tensors (a GRU/LSTM cell's two biases); the forward pass is the
   same, training is not (the optimizer moves each torch tensor on its own).
+- ``step 0: dropout rates differ (turned off on both sides)`` (`dropout_verdict`,
+  informational): the harness turns dropout off on both sides (the frameworks draw different
+  masks), so rates that differ between the two models (a Flax config's 0.3 against torch's 0.1)
+  are not tested; the row names them.
 - ``step 0: embedding rows torch never trains (padding_idx)`` (`padding_verdict`,
   informational): a torch ``nn.Embedding(padding_idx=i)`` gives row ``i`` a zero gradient, where
   the Flax ``Embed`` it maps to trains it (BERT's word embeddings, ``pad_token_id`` 0). That row
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 
 from parity.automap.explain import folded_tensors
-from parity.pairs.adapters import torch_stochastic_modules
+from parity.pairs.adapters import dropout_differences, torch_stochastic_modules
 from parity.verdicts.layer_probe import probe_layers
 from parity.verdicts.layer_table import (
     FOLDED_CHECK,
@@ -45,8 +49,10 @@ from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
 from parity.verdicts.rows import PADDING_CHECK, Verdict
 
 __all__ = [
+    "DROPOUT_CHECK",
     "PROBE_CHECK",
     "STOCHASTIC_CHECK",
+    "dropout_verdict",
     "explain_failure",
     "folded_verdict",
     "mask_padding_rows",
@@ -117,6 +123,34 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
         "Flax's and the trajectories part from step 1 without a port bug. Keep torch's "
         "parameterisation on the Flax side (e.g. parity.twins.layers.TorchLSTM) to compare "
         "training",
+        mode="informational",
+        **_base(config),
+    )
+
+
+DROPOUT_CHECK = "step 0: dropout rates differ (turned off on both sides)"
+
+
+def dropout_verdict(pair: Any, config: Any) -> Verdict | None:
+    """An informational row naming the dropout settings on which the two models differ
+    (``pair.dropout``, read before the adapters turned them off); None when they agree or were
+    not read (a built-in pair)."""
+    settings = getattr(pair, "dropout", None)
+    if not settings:
+        return None
+    differences = dropout_differences(settings.get("torch", []), settings.get("flax", []))
+    if not differences:
+        return None
+    return Verdict(
+        check=DROPOUT_CHECK,
+        compared="the two models' dropout settings",
+        value=f"{len(differences)} differing",
+        tolerance="-",
+        passed=None,
+        detail=f"{'; '.join(differences)}: the harness turns dropout off on both sides (the two "
+        "frameworks would draw different masks), so this difference is not tested; trained "
+        "with dropout on, the port would not train as the torch model does. Set the same rates "
+        "on both sides",
         mode="informational",
         **_base(config),
     )

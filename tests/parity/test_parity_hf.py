@@ -16,8 +16,10 @@ if not hasattr(transformers, "FlaxGPT2LMHeadModel"):  # transformers 5 dropped F
 
 import parity  # noqa: E402
 from parity import api  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
 from parity.pairs import adapters  # noqa: E402
 from parity.transfer import auto  # noqa: E402
+from parity.verdicts.step0_checks import dropout_verdict  # noqa: E402
 
 # Hugging Face Flax code mixes bool and int32 (no implicit promotion under strict mode).
 pytestmark = [pytest.mark.slow, pytest.mark.standard_promotion]
@@ -80,6 +82,17 @@ def test_gpt2_dropout_is_disabled_on_both_sides_or_refused():
     )
     assert pair.torch_model.config.resid_pdrop == 0.0
     assert torch_model.config.resid_pdrop == 0.1  # the user's model is untouched
+    assert dropout_verdict(pair, RunConfig(model="user_model", precision="fp32")) is None
+    # a port configured with other rates (Flax 0.3, torch 0.1): turned off, untested, named
+    other = transformers.FlaxGPT2LMHeadModel(
+        transformers.GPT2Config(**{**flax_model.config.to_dict(), "resid_pdrop": 0.3}), seed=0
+    )
+    pair = api.prepare_pair(
+        torch_model, other, None, api._UserBatches(_batches(1), None), task="lm"
+    )
+    row = dropout_verdict(pair, RunConfig(model="user_model", precision="fp32"))
+    assert row.passed is None and row.mode == "informational"
+    assert row.detail.startswith("config.resid_pdrop: torch 0.1, Flax 0.3: ")
 
 
 def test_gpt2_classification_task_is_refused_with_the_fix():

@@ -20,10 +20,13 @@ from flax import nnx  # noqa: E402
 
 import parity  # noqa: E402
 from parity import api  # noqa: E402
+from parity.core.config import RunConfig  # noqa: E402
 from parity.pairs import adapters  # noqa: E402
 from parity.transfer import TransferError  # noqa: E402
 from parity.twins.layers import TorchBatchNorm  # noqa: E402
 from parity.twins.nnx_layers import TorchBatchNorm as NNXTorchBatchNorm  # noqa: E402
+from parity.verdicts.step0 import check_step0  # noqa: E402
+from parity.verdicts.step0_checks import DROPOUT_CHECK, dropout_verdict  # noqa: E402
 
 
 def _images(count=2, batch=4, shape=(8, 8, 3), classes=5):
@@ -199,6 +202,11 @@ def test_dropout_is_disabled_on_both_sides_or_refused():
         _pair(torch_model, LinenConvBN(), dropout="refuse")
     pair = _pair(torch_model, NNXConvBN(nnx.Rngs(0)))
     assert pair.torch_model.drop.p == 0.0 and torch_model.drop.p == 0.3
+    # both turned off, the rates differ (torch 0.3, NNX 0.5): an informational step-0 row says so
+    row = dropout_verdict(pair, RunConfig(model="user_model", precision="fp32"))
+    assert row.check == DROPOUT_CHECK and row.passed is None and row.mode == "informational"
+    assert row.detail.startswith("dropout rates: torch 0.3 (drop); Flax 0.5 (drop)")
+    assert "not tested" in row.detail
     # The NNX Dropout(0.5) is deterministic in the adapter's training forward: same output twice.
     variables = pair.torch_to_flax()
     x = jnp.asarray(_images(1)[0][0])
@@ -215,6 +223,32 @@ def test_dropout_is_disabled_on_both_sides_or_refused():
     batches = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))]
     with pytest.raises(adapters.AdapterError, match="'dropout' PRNG key.*rate 0"):
         _pair(torch.nn.Linear(3, 2), LinenDropout(), batches)
+
+
+def test_step0_names_dropout_rates_that_differ_and_stays_a_pass():
+    """Turned off on both sides, dropout rates that differ went unsaid (torch 0.1, Flax 0.2)."""
+
+    class LinenDrop(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, deterministic: bool = True):
+            x = fnn.Dropout(0.2)(fnn.Dense(4, name="fc")(x), deterministic=deterministic)
+            return fnn.Dense(2, name="out")(x)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.1), torch.nn.Linear(4, 2))
+    batches = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))]
+    pair = _pair(net, LinenDrop(), batches)
+    result = check_step0(pair, "fp32", batch=batches[0], diagnose=False)
+    rows = [v for v in result.verdicts if v.check == DROPOUT_CHECK]
+    assert result.passed and len(rows) == 1, [(v.check, v.passed) for v in result.verdicts]
+    assert rows[0].detail.startswith("dropout rates: torch 0.1 (1); Flax 0.2 (Dropout_0)")
+    # the same rates: no row
+    same = _pair(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.2), torch.nn.Linear(4, 2)),
+        LinenDrop(),
+        batches,
+    )
+    assert dropout_verdict(same, RunConfig(model="user_model", precision="fp32")) is None
 
 
 def test_task_errors_name_the_right_task():
