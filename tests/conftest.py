@@ -149,11 +149,13 @@ def fake_run(
     torch_mode="eager",
     steps_extra=None,
     model="m",
+    config=None,
 ):
     """One run record for the verdict tests, valid under the record schema: `losses` per step
     (None or a non-finite value: a non-finite step), the loss scale and skip decision per step
     where given, `steps_extra` ({step: fields}) merged into its steps, the cell (`model`,
-    `precision`, cpu), a calibration `variant` and a data seed."""
+    `precision`, cpu), a calibration `variant`, a data seed and `config` fields (``init_scale``,
+    ``growth_interval``...) merged into its ``config``."""
     from parity.core.records import validate_run
 
     steps = []
@@ -178,7 +180,7 @@ def fake_run(
         "status": "completed",
         "seed": 0,
         "variant": variant,
-        "config": {"seed": 0, "data_seed": data_seed},
+        "config": {"seed": 0, "data_seed": data_seed, **(config or {})},
         "steps": steps,
         "summary": {
             "final_loss": steps[-1]["loss"] if steps else None,

@@ -83,8 +83,8 @@ class Recipe:
         the model's prescription (`parity.models.calibration_prescribed`); empty: none of its own.
       verdict_checks: the trajectory checks a trained pair of this recipe is judged by, in
         order (kinds of `parity.verdicts.checks.CHECKS`: ``"loss"`` per step at float32's
-        bands, ``"fp8 loss"``, ``"fp16 exact"`` (scale trajectory and skip decisions),
-        ``"final loss"``).
+        bands, ``"fp8 loss"``, ``"scale"`` and ``"skips"`` (loss scaling: each side's scale from its
+        own skips, skip decisions apart only by rounding flips), ``"final loss"``).
     """
 
     name: ClassVar[str] = ""
@@ -340,7 +340,7 @@ class Fp16Mixed(_Mixed):
     policy_spec = "fp16-mixed"
     compute_dtype_name = "float16"
     loss_scaling = True
-    verdict_checks = ("fp16 exact", "final loss")
+    verdict_checks = ("scale", "skips", "final loss")
     # The fp16 stress setting (parity.core.config.FP16_STRESS): the short run exercises overflow,
     # backoff and growth. torch's fp16 CPU kernels are slow: tiny runs.
     matrix_plan = {"steps": 20, "batch_size": 4, "init_scale": 2.0**20, "growth_interval": 5}

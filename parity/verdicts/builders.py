@@ -342,7 +342,7 @@ def _beyond_row(kind, check, gaps, tolerances, start, stop, bound, what, cause) 
     )
 
 
-# --- fp8, fp16, final loss ----------------------------------------------------------------------
+# --- fp8, final loss ----------------------------------------------------------------------
 
 
 def fp8_loss(pair) -> list[Row]:
@@ -372,73 +372,6 @@ def fp8_loss(pair) -> list[Row]:
             worst_step=worst,
         )
     ]
-
-
-def _scale_events(steps) -> int:
-    events = 0
-    previous = None
-    for step in steps:
-        scale = step.get("loss_scale")
-        if step.get("skipped"):
-            events += 1
-        elif previous is not None and scale is not None and scale != previous:
-            events += 1
-        previous = scale
-    return events
-
-
-def fp16_exact(pair) -> list[Row]:
-    """The loss-scale trajectory and the skip decisions, identical step for step."""
-    ref, cand = pair.ref, pair.cand
-    n = min(len(ref["steps"]), len(cand["steps"]))
-    events = max(_scale_events(ref["steps"][:n]), _scale_events(cand["steps"][:n]))
-    no_event = events == 0
-    note = (
-        f"no scale event (no skip, no growth) in {n} steps: the scaler was not exercised, so "
-        "this is informational, not a pass; use the fp16 stress setting (init scale 2**20, "
-        "growth interval 5: `--fp16-stress`)"
-    )
-    scales_ref = [s.get("loss_scale") for s in ref["steps"][:n]]
-    scales_cand = [s.get("loss_scale") for s in cand["steps"][:n]]
-    diff = [i for i in range(n) if scales_ref[i] != scales_cand[i]]
-    final = scales_ref[-1] if n else None
-    untested = no_event and not diff and n
-    detail = (
-        f"{n} steps, {events} scale events; final scale {final}"
-        if not diff
-        else f"step {diff[0]}: {run_label(ref)} {scales_ref[diff[0]]}, {run_label(cand)} {scales_cand[diff[0]]}"
-    )
-    rows = [
-        Row(
-            "scale",
-            "loss-scale trajectory",
-            "identical" if not diff else f"differs from step {diff[0]}",
-            "identical",
-            False if diff or n == 0 else (None if no_event else True),
-            note if untested else detail,
-            mode="informational" if untested else "exact",
-            window=(0, n),
-            first_failing_step=diff[0] if diff else None,
-        )
-    ]
-    skips_ref = [bool(s.get("skipped")) for s in ref["steps"][:n]]
-    skips_cand = [bool(s.get("skipped")) for s in cand["steps"][:n]]
-    diff = [i for i in range(n) if skips_ref[i] != skips_cand[i]]
-    untested = no_event and not diff and n
-    rows.append(
-        Row(
-            "skips",
-            "skip decisions",
-            f"identical ({sum(skips_ref)} skipped)" if not diff else f"differ at steps {diff[:5]}",
-            "identical",
-            False if diff or n == 0 else (None if no_event else True),
-            note if untested else f"skipped steps: {[i for i in range(n) if skips_ref[i]][:10]}",
-            mode="informational" if untested else "exact",
-            window=(0, n),
-            first_failing_step=diff[0] if diff else None,
-        )
-    )
-    return rows
 
 
 def final_loss(pair) -> list[Row]:

@@ -1,49 +1,52 @@
-"""fp16 runs whose skip decisions differ: what overflowed, whether it was a rounding flip, and
-the comparison continued past a flip with the scales realigned (`parity.verdicts.judge`
-adds these rows to an fp16 pair).
+"""fp16 loss scaling, judged by two rules (the checks ``scale`` and ``skips`` of
+`parity.verdicts.checks.CHECKS`; a recipe with loss scaling names them in its
+`parity.core.recipes.Recipe.verdict_checks`):
 
-- `fp16_skip_rows`: the first step where the two sides' skip decisions differ. The skipping
-  side's non-finite gradients are named (`_overflow_text`: the parameters, or an intermediate
-  where none or every one of them overflowed); the applying side's largest |scaled gradient|
-  is set against float16's maximum. Within the flip window of it (`flip_window`), it is a
-  flip: `FP16_FLIP_ULPS` ulps, or, with a calibration run (a main run and its 1-ulp noise run),
-  `FP16_FLIP_NOISE_K` times the spread of the per-parameter largest |scaled gradient| between
-  the two by that step, the model's own rounding sensitivity (a deep fp16 model's gradient
-  maxima move by percent under 1-ulp noise within a few steps; two correct implementations
-  each sit about that far from the exact value, hence twice it).
-- `fp16_realigned_rows`: after a flip the sides' scales differ (one backed off). Every later
-  differing skip must then be explained by the two scales: the applying side's largest |scaled
-  gradient| rescaled to the skipping side's scale reaches float16's maximum, to within the same
-  window. Each side's recorded scale must also follow its own skips by torch's GradScaler rule.
+1. ``scale`` (`scale_rows`), exact: each side's recorded loss scale is torch's GradScaler rule
+   applied to that side's own skip decisions (x0.5 on a skip, x2 after ``growth_interval``
+   finite steps in a row, from ``init_scale``), every step. Where both sides skip alike their
+   scales are then identical; where a skip flipped, each side's scale still follows its own.
+2. ``skips`` (`skip_rows`): the two sides' skip decisions differ only within the flip window.
+   At every step where one side skipped and the other applied the update, the applying side's
+   largest |scaled gradient|, at the skipping side's loss scale, must reach float16's maximum
+   to within `flip_window`: `FP16_FLIP_ULPS` float16 ulps or, with a calibration run (a main
+   run and its 1-ulp noise run), `FP16_FLIP_NOISE_K` times the spread by which the model's own
+   per-parameter gradient maxima move under that noise by that step. Each difference names its
+   step, what overflowed on the skipping side (the parameters, or an intermediate where none or
+   every one of them did) and the applying side's largest parameter.
 
-Runs record ``max_scaled_grad`` per step ({parameter: largest |scaled gradient|}, null where
-non-finite) and the loss scale each step used (`parity.training.steps`).
+A run with no scale event (no skip, no growth) on either side tested neither rule:
+informational, never a pass. Runs record ``max_scaled_grad`` per step ({parameter: largest
+|scaled gradient|}, null where non-finite) and the loss scale each step used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from parity.core.records import run_label
-from parity.verdicts.rows import Verdict, fmt_value, pair_fields
+from parity.core.records import run_config, run_label
+from parity.verdicts.builders import Row
+from parity.verdicts.rows import fmt_value
 from parity.verdicts.tolerances import TOLERANCES
 
-__all__ = [
-    "explained_steps",
-    "flip_window",
-    "fp16_realigned_rows",
-    "fp16_skip_rows",
-]
+__all__ = ["SkipDifference", "flip_window", "scale_rows", "skip_differences", "skip_rows"]
 
 FP16_FLIP_ULPS = TOLERANCES["fp16_flip_ulps"]
 FP16_FLIP_NOISE_K = TOLERANCES["fp16_flip_noise_k"]
 FP16_MAX = TOLERANCES["fp16_max"]
 
 Calibration = Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
+
+_UNTESTED = (
+    "no scale event (no skip, no growth) in {n} steps: the scaler was not exercised, so this is "
+    "informational, not a pass; use the fp16 stress setting (init scale 2**20, growth interval "
+    "5: `--fp16-stress`)"
+)
 
 
 def _unscaled_maxima(step: Mapping[str, Any]) -> dict[str, float]:
@@ -111,77 +114,114 @@ def _overflow_text(maxima: Mapping[str, Any]) -> str:
     return f"non-finite gradient of {', '.join(overflowed[:3])}"
 
 
-def _largest(maxima: Mapping[str, Any]) -> float:
-    return max((v for v in maxima.values() if isinstance(v, int | float)), default=math.nan)
+@dataclasses.dataclass(frozen=True)
+class SkipDifference:
+    """One step where one side skipped and the other applied its update.
 
-
-def fp16_skip_rows(ref, cand, calibration: Calibration = ()) -> list[Verdict]:
-    """Where two fp16 runs' skip decisions first differ: what overflowed on the skipping side
-    (the parameters, or an intermediate: `_overflow_text`), the other side's largest |scaled
-    gradient| against float16's maximum, and whether that is a flip (within `flip_window` of
-    the maximum: `FP16_FLIP_ULPS` ulps, or the model's own spread from `calibration`, pairs of
-    (main run, its noise run)).
-
-    Needs the runs' per-step ``max_scaled_grad`` ({parameter: largest |scaled gradient|},
-    null where non-finite); [] without it or without a difference.
+    Attributes:
+      step: the step.
+      ratio: the applying side's largest |scaled gradient|, at the skipping side's loss scale,
+        over float16's maximum (nan where no gradient maxima were recorded).
+      window: the flip window at that step (`flip_window`).
+      explained: ``ratio >= 1 - window``: at the skipping side's scale the applying side
+        overflows too (a rounding flip), not a difference of the two sides' gradients.
+      text: the step, what overflowed on the skipping side, the applying side's largest
+        parameter and how close it came.
     """
-    n = min(len(ref["steps"]), len(cand["steps"]))
-    rows = []
-    for i in range(n):
+
+    step: int
+    ratio: float
+    window: float
+    explained: bool
+    text: str
+
+
+def skip_differences(ref, cand, calibration: Calibration = ()) -> list[SkipDifference]:
+    """The steps where the two runs' skip decisions differ, in order, up to and including the
+    first one the flip window does not explain (after it, nothing is compared).
+
+    Example:
+      >>> skip = {"skipped": True, "loss_scale": 8.0, "max_scaled_grad": {"w": None}}
+      >>> applied = {"skipped": False, "loss_scale": 8.0, "max_scaled_grad": {"w": 65500.0}}
+      >>> torch_run = {"framework": "torch", "steps": [skip]}
+      >>> (d,) = skip_differences(torch_run, {"framework": "jax", "steps": [applied]})
+      >>> d.step, d.explained
+      (0, True)
+    """
+    out = []
+    for i in range(min(len(ref["steps"]), len(cand["steps"]))):
         a, b = ref["steps"][i], cand["steps"][i]
         if bool(a.get("skipped")) == bool(b.get("skipped")):
             continue
         skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
         maxima_s = skipper["steps"][i].get("max_scaled_grad")
         maxima_o = other["steps"][i].get("max_scaled_grad")
-        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
-            return rows
-        largest = _largest(maxima_o)
         window, spread = flip_window(calibration, i)
-        flip = math.isfinite(largest) and largest >= FP16_MAX * (1 - window)
-        within = _window_words(window, spread, i)
-        rows.append(
-            Verdict(
-                check=f"fp16 skip at step {i}",
-                value=largest / FP16_MAX if math.isfinite(largest) else math.inf,
-                tolerance=f">= 1 - {window:.3g} of float16 max",
-                passed=None,
-                detail=(
-                    f"{run_label(skipper)} skipped: {_overflow_text(maxima_s)}; "
-                    f"{run_label(other)} applied the step, its largest |scaled gradient| "
-                    f"{fmt_value(largest)} = {fmt_value(largest / FP16_MAX)} of float16's max"
-                    + (
-                        f": a rounding flip (both sides within {within} of the threshold), "
-                        "not a port difference"
-                        if flip
-                        else f": not at the threshold (not within {within} of it), so the "
-                        "sides' gradients differ"
-                    )
-                ),
-                mode="informational" if flip else "exact",
-                first_failing_step=i,
-                power=0.0,
-                kind="fp16 skip",
-                **pair_fields(ref, cand),
+        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
+            text = (
+                f"step {i}: {run_label(skipper)} skipped, {run_label(other)} applied the step, "
+                "and no gradient maxima were recorded to explain it"
+            )
+            out.append(SkipDifference(i, math.nan, window, False, text))
+            break
+        scale_s = skipper["steps"][i].get("loss_scale")
+        scale_o = other["steps"][i].get("loss_scale")
+        ratio = scale_s / scale_o if isinstance(scale_s, int | float) and scale_o else 1.0
+        finite = {k: v for k, v in maxima_o.items() if isinstance(v, int | float)}
+        name = max(finite, key=finite.get) if finite else None
+        largest = finite[name] * ratio if name is not None else math.nan
+        explained = math.isfinite(largest) and largest >= FP16_MAX * (1 - window)
+        at = f" at {run_label(skipper)}'s scale {scale_s:g}" if ratio != 1.0 else ""
+        text = (
+            f"step {i}: {run_label(skipper)} skipped ({_overflow_text(maxima_s)}); "
+            f"{run_label(other)} applied the step, its largest |scaled gradient| ({name}){at} "
+            f"{fmt_value(largest)} = {fmt_value(largest / FP16_MAX)} of float16's max"
+            + (
+                f": a rounding flip (within {_window_words(window, spread, i)} of the threshold)"
+                if explained
+                else f": not within {_window_words(window, spread, i)} of it, so the sides' "
+                "gradients differ"
             )
         )
-        break
-    return rows
+        out.append(SkipDifference(i, largest / FP16_MAX, window, explained, text))
+        if not explained:
+            break
+    return out
 
 
-def _replayed_scales(run) -> list[float] | None:
-    """`run`'s loss scale per step as torch's GradScaler moves it from the run's own skips
-    (x0.5 on a skip, x2 after ``growth_interval`` finite steps in a row); None without the
-    settings."""
-    config = run.get("config") or {}
-    steps = run["steps"]
-    scale = config.get("init_scale", steps[0].get("loss_scale") if steps else None)
-    interval = config.get("growth_interval")
-    if not isinstance(scale, int | float) or not isinstance(interval, int) or interval < 1:
-        return None
-    out, tracker = [], 0
+def _scale_events(steps) -> int:
+    events, previous = 0, None
     for step in steps:
-        out.append(float(scale))
+        scale = step.get("loss_scale")
+        if step.get("skipped") or (
+            previous is not None and scale is not None and scale != previous
+        ):
+            events += 1
+        previous = scale
+    return events
+
+
+def _events(pair) -> tuple[int, int]:
+    """(steps both runs recorded, the larger side's count of scale events among them)."""
+    n = min(len(pair.ref["steps"]), len(pair.cand["steps"]))
+    return n, max(_scale_events(pair.ref["steps"][:n]), _scale_events(pair.cand["steps"][:n]))
+
+
+def replayed_scales(run) -> list[float]:
+    """`run`'s loss scale per step as torch's GradScaler moves it from the run's own skips
+    (x0.5 on a skip, x2 after ``growth_interval`` finite steps in a row, from ``init_scale``;
+    the run's settings, torch's defaults where it recorded none).
+
+    Example:
+      >>> steps = [{"skipped": True}, {"skipped": False}, {"skipped": False}]
+      >>> replayed_scales({"config": {"init_scale": 8.0, "growth_interval": 1}, "steps": steps})
+      [8.0, 4.0, 8.0]
+    """
+    config = run_config(run)
+    scale, interval = float(config.init_scale), config.growth_interval
+    out, tracker = [], 0
+    for step in run["steps"]:
+        out.append(scale)
         if step.get("skipped"):
             scale, tracker = scale * 0.5, 0
         else:
@@ -192,131 +232,116 @@ def _replayed_scales(run) -> list[float] | None:
     return out
 
 
-def _realigned(ref, cand, flip: int, calibration: Calibration):
-    """After the flip at `flip`: (steps whose differing skips the realigned scales explain,
-    (first unexplained step, why) or None, skips on either side, widest window used)."""
-    n = min(len(ref["steps"]), len(cand["steps"]))
-    unexplained, explained, events, widest = None, [], 0, (flip_window((), 0)[0], 0.0, 0)
-    for i in range(flip + 1, n):
-        a, b = ref["steps"][i], cand["steps"][i]
-        events += bool(a.get("skipped")) + bool(b.get("skipped"))
-        if bool(a.get("skipped")) == bool(b.get("skipped")):
-            continue
-        skipper, other = (ref, cand) if a.get("skipped") else (cand, ref)
-        maxima_s = skipper["steps"][i].get("max_scaled_grad")
-        maxima_o = other["steps"][i].get("max_scaled_grad")
-        if not isinstance(maxima_s, Mapping) or not isinstance(maxima_o, Mapping):
-            unexplained = (i, f"step {i}: skip decisions differ and no gradient maxima recorded")
-            break
-        scale_s = skipper["steps"][i].get("loss_scale")
-        scale_o = other["steps"][i].get("loss_scale")
-        ratio = scale_s / scale_o if isinstance(scale_s, int | float) and scale_o else 1.0
-        rescaled = _largest(maxima_o) * ratio
-        window, spread = flip_window(calibration, i)
-        text = (
-            f"step {i}: {run_label(skipper)} skipped ({_overflow_text(maxima_s)}) at scale "
-            f"{scale_s}; {run_label(other)}'s largest |scaled gradient| at that scale "
-            f"{fmt_value(rescaled)} = {fmt_value(rescaled / FP16_MAX)} of float16's max"
+def _scale_text(scale: float) -> str:
+    exponent = math.log2(scale) if scale > 0 else math.nan
+    return f"2**{exponent:.0f}" if exponent == round(exponent) else f"{scale:g}"
+
+
+def scale_rows(pair) -> list[Row]:
+    """Rule 1: each side's loss scale follows GradScaler's rule from its own skips (exact)."""
+    ref, cand = pair.ref, pair.cand
+    n, events = _events(pair)
+    parted = []
+    for run in (ref, cand):
+        recorded = [s.get("loss_scale") for s in run["steps"][:n]]
+        replay = replayed_scales(run)
+        step = next((i for i in range(n) if recorded[i] != replay[i]), None)
+        if step is not None:
+            parted.append((run, step, recorded[step], replay[step]))
+    first_apart = next(
+        (
+            i
+            for i in range(n)
+            if ref["steps"][i].get("loss_scale") != cand["steps"][i].get("loss_scale")
+        ),
+        None,
+    )
+    config = run_config(ref)
+    rule = (
+        f"GradScaler's rule from {_scale_text(config.init_scale)}: x0.5 on a skip, x2 after "
+        f"{config.growth_interval} finite steps in a row"
+    )
+    if parted:
+        run, step, recorded, replay = parted[0]
+        value = f"{run_label(run)} differs from step {step}"
+        detail = "; ".join(
+            f"{run_label(r)} step {s}: recorded {rec}, its own skips give {rep}"
+            for r, s, rec, rep in parted
         )
-        if math.isfinite(rescaled) and rescaled >= FP16_MAX * (1 - window):
-            explained.append(i)
-            widest = max(widest, (window, spread, i))
-        else:
-            unexplained = (
-                i,
-                text + f": below the threshold (not within {_window_words(window, spread, i)} "
-                "of it), so the sides' gradients differ",
-            )
-            break
-    return explained, unexplained, events, widest
-
-
-def explained_steps(ref, cand, flip: int, calibration: Calibration = ()) -> list[int]:
-    """The steps whose skip decisions differ and are explained, given a flip at `flip`
-    (`fp16_skip_rows`' first row, informational): the flip and the later steps the realigned
-    scales explain (`fp16_realigned_rows`). At these steps one side's gradients are non-finite
-    by design: per-step gradient comparisons leave them to these rows.
-
-    Example:
-      >>> explained_steps({"steps": []}, {"steps": []}, flip=0)
-      [0]
-    """
-    return [flip, *_realigned(ref, cand, flip, calibration)[0]]
-
-
-def fp16_realigned_rows(ref, cand, flip: int, calibration: Calibration = ()) -> list[Verdict]:
-    """The fp16 comparison continued past a rounding flip at step `flip`: the scales realigned.
-
-    - ``skip decisions after the flip (scales realigned)``: at every later step where the
-      decisions differ, the applying side's largest |scaled gradient|, rescaled to the skipping
-      side's loss scale, must reach float16's maximum to within `flip_window` of that step (at
-      the skipper's scale it overflows too: the scales explain the difference); else FAIL naming
-      what overflowed and the step. Informational when nothing happened after the flip (no
-      differing step and no skip on either side): nothing was tested.
-    - ``loss-scale trajectory (each side replayed from its own skips)``: each side's recorded
-      scale equals torch's GradScaler rule replayed from its own skip decisions, every step.
-    """
-    base = pair_fields(ref, cand)
-    explained, unexplained, events, widest = _realigned(ref, cand, flip, calibration)
-    if unexplained is not None:
-        passed, mode, detail = False, "exact", unexplained[1]
-    elif not explained and not events:
-        passed, mode = None, "informational"
-        detail = f"no skip on either side after step {flip}: nothing after the flip was tested"
+        passed, mode = False, "exact"
+    elif not events:
+        value, detail, passed, mode = "identical", _UNTESTED.format(n=n), None, "informational"
     else:
-        passed, mode = True, "exact"
-        detail = (
-            f"{events} skip(s) after step {flip}; differing steps {explained[:5] or 'none'}, "
-            "each explained by the realigned scales (the applying side's gradient, at the "
-            f"skipping side's scale, reaches float16's max to within "
-            f"{_window_words(*widest)})"
+        value = "follows the rule on both sides" + (
+            ", identical" if first_apart is None else f", apart from step {first_apart}"
         )
-    rows = [
-        Verdict(
-            check=f"skip decisions after the flip at step {flip} (scales realigned)",
-            value="explained" if passed else ("untested" if passed is None else "differ"),
-            tolerance=f"each difference within {widest[0]:.3g} of float16 max",
-            passed=passed,
-            detail=detail,
+        last = [run["steps"][n - 1].get("loss_scale") for run in (ref, cand)]
+        detail = (
+            f"{n} steps, {events} scale events; each side's scale is {rule}, applied to its own "
+            f"skips, every step; final scale {run_label(ref)} {last[0]}, "
+            f"{run_label(cand)} {last[1]}"
+            + (
+                f" (apart from step {first_apart}: the skip decisions differ, see that row)"
+                if first_apart is not None
+                else ""
+            )
+        )
+        passed, mode = True, "exact"
+    return [
+        Row(
+            "scale",
+            "loss-scale trajectory",
+            value,
+            "GradScaler's rule from each side's own skips",
+            passed,
+            detail,
             mode=mode,
-            first_failing_step=unexplained[0] if unexplained else None,
-            kind="fp16 realigned",
-            **base,
+            window=(0, n),
+            first_failing_step=min((s for _, s, _, _ in parted), default=None),
         )
     ]
-    mismatches = []
-    for run in (ref, cand):
-        replay = _replayed_scales(run)
-        if replay is None:
-            continue
-        recorded = [s.get("loss_scale") for s in run["steps"]]
-        step = next(
-            (i for i, (x, y) in enumerate(zip(recorded, replay, strict=False)) if x != y), None
+
+
+def skip_rows(pair) -> list[Row]:
+    """Rule 2: the skip decisions differ only within the flip window (`pair.skips`, made by
+    `skip_differences` when the pair was built)."""
+    ref = pair.ref
+    n, events = _events(pair)
+    skipped = [i for i in range(n) if ref["steps"][i].get("skipped")]
+    differences = pair.skips
+    failed = [d for d in differences if not d.explained]
+    steps = [d.step for d in differences]
+    widest = max((d.window for d in differences), default=flip_window((), 0)[0])
+    if failed:
+        value = f"differ at step {failed[0].step}"
+        detail = failed[0].text + (
+            f"; before it, rounding flips at steps {steps[:-1][:5]}" if len(steps) > 1 else ""
         )
-        mismatches.append((run, step, replay))
-    if mismatches:
-        bad = [(run, step, replay) for run, step, replay in mismatches if step is not None]
-        detail = (
-            "; ".join(
-                f"{run_label(run)} step {step}: recorded {run['steps'][step].get('loss_scale')}, "
-                f"its own skips give {replay[step]}"
-                for run, step, replay in bad
-            )
-            if bad
-            else "each side's scale follows torch's GradScaler rule (x0.5 on a skip, x2 after "
-            "the growth interval of finite steps) from its own skips, every step"
+        passed, mode = False, "exact"
+    elif differences:
+        value = f"differ at steps {steps[:5]}, each a rounding flip"
+        detail = "; ".join(d.text for d in differences[:3]) + (
+            f"; {len(differences) - 3} more" if len(differences) > 3 else ""
         )
-        rows.append(
-            Verdict(
-                check="loss-scale trajectory (each side replayed from its own skips)",
-                value="follows" if not bad else "differs",
-                tolerance="identical",
-                passed=not bad,
-                detail=detail,
-                mode="exact",
-                first_failing_step=min((step for _, step, _ in bad), default=None),
-                kind="fp16 replayed",
-                **base,
-            )
+        passed, mode = True, "flip window"
+    elif not events:
+        value, detail = f"identical ({len(skipped)} skipped)", _UNTESTED.format(n=n)
+        passed, mode = None, "informational"
+    else:
+        value = f"identical ({len(skipped)} skipped)"
+        detail = f"skipped steps: {skipped[:10]}"
+        passed, mode = True, "exact"
+    return [
+        Row(
+            "skips",
+            "skip decisions",
+            value,
+            f"identical, or apart within {widest:.3g} of float16 max (rounding flips)",
+            passed,
+            detail,
+            mode=mode,
+            window=(0, n),
+            first_failing_step=failed[0].step if failed else None,
+            power=widest if differences else 0.0,
         )
-    return rows
+    ]

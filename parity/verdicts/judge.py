@@ -7,7 +7,7 @@ pairs each torch run with the JAX run of the same data seed (each torch mode, ea
 torch.compile, separately) and builds one `Pair`: the two main runs, the calibration runs
 usable against them (``variant="noise"``: the same framework from weights nudged by one ulp)
 and the self-divergence envelope they give, the per-step loss gaps and tolerances, the seed
-groups, the fp16 flip, the structural differences of the two models and where the loss gap left
+groups, the steps whose skip decisions differ (loss scaling), the structural differences of the two models and where the loss gap left
 the rounding floor. Then:
 
 - ``comparable configs`` first: the two runs must agree on every setting that shapes the
@@ -18,7 +18,7 @@ the rounding floor. Then:
 - every check of `parity.verdicts.checks.CHECKS` that applies: the trajectory checks the
   recipe names (`parity.core.recipes.Recipe.verdict_checks`), the final-loss summary, the
   recorded per-step signals, the eval metric and logits, the seed statistics where K >= 2
-  data seeds per framework were run, the fp16 skip explanations where skip decisions differ;
+  data seeds per framework were run;
 - `parity.verdicts.qualifiers.QUALIFIERS`, in order, on every row.
 
 Step-0 rows (`parity.verdicts.step0`, stored as ``run["step0"]["verdicts"]`` or passed as
@@ -41,9 +41,8 @@ from parity.core.records import (
     run_seed,
     run_status,
 )
-from parity.verdicts import builders
+from parity.verdicts import builders, fp16
 from parity.verdicts.builders import Row
-from parity.verdicts.fp16 import explained_steps, fp16_realigned_rows, fp16_skip_rows
 from parity.verdicts.logits import logit_rows
 from parity.verdicts.qualifiers import qualify
 from parity.verdicts.rows import (
@@ -63,7 +62,8 @@ __all__ = ["Pair", "compare_runs"]
 TRAJECTORY_BUILDERS = {
     "fp8 loss": builders.fp8_loss,
     "loss": builders.loss_windows,
-    "fp16 exact": builders.fp16_exact,
+    "scale": fp16.scale_rows,
+    "skips": fp16.skip_rows,
     "final loss": builders.final_loss,
 }
 
@@ -88,9 +88,7 @@ class Pair:
     gaps: list[float] = dataclasses.field(default_factory=list)
     tolerances: list[float] = dataclasses.field(default_factory=list)
     ratio: float = 1.0
-    flip: int | None = None
-    skip_rows: list[Verdict] = dataclasses.field(default_factory=list)
-    skipped_apart: list[int] = dataclasses.field(default_factory=list)
+    skips: list[fp16.SkipDifference] = dataclasses.field(default_factory=list)
     structural: list[str] = dataclasses.field(default_factory=list)
     structural_rows: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     departure: tuple[int, str] | None = None
@@ -114,6 +112,12 @@ class Pair:
     def fp32(self) -> bool:
         """The recipe's trajectory is judged step by step at float32's bands."""
         return "loss" in self.recipe_checks
+
+    @property
+    def skipped_apart(self) -> list[int]:
+        """Steps where one side skipped and the other applied, as a rounding flip: one side's
+        gradients are non-finite there by design, and per-step gradient rows leave them out."""
+        return [d.step for d in self.skips if d.explained]
 
     @property
     def seeds_decide(self) -> bool:
@@ -295,7 +299,7 @@ def _departure(pair: Pair, seeds: int) -> tuple[int, str] | None:
 def _pair_rows(pair: Pair) -> list[Verdict]:
     """Every row of one comparable, completed pair, qualified and frozen, in the table's
     order: the pair's own checks, then the seed statistics' difference test, then the rows
-    that look past them (signals, equivalence, fp16 explanations, structural differences)."""
+    that look past them (signals, equivalence, structural differences)."""
     ref, cand = pair.ref, pair.cand
     bad = []
     for run in (ref, cand):
@@ -326,13 +330,6 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
     rows += builders.signals(pair)
     if pair.seeds_decide:
         rows += builders.seed_equivalence(pair)
-    rows += [Row.of(v.kind, v, late=True) for v in pair.skip_rows]
-    if pair.flip is not None:
-        calibration = [(pair.mains[r["framework"]], r) for r in pair.noise]
-        rows += [
-            Row.of(v.kind, v, late=True)
-            for v in fp16_realigned_rows(ref, cand, pair.flip, calibration)
-        ]
     _structural(pair)
     rows += builders.structural(pair)
     needed = [r.seeds_needed for r in rows if r.seeds_needed is not None]
@@ -463,11 +460,9 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
             calibrated_by=", ".join(sources),
             recipe_checks=get_recipe(ref["precision"]).verdict_checks,
         )
-        calibration = [(mains[r["framework"]], r) for r in usable_noise]
-        pair.skip_rows = fp16_skip_rows(ref, cand, calibration)
-        if pair.skip_rows and pair.skip_rows[0].mode == "informational":
-            pair.flip = pair.skip_rows[0].first_failing_step
-            pair.skipped_apart = explained_steps(ref, cand, pair.flip, calibration)
+        if "skips" in pair.recipe_checks:
+            calibration = [(mains[r["framework"]], r) for r in usable_noise]
+            pair.skips = fp16.skip_differences(ref, cand, calibration)
         pair_rows = _pair_rows(pair)
         rows += pair_rows[:1] + left_out + pair_rows[1:]
     if not compared_any and usable:

@@ -103,23 +103,6 @@ def _uncalibrated(row: Row, pair: Any) -> bool:
     )
 
 
-def _flip(row: Row, pair: Any) -> bool:
-    flip = pair.flip
-    return (
-        flip is not None
-        and row.kind in ("scale", "skips")
-        and row.first_failing_step in (flip, flip + 1)
-    )
-
-
-def _flip_note(row: Row, pair: Any) -> str:
-    return (
-        f"explained: a rounding flip at step {pair.flip} (both sides within the flip window of "
-        "float16's max: its fp16 skip row); the scales part there, and the rows after the flip "
-        "(scales realigned) decide"
-    )
-
-
 def _structural(row: Row, pair: Any) -> bool:
     return (
         bool(pair.structural)
@@ -154,7 +137,6 @@ QUALIFIERS: tuple[Qualifier, ...] = (
         lambda row, pair: WELCH_NOTE,
         "informational",
     ),
-    Qualifier("fp16 flip", _flip, _flip_note, "informational"),
     Qualifier(
         "structural difference",
         _structural,

@@ -27,7 +27,7 @@ from parity.cli import commands as cli  # noqa: E402
 from parity.core import flags  # noqa: E402
 from parity.core.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.builders import equivalence  # noqa: E402
-from parity.verdicts.fp16 import fp16_realigned_rows, fp16_skip_rows  # noqa: E402
+from parity.verdicts.fp16 import skip_differences  # noqa: E402
 from parity.verdicts.judge import compare_runs  # noqa: E402
 from parity.verdicts.rows import (  # noqa: E402
     Verdict,
@@ -300,13 +300,13 @@ def _fp16_pair(other_max):
 
 
 def test_a_differing_skip_names_the_parameter_and_a_rounding_flip():
-    flip = fp16_skip_rows(*_fp16_pair(65500.0))[0]
-    assert flip.mode == "informational" and "rounding flip" in flip.detail
-    assert "fc.weight" in flip.detail and flip.first_failing_step == 1
-    real = fp16_skip_rows(*_fp16_pair(1000.0))[0]
-    assert real.mode == "exact" and "fc.weight" in real.detail
-    assert "not at the threshold" in real.detail
-    assert math.isclose(real.value, 1000.0 / 65504.0)
+    (flip,) = skip_differences(*_fp16_pair(65500.0))
+    assert flip.explained and "rounding flip" in flip.text
+    assert "fc.weight" in flip.text and flip.step == 1
+    (real,) = skip_differences(*_fp16_pair(1000.0))
+    assert not real.explained and "fc.weight" in real.text
+    assert "not within 4 float16 ulps" in real.text
+    assert math.isclose(real.ratio, 1000.0 / 65504.0)
 
 
 # --- compare_models takes the command line's options --------------------------------------------
@@ -553,24 +553,24 @@ def test_after_a_rounding_flip_the_scales_are_realigned_and_the_comparison_goes_
     judged = _judged(runs)
     cell = ("m", "fp16-mixed", "cpu")
     by_check = {v.check: v for v in judged if v.cell == cell}
-    realigned = by_check["skip decisions after the flip at step 2 (scales realigned)"]
-    assert realigned.passed is True and "[7]" in realigned.detail
-    replayed = by_check["loss-scale trajectory (each side replayed from its own skips)"]
-    assert replayed.passed is True
-    # compare's exact rows part at the flip (skips at 2, scales from 3): explained, not failed
-    assert by_check["loss-scale trajectory"].passed is None
-    assert by_check["skip decisions"].passed is None
+    # The skips part at the flip and at step 7, each explained at the skipping side's scale;
+    # each side's scale follows its own skips (they part from step 3).
+    skips = by_check["skip decisions"]
+    assert skips.passed is True and "[2, 7]" in skips.value and skips.mode == "flip window"
+    scale = by_check["loss-scale trajectory"]
+    assert scale.passed is True and scale.value.endswith("apart from step 3")
     assert overall_status(judged) != "FAIL"
     # A later difference the scales do not explain fails, naming the step and the parameter.
     later[("torch", 7)] = {"fc.weight": 10000.0, "fc.bias": 9.0}  # 40000 at jax's scale
     judged = _judged(_scaled_runs({2, 6}, {6, 7}, {**flip, **later}))
-    (row,) = [v for v in judged if v.check.startswith("skip decisions after the flip")]
-    assert row.passed is False and row.first_failing_step == 7 and "fc.weight" in row.detail
+    (row,) = [v for v in judged if v.check == "skip decisions"]
+    assert row.passed is False and row.first_failing_step == 7 and "(fc.weight)" in row.detail
+    assert "rounding flips at steps [2]" in row.detail
     assert overall_status(judged) == "FAIL"
-    # A side whose scale does not follow its own skips fails the replay.
+    # A side whose scale does not follow its own skips fails the scale rule.
     runs = _scaled_runs({2, 6}, {6}, flip)
     runs[1]["steps"][8]["loss_scale"] *= 4
-    (row,) = [v for v in _judged(runs) if v.check.startswith("loss-scale trajectory (each")]
+    (row,) = [v for v in _judged(runs) if v.check == "loss-scale trajectory"]
     assert row.passed is False and row.first_failing_step == 8 and "jax step 8" in row.detail
 
 
@@ -581,13 +581,13 @@ def test_an_overflow_in_an_intermediate_is_named_as_such():
         ({"fc.weight": 5.0, "fc.bias": 1.0}, "no parameter's gradient overflowed"),
     ):
         runs = _scaled_runs({2}, set(), {("torch", 2): skipper, ("jax", 2): applied})
-        (row,) = fp16_skip_rows(*runs)
-        assert words in row.detail and "intermediate" in row.detail
-        assert "fc.weight" not in row.detail.split("applied")[0]
-    # Nothing happened after the flip: the continued comparison tested nothing (never a pass).
+        (difference,) = skip_differences(*runs)
+        assert words in difference.text and "intermediate" in difference.text
+        assert "fc.weight" not in difference.text.split("applied")[0]
+    # A flip with nothing after it: the skips rule tested the flip (a pass within the window).
     runs = _scaled_runs({2}, set(), {("torch", 2): {"fc.weight": None}, ("jax", 2): applied})
-    (row,) = [r for r in fp16_realigned_rows(*runs, flip=2) if r.check.startswith("skip")]
-    assert row.passed is None and row.mode == "informational"
+    (row,) = [v for v in _judged(runs) if v.check == "skip decisions"]
+    assert row.passed is True and "step 2: torch skipped" in row.detail
 
 
 def test_a_skip_flip_within_the_models_own_noise_is_explained_and_one_beyond_fails():
@@ -610,24 +610,23 @@ def test_a_skip_flip_within_the_models_own_noise_is_explained_and_one_beyond_fai
             }
         return run
 
-    def fp16_row(judged, start):
-        return next(v for v in judged if v.check.startswith(start))
+    def skips(judged):
+        (row,) = [v for v in judged if v.check == "skip decisions"]
+        return row
 
     # no calibration: 0.931 of the max is far outside 4 ulps
     judged = _judged(runs)
-    assert fp16_row(judged, "fp16 skip at step 2").mode == "exact"
-    assert fp16_row(judged, "skip decisions").passed is False
+    assert skips(judged).passed is False and skips(judged).first_failing_step == 2
     assert overall_status(judged) == "FAIL"
     # the model's own noise moves the maxima 5%: the window is 10%, 0.931 is inside it
     judged = _judged([*runs, noise_run(0.05)])
-    row = fp16_row(judged, "fp16 skip at step 2")
-    assert row.mode == "informational" and "1-ulp noise run" in row.detail
-    assert row.tolerance == ">= 1 - 0.1 of float16 max"
-    assert fp16_row(judged, "skip decisions").passed is None
+    row = skips(judged)
+    assert row.passed is True and row.mode == "flip window" and "1-ulp noise run" in row.detail
+    assert "within 0.1 of float16 max" in row.tolerance
     assert overall_status(judged) != "FAIL"
     # a quiet noise run (0.5%: window 1%) does not explain a gap of 7%
     judged = _judged([*runs, noise_run(0.005)])
-    assert fp16_row(judged, "fp16 skip at step 2").mode == "exact"
+    assert skips(judged).passed is False
     assert overall_status(judged) == "FAIL"
 
 

@@ -90,15 +90,26 @@ def test_fp32_tolerances_1e4_then_1e3():
     ].passed
 
 
-def test_fp16_trajectory_must_be_identical():
-    scales = [2.0**16, 2.0**15, 2.0**15, 2.0**16] + [2.0**16] * 26
+def test_fp16_trajectory_must_follow_gradscaler_from_each_sides_skips():
     skipped = [True] + [False] * 29
+    scales, scale, tracker = [], 2.0**16, 0  # GradScaler: x0.5 on a skip, x2 every 2 finite
+    for skip in skipped:
+        scales.append(scale)
+        scale, tracker = (scale / 2, 0) if skip else (scale, tracker + 1)
+        if tracker == 2:
+            scale, tracker = scale * 2, 0
+    settings = {"init_scale": 2.0**16, "growth_interval": 2}
     ref = _run("torch", "fp16-mixed", scales=scales, skipped=skipped)
-    same = _by_check(compare_runs([ref, _run("jax", "fp16-mixed", scales=scales, skipped=skipped)]))
+    ref["config"] = settings
+    jax = _run("jax", "fp16-mixed", scales=scales, skipped=skipped)
+    jax["config"] = settings
+    same = _by_check(compare_runs([ref, jax]))
     assert same["loss-scale trajectory"].passed and same["skip decisions"].passed
     other = list(scales)
     other[3] = 2.0**15
-    moved = _by_check(compare_runs([ref, _run("jax", "fp16-mixed", scales=other, skipped=skipped)]))
+    moved = _run("jax", "fp16-mixed", scales=other, skipped=skipped)
+    moved["config"] = settings
+    moved = _by_check(compare_runs([ref, moved]))
     assert moved["loss-scale trajectory"].passed is False
     assert "step 3" in moved["loss-scale trajectory"].value
 
