@@ -105,8 +105,9 @@ def _offset_constant_vectors(model: torch.nn.Module, generator: torch.Generator)
         for p in model.parameters():
             if p.dim() == 1 and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
                 base = float(p.flatten()[0].abs()) or 1.0
+                # drawn on the CPU whatever the model's device: the same offsets everywhere
                 noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
-                p.add_(noise.to(p.dtype) * _OFFSET * base)
+                p.add_(noise.to(device=p.device, dtype=p.dtype) * _OFFSET * base)
 
 
 def _rescale(pair, model, names, x, target: float) -> None:
@@ -319,6 +320,7 @@ def probe_torch(
     *,
     scales: tuple[float, ...] = PROBE_SCALES,
     seed: int = 0,
+    device: str = "cpu",
 ) -> ProbeRecord:
     """torch's side of the layer probe: the probe weights (Flax layout) and, per probe scale and
     mode, each mapped layer's inputs, output, noise floor and band (`ProbeRecord`), for
@@ -332,18 +334,25 @@ def probe_torch(
     names = [t for t, _ in pairs]
     flax_of = {t: tuple(f) for t, f in pairs}
     skipped = {name: "no Flax counterpart found" for name in unmatched}
+    device = torch.device(device)
     previous = torch.get_float32_matmul_precision()
     previous_threads = torch.get_num_threads()
+    previous_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    # IEEE float32 everywhere: no TF32 in matmuls ("highest") nor in cuDNN's convolutions.
     torch.set_float32_matmul_precision("highest")
-    # One layer at a time on small batches: extra threads only contend (70x slower measured on a
-    # loaded 2-core machine for the tiny resnet).
-    torch.set_num_threads(1)
+    torch.backends.cudnn.allow_tf32 = False
+    if device.type == "cpu":
+        # One layer at a time on small batches: extra threads only contend (70x slower measured
+        # on a loaded 2-core machine for the tiny resnet).
+        torch.set_num_threads(1)
     probes = []
     try:
         for scale in scales:
             generator = torch.Generator().manual_seed(seed)
-            model = copy.deepcopy(pair.torch_model).float().cpu()
-            x = torch.from_numpy(np.ascontiguousarray(inputs))
+            # On the device the pair trains on: on a GPU, GPT-2 small's probe passes (float32
+            # and the float64 floors) took 92 s of CPU when run on the host.
+            model = copy.deepcopy(pair.torch_model).float().to(device)
+            x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
             _offset_constant_vectors(model, generator)
             _rescale(pair, model, names, x, scale)
             probe_pair = dataclasses.replace(pair, torch_model=model)
@@ -362,6 +371,7 @@ def probe_torch(
     finally:
         torch.set_num_threads(previous_threads)
         torch.set_float32_matmul_precision(previous)
+        torch.backends.cudnn.allow_tf32 = previous_cudnn_tf32
     return ProbeRecord(inputs, flax_of, skipped, probes)
 
 
@@ -371,6 +381,7 @@ def probe_layers(
     *,
     scales: tuple[float, ...] = PROBE_SCALES,
     seed: int = 0,
+    device: str = "cpu",
 ) -> LayerProbe:
     """Compares every mapped layer of a pair on probe weights, each fed the same input.
 
@@ -384,6 +395,8 @@ def probe_layers(
       inputs: one input batch (numpy); its first ``PROBE_EXAMPLES`` examples are probed.
       scales: the output RMS each probe gives every mapped layer.
       seed: the seed of the random offsets.
+      device: torch's device for the probe's passes (``"cuda"`` where the run trains on a GPU);
+        the probe weights and inputs are drawn on the CPU, the same on every device.
 
     Returns:
       A `LayerProbe`.
@@ -393,4 +406,4 @@ def probe_layers(
       >>> probe.failed
       []
     """
-    return judge_probe(pair, probe_torch(pair, inputs, scales=scales, seed=seed))
+    return judge_probe(pair, probe_torch(pair, inputs, scales=scales, seed=seed, device=device))

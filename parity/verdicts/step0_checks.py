@@ -47,6 +47,7 @@ from parity.verdicts.layer_table import (
 )
 from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
 from parity.verdicts.rows import PADDING_CHECK, Verdict
+from parity.verdicts.sides import torch_device
 
 __all__ = [
     "DROPOUT_CHECK",
@@ -70,7 +71,7 @@ def _base(config) -> dict[str, Any]:
 def probe_verdict(pair: Any, config: Any, inputs: Any) -> tuple[Verdict, LayerProbe | None]:
     """The probe's row (and the probe), or an informational row saying why it did not run."""
     try:
-        probe = probe_layers(pair, inputs)
+        probe = probe_layers(pair, inputs, device=torch_device(config))
     except Exception as e:  # a model the probe cannot drive: the other rows stand without it
         return probe_row(config, None, f"{type(e).__name__}: {str(e)[:300]}"), None
     return probe_row(config, probe), probe

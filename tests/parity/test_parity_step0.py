@@ -380,3 +380,18 @@ def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):
         failed = [v for v in r["step0"]["verdicts"] if v["passed"] is False]
         assert failed and all(v["check"].startswith("step 0 fp8-tensorwise") for v in failed)
         assert "fc1" in r["summary"]["error"]
+
+
+def test_the_layer_probe_runs_on_the_runs_torch_device(monkeypatch):
+    """On a GPU run the probe's torch passes run on the GPU (on the host they were minutes of CPU
+    at GPT-2 small's size); its weights and offsets are drawn on the CPU, the same everywhere."""
+    from parity.verdicts import step0_checks
+
+    seen = []
+    monkeypatch.setattr(
+        step0_checks, "probe_layers", lambda pair, inputs, device: seen.append(device)
+    )
+    for device in ("gpu", "cpu"):
+        config = RunConfig(model="mlp", precision="fp32", device=device)
+        step0_checks.probe_verdict(None, config, None)
+    assert seen == ["cuda", "cpu"]
