@@ -100,8 +100,9 @@ def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tu
 _TRACE = (("PARITY_PHASE_TRACE", "1"), ("PYTHONUNBUFFERED", "1"))
 
 
-def plan(out: Path, *, dry: bool = False) -> list[Stage]:
-    """The stages, in order, with their caps (together `BUDGET_S`)."""
+def plan(out: Path, *, dry: bool = False, tests: tuple[str, ...] = JAXAMP_TESTS) -> list[Stage]:
+    """The stages, in order, with their caps (together `BUDGET_S`); `tests`: what the jaxamp
+    tests stage runs (pytest paths or node ids)."""
     py = sys.executable
     device = "cpu" if dry else "gpu"
     sizes = ["64"] if dry else ["1024", "4096", "8192"]
@@ -146,7 +147,7 @@ def plan(out: Path, *, dry: bool = False) -> list[Stage]:
             (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE")
             + ("--strict-markers", "--junitxml", str(out / "jaxamp_tests.xml"))
             + workers
-            + JAXAMP_TESTS,
+            + tuple(tests),
             80,
             (("JAX_PLATFORMS", "cpu" if dry else "cuda,cpu"),),
             key="jaxamp-tests",
@@ -379,11 +380,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cap", nargs="+", metavar="KEY=SECONDS", default=[], help="another cap for a stage"
     )
+    parser.add_argument(
+        "--tests-from",
+        metavar="FILE",
+        help="the jaxamp tests stage runs these pytest node ids (one a line), not tests/jaxamp",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tests = JAXAMP_TESTS
+    if args.tests_from:
+        try:
+            tests = tuple(line.strip() for line in open(args.tests_from) if line.strip())
+        except OSError as e:
+            parser.error(f"--tests-from {args.tests_from!r}: {e.strerror}")
+        if not tests:
+            parser.error(f"--tests-from {args.tests_from!r} names no test")
     try:
-        stages = select(plan(out, dry=args.dry), args.only, args.cap)
+        stages = select(plan(out, dry=args.dry, tests=tests), args.only, args.cap)
     except ValueError as e:
         parser.error(str(e))
     results: list[dict[str, Any]] = []

@@ -43,6 +43,9 @@ def test_only_and_cap_pick_stages_by_key_and_refuse_unknown_keys(tmp_path):
     assert dict(tests.env)["JAX_PLATFORMS"] == "cuda,cpu"  # host callbacks need the CPU backend
     with pytest.raises(ValueError, match="did you mean 'gpt2-fp32'"):
         gpu_check.select(stages, ["gpt2-fp23"])
+    ids = ("tests/jaxamp/test_policy.py::test_a", "tests/jaxamp/test_fp8.py::test_b[jit]")
+    rerun = gpu_check.plan(tmp_path, tests=ids)[-1]
+    assert rerun.key == "jaxamp-tests" and rerun.command[-2:] == ids
     for bad in ("jaxamp-tests", "jaxamp-tests=0", "jaxamp-tests=1.5"):
         with pytest.raises(ValueError, match="KEY=SECONDS"):
             gpu_check.select(stages, None, [bad])
