@@ -22,7 +22,8 @@ print("torch-free environment ready: no torch, transformers' Flax models import"
 PY
 rc=0
 "$VENV/bin/python" -m pytest -p no:cacheprovider -n 2 -q \
-  tests/parity/test_parity_golden.py tests/parity/test_parity_golden_inputs.py || rc=$?
+  tests/parity/test_parity_golden.py tests/parity/test_parity_golden_inputs.py \
+  tests/parity/test_parity_golden_replay.py || rc=$?
 # the example project as its own CI job runs it: its own pytest session (no tests/conftest.py)
 "$VENV/bin/python" -m pytest -p no:cacheprovider -q examples/parity_ci || rc=$?
 exit "$rc"

@@ -6,6 +6,7 @@ The model and batches are `examples.parity_ci`'s.
 """
 
 LR, WEIGHT_DECAY, WARMUP, STEPS, CLIP, SMOOTHING = 1e-2, 0.1, 2, 6, 1.0, 0.1
+HIDDEN = 8  # the golden's model (`export_golden`): 8 wide keeps the file small
 
 
 def batches():
@@ -13,3 +14,10 @@ def batches():
     from examples.parity_ci.data import make_batches
 
     return make_batches(STEPS)
+
+
+def flax_port():
+    """The Flax port at the golden's width (what its check imports, torch-free)."""
+    from examples.parity_ci.flax_model import FlaxNet
+
+    return FlaxNet(hidden=HIDDEN)

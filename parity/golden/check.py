@@ -56,6 +56,7 @@ from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
 from parity.golden.step0 import golden_step0
 from parity.pairs.adapters import AdapterError, as_flax_model
 from parity.pairs.variables import as_variables, flatten_variables
+from parity.replay.record import recorded_gate
 from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
@@ -555,6 +556,8 @@ def check_pair(
             ],
             False,
         )
+    # the user's JAX loop against torch's recorded replay: a step-0 gate, as in run_cell
+    result = recorded_gate(result, golden.replay, pair, config, variables["params"])
     if result.passed:
         jax_run = _train(config, pair, stream, variables, progress)
     else:  # a broken port is not trained, as in parity.cell.run_cell

@@ -36,6 +36,7 @@ from parity.cell import builtin_pair
 from parity.core.config import RunConfig
 from parity.golden.check import flax_model_of
 from parity.golden.format import write_golden
+from parity.replay.rows import record_replay
 from parity.training.trainers import train_framework
 from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.verdicts.diagnose import module_pairs, torch_layer_outputs
@@ -153,6 +154,10 @@ def export_golden(
         [tuple(np.asarray(b) for b in e) for e in stream.eval_batches()] if config.eval else []
     )
     sides, step0 = _torch_step0(pair, config, *batches[0])
+    loop = getattr(pair, "loop", None)
+    replay = None
+    if loop is not None:  # the user's torch loop on the replay's gradients and logits
+        replay = record_replay(pair, config, stream.batch, loop)
     torch_run = train_framework("torch", config, pair, stream, progress=progress)
     if torch_run.get("status") != "completed":
         reason = torch_run.get("reason") or torch_run["summary"].get("error")
@@ -175,6 +180,7 @@ def export_golden(
         eval_batches=eval_batches,
         sides=sides,
         step0=step0,
+        replay=replay,
     )
 
 
@@ -196,6 +202,7 @@ def export_models(
     torch_scheduler: Any = None,
     torch_clip: Any = None,
     torch_loss: Any = None,
+    replay_steps: int = 4,
     **config: Any,
 ) -> Path:
     """`export_golden` for your own torch module and Flax port.
@@ -215,7 +222,9 @@ def export_models(
       torch_optimizer, torch_scheduler, torch_clip, torch_loss: your torch training loop, as
         `parity.compare_models` takes it: torch trains with it, the golden records what it is
         (``model.training_loop``), and `parity.golden.check.check_golden` then needs your
-        ``jax_optimizer`` / ``jax_loss``.
+        ``jax_optimizer`` / ``jax_loss``; the golden also holds torch's side of the replay
+        (`parity.replay.record`), against which the check replays your JAX loop.
+      replay_steps: real batches of that replay (as `parity.compare_models`'s).
       **config: any other `RunConfig` field (``lr``, ``optimizer``, ``clip_norm``...; not
         beside `torch_optimizer`).
 
@@ -227,6 +236,7 @@ def export_models(
         torch_scheduler=torch_scheduler,
         torch_clip=torch_clip,
         torch_loss=torch_loss,
+        replay_steps=replay_steps,
         sides="torch",
     )
     config = run_config_fields("export_models", loop, config)

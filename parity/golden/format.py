@@ -31,6 +31,7 @@ from parity.core.config import RunConfig
 from parity.core.hardware import hardware_info, versions
 from parity.core.records import ResultsFileError, validate_run, write_bytes_atomic
 from parity.golden.step0_data import decode_layers, decode_probe, encode_layers, encode_probe
+from parity.replay.record import TorchReplay, decode_replay, encode_replay
 from parity.verdicts.probe_judge import ProbeRecord
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, flatten
@@ -111,6 +112,13 @@ class Golden:
     def stages(self) -> list[dict[str, Any]]:
         """Step-0 stages: ``{"stage", "precision", "dtype", "loss_scale", "loss", "flops"}``."""
         return self.header["step0"]["stages"]
+
+    @property
+    def replay(self) -> TorchReplay | None:
+        """torch's side of the replay of the user's torch loop (None when not recorded)."""
+        if "replay" not in self.header:
+            return None
+        return decode_replay(self.header["replay"], self.arrays)
 
     def variables(self) -> dict[str, Any]:
         """The initial Flax variables (``{"params": ..., maybe "batch_stats": ...}``, float32)."""
@@ -193,6 +201,7 @@ def write_golden(
     eval_batches: Sequence[tuple[Any, Any]],
     sides: Sequence[tuple[str, str, float, Side]],
     step0: Mapping[str, Any],
+    replay: TorchReplay | None = None,
 ) -> Path:
     """Writes a golden file atomically (the one writer; `parity.golden.export` calls it).
 
@@ -210,6 +219,8 @@ def write_golden(
         `parity.verdicts.probe_judge.ProbeRecord`, or None with ``probe_error``), ``pairs`` and
         ``unmatched`` (module pairs), ``layers`` (``{stage: (eval, train)}`` layer outputs),
         ``torch_rows`` (`Verdict` rows only torch computes), ``padding`` (embedding rows).
+      replay: torch's side of the replay of the user's torch loop (`parity.replay.record`), or
+        None (the harness's own loop, or none of the user's to replay).
 
     Returns:
       `path` as a `Path`, validated by reading it back.
@@ -262,6 +273,9 @@ def write_golden(
         "versions": versions(),
         "hardware": hardware_info(),
     }
+    if replay is not None:
+        header["replay"], replay_arrays = encode_replay(replay)
+        arrays.update(replay_arrays)
     arrays[HEADER_KEY] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
     validate_golden(header, arrays, path)
     buffer = io.BytesIO()
@@ -351,6 +365,11 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
                 path=path,
                 field=f"data.{'train' if kind == 'batch' else 'eval'}_batches",
             )
+    if "replay" in header:
+        try:
+            decode_replay(header["replay"], arrays)
+        except ValueError as e:
+            raise GoldenFileError(str(e), path=path, field="replay") from None
     if count < config.steps:
         raise GoldenFileError(
             f"{count} training batches for {config.steps} steps",

@@ -14,48 +14,23 @@ Each sequence starts from the pair's weights and fresh optimizer states on both 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity.core.losses import loss_torch
-from parity.replay.explain import Finding, first_difference
+from parity.replay.jax_side import SideStep, jax_stepper
+from parity.replay.judge import SCENARIOS, ReplayResult, judge_sequences
 from parity.replay.layout import Layout
-from parity.replay.optimizers import SideStep, jax_replay, jax_stepper, torch_replay
+from parity.replay.optimizers import torch_replay
 from parity.training.user_loop import TrainingLoop
 
-__all__ = ["ReplayResult", "replay_optimizers"]
+__all__ = ["replay_optimizers", "torch_sequences"]
 
 TINY = 1e-8
 LARGE = 1e4
-
-
-@dataclasses.dataclass
-class ReplayResult:
-    """What `replay_optimizers` found.
-
-    Attributes:
-      findings: ``{scenario: Finding or None}`` in the order replayed.
-      steps: ``{scenario: steps replayed}``.
-      seconds: the replay's wall time.
-      table: per scenario and step, ``lr`` (torch; JAX where it exposes it), ``clip`` (torch's
-        factor), ``skipped``, and the largest update difference over its tolerance.
-    """
-
-    findings: dict[str, Finding | None]
-    steps: dict[str, int]
-    seconds: float
-    table: list[dict[str, Any]]
-
-    @property
-    def first(self) -> Finding | None:
-        return next((f for f in self.findings.values() if f is not None), None)
-
-    @property
-    def passed(self) -> bool:
-        return self.first is None
 
 
 def _sequences(g0: dict[str, torch.Tensor], scaled: bool) -> dict[str, list]:
@@ -71,6 +46,38 @@ def _sequences(g0: dict[str, torch.Tensor], scaled: bool) -> dict[str, list]:
         first = next(iter(bad))
         bad[first].view(-1)[0] = float("inf")
         out["non-finite"] = [g0, bad, g0]
+    return out
+
+
+def torch_sequences(
+    pair: Any,
+    loop: TrainingLoop,
+    config: Any,
+    batch: Any,
+    *,
+    steps: int = 4,
+    scenarios: tuple[str, ...] | None = None,
+    layout: Layout | None = None,
+) -> dict[str, tuple[list[SideStep], list[dict[str, np.ndarray]]]]:
+    """torch's side of every gradient sequence: ``{scenario: (torch's steps, the gradients
+    it was fed, unscaled, in the Flax layout)}`` (what the JAX side is then fed); arguments as
+    `replay_optimizers`."""
+    layout = layout or Layout(pair)
+    loss_fn = loop.torch_loss or (lambda logits, y: loss_torch(pair.task, logits, y))
+    scaled = bool(config.recipe.loss_scaling)
+    wanted = scenarios or SCENARIOS
+    out = {}
+    t_steps, given = torch_replay(
+        pair, loop, config, list(range(steps)), layout, loss_fn=loss_fn, batch=batch
+    )
+    if "real" in wanted:
+        out["real"] = (t_steps, [layout.to_flax(g) for g in given])
+    for name, sequence in _sequences(given[0], scaled).items():
+        if name in wanted:
+            t_other, given_other = torch_replay(
+                pair, loop, config, sequence, layout, loss_fn=loss_fn, batch=batch
+            )
+            out[name] = (t_other, [layout.to_flax(g) for g in given_other])
     return out
 
 
@@ -103,42 +110,8 @@ def replay_optimizers(
     """
     start = time.perf_counter()
     layout = Layout(pair)
-    loss_fn = loop.torch_loss or (lambda logits, y: loss_torch(pair.task, logits, y))
-    scaled = bool(config.recipe.loss_scaling)
-    findings: dict[str, Finding | None] = {}
-    counts: dict[str, int] = {}
-    table: list[dict[str, Any]] = []
-    stepper = jax_stepper(pair, loop, config, jit=jit)
-
-    def judge(name: str, t_steps: list[SideStep], given: list) -> None:
-        flax_grads = [layout.to_flax(g) for g in given]
-        j_steps = jax_replay(stepper, flax_grads)
-        findings[name] = first_difference(name, t_steps, j_steps, layout)
-        counts[name] = len(t_steps)
-        for k, (t, j) in enumerate(zip(t_steps, j_steps, strict=True)):
-            lrs = sorted({float(v) for v in t.lr.values()})
-            table.append(
-                {
-                    "scenario": name,
-                    "step": k,
-                    "lr_torch": lrs[0] if len(lrs) == 1 else lrs,
-                    "lr_jax": j.lr,
-                    "clip_torch": t.clip,
-                    "skipped": [t.skipped, j.skipped],
-                    "count": [t.count, j.count],
-                }
-            )
-
-    wanted = scenarios or ("real", "tiny", "extremes", "non-finite")
-    t_steps, given = torch_replay(
-        pair, loop, config, list(range(steps)), layout, loss_fn=loss_fn, batch=batch
+    sequences = torch_sequences(
+        pair, loop, config, batch, steps=steps, scenarios=scenarios, layout=layout
     )
-    if "real" in wanted:
-        judge("real", t_steps, given)
-    for name, sequence in _sequences(given[0], scaled).items():
-        if name in wanted:
-            t_other, given_other = torch_replay(
-                pair, loop, config, sequence, layout, loss_fn=loss_fn, batch=batch
-            )
-            judge(name, t_other, given_other)
-    return ReplayResult(findings, counts, time.perf_counter() - start, table)
+    stepper = jax_stepper(pair, loop, config, jit=jit)
+    return judge_sequences(sequences, stepper, layout, start=start)

@@ -56,6 +56,11 @@ class Layout:
     def torch_names(self, path: str) -> list[str]:
         return list(self._owner.get(path, []))
 
+    @property
+    def owners(self) -> dict[str, list[str]]:
+        """``{Flax path: [torch names]}`` (what a golden file records of the layout)."""
+        return {path: list(names) for path, names in self._owner.items()}
+
     def per_path(self, per_name: dict[str, Any]) -> dict[str, Any]:
         """``{torch name: value}`` -> ``{Flax path: the value of its (first) torch parameter}``."""
         return {path: per_name[names[0]] for path, names in self._owner.items() if names}

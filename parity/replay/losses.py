@@ -22,9 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
-__all__ = ["IGNORE_INDEX", "LossFinding", "compare_losses", "loss_cases"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LossFinding",
+    "compare_losses",
+    "loss_cases",
+    "torch_loss_values",
+]
 
 IGNORE_INDEX = -100
 ULPS = 8
@@ -75,11 +80,34 @@ def loss_cases(task: str, logits: Sequence[np.ndarray], targets: Sequence[np.nda
     return cases
 
 
-def _torch_side(fn, x, y, dtype):
-    logits = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
-    value = fn(logits, torch.as_tensor(y))
-    value.backward()
-    return float(value.detach().float()), logits.grad.detach().float().numpy()
+def _case_logits(x: np.ndarray, dtype: str) -> np.ndarray:
+    """A case's logits as both sides get them: rounded to `dtype`, held in float32."""
+    if dtype == "float32":
+        return x
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+def torch_loss_values(
+    task: str,
+    torch_loss: Callable[[Any, Any], Any],
+    logits: Sequence[np.ndarray],
+    targets: Sequence[np.ndarray],
+) -> list[tuple[float, np.ndarray] | str]:
+    """torch's side of `compare_losses`: per case of `loss_cases`, ``(value, gradient w.r.t.
+    the logits)``, or why torch could not compute it (no kernel for the dtype)."""
+    import torch  # torch's side only: a golden check reads these values recorded
+
+    out: list[tuple[float, np.ndarray] | str] = []
+    for _case, x, y, dtype in loss_cases(task, list(logits), list(targets)):
+        x = _case_logits(x, dtype)
+        try:
+            z = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+            value = torch_loss(z, torch.as_tensor(y))
+            value.backward()
+            out.append((float(value.detach().float()), z.grad.detach().float().numpy()))
+        except (RuntimeError, TypeError, ValueError) as e:  # torch has no kernel for the dtype
+            out.append(f"torch: {str(e)[:120]}")
+    return out
 
 
 def _jax_side(fn, x, y, dtype):
@@ -225,7 +253,7 @@ def _explain(rows: list[dict], task: str) -> str | None:
 
 def compare_losses(
     task: str,
-    torch_loss: Callable[[Any, Any], Any],
+    torch_loss: Callable[[Any, Any], Any] | Sequence[tuple[float, np.ndarray] | str],
     jax_loss: Callable[[Any, Any], Any],
     logits: Sequence[np.ndarray],
     targets: Sequence[np.ndarray],
@@ -235,6 +263,10 @@ def compare_losses(
     """Both losses on the same logits and targets (`loss_cases`); the JAX loss under
     ``jax.jit`` (as training runs it) or eagerly.
 
+    Args:
+      torch_loss: torch's loss, or its values already computed (`torch_loss_values`: a golden
+        file's).
+
     Returns:
       ``(first finding or None, per-case rows)``; a row holds ``case``, ``dtype``, ``torch``,
       ``jax`` (values), ``value_excess`` and ``grad_excess`` (difference over tolerance).
@@ -242,15 +274,22 @@ def compare_losses(
     rows = []
     found: list[LossFinding] = []
     jax_value_and_grad = _value_and_grad(jax_loss, jit)
-    for case, x, y, dtype in loss_cases(task, list(logits), list(targets)):
+    cases = loss_cases(task, list(logits), list(targets))
+    torch_values = (
+        torch_loss_values(task, torch_loss, logits, targets) if callable(torch_loss) else torch_loss
+    )
+    if len(torch_values) != len(cases):
+        raise ValueError(
+            f"compare_losses: {len(torch_values)} torch values for {len(cases)} cases "
+            f"({', '.join(c[0] for c in cases)})."
+        )
+    for (case, x, y, dtype), torch_value in zip(cases, torch_values, strict=True):
         eps = float(jnp.finfo(jnp.dtype(dtype)).eps)
-        if dtype != "float32":
-            x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # the same rounded logits
-        try:
-            tv, tg = _torch_side(torch_loss, x, y, dtype)
-        except (RuntimeError, TypeError, ValueError) as e:  # torch has no kernel for the dtype
-            rows.append({"case": case, "dtype": dtype, "skipped": f"torch: {str(e)[:120]}"})
+        x = _case_logits(x, dtype)  # the same rounded logits
+        if isinstance(torch_value, str):
+            rows.append({"case": case, "dtype": dtype, "skipped": torch_value})
             continue
+        tv, tg = float(torch_value[0]), np.asarray(torch_value[1], np.float32)
         jv, jg = _jax_side(jax_value_and_grad, x, y, dtype)
         scale = float(np.abs(x).max()) if x.size else 1.0
         value_tol = ULPS * eps * (abs(tv) + scale + 1.0)

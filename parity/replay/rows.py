@@ -15,24 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.replay.explain import ULPS
-from parity.replay.gradients import replay_optimizers
-from parity.replay.losses import compare_losses
+from parity.replay.gradients import replay_optimizers, torch_sequences
+from parity.replay.judge import loss_row, optimizer_row
+from parity.replay.layout import Layout
+from parity.replay.losses import compare_losses, torch_loss_values
+from parity.replay.record import TorchReplay
 from parity.training.user_loop import TrainingLoop
 from parity.verdicts.rows import Verdict
 
 __all__ = [
-    "LOSS_CHECK",
-    "OPTIMIZER_CHECK",
     "attach_replay",
+    "record_replay",
     "replay_gate",
     "replay_status",
     "replay_verdicts",
 ]
-
-OPTIMIZER_CHECK = "step 0 replay: optimizer on identical gradients"
-LOSS_CHECK = "step 0 replay: loss on identical logits"
-EPS = float(np.finfo(np.float32).eps)
 
 
 def _logits(pair: Any, batch: Any, steps: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -76,51 +73,32 @@ def replay_verdicts(
     start = time.perf_counter()
     if loop.has_optimizer:
         result = replay_optimizers(pair, loop, config, batch, steps=steps, jit=jit)
-        first = result.first
-        sequences = ", ".join(f"{name} ({n} steps)" for name, n in result.steps.items())
-        rows.append(
-            Verdict(
-                check=OPTIMIZER_CHECK,
-                compared="the user's torch optimizer vs optax transformation, same gradients",
-                value="agree" if first is None else f"{first.quantity} differs",
-                tolerance=f"float32 rounding ({ULPS} eps of |p| + |update| + lr)",
-                passed=first is None,
-                detail=(first.message + "; " if first else "") + f"sequences: {sequences}",
-                mode="step 0",
-                first_failing_step=None if first is None else first.step,
-                power=ULPS * EPS,
-                **base,
-            )
-        )
-        record["optimizer"] = {
-            "findings": {k: (f.to_dict() if f else None) for k, f in result.findings.items()},
-            "steps": result.table,
-        }
+        row, record["optimizer"] = optimizer_row(result, **base)
+        rows.append(row)
     if loop.has_loss:
         xs, ys = _logits(pair, batch, steps)
-        finding, loss_rows = compare_losses(
-            pair.task, loop.torch_loss, loop.jax_loss, xs, ys, jit=jit
-        )
-        rows.append(
-            Verdict(
-                check=LOSS_CHECK,
-                compared="the user's torch loss vs JAX loss, same logits and targets",
-                value="agree"
-                if finding is None
-                else (f"{finding.quantity} differs" if finding.decisive else "agree on this data"),
-                tolerance=f"the dtype's rounding ({ULPS} eps)",
-                passed=True if finding is None else (False if finding.decisive else None),
-                detail=(finding.message + "; " if finding else "")
-                + "cases: "
-                + ", ".join(r["case"] for r in loss_rows),
-                mode="step 0",
-                power=ULPS * EPS,
-                **base,
-            )
-        )
-        record["loss"] = {"finding": finding.to_dict() if finding else None, "cases": loss_rows}
+        finding, cases = compare_losses(pair.task, loop.torch_loss, loop.jax_loss, xs, ys, jit=jit)
+        row, record["loss"] = loss_row(finding, cases, **base)
+        rows.append(row)
     record["seconds"] = time.perf_counter() - start
     return rows, record
+
+
+def record_replay(pair: Any, config: Any, batch: Any, loop: TrainingLoop) -> TorchReplay:
+    """torch's side of the replay of the user's torch loop, for a golden file
+    (`parity.replay.record`): every gradient sequence's torch steps and the gradients fed, and
+    the torch loss on its logits' cases; ``loop.replay_steps`` real batches (at most the run's
+    steps)."""
+    steps = max(1, min(loop.replay_steps, config.steps))
+    layout = Layout(pair)
+    sequences = None
+    if loop.torch_optimizer is not None:
+        sequences = torch_sequences(pair, loop, config, batch, steps=steps, layout=layout)
+    loss = None
+    if loop.torch_loss is not None:
+        xs, ys = _logits(pair, batch, steps)
+        loss = (xs, ys, torch_loss_values(pair.task, loop.torch_loss, xs, ys))
+    return TorchReplay(pair.task, layout.owners, sequences, loss)
 
 
 def replay_status(rows: list[Verdict]) -> str:
@@ -128,7 +106,7 @@ def replay_status(rows: list[Verdict]) -> str:
     every row passed, INCONCLUSIVE otherwise (a loss row that agrees on this data only).
 
     Example:
-      >>> row = Verdict("m", "fp32", "cpu", OPTIMIZER_CHECK, "", "agree", "", True)
+      >>> row = Verdict("m", "fp32", "cpu", "step 0 replay: ...", "", "agree", "", True)
       >>> replay_status([row]), replay_status([row, dataclasses.replace(row, passed=None)])
       ('PASS', 'INCONCLUSIVE')
     """
