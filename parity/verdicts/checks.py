@@ -50,5 +50,17 @@ CHECKS: dict[str, Check] = {
         Check("logit kl", "eval logits, per-token KL", "logit band", "relative error"),
         Check("logit top1", "eval logits, top-1 agreement", "logit band", "relative error"),
         Check("structural", "weight mapping and padding rows", "informational", "relative error"),
+        Check(
+            "replay optimizer",
+            "the user's optimizers on identical gradients, per parameter and step",
+            "float32 rounding: 8 eps of |p| + |update| + lr",
+            "relative error",
+        ),
+        Check(
+            "replay loss",
+            "the user's losses on identical logits: values and gradients",
+            "the dtype's rounding: 8 eps",
+            "relative error",
+        ),
     )
 }
