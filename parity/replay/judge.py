@@ -104,6 +104,7 @@ def optimizer_row(result: ReplayResult, **base: Any) -> tuple[Verdict, dict[str,
     first = result.first
     sequences = ", ".join(f"{name} ({n} steps)" for name, n in result.steps.items())
     row = Verdict(
+        kind="replay optimizer",
         check=OPTIMIZER_CHECK,
         compared="the user's torch optimizer vs optax transformation, same gradients",
         value="agree" if first is None else f"{first.quantity} differs",
@@ -127,6 +128,7 @@ def loss_row(
 ) -> tuple[Verdict, dict[str, Any]]:
     """The loss replay's row and record (`parity.replay.losses.compare_losses`'s result)."""
     row = Verdict(
+        kind="replay loss",
         check=LOSS_CHECK,
         compared="the user's torch loss vs JAX loss, same logits and targets",
         value="agree"

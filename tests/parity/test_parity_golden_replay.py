@@ -23,6 +23,7 @@ from parity.golden.check import check_golden, flax_pair
 from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
 from parity.replay.record import judge_recorded
 from parity.training.user_loop import TrainingLoop
+from parity.verdicts.checks import CHECKS
 
 pytestmark = pytest.mark.standard_promotion  # the example's optax schedule mixes int and float
 
@@ -69,6 +70,8 @@ def test_recorded_replay_judges_the_port(golden, name):
         "step 0 replay: optimizer on identical gradients",
         "step 0 replay: loss on identical logits",
     ]
+    # rows of the check table (their kind decides their power bound), not labels only
+    assert [CHECKS[r.kind].kind for r in rows] == ["replay optimizer", "replay loss"]
     assert tuple(r.passed for r in rows) == passed, [r.detail for r in rows]
     details = " ".join(r.detail for r in rows)
     for word in words:
