@@ -285,6 +285,8 @@ def run_distributed(
 
     Raises:
       UnsupportedHere: the recipe cannot run on this arm (``plan.strategy``), with the reason.
+      ValueError: among others, a pair carrying the user's training loop (``ModelPair.loop``):
+        the workers would train with the harness's optimizer and loss instead.
 
     Examples:
       >>> config = RunConfig(model="mlp", precision="bf16-mixed", steps=6, batch_size=8)
@@ -321,6 +323,17 @@ def run_distributed(
     work = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="parity-dist-"))
     work.mkdir(parents=True, exist_ok=True)
     pair = make_pair(config, pair_factory)
+    loop = getattr(pair, "loop", None)
+    if loop is not None:  # the workers train with RunConfig's optimizer and loss, never the loop
+        given = ", ".join(loop.describe()) or "a training loop"
+        raise ValueError(
+            f"run_distributed: the pair of pair_factory {pair_factory!r} carries your training "
+            f"loop ({given}), which distributed workers do not run: they train with the "
+            "harness's optimizer, schedule, clipping and loss (the RunConfig's), so the verdicts "
+            "would not be about your loop. Check your loop on one device (parity.compare_models"
+            "(..., torch_optimizer=..., jax_optimizer=...) or parity.replay_loop), or return the "
+            "pair with loop=None to compare the model across devices with the harness's loop."
+        )
     if pair.torch_to_flax().get("batch_stats") is not None:
         raise ValueError(
             f"run_distributed: model {config.model!r} has BatchNorm statistics; distributed "

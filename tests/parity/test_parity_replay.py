@@ -577,3 +577,35 @@ def test_golden_records_the_torch_loop_and_checks_the_jax_one(tmp_path):
         check_golden(path, jax_loss=smoothed_jax)
     ahead = check_golden(path, jax_optimizer=port_of(schedule(shift=1)), jax_loss=smoothed_jax)
     assert ahead.status == "FAIL", ahead.report()
+
+
+def looped_pair(seed: int):
+    """A user's pair factory whose pair carries their training loop."""
+    import dataclasses
+
+    from parity.models import get_model_pair
+
+    pair = get_model_pair("mlp", seed=seed)
+    loop = TrainingLoop(
+        torch_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        jax_optimizer=optax.sgd(0.1),
+    )
+    return dataclasses.replace(pair, loop=loop)
+
+
+def test_distributed_runs_refuse_a_pair_with_the_users_loop(tmp_path):
+    """Distributed workers train with the harness's optimizer and loss: a pair carrying the
+    user's loop is refused before any worker starts, naming the loop and what to do instead."""
+    from parity.distributed.run import DistributedPlan, run_distributed
+
+    config = RunConfig(model="mlp", precision="fp32", steps=2, batch_size=8)
+    with pytest.raises(ValueError, match="carries your training loop") as error:
+        run_distributed(
+            config,
+            DistributedPlan(devices=2, strategy="ddp"),
+            tmp_path,
+            pair_factory=f"{__name__}:looped_pair",
+        )
+    message = str(error.value)
+    assert "torch_optimizer, jax_optimizer" in message and "one device" in message
+    assert not list(tmp_path.glob("*.log")), "a worker started"
