@@ -192,32 +192,45 @@ def _join(prefix: str, rest: str) -> str:
     return "/".join(p for p in (prefix, rest) if p)
 
 
-# Recipes of other low-precision formats (jaxamp.mx) run through this rewrite too: such a recipe
-# brings its own matmul, as methods ``dot_general(lhs, rhs, dimension_numbers,
-# preferred_element_type=...)``, ``check_hardware()`` and a ``how`` line for `report`.
+# Other formats' recipes (jaxamp.mx) run through this rewrite too, registered as data by their
+# package (`register_format`): this layer imports nothing above it. They bring a ``how`` line.
+_FORMATS: dict[type, tuple[Callable, Callable]] = {}
+
+
+def register_format(recipe_type: type, dot_general: Callable, check_hardware: Callable) -> None:
+    """Lets this rewrite run another format's recipes: ``dot_general(lhs, rhs, dn,
+    preferred_element_type=, recipe=)`` computes a matmul, ``check_hardware(recipe)`` refuses."""
+    _FORMATS[recipe_type] = (dot_general, check_hardware)
+
+
+def _format_of(rec: Any) -> tuple[Callable, Callable] | None:
+    for recipe_type, functions in _FORMATS.items():
+        if isinstance(rec, recipe_type):
+            return functions
+    return None
 
 
 def _make_recipe(recipe: Any) -> Any:
-    """A jaxamp.fp8 recipe (an object or a name), or another format's recipe object as it is."""
-    if not isinstance(recipe, Recipe | str) and callable(getattr(recipe, "dot_general", None)):
-        return recipe
-    return _fp8_recipe(recipe)
+    """A jaxamp.fp8 recipe (an object or a name), or a registered format's recipe as it is."""
+    return recipe if _format_of(recipe) is not None else _fp8_recipe(recipe)
 
 
 def _own_matmul(rec: Any) -> bool:
-    return not isinstance(rec, Recipe)
+    return _format_of(rec) is not None
 
 
 def _check_hardware(rec: Any) -> None:
-    if _own_matmul(rec):
-        rec.check_hardware()
+    functions = _format_of(rec)
+    if functions is not None:
+        functions[1](rec)
     else:
         check_hardware(rec)
 
 
 def _lowp_dot(rec: Any, lhs, rhs, dn, out_dtype, state=None):
-    if _own_matmul(rec):
-        return rec.dot_general(lhs, rhs, dn, preferred_element_type=out_dtype)
+    functions = _format_of(rec)
+    if functions is not None:
+        return functions[0](lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec)
     return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, recipe=rec, state=state)
 
 

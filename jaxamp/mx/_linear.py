@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp.fp8._convert import register_format
 from jaxamp.fp8._dot import linear_like, to_2d
 from jaxamp.mx._formats import Format
 from jaxamp.mx._quantize import dequantize, quantize
@@ -244,3 +245,8 @@ def dot_general(
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y
+
+
+# jaxamp.fp8's matmul rewrite (convert, report, capture_operands, autocast's fp8= hook) runs a
+# block-scaled recipe with these two.
+register_format(Recipe, dot_general, check_hardware)

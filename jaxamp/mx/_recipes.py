@@ -102,22 +102,6 @@ class Recipe:
         """A copy with `changes` (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    # The matmul jaxamp.fp8's rewrite (convert, report, autocast's fp8= hook) runs for this recipe.
-
-    def dot_general(self, lhs, rhs, dimension_numbers, preferred_element_type=None):
-        """`jaxamp.mx.dot_general` with this recipe."""
-        from jaxamp.mx._linear import dot_general  # the layer above this module
-
-        return dot_general(
-            lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type, recipe=self
-        )
-
-    def check_hardware(self) -> None:
-        """`jaxamp.mx.check_hardware` of this recipe."""
-        from jaxamp.mx._linear import check_hardware  # the layer above this module
-
-        check_hardware(self)
-
     @property
     def how(self) -> str:
         """How its matmuls run, for `report` rows."""
