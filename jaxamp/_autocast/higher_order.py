@@ -20,6 +20,9 @@ from jax.extend import linear_util as lu
 from jaxamp._autocast.dtypes import aval_dtype, cast, dtype_of, is_castable
 from jaxamp._autocast.rules import Region
 
+# jax >= 0.11 (the release with custom_vjp.defvjp_with_logs): the bwd a custom_vjp_call binds
+# returns (cotangents, logs); before, the cotangents alone.
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 _CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 Interpreter = Any  # jaxamp._autocast.interpreter.Interpreter (imported there, not here)
 
@@ -46,18 +49,36 @@ def _call(interp: Interpreter, eqn: Any, vals: list, region: Region | None) -> l
     return outs
 
 
+def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """A body's jaxpr and its constants (jax >= 0.11: every jaxpr carries its own)."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()
+
+
 def _remat(interp: Interpreter, eqn: Any, vals: list, region: Region | None) -> list:
     p = eqn.params
 
+    jaxpr, consts = _open(p["jaxpr"])
+
     def body(*args):
-        return interp.eval_jaxpr(p["jaxpr"], (), args, region)
+        return interp.eval_jaxpr(jaxpr, consts, args, region)
 
     return jax.checkpoint(body, policy=p["policy"], prevent_cse=p["prevent_cse"])(*vals)
 
 
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a scan's operands are constants and carries."""
+    if "num_consts" in params:  # jax <= 0.10: the counts are params
+        return params["num_consts"], params["num_carry"]
+    # jax >= 0.11: ``ft_in`` packs the operands as (constants, carries, scanned inputs)
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _scan(interp: Interpreter, eqn: Any, vals: list, region: Region | None) -> list:
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = _scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc : nc + ncarry], vals[nc + ncarry :]
     # Carries keep their traced dtypes: a loop's state cannot change type between iterations.
     carry_dtypes = _orig_dtypes(eqn.invars[nc : nc + ncarry])
@@ -183,11 +204,13 @@ def _custom_vjp(interp: Interpreter, eqn: Any, vals: list, region: Region | None
             cast(c, d) if isinstance(c, jax.Array | jax.core.Tracer) else c
             for c, d in zip(cts, orig_out_dtypes, strict=False)
         ]
-        cts_in = bwd.call_wrapped(*res, *cts)
-        return [
+        out = bwd.call_wrapped(*res, *cts)
+        cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+        cts_in = [
             cast(c, d) if d is not None and isinstance(c, jax.Array | jax.core.Tracer) else c
             for c, d in zip(cts_in, in_dtypes, strict=False)
         ]
+        return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
 
     bind_params["subfuns"] = (
         lu.wrap_init(primal, debug_info=call.jaxpr.debug_info),
@@ -200,8 +223,10 @@ def _custom_vjp(interp: Interpreter, eqn: Any, vals: list, region: Region | None
 def _shard_map(interp: Interpreter, eqn: Any, vals: list, region: Region | None) -> list:
     p = eqn.params
 
+    jaxpr, consts = _open(p["jaxpr"])
+
     def body(*args):
-        return tuple(interp.eval_jaxpr(p["jaxpr"], (), args, region))
+        return tuple(interp.eval_jaxpr(jaxpr, consts, args, region))
 
     fn = jax.shard_map(
         body,
