@@ -48,7 +48,16 @@ from parity.cli.commands import build_parser
 from parity.core.records import load_results, run_label
 from parity.perf import speed
 
-__all__ = ["BUDGET_S", "DRY_CAP_S", "Stage", "main", "plan", "select", "summarise"]
+__all__ = [
+    "BUDGET_S",
+    "DRY_CAP_S",
+    "Stage",
+    "format_figures",
+    "main",
+    "plan",
+    "select",
+    "summarise",
+]
 
 BUDGET_S = 480  # every stage's cap together: 8 minutes
 # The dry mode's cap per stage: a shared CPU is no GPU, and the caps are the GPU plan's.
@@ -372,6 +381,61 @@ def _loss_scaled(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def format_figures(figures: dict[str, Any]) -> str:
+    """The figures as short tables (what the check prints last): matmul TFLOP/s, each gpt2-small
+    cell's verdict, step times, allocator peaks and JAX/torch figure, the speed-ups over fp32,
+    the loss-scaled step against the peers, and the tests' counts with the failed ones."""
+    lines: list[str] = []
+    matmul = (figures.get("matmul") or {}).get("results") or []
+    if matmul:
+        lines.append("matmul TFLOP/s (median [95% CI]):")
+        for r in matmul:
+            lo, hi = r.get("tflops_ci") or (None, None)
+            ci = f" [{lo:.3g}, {hi:.3g}]" if lo is not None else ""
+            lines.append(
+                f"  {r['framework']:<6}{r['dtype']:<6}n={r['n']:<6}"
+                + (f"{r['tflops']:.4g}{ci}" if r.get("tflops") else f"- ({r.get('error')})")
+            )
+    gpt2 = figures.get("gpt2_small") or {}
+    for name, cell in (gpt2.get("cells") or {}).items():
+        lines.append(f"{name}: {cell.get('status')}")
+        for label, run in cell.get("runs", {}).items():
+            median, peak = run.get("median_step_s"), run.get("peak_memory_bytes")
+            lines.append(
+                f"  {label:<12} step {median * 1e3 if median else float('nan'):.2f} ms, "
+                f"peak {peak / 2**30 if peak else float('nan'):.2f} GiB "
+                f"({run.get('peak_memory_method')})"
+            )
+        for key, value in cell.items():
+            if " vs " in key:
+                lines.append(f"  {key}: {value['text']}")
+    for label, ups in (gpt2.get("speedup_over_fp32") or {}).items():
+        if ups:
+            text = ", ".join(f"{k} {v:.2f}x" for k, v in ups.items() if v)
+            lines.append(f"speed-up over fp32 ({label}, median step times): {text}")
+    rows = figures.get("loss_scaled") or []
+    if rows:
+        lines.append("loss-scaled step / plain step, and / each peer's (paired 95% CI):")
+        for r in rows:
+            peers = "  ".join(
+                f"/{peer} {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
+                for peer, c in r["ratio_to_peer"].items()
+            )
+            donated = "donated" if r["donated"] else "not donated"
+            lines.append(
+                f"  {r['model']:<12}{r['policy']:<11}{donated:<12}{r['variant']:<22}"
+                f"{r['ratio_to_plain']:.3f}  {peers}"
+            )
+    tests = figures.get("jaxamp_tests")
+    if tests:
+        lines.append(
+            f"jaxamp tests: {tests['passed']} passed, {tests['failures']} failed, "
+            f"{tests['errors']} errors, {tests['skipped']} skipped"
+        )
+        lines += [f"  FAILED {name}" for name in tests["failed"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the one GPU check (see the module docstring)")
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and its log")
@@ -436,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(parsed | {"dry": "parsed"})
             write()
     write()
+    print(format_figures(summarise(out)))
     failed = [r["stage"] for r in results if r["rc"] != 0]
     print(
         f"gpu check{' (dry)' if args.dry else ''}: {len(results) - len(failed)}/{len(results)} "

@@ -51,6 +51,38 @@ def test_only_and_cap_pick_stages_by_key_and_refuse_unknown_keys(tmp_path):
             gpu_check.select(stages, None, [bad])
 
 
+def test_the_figures_print_as_tables():
+    figures = {
+        "gpt2_small": {
+            "cells": {
+                "gpt2 fp32": {
+                    "status": "PASS",
+                    "runs": {"torch": {"median_step_s": 0.05, "peak_memory_bytes": 2**31}},
+                    "jax vs torch": {"status": "ok", "text": "JAX/torch 0.9 [0.85, 0.95]"},
+                }
+            },
+            "speedup_over_fp32": {"jax": {"bf16-mixed/fp32": 2.5}, "torch": {}},
+        },
+        "loss_scaled": [
+            {
+                "model": "mlp",
+                "policy": "fp32",
+                "donated": True,
+                "variant": "loss_scaled",
+                "ratio_to_plain": 1.1,
+                "ratio_to_peer": {"flax": {"ratio": 0.95, "ci95": [0.9, 0.99]}},
+            }
+        ],
+        "jaxamp_tests": {"passed": 3, "failures": 1, "errors": 0, "skipped": 2, "failed": ["t: x"]},
+    }
+    text = gpu_check.format_figures(figures)
+    assert "gpt2 fp32: PASS" in text and "step 50.00 ms, peak 2.00 GiB" in text
+    assert "jax vs torch: JAX/torch 0.9" in text and "bf16-mixed/fp32 2.50x" in text
+    assert "/flax 0.950 [0.900, 0.990]" in text
+    assert "3 passed, 1 failed" in text and "FAILED t: x" in text
+    assert gpu_check.format_figures({}) == ""
+
+
 def test_a_stage_past_its_cap_is_interrupted_with_its_children(tmp_path):
     """At the cap the stage's process group gets SIGINT (pytest and the cells report how far
     they got) and the stage ends with rc 124, its children too."""
