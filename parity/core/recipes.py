@@ -639,7 +639,12 @@ class _LowBitAdamW(Fp32):
         transposed, a conv kernel HWIO of OIHW, cnn's ``fc`` rows also CHW -> HWC), for
         ``low_precision_state(block_order=...)``. torchao blocks each torch tensor row-major;
         blocked in the Flax layout, a block would hold other elements under another scale.
-        Leaves assembled from several torch tensors (pieces, sums) keep the Flax order."""
+        Leaves assembled from several torch tensors (pieces, sums) keep the Flax order. A pair
+        without torch that carries the order recorded with torch (``pair.block_order``: a
+        golden file's, `parity.golden.check`) gives it as recorded."""
+        recorded = getattr(pair, "block_order", None)
+        if recorded is not None:
+            return recorded
         if pair.mapping is None:
             raise ValueError(
                 f"pair {pair.name!r}: no weight mapping (a `transfer` callable was given), so "

@@ -222,6 +222,8 @@ class _Pair:
     config: dict
     mapping: Any = None
     loop: Any = None  # the user's JAX optimizer and loss (`TrainingLoop`, sides "jax")
+    # a low-bit AdamW state's block order, recorded with torch (`_LowBitAdamW.torch_block_order`)
+    block_order: Any = None
 
     def flax_apply(self, variables, inputs, train: bool):
         return self.flax_model.apply(variables, inputs, train)
@@ -386,11 +388,13 @@ def flax_pair(golden: Golden, flax_model: Any = None, *, flax_kwargs: Any = None
     """The JAX half of the golden's pair (what the JAX trainer and step 0 read): the model
     under test (`flax_model`, else the one the golden names) as a `parity.pairs.adapters.FlaxModel`."""
     model = golden.header["model"]
+    optimizer = golden.optimizer()
     return _Pair(
         model["name"],
         model["task"],
         flax_model_of(_flax_model(golden, flax_model), flax_kwargs=flax_kwargs),
         dict(model.get("config") or {}),
+        block_order=None if optimizer is None else optimizer[1],
     )
 
 

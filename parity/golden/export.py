@@ -41,6 +41,7 @@ from parity.training.trainers import train_framework
 from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.verdicts.diagnose import module_pairs, torch_layer_outputs
 from parity.verdicts.layer_probe import probe_torch
+from parity.verdicts.optim_step0 import torch_optimizer_step
 from parity.verdicts.step0_checks import (
     dropout_verdict,
     folded_verdict,
@@ -57,7 +58,8 @@ def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, d
     """torch's step 0 as `parity.verdicts.step0.check_step0` computes it, recorded: ``(stage,
     precision, loss scale, Side)`` per stage, and the rest (`parity.golden.format.write_golden`'s
     ``step0``): the layer probe's torch side, torch's layer outputs at each stage for the
-    diagnosis, and the rows only torch computes."""
+    diagnosis, the rows only torch computes and, for a low-bit AdamW precision, torchao's
+    optimizer step from torch's step-0 gradients with the JAX state's block order."""
     if config.recipe.compute_dtype_name == "float8":
         raise ValueError(
             f"export: precision {config.precision!r} is judged at step 0 by torchao's per-layer "
@@ -87,6 +89,13 @@ def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, d
             stage: torch_layer_outputs(pair, names, inputs, stage_config)
             for stage, stage_config in stages
         }
+        optimizer = None
+        if getattr(config.recipe, "torchao_class", None):  # a low-bit AdamW state
+            try:
+                block_order = config.recipe.torch_block_order(pair)
+            except ValueError as e:  # no mapping to take it from: the run would fail step 0
+                raise ValueError(f"export: {e}") from None
+            optimizer = (torch_optimizer_step(pair, config, inputs, targets), block_order)
         padding = padding_rows(pair)
         # in check_step0's order; the probe's row goes after the first (the check inserts it)
         torch_rows = [stochastic_verdict(pair, config, inputs)]
@@ -110,6 +119,7 @@ def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, d
         "layers": layers,
         "torch_rows": torch_rows,
         "padding": padding,
+        "optimizer": optimizer,
     }
     return sides, step0
 
@@ -139,8 +149,9 @@ def export_golden(
       The written path.
 
     Raises:
-      ValueError: an fp8 precision (its step 0 is per-layer fp8 codes), a `flax_model` that
-        does not import, or a torch run that did not complete.
+      ValueError: an fp8 precision (its step 0 is per-layer fp8 codes), a low-bit AdamW
+        precision for a pair without a weight mapping (the JAX state's block order comes from
+        it), a `flax_model` that does not import, or a torch run that did not complete.
     """
     if flax_model is not None:
         flax_model_of(flax_model)  # a reference that is not a model fails here, not in someone's CI

@@ -10,7 +10,9 @@ configuration, the ``"module:attr"`` of the Flax module under test), ``torch_run
 record, `parity.core.records` schema), ``step0.stages`` (stage, precision, dtype, loss scale, loss,
 matmul FLOPs by dtype), ``step0.probe`` / ``step0.layers`` (what those arrays are),
 ``step0.torch_rows`` (the rows only torch computes: stochastic modules, folded tensors, padding
-rows) and ``step0.padding``, ``data`` (batch counts), ``versions`` and ``hardware``. `load_golden`
+rows, dropout rates that differ) and ``step0.padding``, ``step0.optimizer`` (a low-bit AdamW
+precision's torchao step, arrays under ``optim/``), ``data`` (batch counts), ``versions`` and
+``hardware``. `load_golden`
 validates all of it before anything runs and names the offending field. No torch here.
 """
 
@@ -30,8 +32,16 @@ import numpy as np
 from parity.core.config import RunConfig
 from parity.core.hardware import hardware_info, versions
 from parity.core.records import ResultsFileError, validate_run, write_bytes_atomic
-from parity.golden.step0_data import decode_layers, decode_probe, encode_layers, encode_probe
+from parity.golden.step0_data import (
+    decode_layers,
+    decode_optimizer,
+    decode_probe,
+    encode_layers,
+    encode_optimizer,
+    encode_probe,
+)
 from parity.replay.record import TorchReplay, decode_replay, encode_replay
+from parity.verdicts.optim_judge import OptimizerRecord
 from parity.verdicts.probe_judge import ProbeRecord
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, flatten
@@ -166,6 +176,12 @@ class Golden:
         rows), as recorded."""
         return [Verdict.from_dict(row) for row in self.header["step0"]["torch_rows"]]
 
+    def optimizer(self) -> tuple[OptimizerRecord, dict[str, Any]] | None:
+        """torchao's recorded optimizer step and the JAX state's block order (a low-bit AdamW
+        precision), or None (any other precision)."""
+        info = self.header["step0"].get("optimizer")
+        return None if info is None else decode_optimizer(info, self.arrays)
+
     def padding(self) -> dict[str, tuple[str, int]]:
         """``{Flax gradient key: (torch weight, padding_idx)}``: embedding rows torch never
         trains, left out of the gradient comparison."""
@@ -218,7 +234,9 @@ def write_golden(
       step0: the rest of torch's step 0 (`parity.golden.export`): ``probe`` (a
         `parity.verdicts.probe_judge.ProbeRecord`, or None with ``probe_error``), ``pairs`` and
         ``unmatched`` (module pairs), ``layers`` (``{stage: (eval, train)}`` layer outputs),
-        ``torch_rows`` (`Verdict` rows only torch computes), ``padding`` (embedding rows).
+        ``torch_rows`` (`Verdict` rows only torch computes), ``padding`` (embedding rows),
+        ``optimizer`` (a low-bit AdamW precision: ``(parity.verdicts.optim_judge.OptimizerRecord,
+        block order)``; absent or None otherwise).
       replay: torch's side of the replay of the user's torch loop (`parity.replay.record`), or
         None (the harness's own loop, or none of the user's to replay).
 
@@ -256,6 +274,11 @@ def write_golden(
     )
     arrays.update(probe_arrays)
     arrays.update(layers_arrays)
+    optimizer_header = None
+    if step0.get("optimizer") is not None:
+        record, block_order = step0["optimizer"]
+        optimizer_header, optimizer_arrays = encode_optimizer(record, block_order, arrays)
+        arrays.update(optimizer_arrays)
     header = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -268,6 +291,7 @@ def write_golden(
             "layers": layers_header,
             "torch_rows": [row.to_dict() for row in step0["torch_rows"]],
             "padding": {k: [v[0], int(v[1])] for k, v in step0["padding"].items()},
+            "optimizer": optimizer_header,
         },
         "data": {"train_batches": len(batches), "eval_batches": len(eval_batches)},
         "versions": versions(),
@@ -402,7 +426,17 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
     step0 = header["step0"]
     for key, kind in (("probe", dict), ("layers", dict), ("torch_rows", list), ("padding", dict)):
         _require(step0, key, kind, path, "step0.")
+    optimizer = step0.get("optimizer")
+    if optimizer is None and getattr(config.recipe, "torchao_class", None):
+        raise GoldenFileError(
+            f"precision {config.precision!r} is judged at step 0 on torchao's optimizer step, "
+            "which this file does not hold; export it again with this parity",
+            path=path,
+            field="step0.optimizer",
+        )
     try:
+        if optimizer is not None:
+            decode_optimizer(optimizer, arrays)
         if "error" not in step0["probe"]:
             decode_probe(step0["probe"], arrays)
         for stage in step0["layers"]["stages"]:
@@ -423,10 +457,11 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
             path=path,
             field=missing[0],
         )
+    float_arrays = ("init/", "step0/", "optim/params/", "optim/grads/", "optim/after/")
     for key, value in arrays.items():
-        if key.startswith(("init/", "step0/")) and value.dtype != np.float32:
+        if key.startswith(float_arrays) and value.dtype != np.float32:
             raise GoldenFileError(f"must be float32; got {value.dtype}", path=path, field=key)
-        if key.startswith(("init/", "step0/")) and not np.all(np.isfinite(value)):
+        if key.startswith(float_arrays) and not np.all(np.isfinite(value)):
             raise GoldenFileError("holds non-finite values", path=path, field=key)
 
 

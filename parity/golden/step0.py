@@ -3,7 +3,9 @@ side read from the file (no torch here).
 
 The same functions judge both: the output and gradient rows (`parity.verdicts.step0_rows`) per
 stage, the layer probe (`parity.verdicts.probe_judge.judge_probe` on the recorded probe), the
-rows only torch computes (as recorded), the compute-dtype rows, and on a failure the per-layer
+rows only torch computes (as recorded), the compute-dtype rows, for a low-bit AdamW precision
+jaxamp's optimizer step against torchao's recorded one (`parity.verdicts.optim_judge`), and on
+a failure the per-layer
 diagnosis (`parity.verdicts.layer_table.layer_rows` on torch's recorded layer outputs) with
 `parity.verdicts.layer_table.explain_failure` naming the first diverging layer or the cause.
 """
@@ -22,6 +24,7 @@ from parity.verdicts.layer_table import (
     layer_rows,
     mask_padding_rows,
 )
+from parity.verdicts.optim_judge import compare_optimizer_step, optimizer_state_rows
 from parity.verdicts.probe_judge import judge_probe, probe_row
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import jax_side
@@ -133,9 +136,19 @@ def golden_step0(
         if stage_failed:
             failed_stage = stage_config
             break  # a broken fp32 port makes the low-precision comparison meaningless
+    optimizer = golden.optimizer()
+    optim_rows = None
+    if optimizer is not None and not any(v.passed is False for v in verdicts):
+        try:  # the model agrees: its optimizer? jaxamp's step against torchao's recorded one
+            rows = compare_optimizer_step(optimizer[0], pair, config)
+        except ValueError as e:
+            rows = str(e)
+        optim_rows = optimizer_state_rows(config, rows)
+        verdicts += optim_rows
     passed = not any(v.passed is False for v in verdicts)
     result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
-    if not passed:
+    # the float32 diagnosis would not see an optimizer state's blocks (the model's rows passed)
+    if not passed and optim_rows is None:
         try:
             result.diagnosis = _diagnosis(
                 golden, pair, failed_stage or config, variables, inputs, shapes, sides

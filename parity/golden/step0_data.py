@@ -1,8 +1,9 @@
 """What a golden file holds for step 0 beyond the model's outputs and gradients: the layer
-probe's torch side, torch's per-layer outputs for the diagnosis, and the rows only torch can
-compute (stochastic modules, folded tensors, embedding padding rows). Encoded as JSON header
-fields and arrays (`encode_step0`), read back and checked (`decode_probe`, `decode_layers`);
-no torch here.
+probe's torch side, torch's per-layer outputs for the diagnosis, the rows only torch can
+compute (stochastic modules, folded tensors, embedding padding rows) and, for a low-bit AdamW
+precision, torchao's optimizer step. Encoded as JSON header fields and arrays (`encode_probe`,
+`encode_layers`, `encode_optimizer`), read back and checked (`decode_probe`, `decode_layers`,
+`decode_optimizer`); no torch here.
 
 Arrays: ``probe/inputs``; ``probe/S/variables/...`` (the probe weights, Flax layout);
 ``probe/S/MODE/L/in0..`` and ``probe/S/MODE/L/out`` (layer ``L``'s inputs and output in Flax's
@@ -10,6 +11,14 @@ layout, torch's execution order); ``probe/S/MODE/output``; ``probe/S/train/stats
 ``layers/STAGE/MODE/L`` (torch's layer outputs at a step-0 stage); a train-mode array equal to
 the eval-mode one at the same place is stored once (under ``eval``). The header's ``step0.probe``
 holds names, floors and bands, ``step0.layers`` the module pairs and each pass's order.
+
+A low-bit AdamW precision's optimizer step (`parity.verdicts.optim_judge.OptimizerRecord`):
+``optim/moments/I/codes`` (uint8) and ``optim/moments/I/scale`` (float32) of each quantized
+moment, ``optim/after/...`` (torch's weights after the step, Flax layout), ``optim/grads/...``
+and ``optim/params/...`` only where they differ from the step-0 float32 gradients and the
+initial weights the file holds anyway, and ``optim/order/...`` (int32: each Flax leaf's elements
+in its torch tensor's order, the block order of the JAX state); the header's
+``step0.optimizer`` names them and holds each moment's torch name, block size and pieces.
 """
 
 from __future__ import annotations
@@ -19,10 +28,19 @@ from typing import Any
 
 import numpy as np
 
+from parity.verdicts.optim_judge import OptimizerRecord, TorchMoment
 from parity.verdicts.probe_judge import ProbeLayer, ProbeMode, ProbeRecord, ProbeScale
 from parity.verdicts.sides import flatten
 
-__all__ = ["MODES", "decode_layers", "decode_probe", "encode_layers", "encode_probe"]
+__all__ = [
+    "MODES",
+    "decode_layers",
+    "decode_optimizer",
+    "decode_probe",
+    "encode_layers",
+    "encode_optimizer",
+    "encode_probe",
+]
 
 MODES = ("eval", "train")
 
@@ -166,3 +184,100 @@ def decode_layers(
         }
         for mode in MODES
     )
+
+
+def _orders(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested ``{module: {leaf: order}}`` block order, flattened to ``{"module/leaf": order}``."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_orders(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = np.asarray(value, np.int32)
+    return out
+
+
+def encode_optimizer(
+    record: OptimizerRecord, block_order: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+) -> tuple[dict, dict]:
+    """``(header, arrays)`` of torchao's recorded step and the JAX state's block order.
+
+    `arrays`: the file's other arrays; the step's weights and gradients are stored only where
+    they differ from the initial weights (``init/params/...``) and the float32 step-0 gradients
+    (``step0/fp32/grads/...``) stored there.
+    """
+    out: dict[str, np.ndarray] = {}
+    for group, values, twin in (
+        ("params", record.params, "init/params/"),
+        ("grads", record.grads, "step0/fp32/grads/"),
+    ):
+        for key, value in values.items():
+            value = np.asarray(value, np.float32)
+            if twin + key not in arrays or not _same(arrays[twin + key], value):
+                out[f"optim/{group}/{key}"] = value
+    for key, value in record.after.items():
+        out[f"optim/after/{key}"] = np.asarray(value, np.float32)
+    moments = []
+    for i, moment in enumerate(record.moments):
+        out[f"optim/moments/{i}/codes"] = np.asarray(moment.codes, np.uint8).reshape(-1)
+        out[f"optim/moments/{i}/scale"] = np.asarray(moment.scale, np.float32).reshape(-1)
+        moments.append(
+            {
+                "torch_name": moment.torch_name,
+                "moment": moment.moment,
+                "block_size": int(moment.block_size),
+                "pieces": [[int(f), int(n), str(p)] for f, n, p in moment.pieces],
+            }
+        )
+    orders = _orders(block_order)
+    for key, order in orders.items():
+        out[f"optim/order/{key}"] = order
+    header = {
+        "moments": moments,
+        "params": sorted(record.params),
+        "grads": sorted(record.grads),
+        "after": sorted(record.after),
+        "order": sorted(orders),
+    }
+    return header, out
+
+
+def decode_optimizer(
+    header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+) -> tuple[OptimizerRecord, dict[str, Any]]:
+    """``(torchao's recorded step, the JAX state's nested block order)`` `encode_optimizer` wrote.
+
+    Raises:
+      KeyError / TypeError / ValueError: a field or array missing or malformed.
+    """
+
+    def group(name: str, twin: str) -> dict[str, np.ndarray]:
+        return {
+            str(k): arrays[f"optim/{name}/{k}"]
+            if f"optim/{name}/{k}" in arrays
+            else arrays[twin + k]
+            for k in header[name]
+        }
+
+    moments = []
+    for i, moment in enumerate(header["moments"]):
+        codes = arrays[f"optim/moments/{i}/codes"]
+        if codes.dtype != np.uint8:
+            raise ValueError(f"optim/moments/{i}/codes must be uint8; got {codes.dtype}")
+        moments.append(
+            TorchMoment(
+                torch_name=str(moment["torch_name"]),
+                moment=str(moment["moment"]),
+                codes=codes,
+                scale=np.asarray(arrays[f"optim/moments/{i}/scale"], np.float32),
+                block_size=int(moment["block_size"]),
+                pieces=tuple((int(f), int(n), str(p)) for f, n, p in moment["pieces"]),
+            )
+        )
+    record = OptimizerRecord(
+        params=group("params", "init/params/"),
+        grads=group("grads", "step0/fp32/grads/"),
+        after={str(k): arrays[f"optim/after/{k}"] for k in header["after"]},
+        moments=moments,
+    )
+    return record, _nest({str(k): arrays[f"optim/order/{k}"] for k in header["order"]})
