@@ -71,8 +71,9 @@ def explain(mapping: WeightMapping, torch_module: Any = None) -> list[dict[str, 
 
     Returns:
       Rows ``{"torch": name, "flax": "params/fc/kernel" (several joined by ", "), "transform",
-      "decided_by", "note"}`` in mapping order; ``note`` says when a tensor is split into
-      pieces or folded (summed) with another.
+      "decided_by", "note", "folded_into"}`` in mapping order; ``note`` says when a tensor is
+      split into pieces or folded (summed) with another; ``folded_into`` names the trainable Flax
+      leaves it is summed into with other torch tensors (``""``: none).
 
     Examples:
       >>> from parity.models import get_model_pair
@@ -106,12 +107,22 @@ def explain(mapping: WeightMapping, torch_module: Any = None) -> list[dict[str, 
                 "transform": ", ".join(dict.fromkeys(e.transform for e in group)),
                 "decided_by": group[0].decided_by or "given",
                 "note": "; ".join(notes),
+                "folded_into": ", ".join(
+                    "/".join(path) for path, names in folded.items() if name in names
+                ),
             }
         )
     for name in shapes:
         if name not in by_torch and not name.endswith("num_batches_tracked"):
             rows.append(
-                {"torch": name, "flax": "", "transform": "", "decided_by": "left out", "note": ""}
+                {
+                    "torch": name,
+                    "flax": "",
+                    "transform": "",
+                    "decided_by": "left out",
+                    "note": "",
+                    "folded_into": "",
+                }
             )
     return rows
 

@@ -391,7 +391,7 @@ def _mapping_sections(runs) -> list[str]:
             "order the layers run in (execution order), by what they compute (function), as the "
             "only candidate of its type and shape, or by a rule.",
         ]
-        folded = [r["torch"] for r in rows if "folded" in r.get("note", "")]
+        folded = [r["torch"] for r in rows if r.get("folded_into")]
         if folded:
             lines += ["", f"**Folded trainable tensors** ({', '.join(folded)}): see the notes."]
         lines += ["", "| torch | Flax | transform | decided by | note |", "|---|---|---|---|---|"]

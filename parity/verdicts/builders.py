@@ -93,6 +93,8 @@ class Row:
             unit=self.unit,
             power=self.stated_power(),
             kind=self.kind,
+            window=self.window,
+            seeds_needed=self.seeds_needed,
             **base,
         )
 

@@ -8,28 +8,45 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CHECKS", "Check"]
+__all__ = ["CHECKS", "Check", "UNCLASSIFIED", "check_of"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """One kind of row: the series it compares, its tolerance rule, its quantity (which power
-    bound applies: `parity.verdicts.rows.POWER_BOUNDS`)."""
+    """One kind of row.
+
+    Attributes:
+      kind: its name (`Verdict.kind`).
+      series: what it compares.
+      rule: its tolerance rule.
+      quantity: which power bound applies (`parity.verdicts.tolerances.POWER_BOUNDS`).
+      decisive: a pass of this kind, with power, can make its cell PASS; False for checks that
+        can pass a wrong port whatever their figures (a run completed, its losses finite) and
+        for rows that only say something about the runs.
+      per_step: it compares a series step by step: its rows cover windows of steps.
+    """
 
     kind: str
     series: str
     rule: str
     quantity: str
+    decisive: bool = True
+    per_step: bool = False
+
+
+# A row made outside the judging pass (step 0's gate, a distributed run's own checks) has no kind:
+# its tolerance is a relative error, and step 0's rows never decide a cell (their mode says so).
+UNCLASSIFIED = Check("", "a row made outside the judging pass", "its own", "relative error")
 
 
 CHECKS: dict[str, Check] = {
     c.kind: c
     for c in (
-        Check("completed", "run status", "exact", "relative error"),
-        Check("divergence", "loss finiteness", "exact", "relative error"),
+        Check("completed", "run status", "exact", "relative error", decisive=False),
+        Check("divergence", "loss finiteness", "exact", "relative error", decisive=False),
         Check("left out", "calibration run settings", "informational", "relative error"),
-        Check("loss", "per-step loss", "fixed band or calibrated envelope", "loss"),
-        Check("fp8 loss", "per-step loss, steps 0-9", "fixed band", "loss"),
+        Check("loss", "per-step loss", "fixed band or calibrated envelope", "loss", per_step=True),
+        Check("fp8 loss", "per-step loss, steps 0-9", "fixed band", "loss", per_step=True),
         Check("scale", "loss scale from each side's own skips", "GradScaler's rule, exact", "loss"),
         Check(
             "skips",
@@ -40,8 +57,20 @@ CHECKS: dict[str, Check] = {
         Check("final loss", "mean of the last losses", "fixed band or calibrated envelope", "loss"),
         Check("max gap", "per-step loss over the run", "informational", "loss"),
         Check("eval", "eval metric", "informational", "relative error"),
-        Check("grad norm", "per-step gradient norm", "fixed band or calibrated envelope", "norm"),
-        Check("update norm", "per-step update norm", "fixed band or calibrated envelope", "norm"),
+        Check(
+            "grad norm",
+            "per-step gradient norm",
+            "fixed band or calibrated envelope",
+            "norm",
+            per_step=True,
+        ),
+        Check(
+            "update norm",
+            "per-step update norm",
+            "fixed band or calibrated envelope",
+            "norm",
+            per_step=True,
+        ),
         Check("welch loss", "final loss over seeds", "difference test", "loss"),
         Check("welch eval", "eval metric over seeds", "difference test", "relative error"),
         Check("equivalence loss", "final loss over seeds", "equivalence margin", "loss"),
@@ -62,5 +91,22 @@ CHECKS: dict[str, Check] = {
             "the dtype's rounding: 8 eps",
             "relative error",
         ),
+        Check(
+            "padding rows",
+            "embedding rows torch never trains (step 0)",
+            "informational",
+            "relative error",
+            decisive=False,
+        ),
     )
 }
+
+
+def check_of(kind: str) -> Check:
+    """The `Check` of a row kind; `UNCLASSIFIED` for a row without one.
+
+    Example:
+      >>> check_of("grad norm").quantity, check_of("").quantity
+      ('norm', 'relative error')
+    """
+    return CHECKS[kind] if kind else UNCLASSIFIED

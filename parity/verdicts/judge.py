@@ -46,7 +46,6 @@ from parity.verdicts.builders import Row
 from parity.verdicts.logits import logit_rows
 from parity.verdicts.qualifiers import qualify
 from parity.verdicts.rows import (
-    PADDING_CHECK,
     Verdict,
     fmt_value,
     loss_floor,
@@ -205,12 +204,13 @@ def _envelope(pair_noise, mains) -> tuple[list[float] | None, list[str]]:
 
 def _folded(run) -> list[dict[str, Any]]:
     rows = run.get("weight_mapping") or []
-    return [r for r in rows if isinstance(r, Mapping) and "folded" in str(r.get("note", ""))]
+    return [r for r in rows if isinstance(r, Mapping) and r.get("folded_into")]
 
 
 def _padding(run) -> Mapping[str, Any] | None:
+    """The step-0 row naming embedding rows torch never trains (kind ``padding rows``)."""
     for row in (run.get("step0") or {}).get("verdicts") or []:
-        if isinstance(row, Mapping) and row.get("check") == PADDING_CHECK:
+        if isinstance(row, Mapping) and row.get("kind") == "padding rows":
             return row
     return None
 

@@ -9,21 +9,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from parity.core.flags import run_arguments
 from parity.core.records import run_label
-from parity.verdicts.checks import CHECKS
+from parity.verdicts.checks import check_of
 from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES
 
 __all__ = [
     "EXCEEDED",
     "LOSS_UNIT",
     "PADDING_CHECK",
-    "WEAK_CHECKS",
     "cell_bottom_lines",
     "cell_configs",
     "compared_pairs",
@@ -50,9 +48,6 @@ __all__ = [
 # The mode of a row that exceeded its band with power and whose failure a stated reason excuses
 # (`parity.verdicts.qualifiers`): undecided, never a FAIL, never inside a PASS.
 EXCEEDED = "exceeded"
-
-# Checks that can pass a wrong port whatever their figures: they never make a cell PASS.
-WEAK_CHECKS = ("no divergence", "run completed")
 
 # The step-0 row naming torch embedding rows that never train (`parity.verdicts.step0_checks`);
 # `parity.verdicts.judge` reads it from the run records to explain a trajectory that parts.
@@ -81,7 +76,10 @@ class Verdict:
       absolute: the absolute difference behind `value`, in `unit`.
       unit: unit of `absolute` (``"nats"`` for losses).
       kind: the row's check kind (`parity.verdicts.checks.CHECKS`; empty for rows made outside
-        the judging pass): with the steps it covers, the row's identity.
+        the judging pass): with `window`, the row's identity.
+      window: ``(start, stop)``: the steps the row covers (None where not per step).
+      seeds_needed: an undecided seed-statistics row: the seeds per framework that would
+        decide at the observed spread.
       power: the smallest relative difference the check could have detected (its tolerance for
         a band, 0 for an exact comparison, the equivalence margin for seed statistics); None
         where it cannot be stated. A row that would pass with a power above its bound
@@ -112,6 +110,8 @@ class Verdict:
     unit: str = ""
     power: float | None = None
     kind: str = ""
+    window: tuple[int, int] | None = None
+    seeds_needed: int | None = None
 
     def __post_init__(self) -> None:
         # Every row states its power; a pass that could not have failed is no pass.
@@ -121,7 +121,7 @@ class Verdict:
         elif power is None and self.mode == "exact":
             power = 0.0
         object.__setattr__(self, "power", power)
-        bound = power_bound(self.check, self.kind)
+        bound = power_bound(self.kind)
         if self.passed is True and power is not None and bound is not None and not power <= bound:
             object.__setattr__(self, "passed", None)
             object.__setattr__(self, "mode", "inconclusive")
@@ -130,7 +130,7 @@ class Verdict:
                 "detail",
                 (self.detail + "; " if self.detail else "")
                 + f"no power: the tolerance {fmt_value(power)} exceeds the bound "
-                f"{fmt_value(bound)} for a {_quantity(self.check, self.kind)} (a difference up to "
+                f"{fmt_value(bound)} for a {check_of(self.kind).quantity} (a difference up to "
                 f"{fmt_value(power)} would pass), so this row decides nothing",
             )
 
@@ -159,45 +159,35 @@ class Verdict:
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
         """Reads `to_dict` output (unknown keys are ignored: rows from newer versions load)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        fields = {k: v for k, v in data.items() if k in names}
+        if fields.get("window") is not None:  # JSON holds it as a list
+            fields["window"] = tuple(fields["window"])
+        return cls(**fields)
 
 
-def _quantity(check: str, kind: str = "") -> str:
-    if kind:
-        return CHECKS[kind].quantity
-    # rows made outside the judging pass (step 0) carry no kind: their label says the quantity
-    if "gradient norm" in check or "update norm" in check:
-        return "norm"
-    return "loss" if "loss" in check and "loss scale" not in check else "relative error"
-
-
-def power_bound(check: str, kind: str = "") -> float | None:
-    """The largest tolerance a row may have and still decide (`POWER_BOUNDS`): by its `kind`'s
-    quantity (`parity.verdicts.checks.CHECKS`); a row without a kind (step 0), by its label: a
-    loss check's (``"loss"`` in its name) and a gradient or update norm's 20%, any other
-    relative check's 1.
+def power_bound(kind: str = "") -> float:
+    """The largest tolerance a row of `kind` may have and still decide (`POWER_BOUNDS`), by
+    the quantity its check compares (`parity.verdicts.checks.CHECKS`); a row without a kind
+    (made outside the judging pass) is a relative error's.
 
     Example:
-      >>> power_bound("final loss (mean of last 5)"), power_bound("step 0 fp32: gradients")
-      (0.2, 1.0)
-      >>> power_bound("per-step update norm, steps 0-9", "update norm")
-      0.2
+      >>> power_bound("final loss"), power_bound("grad norm"), power_bound("")
+      (0.2, 0.2, 1.0)
     """
-    return POWER_BOUNDS[_quantity(check, kind)]
+    return POWER_BOUNDS[check_of(kind).quantity]
 
 
 def is_decisive(v: Verdict) -> bool:
     """A passing row that could have failed and looks past step 0: what a PASS needs.
 
-    Step-0 rows (the gate, compute dtype), the weak checks (`WEAK_CHECKS`) and informational
-    rows do not count; neither does a row whose power is above its bound (those are made
-    inconclusive when built).
+    Step-0 rows (mode ``"step 0"``: the gate, the compute dtype), rows of a kind that is not
+    decisive (`parity.verdicts.checks.Check.decisive`: a run completed, its losses finite) and
+    informational rows do not count; neither does a row whose power is above its bound (those
+    are made inconclusive when built).
     """
-    if v.passed is not True or v.check in WEAK_CHECKS:
+    if v.passed is not True or v.mode == "step 0" or not check_of(v.kind).decisive:
         return False
-    if v.mode == "step 0" or v.check.startswith(("step 0", "compute dtype")):
-        return False
-    return v.power is None or v.power <= (power_bound(v.check, v.kind) or math.inf)
+    return v.power is None or v.power <= power_bound(v.kind)
 
 
 def deciding_command(
@@ -323,7 +313,7 @@ def compared_pairs(verdicts: Iterable[Verdict]) -> set[tuple[str, str, str, str]
     return {
         (*v.cell, v.compared)
         for v in verdicts
-        if v.mode not in ("nothing compared", "unsupported here") and v.check != "pair"
+        if v.mode not in ("nothing compared", "unsupported here")
     }
 
 
@@ -362,7 +352,7 @@ def _judged(verdicts: Sequence[Verdict]) -> bool:
 
 
 def _why_inconclusive(v: Verdict) -> str:
-    bound = power_bound(v.check, v.kind)
+    bound = power_bound(v.kind)
     if v.power is not None and bound is not None and v.power > bound:
         return f"{v.check}: tolerance {fmt_value(v.power)} above the bound {fmt_value(bound)}"
     return f"{v.check}: undecided"
@@ -481,41 +471,38 @@ def cell_bottom_lines(
     return out
 
 
-# A noise-calibrated per-step row split at the horizon (`parity.verdicts.builders`): the steps
-# whose tolerance stays within the loss bound decide, the steps beyond are inconclusive.
-_WINDOW = re.compile(r"^(?P<what>.+), steps (?P<a>\d+)-(?P<b>\d+)( \(horizon\))?$")
-_BEYOND = re.compile(r"^(?P<what>.+), steps (?P<a>\d+)-(?P<b>\d+) \(beyond the horizon\)$")
-
-
 def _pass_depth(rows: Sequence[Verdict], command: str) -> str | None:
     """How deep a passing cell's PASS goes when its decisive per-step rows stop at a horizon
     (None when a decisive row covers every step): a PASS decided by ``per-step loss, steps 0-1
-    (horizon)`` says that two steps agree, not that the run does."""
-    covered = [int(m["b"]) for v in rows if is_decisive(v) and (m := _WINDOW.match(v.check))]
-    beyond = [(v, m) for v in rows if v.passed is not True and (m := _BEYOND.match(v.check))]
+    (horizon)`` says that two steps agree, not that the run does. The steps beyond are the
+    per-step rows (`parity.verdicts.checks.Check.per_step`) whose tolerance, the model's own
+    divergence, is above their bound."""
+    windows = [v for v in rows if check_of(v.kind).per_step and v.window is not None]
+    covered = [v.window[1] - 1 for v in windows if is_decisive(v)]
+    beyond = [
+        v
+        for v in windows
+        if v.passed is not True and v.power is not None and v.power > power_bound(v.kind)
+    ]
     if not covered or not beyond:
         return None
     depth = max(covered)
-    start = min(int(m["a"]) for _, m in beyond)
-    stop = max(int(m["b"]) for _, m in beyond)
+    start = min(v.window[0] for v in beyond)
+    stop = max(v.window[1] - 1 for v in beyond)
     if depth >= start:  # a decisive row covers those steps too
         return None
     return (
         f"PASS on steps 0-{depth} only: from step {start} to {stop} the model's own noise "
-        f"exceeds the bound ({', '.join(v.check for v, _ in beyond)}: inconclusive); more "
+        f"exceeds the bound ({', '.join(v.check for v in beyond)}: inconclusive); more "
         f"data orders decide more: {command}"
     )
 
 
-_SEEDS_NEEDED = re.compile(r"about (\d+) seeds per framework would decide")
-
-
 def seeds_to_decide(rows: Sequence[Verdict]) -> int:
-    """The tolerance table's ``deciding_seeds``, or more where an undecided equivalence row (`parity.verdicts.builders.seed_equivalence`)
-    says how many seeds its observed spread needs (the fewest of its rows: one decides)."""
-    needed = [
-        int(m.group(1)) for v in rows if (m := _SEEDS_NEEDED.search(v.detail or "")) is not None
-    ]
+    """The tolerance table's ``deciding_seeds``, or more where an undecided seed-statistics
+    row says how many seeds its observed spread needs (`Verdict.seeds_needed`; the fewest of
+    its rows: one decides)."""
+    needed = [v.seeds_needed for v in rows if v.seeds_needed is not None]
     least = TOLERANCES["deciding_seeds"]
     return max(least, min(needed, default=least))
 

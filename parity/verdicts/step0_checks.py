@@ -213,6 +213,7 @@ def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | 
     listed = "; ".join(f"{name} row {index} -> {key}" for key, (name, index) in rows.items())
     return Verdict(
         check=PADDING_CHECK,
+        kind="padding rows",
         compared="the weight mapping",
         value=f"{len(rows)} embedding(s)",
         tolerance="-",

@@ -367,8 +367,13 @@ def test_a_folded_gru_bias_is_warned_and_explained():
         auto(model, variables)
     with pytest.warns(UserWarning, match="train differently"):
         mapping = auto(model, variables)
-    notes = {row["torch"]: row["note"] for row in explain(mapping, model)}
+    rows = {row["torch"]: row for row in explain(mapping, model)}
+    notes = {name: row["note"] for name, row in rows.items()}
     assert "folded: summed with gru.bias_hh_l0" in notes["gru.bias_ih_l0"]
+    assert (
+        rows["gru.bias_ih_l0"]["folded_into"] == "params/gru/cell/ir/bias, params/gru/cell/iz/bias"
+    )
+    assert rows["gru.weight_ih_l0"]["folded_into"] == ""
     assert "split into" in notes["gru.weight_ih_l0"]
 
 

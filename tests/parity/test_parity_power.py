@@ -400,7 +400,8 @@ def test_a_folded_mapping_makes_a_later_trajectory_failure_inconclusive_with_the
         {
             "torch": "rnn.bias_hh_l0",
             "flax": "cell/hn/bias",
-            "note": "folded: summed with rnn.bias_ih_l0",
+            "note": "summed with rnn.bias_ih_l0",
+            "folded_into": "params/cell/hn/bias",  # what the judge reads, not the note's words
         }
     ]
     runs = [_run("torch", base), _run("jax", cand)]
@@ -435,6 +436,7 @@ def test_a_padding_row_torch_never_trains_makes_a_later_failure_inconclusive_wit
         None,
         detail="emb.weight row 0 -> emb/embedding",
         mode="informational",
+        kind="padding rows",  # the row's identity: its kind, not its label
     ).to_dict()
     runs = [_run("torch", base), _run("jax", cand)]
     assert overall_status(_judged(runs)) == "FAIL"

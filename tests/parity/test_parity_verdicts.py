@@ -386,6 +386,7 @@ def test_a_padding_row_is_named_at_step_0_and_left_out_of_the_gradient_compariso
     assert result.passed, result.summary()
     rows = {v.check: v for v in result.verdicts}
     named = rows[PADDING_CHECK]
+    assert named.kind == "padding rows"  # what the judging pass looks for, not the label
     assert named.passed is None and "emb.weight row 0 -> emb/embedding" in named.detail
     assert "left out of the step-0 gradient comparison" in named.detail
     assert rows["step 0 fp32: gradients"].passed is True
@@ -406,3 +407,35 @@ def test_every_recipe_names_trajectory_checks_the_judge_builds():
         for kind in recipe.verdict_checks:
             assert kind in TRAJECTORY_BUILDERS, (name, kind)
             assert kind in CHECKS, (name, kind)
+
+
+def test_what_decides_a_cell_is_read_from_the_check_table_not_the_label():
+    from parity.verdicts.checks import CHECKS
+    from parity.verdicts.rows import Verdict, is_decisive, seeds_to_decide
+
+    def row(kind, check="some label", mode="exact", **fields):
+        return Verdict(
+            "m",
+            "fp32",
+            "cpu",
+            check,
+            "jax vs torch",
+            0.0,
+            0.0,
+            True,
+            mode=mode,
+            kind=kind,
+            **fields,
+        )
+
+    for kind, check in CHECKS.items():
+        assert is_decisive(row(kind)) is check.decisive, kind
+    assert not CHECKS["divergence"].decisive and not CHECKS["completed"].decisive
+    # the label of a weak check on a decisive kind decides; a step-0 row never does
+    assert is_decisive(row("loss", check="no divergence"))
+    assert not is_decisive(row("loss", mode="step 0"))
+    assert is_decisive(row("", check="step 0 fp32: gradients", mode="distributed"))
+    # the seeds that would decide: a field of the row, never parsed from its text
+    text = "about 99 seeds per framework would decide"
+    assert seeds_to_decide([row("equivalence loss", detail=text)]) == TOLERANCES["deciding_seeds"]
+    assert seeds_to_decide([row("equivalence loss", seeds_needed=7)]) == 7
