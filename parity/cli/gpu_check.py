@@ -6,12 +6,13 @@ process under its own time cap (a slow stage cannot eat the rest), and writes ``
 ``OUT/gpu_check.log`` (every stage's output). It needs what a CUDA image has (CUDA torch, JAX with
 CUDA, flax, optax) plus jmp and this checkout.
 
-Stages (each with a key for ``--only`` and ``--cap``): the machine (``machine``: versions);
-``parity matmul`` at 1024/4096/8192 in fp32, bf16 and fp16 (``matmul``); the ``gpt2-small`` cell at
-fp32, bf16-mixed and fp16-mixed (``gpt2-fp32`` ...: 30 steps, alternating speed blocks), and
-bf16-mixed again under ``--torch-compile`` (``gpt2-compile``); ``benchmarks/bench_loss_scaled.py``
-against Flax and jmp (``loss-scaled``); jaxamp's test files under ``JAX_PLATFORMS=cuda,cpu``
-(``jaxamp-tests``: the GPU is the default device; the CPU backend is there for host callbacks).
+Stages, most important first (each with a key for ``--only`` and ``--cap``): the machine
+(``machine``: versions); the ``gpt2-small`` cell at fp32, bf16-mixed and fp16-mixed (``gpt2-fp32``
+...: 30 steps, alternating speed blocks); ``benchmarks/bench_loss_scaled.py`` against Flax and jmp
+(``loss-scaled``); jaxamp's test files under ``JAX_PLATFORMS=cuda,cpu`` (``jaxamp-tests``: the GPU
+is the default device; the CPU backend is there for host callbacks); ``parity matmul`` at
+1024/4096/8192 in fp32, bf16 and fp16 (``matmul``); the bf16-mixed cell again under
+``--torch-compile`` (``gpt2-compile``).
 From the cells it reports, per framework, the bf16-mixed/fp32 and fp16-mixed/fp32 step-time
 speed-ups, the JAX/torch figure of each precision (eager and torch.compile), allocator peaks and
 each cell's verdict; from the tests, the counts and the names of any that failed; from the
@@ -115,36 +116,19 @@ def plan(out: Path, *, dry: bool = False, tests: tuple[str, ...] = JAXAMP_TESTS)
     py = sys.executable
     device = "cpu" if dry else "gpu"
     sizes = ["64"] if dry else ["1024", "4096", "8192"]
-    stages = [
-        Stage("machine", (py, "-c", _ENV), 10, key="machine"),
-        Stage(
-            "matmul",
-            (py, "-m", "parity", "matmul", "--device", device, "--sizes", *sizes, "--dtypes")
-            + ("fp32", "bf16", "fp16", "--out", str(out / "matmul"), "--quiet"),
-            30,
-            key="matmul",
-        ),
-    ]
-    caps = {"fp32": 80, "bf16-mixed": 75, "fp16-mixed": 75}
+    # Most important first: a call that runs out of time loses the last stages.
+    stages = [Stage("machine", (py, "-c", _ENV), 10, key="machine")]
+    caps = {"fp32": 90, "bf16-mixed": 85, "fp16-mixed": 85}
     stages += [
         Stage(f"gpt2-small {p}", _cell(out, p, dry=dry), caps[p], _TRACE, key=f"gpt2-{p}")
         for p in PRECISIONS
     ]
     stages.append(
         Stage(
-            "gpt2-small bf16-mixed torch.compile",
-            _cell(out, "bf16-mixed", dry=dry, compiled=True),
-            60,
-            _TRACE,
-            key="gpt2-compile",
-        )
-    )
-    stages.append(
-        Stage(
             "bench_loss_scaled",
             (py, "benchmarks/bench_loss_scaled.py", "--out", str(out / "loss_scaled.json"))
             + ("--variants", *LOSS_SCALED_VARIANTS),
-            70,
+            60,
             (("PYTHONUNBUFFERED", "1"),),
             key="loss-scaled",
         )
@@ -157,9 +141,27 @@ def plan(out: Path, *, dry: bool = False, tests: tuple[str, ...] = JAXAMP_TESTS)
             + ("--strict-markers", "--junitxml", str(out / "jaxamp_tests.xml"))
             + workers
             + tuple(tests),
-            80,
+            70,
             (("JAX_PLATFORMS", "cpu" if dry else "cuda,cpu"),),
             key="jaxamp-tests",
+        )
+    )
+    stages.append(
+        Stage(
+            "matmul",
+            (py, "-m", "parity", "matmul", "--device", device, "--sizes", *sizes, "--dtypes")
+            + ("fp32", "bf16", "fp16", "--out", str(out / "matmul"), "--quiet"),
+            25,
+            key="matmul",
+        )
+    )
+    stages.append(
+        Stage(
+            "gpt2-small bf16-mixed torch.compile",
+            _cell(out, "bf16-mixed", dry=dry, compiled=True),
+            55,
+            _TRACE,
+            key="gpt2-compile",
         )
     )
     return stages
