@@ -332,11 +332,24 @@ def _delayed_quantize(x, dtype, scale, compute_dtype):
     return jnp.clip(scaled, -fmax, fmax).astype(dtype)
 
 
-def _delayed_mm(a, b, a_scale, b_scale, out_dtype, precision):
+def _delayed_mm(a, b, a_scale, b_scale, out_dtype, precision, emulate):
     # Flax's quantized_dot + out_dq: fp8 operands, then the product of the dequant scales.
-    out = lax.dot_general(
-        a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=out_dtype
-    )
+    dn = (((1,), (0,)), ((), ()))
+    if emulate:
+        # fp8 values and their products are exact in float32: a float32 matmul of the fp8 values
+        # is the fp8 hardware's product on any backend. A dot_general of fp8 arrays is not: where
+        # XLA:GPU cannot hand it to cuBLASLt's fp8 GEMM it converts the operands to float16, and
+        # 448 * 448 overflows there (inf outputs from saturated operands).
+        f32 = jnp.float32
+        out = lax.dot_general(
+            a.astype(f32),
+            b.astype(f32),
+            dn,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=f32,
+        )
+    else:
+        out = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=out_dtype)
     return out.astype(out_dtype) * jnp.broadcast_to(
         (a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32)).astype(out_dtype), out.shape
     )
@@ -353,7 +366,7 @@ def _linear_delayed_fwd(x, w, state, rec, out_dtype):
     sw, hw = _delayed_update(w, E4M3, state.kernel_scale, state.kernel_amax_history, rec.margin)
     qx = _delayed_quantize(x, E4M3, sx, cdt)
     qw = _delayed_quantize(w, E4M3, sw, cdt)
-    y = _delayed_mm(qx, qw, sx, sw, out_dtype, lax.Precision.DEFAULT)
+    y = _delayed_mm(qx, qw, sx, sw, out_dtype, lax.Precision.DEFAULT, rec.emulate)
     return y, (qx, qw, sx, sw, hx, hw, state.output_grad_scale, state.output_grad_amax_history)
 
 
@@ -362,8 +375,8 @@ def _linear_delayed_bwd(rec, out_dtype, res, g):
     sg, hg = _delayed_update(g, E5M2, sg_old, hg_old, rec.margin)
     qg = _delayed_quantize(g, E5M2, sg, out_dtype)
     hi = lax.Precision.HIGHEST
-    grad_x = _delayed_mm(qg, qw.T, sw, sg, out_dtype, hi)
-    grad_w = _delayed_mm(qg.T, qx, sx, sg, out_dtype, hi).T
+    grad_x = _delayed_mm(qg, qw.T, sw, sg, out_dtype, hi, rec.emulate)
+    grad_w = _delayed_mm(qg.T, qx, sx, sg, out_dtype, hi, rec.emulate).T
     new_state = DelayedScalingState(hx, hw, hg, sx, sw, sg)
     return grad_x, grad_w, new_state
 

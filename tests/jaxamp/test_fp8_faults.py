@@ -63,11 +63,40 @@ def test_delayed_scales_stay_finite_and_positive(amax, maybe_jit):
     assert bool(jnp.isfinite(out2)) and bool(jnp.all(jnp.isfinite(grad2)))
 
 
+def _dot_operand_dtypes(jaxpr) -> list:
+    """The operand dtypes of every dot_general in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += _dot_operand_dtypes(getattr(sub, "jaxpr", sub))
+    return found
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, TENSORWISE], ids=["delayed", "tensorwise"])
+def test_emulated_matmuls_take_float32_operands(recipe):
+    # emulate=True promises a float32 matmul of the fp8 values. A dot_general of fp8 arrays is
+    # not one: XLA:GPU turns the fp8 dots it cannot give cuBLASLt into float16 dots, where two
+    # saturated e4m3 operands (448 * 448) overflow to inf.
+    x, w = jnp.full((2, 3), 0.5), jnp.full((3, 5), 0.25)
+    f = f8.convert(_matmul, recipe)
+    kwargs = {}
+    if recipe.scaling == "delayed":
+        kwargs["fp8_state"] = f8.init_state(_matmul, recipe, x, w)
+    closed = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x, w, **kwargs))))(x)
+    dots = _dot_operand_dtypes(closed.jaxpr)
+    assert len(dots) == 3, dots  # forward, grad_input, grad_weight
+    assert all(d == ("float32", "float32") for d in dots), dots
+
+
 def test_tiny_amax_clamped_as_torchao():
     """torchao 0.18 float8_utils.amax_to_scale: fp8_max / clamp(amax, 1e-12) in float64, then
     float32; the delayed scale (its reciprocal, Flax's layout) uses the same clamp."""
     torch = pytest.importorskip("torch")
-    from torchao.float8.float8_utils import amax_to_scale as torchao_amax_to_scale
+    torchao_amax_to_scale = pytest.importorskip("torchao.float8.float8_utils").amax_to_scale
 
     x, w = jnp.ones((2, 3)), jnp.ones((3, 5))
     f = f8.convert(_matmul, DELAYED)
