@@ -277,12 +277,14 @@ def test_export_of_a_builtin_pair_checks_pass(tmp_path, capsys):
 @pytest.mark.torch
 def test_export_models_takes_a_batch_stream(tmp_path):
     """`export_models` given a `BatchStream` (as `compare_models` takes one): the golden holds
-    the stream's batches of the steps run and its held-out batches, and checks PASS."""
+    the stream's batches of the steps run and its held-out batches, and checks PASS; a dropout
+    rate only torch has is recorded and named in an informational row."""
     pytest.importorskip("torch")
     from examples.parity_ci.data import CLASSES, FEATURES, make_batches
     from examples.parity_ci.torch_model import reference
     from parity.data import BatchStream
     from parity.golden.export import export_models
+    from parity.verdicts.step0_checks import DROPOUT_CHECK
 
     def sample(rng, batch_size):
         inputs, labels = make_batches(1, batch_size, seed=int(rng.integers(1 << 30)))[0]
@@ -297,7 +299,9 @@ def test_export_models_takes_a_batch_stream(tmp_path):
         input_shape=(FEATURES,),
         num_eval_batches=2,
     )
-    path = export_models(tmp_path / "s.npz", reference(), FLAX_NET, stream, steps=3)
+    torch_model = reference()
+    torch_model.dropout = 0.1  # a rate the port does not have (its forward reads none)
+    path = export_models(tmp_path / "s.npz", torch_model, FLAX_NET, stream, steps=3)
     golden = load_golden(path)
     assert golden.config.steps == 3 and golden.config.eval
     for step in range(3):
@@ -305,3 +309,7 @@ def test_export_models_takes_a_batch_stream(tmp_path):
     assert len(golden.eval_batches()) == 2
     result = check_golden(golden)
     assert result.status == "PASS", result.report()
+    # the rates differ, both turned off: recorded with torch, named by the check, not a failure
+    dropout = [v for v in result.verdicts if v.check == DROPOUT_CHECK]
+    assert [v.mode for v in dropout] == ["informational"], result.report()
+    assert dropout[0].detail.startswith("dropout rates: torch 0.1 (dropout); Flax no dropout")
