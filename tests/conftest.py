@@ -1,5 +1,6 @@
 """Test configuration: 8 host devices, strict dtype promotion, warnings as errors (pyproject)."""
 
+import copy
 import math
 import os
 
@@ -129,10 +130,28 @@ def pytest_terminal_summary(terminalreporter, config):
         tr.write_line(f"{seconds:8.1f}s  {nodeid}")
 
 
-_FAKE_POLICIES = {
-    "fp32": "p=f32,c=f32,o=f32",
-    "bf16-mixed": "p=f32,c=bf16,o=f32",
-    "fp16-mixed": "p=f32,c=f16,o=f32",
+# What a trainer measures beside the losses: versions, the machine, timing and memory.
+_FAKE_HARDWARE = {
+    "cpu": {
+        "model": "cpu",
+        "machine": "x86_64",
+        "flags": ["avx2"],
+        "flags_known": True,
+        "available_cpus": 2,
+        "load_average": [0.5, 0.5, 0.5],
+    },
+    "env": {"OMP_NUM_THREADS": None},
+    "torch": {"version": "2", "cpu_capability": "AVX2", "intra_op_threads": 2},
+    "jax": {"version": "0.0", "devices": ["cpu:0"], "cpu_intra_op_threads": 2},
+    "torch_bf16_emulated": False,
+}
+_FAKE_MEASURED_SUMMARY = {
+    "step_time_median_s": 0.01,
+    "step_time_p10_s": 0.009,
+    "step_time_p90_s": 0.011,
+    "compile_time_s": 0.5,
+    "peak_memory_bytes": 1000,
+    "peak_memory_method": "xla_memory_analysis",
 }
 
 
@@ -150,12 +169,16 @@ def fake_run(
     steps_extra=None,
     model="m",
     config=None,
+    measured=False,
+    summary=None,
 ):
-    """One run record for the verdict tests, valid under the record schema: `losses` per step
-    (None or a non-finite value: a non-finite step), the loss scale and skip decision per step
-    where given, `steps_extra` ({step: fields}) merged into its steps, the cell (`model`,
-    `precision`, cpu), a calibration `variant`, a data seed and `config` fields (``init_scale``,
-    ``growth_interval``...) merged into its ``config``."""
+    """One run record for the verdict, report and CLI tests, valid under the record schema:
+    `losses` per step (None or a non-finite value: a non-finite step), the loss scale and skip
+    decision per step where given, `steps_extra` ({step: fields}) merged into its steps, the cell
+    (`model`, `precision`, cpu), a calibration `variant`, a data seed and `config` fields
+    (``init_scale``, ``growth_interval``...) merged into its ``config``; `measured`: with the versions, machine, step times and memory a
+    trainer records, `summary` fields merged last."""
+    from parity.core.config import RunConfig
     from parity.core.records import validate_run
 
     steps = []
@@ -171,11 +194,12 @@ def fake_run(
         }
         step.update((steps_extra or {}).get(i, {}))
         steps.append(step)
+    nonfinite = [s["step"] for s in steps if not s["loss_finite"]]
     run = {
         "framework": framework,
         "model": model,
         "precision": precision,
-        "policy": _FAKE_POLICIES[precision],
+        "policy": str(RunConfig(precision=precision).policy),
         "device": "cpu",
         "status": "completed",
         "seed": 0,
@@ -187,9 +211,18 @@ def fake_run(
             "eval_metric": eval_metric,
             "eval_metric_name": "accuracy",
             "skipped_steps": sum(bool(s["skipped"]) for s in steps),
-            "diverged": any(not s["loss_finite"] for s in steps),
+            "diverged": bool(nonfinite),
         },
     }
+    if measured:
+        run["versions"] = {"jax": "0.0", "python": "3"}
+        run["hardware"] = copy.deepcopy(_FAKE_HARDWARE)
+        run["summary"].update(
+            _FAKE_MEASURED_SUMMARY,
+            steps_completed=len(steps),
+            first_nonfinite_step=nonfinite[0] if nonfinite else None,
+        )
+    run["summary"].update(summary or {})
     if framework == "torch":
         run["torch_mode"] = torch_mode
     validate_run(run)

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from conftest import fake_run  # noqa: E402
+
 from parity import cell  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
 from parity.core.records import load_results, merge_runs, write_json_atomic  # noqa: E402
@@ -23,40 +25,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_run(framework, precision="fp32", losses=(2.0, 1.5, 1.0), scales=None, mode="eager"):
-    steps = [
-        {
-            "step": i,
-            "loss": loss,
-            "loss_finite": loss is not None,
-            "loss_scale": None if scales is None else scales[i],
-            "skipped": bool(scales) and i + 1 < len(scales) and scales[i + 1] < scales[i],
-            "time_s": 0.01,
-        }
-        for i, loss in enumerate(losses)
-    ]
-    run = {
-        "framework": framework,
-        "model": "mlp",
-        "precision": precision,
-        "device": "cpu",
-        "versions": {},
-        "config": {},
-        "steps": steps,
-        "summary": {
-            "step_time_median_s": 0.01,
-            "compile_time_s": None,
-            "peak_memory_bytes": 1000,
-            "peak_memory_method": "xla_memory_analysis",
-            "final_loss": losses[-1],
-            "eval_metric": None,
-            "skipped_steps": sum(s["skipped"] for s in steps),
-            "diverged": any(x is None for x in losses),
-            "first_nonfinite_step": next((i for i, x in enumerate(losses) if x is None), None),
-        },
-    }
-    if framework == "torch":
-        run["torch_mode"] = mode
-    return run
+    """A measured mlp run record; a step is skipped where the scale drops after it."""
+    skips = (
+        None
+        if scales is None
+        else [i + 1 < len(scales) and scales[i + 1] < scales[i] for i in range(len(scales))]
+    )
+    return fake_run(
+        framework,
+        losses,
+        precision,
+        scales=scales,
+        skips=skips,
+        torch_mode=mode,
+        model="mlp",
+        measured=True,
+        summary={"compile_time_s": None},
+    )
 
 
 @pytest.mark.integration
@@ -243,34 +228,7 @@ def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
 
 
 def _synthetic(framework, precision="fp32", losses=(2.3, 2.0, 1.8), scales=None, skipped=None):
-    steps = [
-        {
-            "step": i,
-            "loss": loss,
-            "loss_finite": loss is not None,
-            "loss_scale": None if scales is None else scales[i],
-            "skipped": bool(skipped and skipped[i]),
-            "time_s": 0.01,
-        }
-        for i, loss in enumerate(losses)
-    ]
-    run = {
-        "framework": framework,
-        "model": "mlp",
-        "precision": precision,
-        "device": "cpu",
-        "config": {},
-        "steps": steps,
-        "summary": {
-            "final_loss": losses[-1] if losses else None,
-            "eval_metric": None,
-            "skipped_steps": sum(s["skipped"] for s in steps),
-            "diverged": any(x is None for x in losses),
-        },
-    }
-    if framework == "torch":
-        run["torch_mode"] = "eager"
-    return run
+    return fake_run(framework, losses, precision, scales=scales, skips=skipped, model="mlp")
 
 
 @pytest.mark.parametrize(

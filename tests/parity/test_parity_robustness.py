@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
+from conftest import fake_run  # noqa: E402
+
 from parity import cell  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
 from parity.core.config import RunConfig  # noqa: E402
@@ -42,63 +44,20 @@ def _no_plots(monkeypatch):
     monkeypatch.setattr(report, "_draw_plots", lambda runs, out: ([], []))
 
 
-def _run(framework, precision="fp32", losses=(2.3, 2.0, 1.8), scales=None, **config):
-    steps = [
-        {
-            "step": i,
-            "loss": loss,
-            "loss_finite": loss is not None,
-            "loss_scale": None if scales is None else scales[i],
-            "skipped": False,
-            "time_s": 0.01,
-        }
-        for i, loss in enumerate(losses)
-    ]
-    run = {
-        "framework": framework,
-        "model": "mlp",
-        "precision": precision,
-        "device": "cpu",
-        "status": "completed",
-        "seed": 0,
-        "variant": "",
-        "policy": str(RunConfig(precision=precision).policy),
-        "versions": {"jax": "0.0", "python": "3"},
-        "hardware": {
-            "cpu": {
-                "model": "cpu",
-                "machine": "x86_64",
-                "flags": ["avx2"],
-                "flags_known": True,
-                "available_cpus": 2,
-                "load_average": [0.5, 0.5, 0.5],
-            },
-            "env": {"OMP_NUM_THREADS": None},
-            "torch": {"version": "2", "cpu_capability": "AVX2", "intra_op_threads": 2},
-            "jax": {"version": "0.0", "devices": ["cpu:0"], "cpu_intra_op_threads": 2},
-            "torch_bf16_emulated": False,
-        },
-        "config": {"precision": precision, "steps": len(losses), **config},
-        "steps": steps,
-        "summary": {
-            "step_time_median_s": 0.01,
-            "step_time_p10_s": 0.009,
-            "step_time_p90_s": 0.011,
-            "compile_time_s": 0.5,
-            "peak_memory_bytes": 1000,
-            "peak_memory_method": "xla_memory_analysis",
-            "final_loss": losses[-1],
-            "eval_metric": 0.5,
-            "eval_metric_name": "accuracy",
-            "skipped_steps": 0,
-            "steps_completed": len(losses),
-            "diverged": False,
-            "first_nonfinite_step": None,
-        },
-    }
-    if framework == "torch":
-        run["torch_mode"] = "eager"
-    return run
+def _run(framework, precision="fp32", losses=(2.3, 2.0, 1.8), scales=None, skips=None, **config):
+    """A measured mlp run record whose configuration holds `config`'s trajectory settings."""
+    config = {"precision": precision, "steps": len(losses), **config}
+    return fake_run(
+        framework,
+        losses,
+        precision,
+        scales=scales,
+        skips=skips,
+        model="mlp",
+        eval_metric=0.5,
+        config=config,
+        measured=True,
+    )
 
 
 def _step0(passed=True):
@@ -383,11 +342,8 @@ def test_compare_refuses_a_malformed_file_in_one_line(tmp_path, capsys, case, ex
 def test_a_scale_torch_underflowed_to_zero_is_recorded_and_judged(tmp_path, capsys):
     # GradScaler has no floor: ~165 backoffs reach 0, and every step at 0 skips. That run is a
     # finding (jaxamp's scale never reaches 0), not a malformed file.
-    scales = [2.0**-149, 0.0, 0.0]
-    torch_run, jax_run = (_run(fw, "fp16-mixed", scales=scales) for fw in ("torch", "jax"))
-    for step in torch_run["steps"][1:]:
-        step["skipped"] = True
-    jax_run["steps"][1]["loss_scale"] = jax_run["steps"][2]["loss_scale"] = 2.0**-149
+    torch_run = _run("torch", "fp16-mixed", scales=[2.0**-149, 0.0, 0.0], skips=[0, 1, 1])
+    jax_run = _run("jax", "fp16-mixed", scales=[2.0**-149] * 3)
     code, out, err = _compare(tmp_path, [torch_run, jax_run], capsys)
     assert code == 1 and not err and "loss-scale trajectory" in out
 
