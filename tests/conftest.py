@@ -176,8 +176,8 @@ def fake_run(
     `losses` per step (None or a non-finite value: a non-finite step), the loss scale and skip
     decision per step where given, `steps_extra` ({step: fields}) merged into its steps, the cell
     (`model`, `precision`, cpu), a calibration `variant`, a data seed and `config` fields
-    (``init_scale``, ``growth_interval``...) merged into its ``config``; `measured`: with the versions, machine, step times and memory a
-    trainer records, `summary` fields merged last."""
+    (``init_scale``, ``growth_interval``...) merged into its ``config``; `measured`: with the
+    versions, machine, step times and memory a trainer records; `summary` fields merged last."""
     from parity.core.config import RunConfig
     from parity.core.records import validate_run
 
