@@ -1,6 +1,8 @@
 """Layer-level weight transfer between torch modules and Flax linen parameter dicts.
 
-Each layer type has a pair of functions:
+Each layer type has a pair of functions, each the layer's layout in `parity.pairs.layer_entries`
+(written once there: the built-in models' and the automatic mappings are made of the same
+entries) applied to the layer alone:
 
 - ``<layer>_to_flax(torch_layer) -> dict``: the Flax parameter subtree (float32 ``jnp`` arrays) for the
   matching ``flax.linen`` layer, e.g. ``{"kernel": ..., "bias": ...}`` for ``nn.Dense``;
@@ -51,15 +53,30 @@ import numpy as np
 import torch
 from torch import nn
 
-# The automatic mapping is part of this module's public face (`parity.transfer.auto`); it lives in
-# parity.automap, beside the layer layouts it builds on (parity.pairs.layer_entries).
-from parity.automap import TransferError, auto, explain, validate_variables
-from parity.pairs.layer_entries import LSTM_GATES
+# The automatic mapping's one public address is this module (`parity.transfer.auto`); its
+# implementation is the package parity.automap, beside the layer layouts it builds on
+# (parity.pairs.layer_entries).
+from parity.automap.core import auto
+from parity.automap.explain import explain, format_explanation
+from parity.automap.units import TransferError
+from parity.automap.validate import validate_variables
+from parity.pairs.layer_entries import (
+    LSTM_GATES,
+    attention_entries,
+    conv_entries,
+    embedding_entries,
+    linear_entries,
+    lstm_cell_entries,
+    norm_entries,
+    torch_lstm_entries,
+)
+from parity.pairs.mapping import MappingEntry, MappingError, WeightMapping
 
 __all__ = [
     "TransferError",
     "auto",
     "explain",
+    "format_explanation",
     "validate_variables",
     "attention_from_flax",
     "attention_to_flax",
@@ -130,15 +147,29 @@ def _get(params: Mapping[str, Any], key: str, function: str) -> Any:
         ) from None
 
 
-def _chw_permutation(input_chw: tuple[int, int, int]) -> np.ndarray:
-    """Index map: position j in an HWC-flattened vector holds CHW-flattened feature perm[j]."""
-    channels, height, width = input_chw
-    return (
-        np.arange(channels * height * width)
-        .reshape(channels, height, width)
-        .transpose(1, 2, 0)
-        .ravel()
-    )
+# Every layout below is the layer's entries in `parity.pairs.layer_entries` (the same entries the
+# built-in models' and the automatic mappings are made of), applied through a `WeightMapping` to
+# the layer alone: this module checks what the layer must be and what the caller passed.
+
+
+def _to_flax(entries: list[MappingEntry], torch_layer: nn.Module) -> dict[str, Any]:
+    """The layer's Flax variables (``{"params": ..., "batch_stats": ...}``, float32)."""
+    return WeightMapping(tuple(entries)).to_flax(torch_layer)
+
+
+def _from_flax(
+    entries: list[MappingEntry], variables: Mapping[str, Any], torch_layer: nn.Module, function: str
+) -> None:
+    """Copies `variables` (``{"params": the layer's subtree, ...}``) into `torch_layer` in place,
+    naming a missing entry or a shape that does not fit as the layer function `function`."""
+    for entry in entries:
+        node = variables
+        for key in entry.flax_path:
+            node = _get(node, key, function)
+    try:
+        WeightMapping(tuple(entries)).to_torch(variables, torch_layer)
+    except MappingError as e:
+        raise ValueError(f"{function}: {e}") from None
 
 
 # --- Linear / Dense ------------------------------------------------------------------------------
@@ -155,14 +186,9 @@ def linear_to_flax(
         counterpart is a flattened NHWC map; the kernel rows are permuted to HWC order.
     """
     _check_type(torch_layer, nn.Linear, "linear_to_flax")
-    kernel = to_numpy(torch_layer.weight).T
     if input_chw is not None:
-        _check_chw(input_chw, kernel.shape[0], "linear_to_flax")
-        kernel = kernel[_chw_permutation(input_chw)]
-    params = {"kernel": jnp.asarray(kernel, dtype=jnp.float32)}
-    if torch_layer.bias is not None:
-        params["bias"] = to_jax(torch_layer.bias)
-    return params
+        _check_chw(input_chw, torch_layer.in_features, "linear_to_flax")
+    return _to_flax(linear_entries("", (), torch_layer, input_chw=input_chw), torch_layer)["params"]
 
 
 def linear_from_flax(
@@ -173,17 +199,10 @@ def linear_from_flax(
 ) -> None:
     """``flax.linen.Dense`` params -> ``nn.Linear`` in place (inverse of ``linear_to_flax``)."""
     _check_type(torch_layer, nn.Linear, "linear_from_flax")
-    kernel = _as_float32(_get(params, "kernel", "linear_from_flax"))
     if input_chw is not None:
-        _check_chw(input_chw, kernel.shape[0], "linear_from_flax")
-        inverse = np.empty_like(perm := _chw_permutation(input_chw))
-        inverse[perm] = np.arange(perm.size)
-        kernel = kernel[inverse]
-    _copy_into(torch_layer.weight, kernel.T, "linear_from_flax kernel")
-    if torch_layer.bias is not None:
-        _copy_into(
-            torch_layer.bias, _get(params, "bias", "linear_from_flax"), "linear_from_flax bias"
-        )
+        _check_chw(input_chw, torch_layer.in_features, "linear_from_flax")
+    entries = linear_entries("", (), torch_layer, input_chw=input_chw)
+    _from_flax(entries, {"params": params}, torch_layer, "linear_from_flax")
 
 
 def _check_chw(input_chw: Any, features: int, function: str) -> None:
@@ -201,58 +220,63 @@ def _check_chw(input_chw: Any, features: int, function: str) -> None:
 # --- Conv -------------------------------------------------------------------------------------
 
 
+def _check_conv(torch_layer: nn.Conv2d, function: str) -> None:
+    _check_type(torch_layer, nn.Conv2d, function)
+    if torch_layer.groups != 1:
+        raise ValueError(f"{function}: `groups` must be 1, got {torch_layer.groups}.")
+
+
 def conv_to_flax(torch_layer: nn.Conv2d) -> dict[str, jax.Array]:
     """``nn.Conv2d`` (OIHW) -> ``flax.linen.Conv`` params (HWIO). Groups and dilation must be 1."""
-    _check_type(torch_layer, nn.Conv2d, "conv_to_flax")
-    if torch_layer.groups != 1:
-        raise ValueError(f"conv_to_flax: `groups` must be 1, got {torch_layer.groups}.")
-    params = {"kernel": jnp.asarray(to_numpy(torch_layer.weight).transpose(2, 3, 1, 0))}
-    if torch_layer.bias is not None:
-        params["bias"] = to_jax(torch_layer.bias)
-    return params
+    _check_conv(torch_layer, "conv_to_flax")
+    return _to_flax(conv_entries("", (), torch_layer), torch_layer)["params"]
 
 
 def conv_from_flax(params: Mapping[str, Any], torch_layer: nn.Conv2d) -> None:
     """``flax.linen.Conv`` params (HWIO) -> ``nn.Conv2d`` (OIHW) in place."""
-    _check_type(torch_layer, nn.Conv2d, "conv_from_flax")
-    kernel = _as_float32(_get(params, "kernel", "conv_from_flax"))
+    _check_conv(torch_layer, "conv_from_flax")
+    kernel = np.asarray(_get(params, "kernel", "conv_from_flax"))
     if kernel.ndim != 4:
         raise ValueError(f"conv_from_flax: kernel must be 4-D HWIO, got shape {kernel.shape}.")
-    _copy_into(torch_layer.weight, kernel.transpose(3, 2, 0, 1), "conv_from_flax kernel")
-    if torch_layer.bias is not None:
-        _copy_into(torch_layer.bias, _get(params, "bias", "conv_from_flax"), "conv_from_flax bias")
+    _from_flax(conv_entries("", (), torch_layer), {"params": params}, torch_layer, "conv_from_flax")
 
 
 # --- LayerNorm --------------------------------------------------------------------------------
 
 
+def _check_layernorm(torch_layer: nn.LayerNorm, function: str) -> None:
+    _check_type(torch_layer, nn.LayerNorm, function)
+    if len(torch_layer.normalized_shape) != 1:
+        raise ValueError(
+            f"{function}: only a 1-D `normalized_shape` (the last axis) is supported, got "
+            f"{tuple(torch_layer.normalized_shape)}."
+        )
+
+
 def layernorm_to_flax(torch_layer: nn.LayerNorm) -> dict[str, jax.Array]:
     """``nn.LayerNorm`` -> ``flax.linen.LayerNorm`` params. Build the Flax layer with
     ``epsilon=torch_layer.eps`` (torch 1e-5; Flax defaults to 1e-6) and ``use_fast_variance=False``."""
-    _check_type(torch_layer, nn.LayerNorm, "layernorm_to_flax")
-    if len(torch_layer.normalized_shape) != 1:
-        raise ValueError(
-            "layernorm_to_flax: only a 1-D `normalized_shape` (the last axis) is supported, got "
-            f"{tuple(torch_layer.normalized_shape)}."
-        )
-    params = {}
-    if torch_layer.weight is not None:
-        params["scale"] = to_jax(torch_layer.weight)
-    if torch_layer.bias is not None:
-        params["bias"] = to_jax(torch_layer.bias)
-    return params
+    _check_layernorm(torch_layer, "layernorm_to_flax")
+    return _to_flax(norm_entries("", (), torch_layer), torch_layer).get("params", {})
 
 
 def layernorm_from_flax(params: Mapping[str, Any], torch_layer: nn.LayerNorm) -> None:
     """``flax.linen.LayerNorm`` params -> ``nn.LayerNorm`` in place."""
     _check_type(torch_layer, nn.LayerNorm, "layernorm_from_flax")
-    if torch_layer.weight is not None:
-        _copy_into(torch_layer.weight, _get(params, "scale", "layernorm_from_flax"), "scale")
-    if torch_layer.bias is not None:
-        _copy_into(torch_layer.bias, _get(params, "bias", "layernorm_from_flax"), "bias")
+    entries = norm_entries("", (), torch_layer)
+    _from_flax(entries, {"params": params}, torch_layer, "layernorm_from_flax")
 
 
 # --- BatchNorm --------------------------------------------------------------------------------
+
+
+def _check_batchnorm(torch_layer: nn.BatchNorm1d | nn.BatchNorm2d, function: str) -> None:
+    _check_type(torch_layer, (nn.BatchNorm1d, nn.BatchNorm2d), function)
+    if torch_layer.running_mean is None or torch_layer.running_var is None:
+        raise ValueError(
+            f"{function}: the torch layer has no running statistics "
+            "(track_running_stats=False); Flax BatchNorm needs them."
+        )
 
 
 def batchnorm_to_flax(
@@ -269,17 +293,9 @@ def batchnorm_to_flax(
     biased one, so running variances drift apart. ``parity.twins.layers.TorchBatchNorm`` matches
     torch exactly and uses the same parameter names.
     """
-    _check_type(torch_layer, (nn.BatchNorm1d, nn.BatchNorm2d), "batchnorm_to_flax")
-    params = {}
-    if torch_layer.affine:
-        params = {"scale": to_jax(torch_layer.weight), "bias": to_jax(torch_layer.bias)}
-    if torch_layer.running_mean is None or torch_layer.running_var is None:
-        raise ValueError(
-            "batchnorm_to_flax: the torch layer has no running statistics "
-            "(track_running_stats=False); Flax BatchNorm needs them."
-        )
-    stats = {"mean": to_jax(torch_layer.running_mean), "var": to_jax(torch_layer.running_var)}
-    return params, stats
+    _check_batchnorm(torch_layer, "batchnorm_to_flax")
+    variables = _to_flax(norm_entries("", (), torch_layer), torch_layer)
+    return variables.get("params", {}), variables["batch_stats"]
 
 
 def batchnorm_from_flax(
@@ -289,14 +305,9 @@ def batchnorm_from_flax(
 ) -> None:
     """``flax.linen.BatchNorm`` params and batch_stats -> ``nn.BatchNorm{1,2}d`` in place."""
     _check_type(torch_layer, (nn.BatchNorm1d, nn.BatchNorm2d), "batchnorm_from_flax")
-    if torch_layer.affine:
-        _copy_into(torch_layer.weight, _get(params, "scale", "batchnorm_from_flax"), "scale")
-        _copy_into(torch_layer.bias, _get(params, "bias", "batchnorm_from_flax"), "bias")
-    if torch_layer.running_mean is not None and torch_layer.running_var is not None:
-        _copy_into(
-            torch_layer.running_mean, _get(batch_stats, "mean", "batchnorm_from_flax"), "mean"
-        )
-        _copy_into(torch_layer.running_var, _get(batch_stats, "var", "batchnorm_from_flax"), "var")
+    entries = norm_entries("", (), torch_layer)
+    variables = {"params": params, "batch_stats": batch_stats}
+    _from_flax(entries, variables, torch_layer, "batchnorm_from_flax")
 
 
 # --- Embedding --------------------------------------------------------------------------------
@@ -305,13 +316,14 @@ def batchnorm_from_flax(
 def embedding_to_flax(torch_layer: nn.Embedding) -> dict[str, jax.Array]:
     """``nn.Embedding`` -> ``flax.linen.Embed`` params (same layout)."""
     _check_type(torch_layer, nn.Embedding, "embedding_to_flax")
-    return {"embedding": to_jax(torch_layer.weight)}
+    return _to_flax(embedding_entries("", (), torch_layer), torch_layer)["params"]
 
 
 def embedding_from_flax(params: Mapping[str, Any], torch_layer: nn.Embedding) -> None:
     """``flax.linen.Embed`` params -> ``nn.Embedding`` in place."""
     _check_type(torch_layer, nn.Embedding, "embedding_from_flax")
-    _copy_into(torch_layer.weight, _get(params, "embedding", "embedding_from_flax"), "embedding")
+    entries = embedding_entries("", (), torch_layer)
+    _from_flax(entries, {"params": params}, torch_layer, "embedding_from_flax")
 
 
 # --- LSTM -------------------------------------------------------------------------------------
@@ -335,48 +347,41 @@ def lstm_to_flax(torch_layer: nn.LSTM, *, layer: int = 0) -> dict[str, dict[str,
 
     torch stacks the gates as rows ``i, f, g, o`` of ``weight_ih_l{layer}`` (4H, in) and
     ``weight_hh_l{layer}`` (4H, H); Flax has one Dense per gate: ``i{gate}`` (input, no bias) and
-    ``h{gate}`` (hidden, with bias). The two torch biases are summed into ``h{gate}.bias``. Both
-    start from a zero carry and compute ``c' = f*c + i*g``, ``h' = o*tanh(c')``.
+    ``h{gate}`` (hidden, with bias). The two torch biases are summed into ``h{gate}.bias`` (zeros
+    where torch's ``bias=False``). Both start from a zero carry and compute ``c' = f*c + i*g``,
+    ``h' = o*tanh(c')``.
     """
     _check_lstm(torch_layer, layer, "lstm_to_flax")
-    hidden = torch_layer.hidden_size
-    w_ih = to_numpy(getattr(torch_layer, f"weight_ih_l{layer}"))
-    w_hh = to_numpy(getattr(torch_layer, f"weight_hh_l{layer}"))
-    bias = np.zeros((4 * hidden,), np.float32)
-    if torch_layer.bias:
-        bias = to_numpy(getattr(torch_layer, f"bias_ih_l{layer}")) + to_numpy(
-            getattr(torch_layer, f"bias_hh_l{layer}")
-        )
-    params: dict[str, dict[str, jax.Array]] = {}
-    for index, gate in enumerate(LSTM_GATES):
-        rows = slice(index * hidden, (index + 1) * hidden)
-        params[f"i{gate}"] = {"kernel": jnp.asarray(w_ih[rows].T)}
-        params[f"h{gate}"] = {"kernel": jnp.asarray(w_hh[rows].T), "bias": jnp.asarray(bias[rows])}
+    params = _to_flax(lstm_cell_entries("", (), torch_layer, layer=layer), torch_layer)["params"]
+    if not torch_layer.bias:  # a Flax cell always has its hidden biases
+        zeros = jnp.zeros((torch_layer.hidden_size,), jnp.float32)
+        params = {
+            name: {**dense, "bias": zeros} if name[0] == "h" else dense
+            for name, dense in params.items()
+        }
     return params
 
 
 def lstm_from_flax(params: Mapping[str, Any], torch_layer: nn.LSTM, *, layer: int = 0) -> None:
-    """Flax LSTM cell params -> one layer of ``nn.LSTM`` in place (bias into ``bias_hh``)."""
-    _check_lstm(torch_layer, layer, "lstm_from_flax")
-    w_ih, w_hh, bias = [], [], []
-    for gate in LSTM_GATES:
-        w_ih.append(
-            _as_float32(
-                _get(_get(params, f"i{gate}", "lstm_from_flax"), "kernel", "lstm_from_flax")
-            ).T
-        )
-        hidden_dense = _get(params, f"h{gate}", "lstm_from_flax")
-        w_hh.append(_as_float32(_get(hidden_dense, "kernel", "lstm_from_flax")).T)
-        bias.append(_as_float32(_get(hidden_dense, "bias", "lstm_from_flax")))
-    _copy_into(getattr(torch_layer, f"weight_ih_l{layer}"), np.concatenate(w_ih), "weight_ih")
-    _copy_into(getattr(torch_layer, f"weight_hh_l{layer}"), np.concatenate(w_hh), "weight_hh")
+    """Flax LSTM cell params -> one layer of ``nn.LSTM`` in place (the summed bias into
+    ``bias_hh``, ``bias_ih`` zeroed: their sum is what the Flax cell holds)."""
+    function = "lstm_from_flax"
+    _check_lstm(torch_layer, layer, function)
+    entries = lstm_cell_entries("", (), torch_layer, layer=layer)
+    weights = [e for e in entries if not e.torch_name.startswith("bias")]
+    _from_flax(weights, {"params": params}, torch_layer, function)
+    bias = np.concatenate(
+        [
+            _as_float32(_get(_get(params, f"h{gate}", function), "bias", function))
+            for gate in LSTM_GATES
+        ]
+    )
     if torch_layer.bias:
-        b_hh = np.concatenate(bias)
-        _copy_into(getattr(torch_layer, f"bias_hh_l{layer}"), b_hh, "bias_hh")
-        _copy_into(getattr(torch_layer, f"bias_ih_l{layer}"), np.zeros_like(b_hh), "bias_ih")
-    elif np.any(np.concatenate(bias) != 0):
+        _copy_into(getattr(torch_layer, f"bias_hh_l{layer}"), bias, "bias_hh")
+        _copy_into(getattr(torch_layer, f"bias_ih_l{layer}"), np.zeros_like(bias), "bias_ih")
+    elif np.any(bias != 0):
         raise ValueError(
-            "lstm_from_flax: the torch LSTM has bias=False but the Flax biases are non-zero."
+            f"{function}: the torch LSTM has bias=False but the Flax biases are non-zero."
         )
 
 
@@ -388,14 +393,8 @@ def torch_lstm_to_flax(torch_layer: nn.LSTM, *, layer: int = 0) -> dict[str, jax
     with ``use_bias=False`` then). Gate order ``i, f, g, o`` in both.
     """
     _check_lstm(torch_layer, layer, "torch_lstm_to_flax")
-    params = {
-        "kernel_ih": jnp.asarray(to_numpy(getattr(torch_layer, f"weight_ih_l{layer}")).T),
-        "kernel_hh": jnp.asarray(to_numpy(getattr(torch_layer, f"weight_hh_l{layer}")).T),
-    }
-    if torch_layer.bias:
-        params["bias_ih"] = to_jax(getattr(torch_layer, f"bias_ih_l{layer}"))
-        params["bias_hh"] = to_jax(getattr(torch_layer, f"bias_hh_l{layer}"))
-    return params
+    entries = torch_lstm_entries("", (), torch_layer, layer=layer)
+    return _to_flax(entries, torch_layer)["params"]
 
 
 def torch_lstm_from_flax(
@@ -404,31 +403,23 @@ def torch_lstm_from_flax(
     """``parity.twins.layers.TorchLSTM`` params -> one layer of ``nn.LSTM`` in place."""
     function = "torch_lstm_from_flax"
     _check_lstm(torch_layer, layer, function)
-    for name in ("ih", "hh"):
-        kernel = _as_float32(_get(params, f"kernel_{name}", function)).T
-        _copy_into(getattr(torch_layer, f"weight_{name}_l{layer}"), kernel, f"weight_{name}")
-    has_bias = "bias_ih" in params or "bias_hh" in params
-    if torch_layer.bias:
-        for name in ("ih", "hh"):
-            bias = _get(params, f"bias_{name}", function)
-            _copy_into(getattr(torch_layer, f"bias_{name}_l{layer}"), bias, f"bias_{name}")
-    elif has_bias:
+    if not torch_layer.bias and ("bias_ih" in params or "bias_hh" in params):
         raise ValueError(
             f"{function}: the torch LSTM has bias=False but the Flax params have biases."
         )
+    entries = torch_lstm_entries("", (), torch_layer, layer=layer)
+    _from_flax(entries, {"params": params}, torch_layer, function)
 
 
 # --- Multi-head attention ---------------------------------------------------------------------
 
 
-def _check_attention(torch_layer: nn.MultiheadAttention, function: str) -> tuple[int, int, int]:
+def _check_attention(torch_layer: nn.MultiheadAttention, function: str) -> None:
     _check_type(torch_layer, nn.MultiheadAttention, function)
     if not torch_layer._qkv_same_embed_dim or torch_layer.in_proj_weight is None:
         raise ValueError(f"{function}: kdim/vdim different from embed_dim are not supported.")
     if torch_layer.bias_k is not None or torch_layer.add_zero_attn:
         raise ValueError(f"{function}: add_bias_kv and add_zero_attn are not supported.")
-    embed, heads = torch_layer.embed_dim, torch_layer.num_heads
-    return embed, heads, embed // heads
 
 
 def attention_to_flax(torch_layer: nn.MultiheadAttention) -> dict[str, dict[str, jax.Array]]:
@@ -437,40 +428,12 @@ def attention_to_flax(torch_layer: nn.MultiheadAttention) -> dict[str, dict[str,
     Build the Flax layer with the same ``num_heads``, ``qkv_features = out_features = embed_dim``
     and ``use_bias`` as torch's ``bias``. Both scale queries by ``1/sqrt(head_dim)``.
     """
-    embed, heads, head_dim = _check_attention(torch_layer, "attention_to_flax")
-    weight = to_numpy(torch_layer.in_proj_weight)  # rows: q, k, v
-    bias = None if torch_layer.in_proj_bias is None else to_numpy(torch_layer.in_proj_bias)
-    params: dict[str, dict[str, jax.Array]] = {}
-    for index, name in enumerate(("query", "key", "value")):
-        rows = slice(index * embed, (index + 1) * embed)
-        params[name] = {"kernel": jnp.asarray(weight[rows].T.reshape(embed, heads, head_dim))}
-        if bias is not None:
-            params[name]["bias"] = jnp.asarray(bias[rows].reshape(heads, head_dim))
-    out = torch_layer.out_proj
-    params["out"] = {"kernel": jnp.asarray(to_numpy(out.weight).T.reshape(heads, head_dim, embed))}
-    if out.bias is not None:
-        params["out"]["bias"] = to_jax(out.bias)
-    return params
+    _check_attention(torch_layer, "attention_to_flax")
+    return _to_flax(attention_entries("", (), torch_layer), torch_layer)["params"]
 
 
 def attention_from_flax(params: Mapping[str, Any], torch_layer: nn.MultiheadAttention) -> None:
     """``flax.linen.MultiHeadDotProductAttention`` params -> ``nn.MultiheadAttention`` in place."""
-    embed, _, _ = _check_attention(torch_layer, "attention_from_flax")
-    weights, biases = [], []
-    for name in ("query", "key", "value"):
-        dense = _get(params, name, "attention_from_flax")
-        weights.append(
-            _as_float32(_get(dense, "kernel", "attention_from_flax")).reshape(embed, embed).T
-        )
-        if torch_layer.in_proj_bias is not None:
-            biases.append(_as_float32(_get(dense, "bias", "attention_from_flax")).reshape(embed))
-    _copy_into(torch_layer.in_proj_weight, np.concatenate(weights), "in_proj_weight")
-    if torch_layer.in_proj_bias is not None:
-        _copy_into(torch_layer.in_proj_bias, np.concatenate(biases), "in_proj_bias")
-    out = _get(params, "out", "attention_from_flax")
-    kernel = _as_float32(_get(out, "kernel", "attention_from_flax")).reshape(embed, embed)
-    _copy_into(torch_layer.out_proj.weight, kernel.T, "out_proj.weight")
-    if torch_layer.out_proj.bias is not None:
-        _copy_into(
-            torch_layer.out_proj.bias, _get(out, "bias", "attention_from_flax"), "out_proj.bias"
-        )
+    _check_attention(torch_layer, "attention_from_flax")
+    entries = attention_entries("", (), torch_layer)
+    _from_flax(entries, {"params": params}, torch_layer, "attention_from_flax")

@@ -9,8 +9,10 @@
 Models: ``mlp``, ``mlp_nnx`` (``mlp`` with a Flax NNX module), ``cnn``, ``cnn_bn`` (``cnn`` with BatchNorm after each conv), ``lstm``,
 ``transformer``, ``resnet`` (BasicBlocks with BatchNorm; ``wrong_port="padding"`` or
 ``"bn_variance"`` builds a deliberately wrong Flax twin). Images are NHWC in the data and for Flax; ``torch_forward`` permutes to NCHW for
-convolutional torch models. Bring your own model by building a :class:`ModelPair` directly (see its
-docstring) with transfer functions from :mod:`parity.transfer`.
+convolutional torch models. Each built-in model declares its weight layouts once, as a
+`parity.pairs.mapping.WeightMapping` (its module's ``mapping(model, config)``); the pair moves
+weights both ways through it. Bring your own model by building a :class:`ModelPair` directly (see
+its docstring) with a mapping (`parity.transfer.auto` finds one) or transfer functions.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from parity.automap import auto
 from parity.core.losses import check_task
 from parity.data import BatchStream, DataSpec, text_stream
 from parity.models import cnn, lstm, mlp, mlp_nnx, resnet, transformer
@@ -98,15 +99,19 @@ class ModelPair:
     """A torch model and its Flax twin, with weight transfer, forward passes and data.
 
     The first five fields are the public description; the rest say how to move weights and feed
-    data, so a user can build a pair for their own models::
+    data, so a user can build a pair for their own models, with a weight mapping (both
+    directions go through it)::
 
         pair = ModelPair(
             name="mine", task="classification", torch_model=MyTorch(), flax_model=MyFlax(),
             config={"hidden": 64},
-            to_flax=lambda m: {"params": {"fc": transfer.linear_to_flax(m.fc)}},
-            from_flax=lambda v, m: transfer.linear_from_flax(v["params"]["fc"], m.fc),
+            mapping=transfer.auto(MyTorch(), flax_variables),
             data=lambda seed, batch_size: synthetic_images(seed, batch_size),
         )
+
+    or with transfer functions of their own (``to_flax=lambda m: {"params": {"fc":
+    transfer.linear_to_flax(m.fc)}}``, ``from_flax=lambda v, m:
+    transfer.linear_from_flax(v["params"]["fc"], m.fc)``).
 
     Attributes:
       name: model name.
@@ -117,8 +122,9 @@ class ModelPair:
         ``flax_model.clone(dtype=..., param_dtype=...)`` (or the ``dtype``/``param_dtype`` arguments
         of ``get_model_pair``) for a low-precision build.
       config: architecture hyperparameters (JSON-serialisable).
-      to_flax: ``torch_module -> flax variables``.
-      from_flax: ``(flax variables, torch_module) -> None``, in place.
+      to_flax: ``torch_module -> flax variables`` (default: ``mapping.to_flax``).
+      from_flax: ``(flax variables, torch_module) -> None``, in place (default:
+        ``mapping.to_torch``).
       data: ``(seed, batch_size) -> BatchStream``, or None if the pair has no default data.
       torch_channels_first: ``torch_forward`` permutes 4-D NHWC inputs to NCHW.
       mapping: the `parity.pairs.mapping.WeightMapping` between ``torch_model.state_dict()`` and the Flax
@@ -145,10 +151,15 @@ class ModelPair:
 
     def __post_init__(self):
         check_task(self.task)
+        if self.mapping is not None:  # the layouts, declared once: both directions go through it
+            if self.to_flax is None:
+                self.to_flax = self.mapping.to_flax
+            if self.from_flax is None:
+                self.from_flax = self.mapping.to_torch
         if self.to_flax is None or self.from_flax is None:
             raise TypeError(
                 f"ModelPair {self.name!r}: `to_flax` and `from_flax` must be callables (weight "
-                "transfer in both directions), got None."
+                "transfer in both directions), or give a `mapping`; got None."
             )
 
     def torch_to_flax(self, torch_model: torch.nn.Module | None = None) -> dict:
@@ -341,11 +352,9 @@ def get_model_pair(
         torch_model=torch_model,
         flax_model=flax_model,
         config=config,
-        to_flax=functools.partial(spec.module.to_flax, config=config),
-        from_flax=functools.partial(spec.module.from_flax, config=config),
         data=_data_function(spec, config, data_spec),
         torch_channels_first=spec.torch_channels_first,
-        mapping=_builtin_mapping(spec, torch_model, flax_model, config),
+        mapping=spec.module.mapping(torch_model, config),
     )
 
 
@@ -387,17 +396,3 @@ def _data_function(spec: _Spec, config: dict, data: DataSpec):
     return lambda seed, batch_size: text_stream(
         data.corpus(), seed, batch_size, config["seq_len"], spec.task
     )
-
-
-def _builtin_mapping(spec: _Spec, torch_model, flax_model, config) -> WeightMapping | None:
-    if hasattr(spec.module, "mapping"):
-        return spec.module.mapping(torch_model, config)
-    # No hand-written mapping: match the pair's own transfer automatically, tracing one example.
-    inputs, _ = spec.module.make_data(config, 0, 2).batch(0)
-    example = torch.as_tensor(np.asarray(inputs))
-    if example.is_floating_point():
-        if spec.torch_channels_first and example.dim() == 4:
-            example = example.permute(0, 3, 1, 2)
-    else:
-        example = example.long()
-    return auto(torch_model, spec.module.to_flax(torch_model, config), example_inputs=example)

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from parity import transfer
 from parity.data import synthetic_images
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
@@ -60,33 +59,6 @@ def build(config, dtype, param_dtype):
         config["image_shape"], config["channels"], config["num_classes"], config["batch_norm"]
     )
     return torch_model, twin.flax_model(config, dtype, param_dtype)
-
-
-def to_flax(model: TorchCNN, config) -> dict:
-    params = {name: transfer.conv_to_flax(getattr(model, name)) for name in _CONVS}
-    params["fc"] = transfer.linear_to_flax(model.fc, input_chw=_feature_chw(config))
-    variables = {"params": params}
-    if config["batch_norm"]:
-        variables["batch_stats"] = {}
-        for name in _NORMS:
-            params[name], variables["batch_stats"][name] = transfer.batchnorm_to_flax(
-                getattr(model, name)
-            )
-    return variables
-
-
-def from_flax(variables, model: TorchCNN, config) -> None:
-    params = variables["params"]
-    for name in _CONVS:
-        transfer.conv_from_flax(params[name], getattr(model, name))
-    transfer.linear_from_flax(params["fc"], model.fc, input_chw=_feature_chw(config))
-    if config["batch_norm"]:
-        if "batch_stats" not in variables:
-            raise ValueError("cnn_bn: `variables` has no 'batch_stats' collection.")
-        for name in _NORMS:
-            transfer.batchnorm_from_flax(
-                params[name], variables["batch_stats"][name], getattr(model, name)
-            )
 
 
 def mapping(model: TorchCNN, config) -> WeightMapping:

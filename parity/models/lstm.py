@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from parity import transfer
 from parity.data import synthetic_tokens
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
@@ -72,23 +71,6 @@ def _cpu_float16_autocast(x: torch.Tensor) -> bool:
 def build(config, dtype, param_dtype):
     args = (config["vocab_size"], config["embed_dim"], config["hidden"], config["num_classes"])
     return TorchLSTMClassifier(*args), twin.flax_model(config, dtype, param_dtype)
-
-
-def to_flax(model: TorchLSTMClassifier, config) -> dict:
-    return {
-        "params": {
-            "embed": transfer.embedding_to_flax(model.embed),
-            "lstm": transfer.torch_lstm_to_flax(model.lstm),
-            "head": transfer.linear_to_flax(model.head),
-        }
-    }
-
-
-def from_flax(variables, model: TorchLSTMClassifier, config) -> None:
-    params = variables["params"]
-    transfer.embedding_from_flax(params["embed"], model.embed)
-    transfer.torch_lstm_from_flax(params["lstm"], model.lstm)
-    transfer.linear_from_flax(params["head"], model.head)
 
 
 def mapping(model: TorchLSTMClassifier, config) -> WeightMapping:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from parity import transfer
 from parity.data import synthetic_images
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
@@ -36,19 +35,6 @@ class TorchMLP(torch.nn.Module):
 def build(config, dtype, param_dtype):
     torch_model = TorchMLP(config["image_shape"], config["hidden"], config["num_classes"])
     return torch_model, twin.flax_model(config, dtype, param_dtype)
-
-
-def to_flax(model: TorchMLP, config) -> dict:
-    return {
-        "params": {
-            name: transfer.linear_to_flax(getattr(model, name)) for name in ("fc1", "fc2", "fc3")
-        }
-    }
-
-
-def from_flax(variables, model: TorchMLP, config) -> None:
-    for name in ("fc1", "fc2", "fc3"):
-        transfer.linear_from_flax(variables["params"][name], getattr(model, name))
 
 
 def mapping(model: TorchMLP, config) -> WeightMapping:

@@ -22,7 +22,5 @@ def build(config, dtype, param_dtype):
     return torch_model, twin.flax_model(config, dtype, param_dtype)
 
 
-to_flax = mlp.to_flax
-from_flax = mlp.from_flax
 mapping = mlp.mapping
 make_data = mlp.make_data

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from parity import transfer
 from parity.data import synthetic_images
+from parity.pairs import layer_entries
+from parity.pairs.mapping import WeightMapping
 from parity.twins import resnet as twin
 from parity.twins.resnet import (  # noqa: F401  (the pair's Flax side)
     WRONG_PORTS,
@@ -125,40 +126,16 @@ def _norm_names(config) -> list[tuple[str, str]]:
     return names
 
 
-def _subtree(tree: dict, path: str, create: bool) -> tuple[dict, str]:
-    *parents, leaf = path.split("/")
-    for parent in parents:
-        tree = tree.setdefault(parent, {}) if create else tree[parent]
-    return tree, leaf
-
-
-def to_flax(model: TorchResNet, config) -> dict:
-    params: dict = {}
-    stats: dict = {}
+def mapping(model: TorchResNet, config) -> WeightMapping:
+    entries = []
     for torch_name, flax_name in _norm_names(config):
         layer = model.get_submodule(torch_name)
-        target, leaf = _subtree(params, flax_name, create=True)
         if isinstance(layer, torch.nn.Conv2d):
-            target[leaf] = transfer.conv_to_flax(layer)
+            entries += layer_entries.conv_entries(torch_name, flax_name, layer)
         else:
-            stats_target, _ = _subtree(stats, flax_name, create=True)
-            target[leaf], stats_target[leaf] = transfer.batchnorm_to_flax(layer)
-    params["fc"] = transfer.linear_to_flax(model.fc)
-    return {"params": params, "batch_stats": stats}
-
-
-def from_flax(variables, model: TorchResNet, config) -> None:
-    if "batch_stats" not in variables:
-        raise ValueError("resnet: `variables` has no 'batch_stats' collection.")
-    for torch_name, flax_name in _norm_names(config):
-        layer = model.get_submodule(torch_name)
-        source, leaf = _subtree(variables["params"], flax_name, create=False)
-        if isinstance(layer, torch.nn.Conv2d):
-            transfer.conv_from_flax(source[leaf], layer)
-        else:
-            stats, _ = _subtree(variables["batch_stats"], flax_name, create=False)
-            transfer.batchnorm_from_flax(source[leaf], stats[leaf], layer)
-    transfer.linear_from_flax(variables["params"]["fc"], model.fc)
+            entries += layer_entries.norm_entries(torch_name, flax_name, layer)
+    entries += layer_entries.linear_entries("fc", "fc", model.fc)
+    return WeightMapping(tuple(entries))
 
 
 def make_data(config, seed: int, batch_size: int):

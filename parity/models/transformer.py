@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from parity import transfer
 from parity.data import synthetic_tokens
 from parity.pairs import layer_entries
 from parity.pairs.mapping import WeightMapping
@@ -91,39 +90,6 @@ class TorchTransformerLM(torch.nn.Module):
 def build(config, dtype, param_dtype):
     flax_model = twin.flax_model(config, dtype, param_dtype)  # checks the head count first
     return TorchTransformerLM(*(config[key] for key in twin.KEYS)), flax_model
-
-
-def to_flax(model: TorchTransformerLM, config) -> dict:
-    params = {
-        "tok_embed": transfer.embedding_to_flax(model.tok_embed),
-        "pos_embed": transfer.embedding_to_flax(model.pos_embed),
-        "ln_f": transfer.layernorm_to_flax(model.ln_f),
-        "head": transfer.linear_to_flax(model.head),
-    }
-    for index, block in enumerate(model.blocks):
-        params[f"blocks_{index}"] = {
-            "ln1": transfer.layernorm_to_flax(block.ln1),
-            "attn": transfer.attention_to_flax(block.attn),
-            "ln2": transfer.layernorm_to_flax(block.ln2),
-            "fc1": transfer.linear_to_flax(block.fc1),
-            "fc2": transfer.linear_to_flax(block.fc2),
-        }
-    return {"params": params}
-
-
-def from_flax(variables, model: TorchTransformerLM, config) -> None:
-    params = variables["params"]
-    transfer.embedding_from_flax(params["tok_embed"], model.tok_embed)
-    transfer.embedding_from_flax(params["pos_embed"], model.pos_embed)
-    transfer.layernorm_from_flax(params["ln_f"], model.ln_f)
-    transfer.linear_from_flax(params["head"], model.head)
-    for index, block in enumerate(model.blocks):
-        sub = params[f"blocks_{index}"]
-        transfer.layernorm_from_flax(sub["ln1"], block.ln1)
-        transfer.attention_from_flax(sub["attn"], block.attn)
-        transfer.layernorm_from_flax(sub["ln2"], block.ln2)
-        transfer.linear_from_flax(sub["fc1"], block.fc1)
-        transfer.linear_from_flax(sub["fc2"], block.fc2)
 
 
 def mapping(model: TorchTransformerLM, config) -> WeightMapping:

@@ -1,9 +1,9 @@
 """Per-layer weight layouts as data: `MappingEntry` rows for a `parity.pairs.mapping.WeightMapping`.
 
-The same layouts as the ``*_to_flax`` / ``*_from_flax`` functions of `parity.transfer` (Linear,
-Conv, norms, Embedding, LSTM cells, GRU cells, attention), written as mapping entries: the
-built-in model pairs (`parity.models`) and the automatic mapping (`parity.automap`) build their
-`WeightMapping` from them.
+Each layer's layout is written here once (Linear, Conv, norms, Embedding, LSTM cells, GRU cells,
+attention), as mapping entries: the built-in model pairs (`parity.models`) and the automatic
+mapping (`parity.automap`) build their `WeightMapping` from them, and the layer functions of
+`parity.transfer` (``linear_to_flax``...) apply them to one layer.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from parity import api  # noqa: E402
-from parity.automap import TransferError, auto, explain, format_explanation  # noqa: E402
 from parity.pairs.variables import flatten_variables  # noqa: E402
+from parity.transfer import TransferError, auto, explain, format_explanation  # noqa: E402
 from parity.twins.layers import TorchBatchNorm, TorchLSTM  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402
 
