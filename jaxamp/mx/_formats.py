@@ -78,6 +78,20 @@ class Format:
       block_size: elements per scale (32 for MX, 16 for NVFP4).
       scale: ``"e8m0"`` or ``"e4m3"``.
       scale_mode: for e8m0 scales, one of ``SCALE_MODES``; None for e4m3 scales.
+
+    Examples:
+      A format of your own (`jaxamp.mx.format` makes the named ones): MXFP8 with e5m2
+      elements and scales rounded up, used as a named one is:
+
+      >>> import jax.numpy as jnp, jaxamp.mx
+      >>> fmt = jaxamp.mx.Format("e5m2_ceil", element="e5m2", scale_mode="ceil")
+      >>> str(fmt), fmt.max, fmt.emax
+      ('e5m2_ceil(e5m2, 32x e8m0 scale, ceil)', 57344.0, 15)
+      >>> codes, scales = jaxamp.mx.quantize(jnp.full((1, 32), 3.0), fmt)
+      >>> codes.dtype, scales.tolist()  # ceil: log2(3.0) rounded up is 2; 2 - emax + 127
+      (dtype(float8_e5m2), [[114]])
+      >>> jaxamp.mx.dequantize(codes, scales, fmt)[0, :2].tolist()
+      [3.0, 3.0]
     """
 
     name: str

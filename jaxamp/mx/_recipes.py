@@ -50,6 +50,22 @@ class Recipe:
       grad_weight_hp: run ``grad_weight`` in high precision from the unquantized tensors.
       emulate: quantize, dequantize, float32 matmul (any backend); False: block-scaled matmul
         hardware (NVIDIA sm100+), refused elsewhere.
+
+    Examples:
+      A recipe of your own (`jaxamp.mx.recipe` makes the named ones): MXFP8 operands with
+      RCEIL scales, the gradients' elements e5m2, run emulated; a matmul takes it as
+      ``recipe=`` (as `jaxamp.mx.convert` and ``jaxamp.autocast(fp8=...)`` do):
+
+      >>> import jax, jax.numpy as jnp, jaxamp.mx
+      >>> e4m3 = jaxamp.mx.format("mxfp8", scale_mode="rceil")
+      >>> e5m2 = jaxamp.mx.format("mxfp8_e5m2", scale_mode="rceil")
+      >>> mine = jaxamp.mx.Recipe("e5m2_grads", e4m3, e4m3, e5m2, emulate=True)
+      >>> print(mine.describe())
+      e5m2_grads: output=mxfp8/rceil x mxfp8/rceil (blocks along K), grad_input=mxfp8_e5m2/rceil x mxfp8/rceil (along N), grad_weight=mxfp8/rceil x mxfp8_e5m2/rceil (along M), emulated
+      >>> x, w = jnp.full((32, 64), 0.5), jnp.ones((64, 32))
+      >>> y = jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=mine)
+      >>> y.shape, y[0, 0].item()  # 0.5 and 1.0 are exact in every format
+      ((32, 32), 32.0)
     """
 
     name: str

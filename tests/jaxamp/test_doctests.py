@@ -22,6 +22,7 @@ from flax import nnx
 
 import jaxamp
 import jaxamp.flax as jf
+import jaxamp.mx
 
 _OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -70,7 +71,7 @@ def _public_objects() -> dict[str, object]:
     for sub in ("linen", "nnx", "checkpoint"):
         module = getattr(jf, sub)
         out.update({f"jaxamp.flax.{sub}.{n}": getattr(module, n) for n in module.__all__})
-    for module in (jaxamp.fp8, jaxamp.optim_precision):
+    for module in (jaxamp.fp8, jaxamp.optim_precision, jaxamp.mx):
         out.update({f"{module.__name__}.{n}": getattr(module, n) for n in module.__all__})
     return out
 
@@ -83,6 +84,9 @@ _DATA = {
     "jaxamp.flax.linen.DEFAULT_RULES": "jaxamp.flax.linen.with_policy",
     "jaxamp.flax.nnx.DEFAULT_RULES": "jaxamp.flax.nnx.apply_policy",
     "jaxamp.fp8.RECIPE_NAMES": "jaxamp.fp8.recipe",
+    "jaxamp.mx.FORMAT_NAMES": "jaxamp.mx.format",
+    "jaxamp.mx.RECIPE_NAMES": "jaxamp.mx.recipe",
+    "jaxamp.mx.SCALE_MODES": "jaxamp.mx.Format",
     "jaxamp.optim_precision.PRESETS": "jaxamp.optim_precision.preset",
     "jaxamp.optim_precision.STATE_FORMATS": "jaxamp.optim_precision.low_precision_state",
 }
