@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -593,7 +594,10 @@ def _flatten_layouts(
     if suspects:
         linear = next(u for u in units if u.name == suspects[0])
         key = f"{suspects[0]}.weight"
-        target = _closest_leaf(key, tuple(linear.module.weight.shape), "linear", list(flat), flat)
+        target = (
+            _closest_leaf(key, tuple(linear.module.weight.shape), "linear", list(flat), flat)
+            or "flax/path"
+        )
         raise TransferError(
             f"auto: the torch model has convolutions and Linear layer(s) {suspects} that may read "
             "a flattened NCHW feature map (Flax flattens NHWC: the rows must be permuted). "
@@ -618,7 +622,13 @@ def _report(unmatched_torch, unmatched_flax, flat, problems) -> str:
         unit = unmatched_torch[0]
         key, shape = next(iter(unit.tensors.items()))
         transform = {"linear": "linear", "conv": "conv"}.get(unit.kind, "identity")
-        target = _closest_leaf(key, shape, transform, unmatched_flax or list(flat), flat)
+        target = _closest_leaf(key, shape, transform, unmatched_flax, flat, only=True)
+        if target is None:  # no leaf reads like it or is left for it: name none
+            target = "flax/path"
+            lines.append(
+                f"No Flax leaf left unfilled reads like {key} or is the only one of its shape "
+                "(a weight the Flax model ties to another leaf has none: leave it out)."
+            )
         lines.append(
             f"Fix: make the layer names or shapes agree, or pass explicit rules, e.g. "
             f"auto(model, variables, rules={{{key!r}: ({target!r}, {transform!r})}}) "
@@ -633,14 +643,25 @@ def _report(unmatched_torch, unmatched_flax, flat, problems) -> str:
     return "\n".join(lines)
 
 
-def _closest_leaf(key: str, shape, transform: str, candidates, flat) -> str:
-    """A real Flax leaf for the fix hint: one of the shape the tensor gets first, then the
-    closest name."""
+def _module_words(name: str) -> str:
+    return re.sub(r"[._/]+", "/", name).strip("/")
+
+
+def _closest_leaf(key: str, shape, transform: str, candidates, flat, only=False) -> str | None:
+    """A Flax leaf for the fix hint, from names, never from a shape alone: among `candidates`
+    of the shape the tensor gets, the one whose module path reads like the torch key's (close by
+    name), or with `only` (candidates: the leaves no torch tensor fills) the one such leaf left.
+    None when neither: a leaf of the same shape elsewhere in the model is no evidence."""
     try:
         want = transform_shape(transform, shape)
     except MappingError:
         want = None
-    pool = [p for p in candidates if tuple(np.shape(flat[p])) == want] or list(candidates)
-    names = ["/".join(p) for p in pool]
-    close = difflib.get_close_matches(key.replace(".", "/"), names, n=1, cutoff=0.0)
-    return close[0] if close else "params/<module>/kernel"
+    pool = [p for p in candidates if want is None or tuple(np.shape(flat[p])) == want]
+    module = _module_words(key.rsplit(".", 1)[0])
+    by_module = {_module_words("/".join(p[1:-1])): "/".join(p) for p in pool}
+    close = difflib.get_close_matches(module, list(by_module), n=1, cutoff=0.6)
+    if close:
+        return by_module[close[0]]
+    if only and len(pool) == 1:
+        return "/".join(pool[0])
+    return None

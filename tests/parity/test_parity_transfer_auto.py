@@ -109,6 +109,25 @@ def test_unmatched_layers_are_listed_with_a_rule_that_fixes_them():
     np.testing.assert_array_equal(out["params"]["b"]["w"], torch_net[1].weight.detach().numpy().T)
 
 
+def test_the_fix_hint_never_names_a_leaf_by_its_shape_alone():
+    """A torch head the Flax model ties to its embedding has no leaf of its own: the hint must
+    not name another layer's kernel because its shape fits."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 4, bias=False)
+
+    proj = {"kernel": np.zeros((4, 4), np.float32), "bias": np.zeros(4, np.float32)}
+    with pytest.raises(TransferError) as info:
+        auto(Tied(), {"params": {"proj": proj}})
+    fix = str(info.value)
+    assert "head.weight (4, 4)" in fix
+    assert "rules={'head.weight': ('flax/path', 'linear')}" in fix
+    assert "params/proj/kernel" not in fix.split("Fix:")[1]
+
+
 def test_bad_rules_name_the_closest_key():
     torch_net = torch.nn.Sequential(torch.nn.Linear(4, 3))
     flax_vars = {"params": {"d": {"kernel": np.zeros((4, 3)), "bias": np.zeros(3)}}}
