@@ -50,6 +50,14 @@ def wide_dtype(dtype: Any) -> np.dtype:
 # --- finite checks and mapped axes ---------------------------------------------------------------
 
 
+def widen(x: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """`x` (a narrow float array, e.g. fp8 codes rounded in this program) as `dtype`, read through
+    an optimization barrier. XLA:GPU deletes a wide -> narrow -> wide chain of converts
+    (SimplifyFPConversions, on under its default xla_allow_excess_precision), so a jitted
+    program would skip the narrow rounding; the barrier is opaque to that pass."""
+    return jax.lax.optimization_barrier(x).astype(dtype)
+
+
 def check_axis_name(axis_name: Any, caller: str) -> AxisName:
     """Validates an `axis_name` argument: None, a str, or a tuple of str (``()``: no axes)."""
     if axis_name is None or isinstance(axis_name, str):

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jaxamp._numerics import widen
 from jaxamp.fp8._recipes import E4M3, E5M2, Cast, Recipe
 from jaxamp.fp8._recipes import recipe as _make_recipe
 
@@ -164,7 +165,7 @@ def from_fp8(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Ar
       >>> float(jaxamp.fp8.from_fp8(jnp.array(448.0, jnp.float8_e4m3fn), jnp.float32(224.0)))
       2.0
     """
-    return (q.astype(jnp.float32) / scale).astype(dtype)
+    return (widen(q) / scale).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +196,8 @@ def _mm(a: _Operand, b: _Operand, out_dtype: Any, emulate: bool) -> jax.Array:
     if emulate:
         # torchao emulate=True: mm(a.float() / a_scale, b.float() / b_scale) in float32.
         out = jnp.matmul(
-            a.value.astype(jnp.float32) / a.scale,
-            b.value.astype(jnp.float32) / b.scale,
+            widen(a.value) / a.scale,
+            widen(b.value) / b.scale,
             precision=hp,
         )
         return out.astype(out_dtype)
@@ -340,13 +341,12 @@ def _delayed_mm(a, b, a_scale, b_scale, out_dtype, precision, emulate):
         # is the fp8 hardware's product on any backend. A dot_general of fp8 arrays is not: where
         # XLA:GPU cannot hand it to cuBLASLt's fp8 GEMM it converts the operands to float16, and
         # 448 * 448 overflows there (inf outputs from saturated operands).
-        f32 = jnp.float32
         out = lax.dot_general(
-            a.astype(f32),
-            b.astype(f32),
+            widen(a),
+            widen(b),
             dn,
             precision=lax.Precision.HIGHEST,
-            preferred_element_type=f32,
+            preferred_element_type=jnp.float32,
         )
     else:
         out = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=out_dtype)

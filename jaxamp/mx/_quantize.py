@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._numerics import widen
 from jaxamp.mx import _bits
 from jaxamp.mx._formats import Format
 from jaxamp.mx._formats import format as _make_format
@@ -201,7 +202,7 @@ def scales_to_float32(scales: jax.Array, fmt: Format | str = "mxfp8") -> jax.Arr
     """
     fmt = _make_format(fmt)
     if fmt.scale == "e4m3":
-        return jnp.asarray(scales).astype(jnp.float32)
+        return widen(jnp.asarray(scales))
     codes = jnp.asarray(scales).astype(jnp.int32)
     value = _bits.mul_pow2(jnp.ones(codes.shape, jnp.float32), codes - E8M0_BIAS)
     return jnp.where(codes == E8M0_NAN, np.float32(np.nan), value)
@@ -238,7 +239,7 @@ def dequantize(
     if fmt.packed:
         values = _bits.e2m1_values(_bits.unpack_nibbles(c))
     else:
-        values = c.astype(jnp.float32)
+        values = widen(c)  # codes rounded in this program stay rounded under XLA:GPU
     values = values.reshape(*values.shape[:-1], -1, fmt.block_size)
     s = jnp.moveaxis(scales, axis, -1)[..., None]
     if fmt.scale == "e8m0":
@@ -246,7 +247,7 @@ def dequantize(
         out = _bits.mul_pow2(values, s - E8M0_BIAS)
         out = jnp.where(s == E8M0_NAN, np.float32(np.nan), out)
     else:
-        hp = s.astype(jnp.float32)
+        hp = widen(s)
         if per_tensor_scale is not None:
             hp = jnp.asarray(per_tensor_scale, jnp.float32).reshape(()) * hp
         out = values * hp

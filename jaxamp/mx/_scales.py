@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._numerics import widen
 from jaxamp.mx._bits import divide
 from jaxamp.mx._formats import Format
 
@@ -92,7 +93,7 @@ def nvfp4_scales(max_abs: jax.Array, per_tensor_scale: jax.Array | None):
     if per_tensor_scale is not None:
         block = divide(block, per_tensor_scale)
     s8 = jnp.clip(block, _E4M3_TINY, np.float32(448.0)).astype(jnp.float8_e4m3fn)
-    s32 = s8.astype(jnp.float32)
+    s32 = widen(s8)  # the e4m3 rounding stays in a jitted program on GPU
     if per_tensor_scale is None:
         return s8, np.float32(1.0) / s32
     inverse = jax.lax.optimization_barrier(np.float32(1.0) / per_tensor_scale)

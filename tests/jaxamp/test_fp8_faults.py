@@ -14,6 +14,7 @@ import pytest
 
 import jaxamp
 import jaxamp.fp8 as f8
+import jaxamp.mx
 
 FP8_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "fp8.md"
 DELAYED = f8.recipe("delayed", emulate=True, amax_history_length=4)
@@ -90,6 +91,52 @@ def test_emulated_matmuls_take_float32_operands(recipe):
     dots = _dot_operand_dtypes(closed.jaxpr)
     assert len(dots) == 3, dots  # forward, grad_input, grad_weight
     assert all(d == ("float32", "float32") for d in dots), dots
+
+
+def _unguarded_fp8_upcasts(jaxpr) -> list:
+    """Upcasts of an fp8 array to float32 whose operand is not an optimization_barrier's output,
+    in a jaxpr and the jaxprs inside it."""
+    producer = {}
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            (src,) = eqn.invars
+            if "float8" in str(src.aval.dtype) and str(eqn.params["new_dtype"]) == "float32":
+                if producer.get(src) != "optimization_barrier":
+                    found.append(producer.get(src, "an input of the jaxpr"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += _unguarded_fp8_upcasts(getattr(sub, "jaxpr", sub))
+        for v in eqn.outvars:
+            producer[v] = eqn.primitive.name
+    return found
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, TENSORWISE], ids=["delayed", "tensorwise"])
+def test_emulated_fp8_rounding_survives_xla_excess_precision(recipe):
+    # XLA:GPU deletes a float32 -> fp8 -> float32 chain of converts (SimplifyFPConversions, on
+    # under the default xla_allow_excess_precision): a jitted emulated matmul would then multiply
+    # unrounded values (on an H200 the captured grad_output differed by up to 16% from the eager
+    # one). Each fp8 array is widened through an optimization barrier, which the pass cannot
+    # see through.
+    x, w = jnp.full((2, 3), 0.5), jnp.full((3, 5), 0.25)
+    f = f8.convert(_matmul, recipe)
+    kwargs = {}
+    if recipe.scaling == "delayed":
+        kwargs["fp8_state"] = f8.init_state(_matmul, recipe, x, w)
+    closed = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x, w, **kwargs))))(x)
+    assert _unguarded_fp8_upcasts(closed.jaxpr) == []
+    q = f8.to_fp8(x, jnp.float32(3.0), jnp.float8_e4m3fn)
+    assert _unguarded_fp8_upcasts(jax.make_jaxpr(f8.from_fp8)(q, jnp.float32(3.0)).jaxpr) == []
+    # the block-scaled formats' dequantize (their emulated matmuls run on it) likewise
+    for fmt in ("mxfp8", "nvfp4"):
+
+        def round_trip(v, fmt=fmt):
+            return jaxamp.mx.dequantize(*jaxamp.mx.quantize(v, fmt), fmt)
+
+        blocks = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
+        assert _unguarded_fp8_upcasts(jax.make_jaxpr(round_trip)(blocks).jaxpr) == [], fmt
 
 
 def test_tiny_amax_clamped_as_torchao():
@@ -217,8 +264,9 @@ def test_capture_operands_gives_each_matmuls_three_tensors():
     np.testing.assert_array_equal(embed.input, x)
     np.testing.assert_array_equal(embed.weight, params["embed"]["kernel"])
     # grad_output is the cotangent at the matmul's output: embed's output feeds only the bias add,
-    # so it is the bias gradient summed over rows.
-    grads = jax.grad(f8.convert(loss_fn, TENSORWISE))(params, x, y)
+    # so it is the bias gradient summed over rows. Compiled, as capture_operands runs: an eager
+    # run may sum in another order (GPU), and a last-bit difference can move an fp8 rounding.
+    grads = jax.jit(jax.grad(f8.convert(loss_fn, TENSORWISE)))(params, x, y)
     np.testing.assert_allclose(
         embed.grad_output.sum(0), grads["embed"]["bias"], rtol=1e-6, atol=1e-7
     )
