@@ -244,8 +244,10 @@ def encode_blockwise(
     Examples:
       >>> from jaxamp.optim_precision import encode_blockwise
       >>> q = encode_blockwise(jnp.arange(512.0), "fp8")
-      >>> q.codes.dtype, q.scale
-      (dtype(float8_e4m3fn), Array([0.5691964, 1.140625 ], dtype=float32))
+      >>> q.codes.dtype, q.scale.shape
+      (dtype(float8_e4m3fn), (2,))
+      >>> (q.scale * 448).round().tolist()  # each block's scale: its largest magnitude / 448
+      [255.0, 511.0]
     """
     if state_format not in BLOCK_FORMATS:
         raise ValueError(_unknown_format("encode_blockwise", state_format, BLOCK_FORMATS))

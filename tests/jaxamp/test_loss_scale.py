@@ -278,6 +278,8 @@ def test_torch_collapses_to_zero_ours_keeps_a_floor(torch):
 
 
 @pytest.mark.xfail(
+    # XLA:GPU keeps float32 subnormals (the count equals torch's there); XLA:CPU and TPUs flush
+    jax.default_backend() in ("cpu", "tpu"),
     strict=True,
     reason="XLA:CPU flushes float32 subnormals to zero: with min_scale=0.0 jaxamp's scale reaches "
     "0.0 after 143 overflows from 2**16, torch's (which walks through the subnormals) after 166. "
