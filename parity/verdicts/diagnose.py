@@ -58,7 +58,7 @@ from parity.verdicts.sides import (
     torch_device,
 )
 from parity.verdicts.tolerance import program_shapes
-from parity.verdicts.torch_side import torch_setup, torch_side
+from parity.verdicts.torch_side import layer_arrays, torch_setup, torch_side
 
 __all__ = [
     "KINDS",
@@ -168,13 +168,17 @@ def _stage_rows(
     pair, config: RunConfig, stage: str, inputs, targets, variables, pairs, shapes, sides
 ):
     names = [t for t, _ in pairs]
-    torch_outputs = torch_layer_outputs(pair, names, inputs, config)
     if sides is None:
         scale = config.recipe.step0_loss_scale(config)
         sides = (
-            torch_side(pair, inputs, targets, config, scale, trace_flops=False),
+            torch_side(pair, inputs, targets, config, scale, trace_flops=False, layers=names),
             jax_side(pair, variables, inputs, targets, config, scale, trace_flops=False),
         )
+    captured = sides[0].layers
+    if captured is not None:  # torch's step-0 passes kept each layer's output: none runs twice
+        torch_outputs = tuple(layer_arrays(pair, c) for c in captured)
+    else:
+        torch_outputs = torch_layer_outputs(pair, names, inputs, config)
     return layer_rows(pair, config, stage, torch_outputs, variables, inputs, pairs, shapes, sides)
 
 

@@ -64,6 +64,8 @@ from parity.verdicts.layer_table import shaped_error
 from parity.verdicts.probe_judge import (
     NOISE_K,
     PROBE_EXAMPLES,
+    PROBE_FLOPS,
+    PROBE_MIN_EXAMPLES,
     PROBE_SCALES,
     LayerProbe,
     ProbeLayer,
@@ -74,8 +76,17 @@ from parity.verdicts.probe_judge import (
     judge_probe,
 )
 from parity.verdicts.sides import flatten
+from parity.verdicts.tolerance import forward_flops
 
-__all__ = ["NOISE_K", "PROBE_EXAMPLES", "PROBE_SCALES", "LayerProbe", "probe_layers", "probe_torch"]
+__all__ = [
+    "NOISE_K",
+    "PROBE_EXAMPLES",
+    "PROBE_SCALES",
+    "LayerProbe",
+    "probe_examples",
+    "probe_layers",
+    "probe_torch",
+]
 
 
 # Relative spread of the random offsets given to constant vector parameters.
@@ -289,21 +300,65 @@ def _substitutes(pair, torch_entries) -> dict[str, list[np.ndarray]]:
     }
 
 
-def _record_mode(pair, model, entries, train: bool) -> ProbeMode:
-    """One torch pass's layers, recorded: inputs and output in Flax's layout, floor and band."""
+def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two captured calls of a layer had equal inputs and gave an equal output."""
+
+    def same(x, y):
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return (
+                torch.is_tensor(x)
+                and torch.is_tensor(y)
+                and x.shape == y.shape
+                and x.dtype == y.dtype
+                and bool(torch.equal(x, y))
+            )
+        return x is y or (type(x) is type(y) and bool(x == y))
+
+    try:
+        return (
+            a.get("output") is not None
+            and b.get("output") is not None
+            and len(a["args"]) == len(b["args"])
+            and a["kwargs"].keys() == b["kwargs"].keys()
+            and same(a["output"], b["output"])
+            and all(same(x, y) for x, y in zip(a["args"], b["args"], strict=True))
+            and all(same(v, b["kwargs"][k]) for k, v in a["kwargs"].items())
+        )
+    except (RuntimeError, TypeError, ValueError):  # an argument without a plain equality
+        return False
+
+
+def _record_mode(pair, model, entries, train: bool, eval_pass=None) -> ProbeMode:
+    """One torch pass's layers, recorded: inputs and output in Flax's layout, floor and band.
+
+    `eval_pass` (``(entries, ProbeMode)`` of the eval-mode pass) gives the train-mode pass a
+    layer's float64 floor where that layer's call was the same in both modes (equal inputs, equal
+    float32 output: the layer computed the same function on the same values, so its float64 twin
+    would too); only layers whose call differs (a BatchNorm, anything downstream of one) are
+    run in float64 again."""
     inputs = _substitutes(pair, entries)
+    earlier, earlier_floors = {}, {}
+    if eval_pass is not None:
+        earlier = eval_pass[0]
+        earlier_floors = {layer.name: layer.floor for layer in eval_pass[1].layers}
     layers = []
     for name, entry in entries.items():
         if not name:
             continue
         module = model.get_submodule(name)
         output = entry.get("output")
+        if output is None:
+            floor = None
+        elif name in earlier_floors and _same_call(entry, earlier[name]):
+            floor = earlier_floors[name]
+        else:
+            floor = _float64_floor(module, entry, train)
         layers.append(
             ProbeLayer(
                 name=name,
                 inputs=inputs[name],
                 output=None if output is None else _to_flax_layout(pair, output),
-                floor=None if output is None else _float64_floor(module, entry, train),
+                floor=floor,
                 band=_band(_fan_in(module, entry), _steps(module, entry)),
             )
         )
@@ -314,6 +369,29 @@ def _record_mode(pair, model, entries, train: bool) -> ProbeMode:
     )
 
 
+def probe_examples(pair: Any, inputs: Any, flops: int | None = None) -> int:
+    """How many of the batch's first examples the probe runs on: ``PROBE_EXAMPLES``, or as many
+    as a forward pass of ``PROBE_FLOPS`` matmul FLOPs holds (at least ``PROBE_MIN_EXAMPLES``);
+    never more than the batch.
+
+    Args:
+      pair: the model pair.
+      inputs: the batch.
+      flops: the float32 forward pass's matmul FLOPs on the whole batch (default: counted here
+        from the Flax program, `parity.verdicts.tolerance.forward_flops`).
+
+    Example:
+      >>> probe_examples(get_model_pair("mlp"), inputs)
+      8
+    """
+    size = len(inputs)
+    if flops is None:
+        flops = forward_flops(pair, pair.torch_to_flax(), inputs)
+    per_example = flops / max(size, 1)
+    fits = int(PROBE_FLOPS // per_example) if per_example > 0 else PROBE_EXAMPLES
+    return max(1, min(size, PROBE_EXAMPLES, max(PROBE_MIN_EXAMPLES, fits)))
+
+
 def probe_torch(
     pair: Any,
     inputs: Any,
@@ -321,6 +399,7 @@ def probe_torch(
     scales: tuple[float, ...] = PROBE_SCALES,
     seed: int = 0,
     device: str = "cpu",
+    flops: int | None = None,
 ) -> ProbeRecord:
     """torch's side of the layer probe: the probe weights (Flax layout) and, per probe scale and
     mode, each mapped layer's inputs, output, noise floor and band (`ProbeRecord`), for
@@ -328,7 +407,8 @@ def probe_torch(
 
     Args: as `probe_layers`.
     """
-    inputs = np.asarray(inputs)[:PROBE_EXAMPLES]
+    inputs = np.asarray(inputs)
+    inputs = inputs[: probe_examples(pair, inputs, flops)]
     variables = pair.torch_to_flax()
     pairs, unmatched = module_pairs(pair, variables)
     names = [t for t, _ in pairs]
@@ -357,14 +437,16 @@ def probe_torch(
             _rescale(pair, model, names, x, scale)
             probe_pair = dataclasses.replace(pair, torch_model=model)
             modes = {}
+            eval_pass = None
             for train in (False, True):
-                trained = copy.deepcopy(model)
+                trained = copy.deepcopy(model) if train else model  # eval: nothing changes
                 entries = _torch_capture(probe_pair, trained, names, x, train)
                 if train:  # the running statistics the train-mode pass left behind
                     entries[""]["stats"] = flatten(
                         probe_pair.to_flax(trained).get("batch_stats", {})
                     )
-                modes[train] = _record_mode(pair, model, entries, train)
+                modes[train] = _record_mode(pair, model, entries, train, eval_pass)
+                eval_pass = (entries, modes[train])
             probes.append(
                 ProbeScale(float(scale), probe_pair.torch_to_flax(), modes[False], modes[True])
             )
@@ -382,6 +464,7 @@ def probe_layers(
     scales: tuple[float, ...] = PROBE_SCALES,
     seed: int = 0,
     device: str = "cpu",
+    flops: int | None = None,
 ) -> LayerProbe:
     """Compares every mapped layer of a pair on probe weights, each fed the same input.
 
@@ -392,11 +475,13 @@ def probe_layers(
 
     Args:
       pair: a `parity.models.ModelPair` (linen, Hugging Face Flax or NNX on the Flax side).
-      inputs: one input batch (numpy); its first ``PROBE_EXAMPLES`` examples are probed.
+      inputs: one input batch (numpy); its first ``PROBE_EXAMPLES`` examples are probed, or
+        fewer for a large model (`probe_examples`).
       scales: the output RMS each probe gives every mapped layer.
       seed: the seed of the random offsets.
       device: torch's device for the probe's passes (``"cuda"`` where the run trains on a GPU);
         the probe weights and inputs are drawn on the CPU, the same on every device.
+      flops: the forward pass's matmul FLOPs on `inputs`, when known (`probe_examples`).
 
     Returns:
       A `LayerProbe`.
@@ -406,4 +491,5 @@ def probe_layers(
       >>> probe.failed
       []
     """
-    return judge_probe(pair, probe_torch(pair, inputs, scales=scales, seed=seed, device=device))
+    record = probe_torch(pair, inputs, scales=scales, seed=seed, device=device, flops=flops)
+    return judge_probe(pair, record)

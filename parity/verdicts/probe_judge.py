@@ -29,6 +29,8 @@ __all__ = [
     "NOISE_K",
     "PROBE_CHECK",
     "PROBE_EXAMPLES",
+    "PROBE_FLOPS",
+    "PROBE_MIN_EXAMPLES",
     "PROBE_SCALES",
     "LayerProbe",
     "ProbeLayer",
@@ -52,6 +54,16 @@ NOISE_K = 32.0
 # function, which a few examples show (thousands of values per layer); the whole batch would
 # multiply every float64 floor and comparison by the batch size for nothing.
 PROBE_EXAMPLES = 8
+
+
+# ... or on fewer: as many as one forward pass of PROBE_FLOPS matmul FLOPs holds (never fewer
+# than PROBE_MIN_EXAMPLES), so that the probe's passes (rescaling, capture, float64 floors, the
+# Flax side) cost about as much at every model size instead of growing with the layers' work.
+# The built-in models at their default sizes stay at PROBE_EXAMPLES; a 512-wide, 8-layer
+# transformer at context 64 (2.2 GFLOP an example) is probed on 2 examples, 64 positions each:
+# 32,768 values per layer output.
+PROBE_FLOPS = 2**30
+PROBE_MIN_EXAMPLES = 2
 
 
 @dataclasses.dataclass

@@ -45,6 +45,10 @@ class Side:
     grads: dict[str, np.ndarray]  # "/"-joined Flax param path -> gradient (Flax layout)
     stats: dict[str, np.ndarray]  # "/"-joined Flax batch_stats path -> value after train forward
     flops: dict[str, int] | None = None
+    # torch's side only, when asked for: the first output of each named module in the eval and
+    # the train pass above, ({module: tensor}, {module: tensor}) in execution order (torch
+    # tensors as the passes left them: `parity.verdicts.torch_side.layer_arrays` reads them)
+    layers: Any = None
 
 
 def flatten(tree: Any) -> dict[str, np.ndarray]:

@@ -54,7 +54,7 @@ import torch
 from parity.core.config import RunConfig
 from parity.core.records import build_error_record
 from parity.perf.phases import phase
-from parity.verdicts.diagnose import diagnose_pair
+from parity.verdicts.diagnose import diagnose_pair, module_pairs
 from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, as_config, jax_side
@@ -234,10 +234,12 @@ def check_step0(
         with phase("outputs and gradients"):
             shapes = program_shapes(pair, variables, inputs, targets)
         sides: dict[str, tuple[Side, Side]] = {}
+        # torch's passes keep each layer's output for the diagnosis (no pass runs twice)
+        layers = [name for name, _ in module_pairs(pair, variables)[0]] if diagnose else None
         # Beyond the model's own init, whatever the precision: every layer on its operating
         # range, stochastic torch modules, tensors the mapping folds (parity.verdicts.step0_checks).
         with phase("layer probe"):
-            probe_row, probe = probe_verdict(pair, config, inputs)
+            probe_row, probe = probe_verdict(pair, config, inputs, shapes["forward flops"])
         with phase("stochastic modules"):
             structure = [stochastic_verdict(pair, config, inputs), probe_row]
         folded = folded_verdict(pair, config)
@@ -262,7 +264,9 @@ def check_step0(
                     fp8_failed = True
                 break
             with phase("outputs and gradients"):
-                t, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
+                t, scale = torch_stage_side(
+                    pair, inputs, targets, stage_config, trace_flops=low, layers=layers
+                )
                 j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
             t, j = mask_padding_rows(t, padded), mask_padding_rows(j, padded)
             sides[stage] = (t, j)

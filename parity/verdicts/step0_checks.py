@@ -68,10 +68,13 @@ def _base(config) -> dict[str, Any]:
     return {"model": config.model, "precision": config.precision, "device": config.device}
 
 
-def probe_verdict(pair: Any, config: Any, inputs: Any) -> tuple[Verdict, LayerProbe | None]:
-    """The probe's row (and the probe), or an informational row saying why it did not run."""
+def probe_verdict(
+    pair: Any, config: Any, inputs: Any, flops: int | None = None
+) -> tuple[Verdict, LayerProbe | None]:
+    """The probe's row (and the probe), or an informational row saying why it did not run
+    (`flops`: the forward pass's matmul FLOPs on `inputs`, when known)."""
     try:
-        probe = probe_layers(pair, inputs, device=torch_device(config))
+        probe = probe_layers(pair, inputs, device=torch_device(config), flops=flops)
     except Exception as e:  # a model the probe cannot drive: the other rows stand without it
         return probe_row(config, None, f"{type(e).__name__}: {str(e)[:300]}"), None
     return probe_row(config, probe), probe

@@ -41,13 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity.core.losses import loss_jax
-from parity.perf.flops import sub_jaxprs
+from parity.perf.flops import jax_matmul_flops, sub_jaxprs
 
 __all__ = [
     "FLOOR_FRACTION",
     "LOW_PRECISION_GRADIENT_FACTOR",
     "MIN_COMPUTE_FRACTION",
     "SAFETY",
+    "forward_flops",
     "gradient_tolerance",
     "group_error",
     "group_errors",
@@ -247,16 +248,29 @@ def group_errors(
     return {k: group_error(jax_tensors[k], torch_tensors[k], scale) for k in common}, missing
 
 
-def program_shapes(pair, variables, inputs, targets) -> dict[str, tuple[int, int]]:
-    """(fan-in, depth) of the float32 forward pass and of the gradient computation."""
-    params, stats = variables["params"], variables.get("batch_stats")
-    x, y = jnp.asarray(inputs), jnp.asarray(targets)
+def _forward_jaxpr(pair, variables, x) -> Any:
+    """The jaxpr of the float32 train-mode forward pass, a function of the parameters."""
+    stats = variables.get("batch_stats")
 
     def forward(params):
         full = {"params": params} | ({"batch_stats": stats} if stats is not None else {})
         return pair.flax_apply(full, x, train=True)[0]
 
-    forward_jaxpr = jax.make_jaxpr(forward)(params)
+    return jax.make_jaxpr(forward)(variables["params"])
+
+
+def forward_flops(pair, variables, inputs) -> int:
+    """The matmul and convolution FLOPs of the float32 forward pass on `inputs` (the probe's
+    budget: `parity.verdicts.layer_probe.probe_examples`)."""
+    return sum(jax_matmul_flops(_forward_jaxpr(pair, variables, jnp.asarray(inputs))).values())
+
+
+def program_shapes(pair, variables, inputs, targets) -> dict[str, Any]:
+    """(fan-in, depth) of the float32 forward pass (``"forward"``) and of the gradient
+    computation (``"grad"``); and the forward pass's matmul FLOPs (``"forward flops"``)."""
+    params = variables["params"]
+    x, y = jnp.asarray(inputs), jnp.asarray(targets)
+    forward_jaxpr = _forward_jaxpr(pair, variables, x)
     fwd_fan, fwd_depth = program_shape(forward_jaxpr)
     # The gradient differentiates the traced forward program itself: the model's Python (Flax's
     # module machinery) is traced once, not again under jax.grad.
@@ -267,4 +281,8 @@ def program_shapes(pair, variables, inputs, targets) -> dict[str, tuple[int, int
 
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(jax.tree_util.tree_leaves(params))
     grad_fan, _ = program_shape(grad_jaxpr)
-    return {"forward": (fwd_fan, fwd_depth), "grad": (max(grad_fan, fwd_fan), 2 * fwd_depth)}
+    return {
+        "forward": (fwd_fan, fwd_depth),
+        "grad": (max(grad_fan, fwd_fan), 2 * fwd_depth),
+        "forward flops": sum(jax_matmul_flops(forward_jaxpr).values()),
+    }

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -18,9 +19,11 @@ from parity.core.config import RunConfig
 from parity.core.losses import loss_torch
 from parity.perf.phases import phase
 from parity.training.dtype_trace import torch_matmul_flops
+from parity.verdicts.layer_table import first_tensor
 from parity.verdicts.sides import Side, flatten, pair_mapping, torch_device
 
 __all__ = [
+    "layer_arrays",
     "model_off_host",
     "torch_grads_to_flax",
     "torch_setup",
@@ -71,21 +74,63 @@ def model_off_host(model: torch.nn.Module) -> bool:
     return first is not None and (first.dtype != torch.float32 or first.device.type != "cpu")
 
 
-def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
+@contextlib.contextmanager
+def _capturing(model: torch.nn.Module, names: list[str] | None, into: dict[str, torch.Tensor]):
+    """Inside: each module of `names` leaves a copy of its first output in `into` (in execution
+    order; nothing when `names` is None)."""
+
+    def hook(name):
+        def record(module, args, output):
+            out = first_tensor(output)
+            if torch.is_tensor(out) and name not in into:
+                into[name] = out.detach().clone()
+
+        return record
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names or ()]
+    try:
+        yield into
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def layer_arrays(pair: Any, captured: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Captured layer outputs (`Side.layers`' halves) in Flax's layout: float32 numpy, NCHW
+    transposed to NHWC for a channels-first pair."""
+    arrays = {}
+    for name, value in captured.items():
+        array = value.float().cpu().numpy().copy()
+        if pair.torch_channels_first and array.ndim == 4:
+            array = array.transpose(0, 2, 3, 1)
+        arrays[name] = array
+    return arrays
+
+
+def torch_side(pair, inputs, targets, config, loss_scale, trace_flops, layers=None) -> Side:
     """Torch's step-0 numbers at the run's precision (eval and train logits, loss, gradients of
-    ``loss * loss_scale`` divided back, running statistics; matmul FLOPs by dtype)."""
+    ``loss * loss_scale`` divided back, running statistics; matmul FLOPs by dtype).
+
+    `layers` (torch module names): each one's first output in the eval and the train pass is
+    kept as well (`Side.layers`): the per-layer diagnosis reads them instead of running the
+    two passes again."""
     model, x = torch_setup(pair, inputs, config)
     y = torch.from_numpy(np.ascontiguousarray(targets)).to(x.device)
     recipe = config.recipe
     device_type = torch_device(config)
+    captured: tuple[dict, dict] = ({}, {})
 
-    with torch.no_grad(), recipe.torch_autocast(device_type):
+    with (
+        torch.no_grad(),
+        recipe.torch_autocast(device_type),
+        _capturing(model, layers, captured[0]),
+    ):
         eval_logits = pair.torch_forward(model, x, train=False).float().cpu().numpy().copy()
     out: dict[str, Any] = {}
 
     def train_step():
         model.zero_grad(set_to_none=True)
-        with recipe.torch_autocast(device_type):
+        with recipe.torch_autocast(device_type), _capturing(model, layers, captured[1]):
             logits = pair.torch_forward(model, x, train=True)
             loss = loss_torch(pair.task, logits, y)
         (loss * loss_scale).backward()
@@ -105,18 +150,29 @@ def torch_side(pair, inputs, targets, config, loss_scale, trace_flops) -> Side:
     stats_model = copy.deepcopy(model).float().cpu() if model_off_host(model) else model
     stats = flatten(pair.to_flax(stats_model).get("batch_stats", {}))
     return Side(
-        eval_logits, out["logits"], out["loss"], torch_grads_to_flax(pair, model), stats, flops
+        eval_logits,
+        out["logits"],
+        out["loss"],
+        torch_grads_to_flax(pair, model),
+        stats,
+        flops,
+        layers=captured if layers is not None else None,
     )
 
 
-def torch_stage_side(pair, inputs, targets, config, trace_flops: bool) -> tuple[Side, float]:
+def torch_stage_side(
+    pair, inputs, targets, config, trace_flops: bool, layers: list[str] | None = None
+) -> tuple[Side, float]:
     """torch's step-0 `Side` at `config`'s precision and the loss scale it was taken at: the
     recipe's step-0 scale, halved (GradScaler's back-off) until torch's gradients are finite, so
     that step 0 is one torch would not skip. `parity.verdicts.step0` and `parity.golden.export` call it.
+    `layers`: as `torch_side`'s.
     """
     scale = config.recipe.step0_loss_scale(config)
-    side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops)
+    side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops, layers=layers)
     while scale > 1 and not all(np.isfinite(g).all() for g in side.grads.values()):
         scale /= 2
-        side = torch_side(pair, inputs, targets, config, scale, trace_flops=trace_flops)
+        side = torch_side(
+            pair, inputs, targets, config, scale, trace_flops=trace_flops, layers=layers
+        )
     return side, scale
