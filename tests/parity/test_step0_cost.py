@@ -1,0 +1,112 @@
+"""What step 0 runs once and reuses: torch's passes for the diagnosis (check_step0's diagnosis
+without a second torch pass: test_parity_step0.py's wrong padding), float64 floors across the
+probe's modes, and the probe's examples bounded by the model's work (parity.verdicts.layer_probe,
+diagnose, torch_side). Tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from parity.core.config import RunConfig
+from parity.models import get_model_pair
+from parity.verdicts import diagnose, layer_probe
+from parity.verdicts.probe_judge import PROBE_EXAMPLES, PROBE_FLOPS, PROBE_MIN_EXAMPLES
+from parity.verdicts.tolerance import forward_flops
+from parity.verdicts.torch_side import layer_arrays, torch_side
+
+TINY_RESNET = {"image_shape": (8, 8, 3), "channels": (4, 8, 16), "blocks_per_stage": 1}
+TINY_TRANSFORMER = {"seq_len": 8, "d_model": 16, "num_heads": 2, "num_layers": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _resnet(wrong_port: str = ""):
+    return get_model_pair("resnet", seed=0, wrong_port=wrong_port, **TINY_RESNET)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_torch_side_keeps_the_layer_outputs_the_diagnosis_would_capture(precision):
+    """The layer outputs kept from step 0's own eval and train passes are the ones a separate
+    pair of passes gives (same modules, execution order, values), NCHW turned to NHWC."""
+    pair = _resnet()
+    inputs, targets = pair.make_data(0, 2).batch(0)
+    config = RunConfig(model="resnet", precision=precision, batch_size=2)
+    names = [name for name, _ in diagnose.module_pairs(pair, pair.torch_to_flax())[0]]
+    side = torch_side(pair, inputs, targets, config, 1.0, trace_flops=False, layers=names)
+    kept = tuple(layer_arrays(pair, captured) for captured in side.layers)
+    again = diagnose.torch_layer_outputs(pair, names, inputs, config)
+    for mine, theirs in zip(kept, again, strict=True):
+        assert list(mine) == list(theirs) and len(mine) > 5
+        for name in theirs:
+            assert mine[name].shape == theirs[name].shape and mine[name].ndim in (2, 4)
+            np.testing.assert_array_equal(mine[name], theirs[name])
+    # nothing asked, nothing kept
+    assert torch_side(pair, inputs, targets, config, 1.0, trace_flops=False).layers is None
+
+
+def test_train_mode_floors_reuse_the_eval_ones_only_where_the_call_is_the_same(monkeypatch):
+    """A layer called with the same inputs and giving the same output in both modes keeps its
+    eval float64 floor (the same number a second float64 run gives); a BatchNorm, whose train
+    call differs, is run in float64 again."""
+    pair = _resnet()
+    inputs, _ = pair.make_data(0, 4).batch(0)
+    calls = []
+    original = layer_probe._float64_floor
+
+    def counted(module, entry, train):
+        calls.append(train)
+        return original(module, entry, train)
+
+    monkeypatch.setattr(layer_probe, "_float64_floor", counted)
+    reused = layer_probe.probe_torch(pair, inputs, scales=(1.0,))
+    reused_calls = list(calls)
+    calls.clear()
+    monkeypatch.setattr(layer_probe, "_same_call", lambda a, b: False)
+    fresh = layer_probe.probe_torch(pair, inputs, scales=(1.0,))
+    floors = [
+        (layer.name, layer.floor)
+        for probe in (reused.scales[0], fresh.scales[0])
+        for layer in probe.train.layers
+    ]
+    half = len(floors) // 2
+    assert floors[:half] == floors[half:]  # the same floors, to the last bit
+    assert reused_calls.count(True) < calls.count(True)  # fewer float64 runs in train mode
+    assert 0 < reused_calls.count(True)  # the BatchNorms (and what follows them) ran again
+
+
+def test_the_probe_examples_follow_the_models_work():
+    pair = get_model_pair("transformer", seed=0, **TINY_TRANSFORMER)
+    inputs, _ = pair.make_data(0, 16).batch(0)
+    flops = forward_flops(pair, pair.torch_to_flax(), inputs)
+    assert flops > 0
+    assert layer_probe.probe_examples(pair, inputs, flops) == PROBE_EXAMPLES
+    assert layer_probe.probe_examples(pair, inputs) == PROBE_EXAMPLES  # counted when not given
+    assert layer_probe.probe_examples(pair, inputs[:3], flops) == 3  # never more than the batch
+    per_example = PROBE_FLOPS / 3  # three examples fit
+    assert layer_probe.probe_examples(pair, inputs, int(16 * per_example)) == 3
+    huge = 16 * PROBE_FLOPS * 100
+    assert layer_probe.probe_examples(pair, inputs, huge) == PROBE_MIN_EXAMPLES
+    assert layer_probe.probe_examples(pair, inputs[:1], huge) == 1
+    record = layer_probe.probe_torch(pair, inputs, scales=(1.0,), flops=int(16 * per_example))
+    assert len(record.inputs) == 3
+    np.testing.assert_array_equal(record.inputs, inputs[:3])
+
+
+@pytest.mark.parametrize(
+    "model", ["mlp", "mlp_nnx", "cnn", "cnn_bn", "lstm", "resnet", "transformer"]
+)
+def test_the_built_in_models_at_their_default_sizes_probe_every_example(model):
+    """The bound changes nothing the built-in models' verdicts were measured with."""
+    pair = get_model_pair(model, seed=0)
+    inputs, _ = pair.make_data(0, PROBE_EXAMPLES).batch(0)
+    flops = forward_flops(pair, pair.torch_to_flax(), inputs)
+    assert flops * 2 < PROBE_FLOPS  # with room
+    assert layer_probe.probe_examples(pair, inputs, flops) == PROBE_EXAMPLES
