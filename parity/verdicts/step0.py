@@ -240,8 +240,7 @@ def check_step0(
         # range, stochastic torch modules, tensors the mapping folds (parity.verdicts.step0_checks).
         with phase("layer probe"):
             probe_row, probe = probe_verdict(pair, config, inputs, shapes["forward flops"])
-        with phase("stochastic modules"):
-            structure = [stochastic_verdict(pair, config, inputs), probe_row]
+        structure = [probe_row]  # the stochastic row goes first, once torch's side has run
         folded = folded_verdict(pair, config)
         if folded is not None:
             structure.append(folded)
@@ -264,10 +263,19 @@ def check_step0(
                     fp8_failed = True
                 break
             with phase("outputs and gradients"):
-                t, scale = torch_stage_side(
-                    pair, inputs, targets, stage_config, trace_flops=low, layers=layers
-                )
-                j = jax_side(pair, variables, inputs, targets, stage_config, scale, trace_flops=low)
+                with phase("torch"):
+                    t, scale = torch_stage_side(
+                        pair, inputs, targets, stage_config, trace_flops=low, layers=layers
+                    )
+                with phase("jax"):
+                    j = jax_side(
+                        pair, variables, inputs, targets, stage_config, scale, trace_flops=low
+                    )
+            if stage == "fp32":  # one more train-mode call must give torch's output again
+                with phase("stochastic modules"):
+                    structure.insert(
+                        0, stochastic_verdict(pair, config, inputs, reference=t.train_logits)
+                    )
             t, j = mask_padding_rows(t, padded), mask_padding_rows(j, padded)
             sides[stage] = (t, j)
             rows, w_out, w_param = stage_verdicts(

@@ -5,6 +5,8 @@ diagnose, torch_side). Tiny models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,32 @@ def test_the_built_in_models_at_their_default_sizes_probe_every_example(model):
     flops = forward_flops(pair, pair.torch_to_flax(), inputs)
     assert flops * 2 < PROBE_FLOPS  # with room
     assert layer_probe.probe_examples(pair, inputs, flops) == PROBE_EXAMPLES
+
+
+def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
+    """Given the output of step 0's float32 train-mode call, one more call that repeats it
+    exactly is the whole check; an output that differs (a dropout left on) is still named by the
+    two hooked calls."""
+    from parity.pairs import adapters
+    from parity.verdicts import step0_checks
+
+    pair = get_model_pair("transformer", seed=0, **TINY_TRANSFORMER)
+    inputs, targets = pair.make_data(0, 4).batch(0)
+    config = RunConfig(model="transformer", precision="bf16-mixed", batch_size=4)
+    fp32 = dataclasses.replace(config, precision="fp32")
+    reference = torch_side(pair, inputs, targets, fp32, 1.0, trace_flops=False).train_logits
+    hooked = []
+    original = adapters.torch_stochastic_modules
+
+    def counted(*args):
+        hooked.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(step0_checks, "torch_stochastic_modules", counted)
+    verdict = step0_checks.stochastic_verdict(pair, config, inputs, reference=reference)
+    assert verdict.passed is True and verdict.value == "deterministic" and not hooked
+    pair.torch_model.blocks[0].attn.dropout = 0.5  # left on
+    torch.manual_seed(0)
+    reference = torch_side(pair, inputs, targets, fp32, 1.0, trace_flops=False).train_logits
+    verdict = step0_checks.stochastic_verdict(pair, config, inputs, reference=reference)
+    assert verdict.passed is False and verdict.value == "blocks.0.attn" and hooked
