@@ -194,7 +194,12 @@ def report_sections(runs: list[dict[str, Any]]) -> dict[str, list[str]]:
             [
                 f"### {where}",
                 "",
-                f"First diverging layer: **{first}** ({diagnosis.get('first_failing_kind')}, "
+                (
+                    "First divergence: the input of "
+                    if diagnosis.get("first_failing_input")
+                    else "First diverging layer: "
+                )
+                + f"**{first}** ({diagnosis.get('first_failing_kind')}, "
                 f"{diagnosis.get('first_failing_stage')})."
                 if first
                 else "Every layer agrees within its band.",

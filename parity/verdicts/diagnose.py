@@ -16,7 +16,11 @@ precision and, for a low-precision run, at the run's precision.
 The first diverging layer is the first layer, in execution order, whose forward output (eval or
 train) exceeds its band; if every output agrees, the first whose running statistics do; else the
 last one, in execution order, whose gradients do (the backward pass runs in reverse, so that is
-where gradients start to differ).
+where gradients start to differ). When step 0 fails, the layer probe (each Flax layer fed
+torch's input) refines it (`parity.verdicts.layer_table.explain_failure`): a layer that agrees
+on torch's input while its own input does not is named as *the input of* that layer (what runs
+before it has no weights: an attention core, an activation, a pool); and the headline names the
+first divergence in execution order, the probe's where the table's is a gradient one.
 
 It runs automatically when a step-0 verdict fails (`parity.verdicts.step0.check_step0`); call
 `diagnose_pair` yourself (e.g. when a trajectory verdict fails, with the failing step's batch and

@@ -60,6 +60,9 @@ class Diagnosis:
       first_failing: the torch name of the first diverging layer (None if all agree).
       first_failing_stage: the stage in which it diverges.
       first_failing_kind: which kind exceeded its band there.
+      first_failing_input: the divergence is in that layer's *input*, not the layer: the layer
+        agrees when fed torch's input (the layer probe), so what runs before it differs (a
+        weightless op: an attention core, an activation, a pool, a residual).
       unmatched: torch modules with parameters that have no Flax counterpart.
       cause: a failing check that is not a layer's (``"compute dtype (jax): ..."``, a stochastic
         layer, a folded parameter): named before any layer, since the layers cannot explain it.
@@ -70,27 +73,32 @@ class Diagnosis:
     first_failing: str | None
     first_failing_stage: str | None = None
     first_failing_kind: str | None = None
+    first_failing_input: bool = False
     unmatched: list[str] = dataclasses.field(default_factory=list)
     cause: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
-    def summary(self) -> str:
-        """One line: the non-layer cause if there is one, else the first diverging layer, or
-        that all layers agree."""
-        if self.cause is not None:
-            layer = (
-                f"; first diverging layer: {self.first_failing} ({self.first_failing_kind}, "
-                f"{self.first_failing_stage})"
-                if self.first_failing is not None
-                else ""
-            )
-            return f"cause: {self.cause}{layer}"
+    def headline(self) -> str | None:
+        """Where the two models first part, in execution order: ``"first diverging layer: X
+        (kind, stage)"``, or ``"first divergence: the input of X (...)"`` where X itself agrees
+        on torch's input and what runs before it does not; None when every layer agrees."""
         if self.first_failing is None:
-            return "per-layer diagnosis: every layer within its band"
-        return (
-            f"first diverging layer: {self.first_failing} ({self.first_failing_kind}, "
-            f"{self.first_failing_stage})"
-        )
+            return None
+        where = f"({self.first_failing_kind}, {self.first_failing_stage})"
+        if self.first_failing_input:
+            return (
+                f"first divergence: the input of {self.first_failing} {where}: the layer agrees "
+                "on torch's input, what runs before it (no weights of its own) does not"
+            )
+        return f"first diverging layer: {self.first_failing} {where}"
+
+    def summary(self) -> str:
+        """One line: the non-layer cause if there is one, else where the models first part
+        (`headline`), or that all layers agree."""
+        headline = self.headline()
+        if self.cause is not None:
+            return f"cause: {self.cause}" + (f"; {headline}" if headline else "")
+        return headline or "per-layer diagnosis: every layer within its band"
 
     def to_markdown(self) -> str:
         """The table as markdown (errors in 3 significant digits, failures marked)."""
@@ -142,6 +150,7 @@ class Diagnosis:
             "first_failing": self.first_failing,
             "first_failing_stage": self.first_failing_stage,
             "first_failing_kind": self.first_failing_kind,
+            "first_failing_input": self.first_failing_input,
             "unmatched": self.unmatched,
             "cause": self.cause,
             "notes": self.notes,
@@ -300,10 +309,29 @@ def first_failing(rows) -> tuple[str, str, str] | None:
     return None
 
 
+_FORWARD = ("eval output", "train output", "running stats")
+
+
+def _probe_first(probe: Any) -> tuple[str, bool, dict[str, Any]] | None:
+    """The layer probe's first failure in execution order: ``(layer, input?, row)``. A layer
+    whose own input (the Flax model's forward, on probe weights) differs from torch's is
+    named as its input, before its output is looked at: what runs before it parted."""
+    failed = [r for r in probe.rows if not r["passed"]]
+    for layer in dict.fromkeys(r["layer"] for r in probe.rows):  # first scale: execution order
+        here = [r for r in failed if r["layer"] == layer]
+        if here:
+            inputs = [r for r in here if r["kind"] == "input"]
+            return layer, bool(inputs), (inputs or here)[0]
+    return None
+
+
 def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: Any) -> None:
     """Names the cause of a failed step 0 on `diagnosis` (in place): a failed non-layer check
-    first (stochastic layers, the compute dtype), and the probe's first failing layer (in
-    execution order) when the model's own init showed no diverging layer."""
+    first (stochastic layers, the compute dtype), then where the models first part in
+    execution order: the layer probe's first failure (a layer that disagrees on torch's input,
+    or the input of one that agrees on it) unless the table's first forward divergence comes
+    earlier; a gradient-only table divergence (named last-first, as the backward pass runs)
+    gives way to a probe failure, which is the first in execution order."""
     failed = {v.check: v for v in verdicts if v.passed is False}
     if STOCHASTIC_CHECK in failed:
         diagnosis.cause = f"stochastic torch modules: {failed[STOCHASTIC_CHECK].value}"
@@ -311,13 +339,26 @@ def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: Any) -> None
         dtype = [v for check, v in failed.items() if check.startswith("compute dtype")]
         if dtype:
             diagnosis.cause = f"{dtype[0].check}: {dtype[0].detail}"
-    if PROBE_CHECK in failed and probe is not None and diagnosis.first_failing is None:
-        row = next(r for r in probe.rows if not r["passed"])  # execution order
-        diagnosis.first_failing = row["layer"]
-        diagnosis.first_failing_stage = "fp32"
-        diagnosis.first_failing_kind = (
-            f"{row['kind']} on probe weights ({row['mode']}, layer outputs at RMS {row['scale']:g})"
+    first = _probe_first(probe) if PROBE_CHECK in failed and probe is not None else None
+    if first is not None:
+        layer, is_input, row = first
+        order = [r["layer"] for r in diagnosis.rows if r["stage"] == diagnosis.first_failing_stage]
+        earlier = (
+            diagnosis.first_failing is not None
+            and diagnosis.first_failing_kind in _FORWARD
+            and diagnosis.first_failing in order
+            and layer in order
+            and order.index(diagnosis.first_failing) < order.index(layer)
         )
+        same = layer == diagnosis.first_failing and not is_input  # the table named it already
+        if not earlier and not same:
+            diagnosis.first_failing = layer
+            diagnosis.first_failing_stage = "fp32"
+            diagnosis.first_failing_input = is_input
+            diagnosis.first_failing_kind = (
+                f"{row['kind']} on probe weights ({row['mode']}, layer outputs at RMS "
+                f"{row['scale']:g})"
+            )
     for verdict in verdicts:
         if verdict.check == FOLDED_CHECK:
             diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")

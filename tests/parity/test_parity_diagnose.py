@@ -191,6 +191,59 @@ def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
     explain_failure(diagnosis, [row(PROBE_CHECK, False)], Probe())
     assert diagnosis.first_failing == "fc2" and diagnosis.cause is None
     assert diagnosis.first_failing_kind.startswith("input on probe weights")
+    assert diagnosis.first_failing_input
+    assert diagnosis.summary().startswith("first divergence: the input of fc2 (")
+
+
+def _table(*failed):
+    """Diagnosis rows a, b, c in execution order; `failed`: {layer: kind}."""
+    kinds = dict(failed)
+    return [
+        {"layer": name, "stage": "fp32", "failed_kinds": [kinds[name]] if name in kinds else []}
+        for name in ("a", "b", "c")
+    ]
+
+
+def _probe(*failed):
+    class Probe:
+        rows = [
+            {
+                "layer": name,
+                "kind": kind,
+                "mode": "eval",
+                "scale": 1.0,
+                "passed": (name, kind) not in failed,
+            }
+            for name in ("a", "b", "c")
+            for kind in ("output", "input")
+        ]
+
+    return Probe()
+
+
+@pytest.mark.parametrize(
+    "table, probe, headline",
+    [
+        # a weightless op before b: b agrees on torch's input, its own input does not
+        ((("b", "eval output"),), (("b", "input"),), "first divergence: the input of b ("),
+        # b itself (its output on torch's input differs): the table's own wording stays
+        ((("b", "eval output"),), (("b", "output"),), "first diverging layer: b (eval output"),
+        # gradients are named last-first (c); the probe's a runs first: a
+        ((("c", "gradients"),), (("a", "output"),), "first diverging layer: a (output on probe"),
+        # the table's forward divergence at a comes before the probe's at c: a
+        ((("a", "eval output"),), (("c", "input"),), "first diverging layer: a (eval output"),
+    ],
+)
+def test_the_headline_names_the_first_in_execution_order_and_says_input_of(table, probe, headline):
+    from parity.verdicts.layer_table import first_failing as _first_failing
+    from parity.verdicts.rows import Verdict
+    from parity.verdicts.step0_checks import PROBE_CHECK, explain_failure
+
+    rows = _table(*table)
+    diagnosis = Diagnosis(rows, *(_first_failing(rows) or (None, None, None)))
+    failed = Verdict("m", "fp32", "cpu", PROBE_CHECK, "jax vs torch", 1.0, 0.1, False)
+    explain_failure(diagnosis, [failed], _probe(*probe))
+    assert diagnosis.summary().startswith(headline), diagnosis.summary()
 
 
 @pytest.mark.slow

@@ -66,7 +66,8 @@ def test_mutation_through_the_golden_decides_as_compare_models(
     named = (diagnosis["first_failing"], diagnosis["first_failing_stage"])
     assert named == (harness.diagnosis.first_failing, harness.diagnosis.first_failing_stage)
     assert diagnosis["first_failing_kind"] == harness.diagnosis.first_failing_kind
-    assert f"first diverging layer: {named[0]}" in result.report(), result.report()
+    assert diagnosis["first_failing_input"] == harness.diagnosis.first_failing_input
+    assert harness.diagnosis.headline() in result.report(), result.report()
 
 
 # --- Hugging Face GPT-2 with the exact GELU (GPT-2 uses the tanh approximation) ---------------
@@ -126,4 +127,6 @@ def test_gpt2_exact_gelu_fails_the_golden_check_naming_the_layer(tmp_path):
     assert rows["step 0 fp32: each layer on its operating range"].passed is False
     assert _step0_failures(result.verdicts) == _step0_failures(harness.verdicts)
     assert result.runs[1]["step0"]["diagnosis"]["first_failing"] == expected
-    assert f"first diverging layer: {expected}" in result.report()
+    # GELU sits between c_fc and c_proj: c_proj agrees on torch's input, its input does not
+    assert harness.runs[1]["step0"]["diagnosis"]["first_failing_input"], expected
+    assert f"first divergence: the input of {expected}" in result.report()
