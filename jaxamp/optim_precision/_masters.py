@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._numerics import fresh_buffers
+from jaxamp._numerics import fresh_buffers, widen
 from jaxamp._optim import LossScaledTransformation
 from jaxamp._policy import Policy, get_policy
 from jaxamp.optim_precision._state import _is_float_array, like_stored, to_compute
@@ -46,16 +46,19 @@ def _round_bf16(x32: jax.Array, random16: jax.Array) -> jax.Array:
 def _round_between_neighbours(x32: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     """Any narrower float: the two neighbours of x, the upper one with probability
     (x - lower) / (upper - lower). Values that overflow round to nearest (inf), as a cast does."""
+    # `widen`: XLA:GPU would otherwise delete the float32 -> dtype -> float32 round trip (its
+    # excess precision), find every value exact and round each to nearest.
     nearest = x32.astype(dtype)
-    above = nearest.astype(jnp.float32) > x32
+    nearest32 = widen(nearest)
+    above = nearest32 > x32
     toward = jnp.where(above, -jnp.inf, jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)
     lower = jnp.where(above, other, nearest)
     upper = jnp.where(above, nearest, other)
-    lower32, upper32 = lower.astype(jnp.float32), upper.astype(jnp.float32)
+    lower32, upper32 = widen(lower), widen(upper)
     p_upper = (x32 - lower32) / (upper32 - lower32)
     out = jnp.where(uniform < p_upper, upper, lower)
-    exact = (nearest.astype(jnp.float32) == x32) | ~jnp.isfinite(nearest)
+    exact = (nearest32 == x32) | ~jnp.isfinite(nearest)
     return jnp.where(exact, nearest, out)
 
 
@@ -324,12 +327,16 @@ def kahan_summation(
                 return u, c
             p32 = p.astype(jnp.float32) if _narrow(p) else p
             wide = p32.dtype
+            # Narrow values read back through `widen`: XLA:GPU would otherwise delete the
+            # float32 -> narrow -> float32 round trips (its excess precision) and the
+            # compensation would miss the rounding it exists to keep.
+            up = (lambda a: widen(a, wide)) if _narrow(p) else (lambda a: a)  # noqa: E731
             y = u.astype(wide) + c.astype(wide)
             new_p = (p32 + y).astype(p.dtype)
-            delta = (new_p.astype(wide) - p32).astype(p.dtype)
+            delta = (up(new_p) - p32).astype(p.dtype)
             # What apply_updates stores: p + delta in the parameter's dtype.
             applied = (p + delta).astype(p.dtype)
-            return delta, (y - (applied.astype(wide) - p32)).astype(c.dtype)
+            return delta, (y - (up(applied) - p32)).astype(c.dtype)
 
         leaves, treedef = jax.tree_util.tree_flatten(params)
         pairs = [
