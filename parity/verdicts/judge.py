@@ -51,6 +51,7 @@ from parity.verdicts.rows import (
     loss_floor,
     relative_gaps,
     run_losses,
+    running_envelope,
     self_divergence,
 )
 from parity.verdicts.tolerances import TOLERANCES, envelope_ratio, step_tolerances
@@ -114,9 +115,16 @@ class Pair:
 
     @property
     def skipped_apart(self) -> list[int]:
-        """Steps where one side skipped and the other applied, as a rounding flip: one side's
-        gradients are non-finite there by design, and per-step gradient rows leave them out."""
-        return [d.step for d in self.skips if d.explained]
+        """Steps where one side skipped and the other applied its update: one side's gradients
+        are non-finite there by design; the skip decisions' own row judges them, and per-step
+        gradient rows leave them out."""
+        n = min(len(self.ref["steps"]), len(self.cand["steps"]))
+        return [
+            i
+            for i in range(n)
+            if bool(self.ref["steps"][i].get("skipped"))
+            != bool(self.cand["steps"][i].get("skipped"))
+        ]
 
     @property
     def seeds_decide(self) -> bool:
@@ -189,17 +197,9 @@ def _demoted(verdict: Verdict) -> Verdict:
 def _envelope(pair_noise, mains) -> tuple[list[float] | None, list[str]]:
     """The self-divergence envelope: each calibration run against its framework's main run,
     the running maximum over all of them (the steps all have, where one stopped early)."""
-    envelope, sources = None, []
-    for run in pair_noise:
-        env = self_divergence(mains[run["framework"]], [run])
-        if env is None:
-            continue
-        sources.append(run_label(run))
-        if envelope is not None:
-            n = min(len(envelope), len(env))
-            env = [max(envelope[i], env[i]) for i in range(n)]
-        envelope = env
-    return envelope, sources
+    envelopes = [(run, self_divergence(mains[run["framework"]], [run])) for run in pair_noise]
+    used = [(run, env) for run, env in envelopes if env is not None]
+    return running_envelope(env for _, env in used), [run_label(run) for run, _ in used]
 
 
 def _folded(run) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ __all__ = [
     "EXCEEDED",
     "QUALIFIERS",
     "Qualifier",
+    "UNCALIBRATED_FLIP_NOTE",
     "UNCALIBRATED_NOTE",
     "qualify",
 ]
@@ -52,6 +53,13 @@ ADAPTIVE_UPDATE_NOTE = (
     "informational under AdamW: each element's step is its gradient over its own magnitude, so "
     "parameters whose exact gradient is zero (a bias before BatchNorm) move by rounding noise "
     "and set the update norm; judged under SGD"
+)
+
+UNCALIBRATED_FLIP_NOTE = (
+    f"exceeded, not failed: from step {CHAOS_STEP} on, float16's 4-ulp flip window assumes the "
+    "two sides still agree to rounding, while a correct port's gradient maxima part by chaotic "
+    "amplification; no noise run measured how far this model's own move by then: decide with "
+    "--noise torch (the window becomes twice that spread)"
 )
 
 WELCH_NOTE = "a difference test that does not reject proves nothing: the equivalence row decides"
@@ -103,6 +111,16 @@ def _uncalibrated(row: Row, pair: Any) -> bool:
     )
 
 
+def _uncalibrated_flip(row: Row, pair: Any) -> bool:
+    return (
+        row.kind == "skips"
+        and row.passed is False
+        and not pair.calibrated
+        and row.first_failing_step is not None
+        and row.first_failing_step >= CHAOS_STEP
+    )
+
+
 def _structural(row: Row, pair: Any) -> bool:
     return (
         bool(pair.structural)
@@ -125,6 +143,12 @@ def _departure(row: Row, pair: Any) -> bool:
 QUALIFIERS: tuple[Qualifier, ...] = (
     Qualifier("no power", _no_power, _no_power_note, "inconclusive"),
     Qualifier("uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED),
+    Qualifier(
+        "uncalibrated flip window",
+        _uncalibrated_flip,
+        lambda row, pair: UNCALIBRATED_FLIP_NOTE,
+        EXCEEDED,
+    ),
     Qualifier(
         "adaptive update",
         lambda row, pair: row.kind == "update norm" and pair.adaptive,

@@ -36,6 +36,7 @@ __all__ = [
     "power_bound",
     "relative_gaps",
     "run_losses",
+    "running_envelope",
     "seeds_to_decide",
     "self_divergence",
     "signal_envelope",
@@ -262,6 +263,27 @@ def final_mean(losses: Sequence[float | None], window: int) -> float | None:
     return sum(tail) / len(tail)
 
 
+def running_envelope(gaps: Iterable[Sequence[float] | None]) -> list[float] | None:
+    """Per step, the running maximum over steps of each gap series, the largest over the series
+    (the steps all of them have); None without a non-empty series.
+
+    Example:
+      >>> running_envelope([[0.1, 0.0, 0.3], [0.2, 0.1]])
+      [0.2, 0.2]
+    """
+    envelope = None
+    for series in gaps:
+        if not series:
+            continue
+        running = list(itertools.accumulate(series, max))
+        envelope = (
+            running
+            if envelope is None
+            else [max(a, b) for a, b in zip(envelope, running, strict=False)]
+        )
+    return envelope
+
+
 def self_divergence(
     main: Mapping[str, Any], noise_runs: Iterable[Mapping[str, Any]]
 ) -> list[float] | None:
@@ -283,21 +305,7 @@ def self_divergence(
     """
     ref = run_losses(main)
     floor = loss_floor(ref)
-    envelope = None
-    for run in noise_runs:
-        gaps = relative_gaps(ref, run_losses(run), floor)
-        if not gaps:
-            continue
-        running, acc = [], 0.0
-        for g in gaps:
-            acc = max(acc, g)
-            running.append(acc)
-        if envelope is None:
-            envelope = running
-        else:
-            n = min(len(envelope), len(running))
-            envelope = [max(envelope[i], running[i]) for i in range(n)]
-    return envelope
+    return running_envelope(relative_gaps(ref, run_losses(run), floor) for run in noise_runs)
 
 
 def fmt_value(x: float | None, unit: str = "") -> str:
@@ -611,15 +619,4 @@ def signal_envelope(noise, mains, field) -> list[float] | None:
     """The self-divergence envelope of a per-step signal (``grad_norm``...): running max over
     steps of each noise run's relative gap to its framework's main run (`mains`: framework ->
     run); None without one."""
-    envelope = None
-    for run in noise:
-        gaps = signal_gaps(mains[run["framework"]], run, field)
-        if not gaps:
-            continue
-        running = list(itertools.accumulate(gaps, max))
-        envelope = (
-            running
-            if envelope is None
-            else [max(a, b) for a, b in zip(envelope, running, strict=False)]
-        )
-    return envelope
+    return running_envelope(signal_gaps(mains[run["framework"]], run, field) for run in noise)

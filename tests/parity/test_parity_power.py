@@ -632,6 +632,37 @@ def test_a_skip_flip_within_the_models_own_noise_is_explained_and_one_beyond_fai
     assert overall_status(judged) == "FAIL"
 
 
+def test_a_late_skip_flip_without_a_noise_run_is_exceeded_not_failed():
+    """cnn fp16-mixed, 60 steps (matrix seed 0): torch skipped at step 49 while JAX's largest
+    |scaled gradient| sat at 0.985 of float16's max, outside the 4-ulp window; by then the sides'
+    gradient maxima had parted by percent (chaos), and with both frameworks' 1-ulp noise runs the
+    window was 0.14: a flip. Without a noise run, past step 30, the row is exceeded (the cell
+    INCONCLUSIVE, deciding with --noise torch), never a pass; a noise run decides it."""
+    overflow = {"fc.weight": None, "fc.bias": 10.0}
+    late = {("torch", 35): overflow, ("jax", 35): {"fc.weight": 64544.0, "fc.bias": 9.0}}
+    runs = _scaled_runs({35}, set(), late, steps=40)
+    judged = _judged(runs)
+    (row,) = [v for v in judged if v.check == "skip decisions"]
+    assert row.passed is None and row.mode == "exceeded" and "--noise torch" in row.detail
+    assert overall_status(judged) == "INCONCLUSIVE"
+    assert "--noise torch" in cell_bottom_lines(judged)[("m", "fp16-mixed", "cpu")]
+    # the gradient-norm row leaves the step out: the skip row judges it
+    assert all(v.passed is not False for v in judged)
+    noisy = copy.deepcopy(runs[0])
+    noisy["variant"] = "noise"
+    for step in noisy["steps"]:
+        step["max_scaled_grad"] = {
+            k: (v * 1.01 if isinstance(v, float) else v) for k, v in step["max_scaled_grad"].items()
+        }
+    (row,) = [v for v in _judged([*runs, noisy]) if v.check == "skip decisions"]
+    assert row.passed is True and row.mode == "flip window"
+    # the same difference early (step 5) is a failure
+    runs = _scaled_runs(
+        {5}, set(), {("torch", 5): overflow, ("jax", 5): late[("jax", 35)]}, steps=40
+    )
+    assert overall_status(_judged(runs)) == "FAIL"
+
+
 def test_gradient_norm_rows_take_their_own_noise_calibration_where_it_outruns_the_losss():
     """resnet adamw-4bit (matrix): the gradient norm parts from torch by 1.4e-3 at step 6, as far
     as torch's own 1-ulp noise run does, while the losses agree to 1e-7; the gradient-norm row
