@@ -24,7 +24,7 @@ from parity.core.losses import loss_torch
 from parity.replay.jax_side import SideStep, jax_stepper
 from parity.replay.judge import SCENARIOS, ReplayResult, judge_sequences
 from parity.replay.layout import Layout
-from parity.replay.optimizers import torch_replay
+from parity.replay.optimizers import replay_threads, torch_replay
 from parity.training.user_loop import TrainingLoop
 
 __all__ = ["replay_optimizers", "torch_sequences"]
@@ -62,22 +62,23 @@ def torch_sequences(
     """torch's side of every gradient sequence: ``{scenario: (torch's steps, the gradients
     it was fed, unscaled, in the Flax layout)}`` (what the JAX side is then fed); arguments as
     `replay_optimizers`."""
-    layout = layout or Layout(pair)
-    loss_fn = loop.torch_loss or (lambda logits, y: loss_torch(pair.task, logits, y))
-    scaled = bool(config.recipe.loss_scaling)
-    wanted = scenarios or SCENARIOS
-    out = {}
-    t_steps, given = torch_replay(
-        pair, loop, config, list(range(steps)), layout, loss_fn=loss_fn, batch=batch
-    )
-    if "real" in wanted:
-        out["real"] = (t_steps, [layout.to_flax(g) for g in given])
-    for name, sequence in _sequences(given[0], scaled).items():
-        if name in wanted:
-            t_other, given_other = torch_replay(
-                pair, loop, config, sequence, layout, loss_fn=loss_fn, batch=batch
-            )
-            out[name] = (t_other, [layout.to_flax(g) for g in given_other])
+    with replay_threads(pair.torch_model):
+        layout = layout or Layout(pair)
+        loss_fn = loop.torch_loss or (lambda logits, y: loss_torch(pair.task, logits, y))
+        scaled = bool(config.recipe.loss_scaling)
+        wanted = scenarios or SCENARIOS
+        out = {}
+        t_steps, given = torch_replay(
+            pair, loop, config, list(range(steps)), layout, loss_fn=loss_fn, batch=batch
+        )
+        if "real" in wanted:
+            out["real"] = (t_steps, [layout.to_flax(g) for g in given])
+        for name, sequence in _sequences(given[0], scaled).items():
+            if name in wanted:
+                t_other, given_other = torch_replay(
+                    pair, loop, config, sequence, layout, loss_fn=loss_fn, batch=batch
+                )
+                out[name] = (t_other, [layout.to_flax(g) for g in given_other])
     return out
 
 

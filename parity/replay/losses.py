@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parity.replay.jax_side import COMPILER_OPTIONS
+
 __all__ = [
     "IGNORE_INDEX",
     "LossFinding",
@@ -119,7 +121,7 @@ def _value_and_grad(jax_loss, jit: bool):
     """The JAX loss's value and gradient w.r.t. the logits, jitted (one program per dtype) or
     eager."""
     fn = jax.value_and_grad(lambda z, y: jax_loss(z, y).astype(jnp.float32))
-    return jax.jit(fn) if jit else fn
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS) if jit else fn
 
 
 def _neg_log_probs(x: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from parity.replay.gradients import replay_optimizers, torch_sequences
 from parity.replay.judge import loss_row, optimizer_row
 from parity.replay.layout import Layout
 from parity.replay.losses import compare_losses, torch_loss_values
+from parity.replay.optimizers import replay_threads
 from parity.replay.record import TorchReplay
 from parity.training.user_loop import TrainingLoop
 from parity.verdicts.rows import Verdict
@@ -37,7 +38,7 @@ def _logits(pair: Any, batch: Any, steps: int) -> tuple[list[np.ndarray], list[n
 
     model = copy.deepcopy(pair.torch_model).float().cpu()
     xs, ys = [], []
-    with torch.no_grad():
+    with torch.no_grad(), replay_threads(model):
         for k in range(steps):
             inputs, targets = batch(k)
             logits = pair.torch_forward(model, torch.as_tensor(inputs), train=True)
@@ -77,7 +78,9 @@ def replay_verdicts(
         rows.append(row)
     if loop.has_loss:
         xs, ys = _logits(pair, batch, steps)
-        finding, cases = compare_losses(pair.task, loop.torch_loss, loop.jax_loss, xs, ys, jit=jit)
+        with replay_threads(pair.torch_model):  # torch's loss on each case: small ops
+            values = torch_loss_values(pair.task, loop.torch_loss, xs, ys)
+        finding, cases = compare_losses(pair.task, values, loop.jax_loss, xs, ys, jit=jit)
         row, record["loss"] = loss_row(finding, cases, **base)
         rows.append(row)
     record["seconds"] = time.perf_counter() - start
@@ -97,7 +100,8 @@ def record_replay(pair: Any, config: Any, batch: Any, loop: TrainingLoop) -> Tor
     loss = None
     if loop.torch_loss is not None:
         xs, ys = _logits(pair, batch, steps)
-        loss = (xs, ys, torch_loss_values(pair.task, loop.torch_loss, xs, ys))
+        with replay_threads(pair.torch_model):
+            loss = (xs, ys, torch_loss_values(pair.task, loop.torch_loss, xs, ys))
     return TorchReplay(pair.task, layout.owners, sequences, loss)
 
 

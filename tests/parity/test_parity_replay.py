@@ -609,3 +609,22 @@ def test_distributed_runs_refuse_a_pair_with_the_users_loop(tmp_path):
     message = str(error.value)
     assert "torch_optimizer, jax_optimizer" in message and "one device" in message
     assert not list(tmp_path.glob("*.log")), "a worker started"
+
+
+def test_replay_threads_one_for_a_small_model_and_restored():
+    from parity.replay.optimizers import FEW_PARAMETERS, replay_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with replay_threads(TorchNet()):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        big = torch.nn.Linear(FEW_PARAMETERS, 1, bias=False)  # as many parameters as the bound
+        with replay_threads(big):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), replay_threads(TorchNet()):
+            raise RuntimeError("a failing replay")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
