@@ -384,8 +384,10 @@ def compare_models(
       fp16_stress: fp16 initial scale 2**20 and growth interval 5 (``--fp16-stress``), so the
         loss-scale trajectory has events to compare.
       budget: escalation. When the verdict is INCONCLUSIVE, train one more data order per
-        framework at a time, up to `budget` orders in all, until the equivalence test decides
-        (None: no escalation).
+        framework at a time, up to `budget` orders in all, until the equivalence test decides;
+        first, where a row exceeded its band that a 1-ulp torch run decides (no calibration
+        past step 30), that run is made (`parity.cell.run_cell`'s ``escalate``) (None: no
+        escalation).
       torch_optimizer: your torch optimizer, as ``torch module -> torch.optim.Optimizer``
         (called with the trained copy: build param groups from its ``named_parameters()``);
         with `jax_optimizer`, both sides train with yours instead of the harness's
@@ -474,6 +476,7 @@ def compare_models(
         echo=progress,
         noise=noise,
         seeds=seeds,
+        escalate=budget is not None,
     )
     verdicts = compare_runs(runs)
     done = seeds

@@ -40,6 +40,7 @@ from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.judge import compare_runs
+from parity.verdicts.qualifiers import escalation
 from parity.verdicts.rows import Verdict, cell_configs, format_verdicts, overall_status
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
@@ -123,6 +124,7 @@ def run_cell(
     skip_keys: set | frozenset = frozenset(),
     speed_blocks: int = 0,
     train: Callable[..., list[dict[str, Any]]] | None = None,
+    escalate: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs one cell; returns its run records (main runs, then calibration runs).
 
@@ -143,6 +145,11 @@ def run_cell(
       train: ``train(frameworks, config, pair, stream) -> records`` trains the frameworks that
         passed the gate, in place of `parity.training.trainers.train_framework` for each (the
         distributed runner's workers: one record per side, always a record); None: one device.
+      escalate: with ``noise="none"``, when the trained pair's verdicts leave a row exceeded
+        that a 1-ulp torch run decides (`parity.verdicts.qualifiers.escalation`: no band
+        calibrated to the model's own chaos past step 30), run that calibration run here and
+        return it with the cell's runs (budget: one torch training run), so the cell is decided
+        instead of INCONCLUSIVE.
 
     Every record returned carries ``"phases"``: the wall and CPU seconds of each phase of the
     cell (`parity.perf.phases`: step 0 and its parts, each framework's training with its compile,
@@ -165,6 +172,7 @@ def run_cell(
             skip_keys=skip_keys,
             speed_blocks=speed_blocks,
             train=train,
+            escalate=escalate,
         )
     entries = cell_clock.as_records()
     for run in runs:
@@ -188,6 +196,7 @@ def _run_cell(
     skip_keys,
     speed_blocks,
     train,
+    escalate=False,
 ) -> list[dict[str, Any]]:
     if pair is None and frameworks:
         pair = builtin_pair(config)
@@ -237,6 +246,15 @@ def _run_cell(
         runs += attach_replay(
             record_mapping(attach_step0(trained, step0), pair), replay, getattr(pair, "loop", None)
         )
+    if escalate and noise == "none" and escalation(compare_runs(runs)):
+        noise = "torch"
+        if echo:
+            print(
+                f"{config.model} {config.precision}: a row exceeded its band past the steps a "
+                "fixed band decides and a 1-ulp torch run decides it: running that calibration "
+                "run (budget: one torch training run; --no-escalate leaves the cell INCONCLUSIVE)",
+                file=sys.stderr,
+            )
     calibrating = noise != "none" or seeds != 1
     with phase("calibration") if calibrating else contextlib.nullcontext():
         return runs + calibration_runs(

@@ -212,6 +212,12 @@ def _add_training_args(parser: argparse.ArgumentParser, *, matrix: bool) -> None
         help="skip the step-0 output/gradient checks that run before training (parity.verdicts.step0)",
     )
     parser.add_argument(
+        "--no-escalate",
+        action="store_true",
+        help="leave a cell INCONCLUSIVE where a row exceeded its band and a 1-ulp torch "
+        "calibration run would decide it (default: that run is made, one torch training run)",
+    )
+    parser.add_argument(
         "--no-plots",
         action="store_true",
         help="write report.md without its PNG plots (`compare DIR` draws them later)",
@@ -451,6 +457,7 @@ def _cell_options(args) -> dict[str, Any]:
         "noise": args.noise,
         "seeds": args.seeds,
         "speed_blocks": args.speed_blocks,
+        "escalate": not args.no_escalate,
     }
 
 
@@ -477,7 +484,7 @@ def _cmd_run(args) -> int:
         return _exit_code(cli_run(args, config, frameworks))
     options = _cell_options(args)
     if args.framework != "both":  # calibration needs both frameworks' main runs
-        options.update(noise="none", seeds=1)
+        options.update(noise="none", seeds=1, escalate=False)
     runs = cell.run_cell(config, frameworks, **options)
     for run in runs:
         s = run["summary"]

@@ -95,6 +95,7 @@ class Row:
             kind=self.kind,
             window=self.window,
             seeds_needed=self.seeds_needed,
+            qualified_by=self.qualified[-1] if self.qualified else "",
             **base,
         )
 
@@ -104,7 +105,7 @@ class Row:
         fields = {
             f.name: getattr(verdict, f.name)
             for f in dataclasses.fields(Verdict)
-            if f.name not in ("model", "precision", "device", "compared", "kind")
+            if f.name not in ("model", "precision", "device", "compared", "kind", "qualified_by")
         }
         return cls(kind=kind, late=late, **fields)
 

@@ -32,6 +32,7 @@ __all__ = [
     "Qualifier",
     "UNCALIBRATED_FLIP_NOTE",
     "UNCALIBRATED_NOTE",
+    "escalation",
     "qualify",
 ]
 
@@ -79,12 +80,15 @@ class Qualifier:
       applies: ``(row, pair) -> bool``.
       note: ``(row, pair) -> str``: the reason added to the row's detail.
       mode: the mode the row gets (``"inconclusive"``, ``"informational"``), or None to keep its own.
+      remedy: what decides a row it excuses: ``"noise"`` (a 1-ulp calibration run, which the
+        harness runs itself: `escalation`), ``"seeds"``, or ``""``.
     """
 
     name: str
     applies: Callable[[Row, Any], bool]
     note: Callable[[Row, Any], str]
     mode: str | None
+    remedy: str = ""
 
 
 def _no_power_note(row: Row, pair: Any) -> str:
@@ -142,12 +146,15 @@ def _departure(row: Row, pair: Any) -> bool:
 
 QUALIFIERS: tuple[Qualifier, ...] = (
     Qualifier("no power", _no_power, _no_power_note, "inconclusive"),
-    Qualifier("uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED),
+    Qualifier(
+        "uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED, "noise"
+    ),
     Qualifier(
         "uncalibrated flip window",
         _uncalibrated_flip,
         lambda row, pair: UNCALIBRATED_FLIP_NOTE,
         EXCEEDED,
+        "noise",
     ),
     Qualifier(
         "adaptive update",
@@ -166,8 +173,11 @@ QUALIFIERS: tuple[Qualifier, ...] = (
         _structural,
         lambda row, pair: "; ".join(pair.structural),
         EXCEEDED,
+        "seeds",
     ),
-    Qualifier("rounding departure", _departure, lambda row, pair: pair.departure[1], EXCEEDED),
+    Qualifier(
+        "rounding departure", _departure, lambda row, pair: pair.departure[1], EXCEEDED, "seeds"
+    ),
 )
 
 
@@ -183,3 +193,17 @@ def qualify(row: Row, pair: Any) -> Row:
             row.detail = f"{row.detail}; {note}" if row.detail else note
             row.qualified.append(q.name)
     return row
+
+
+def escalation(verdicts) -> bool:
+    """Whether a 1-ulp torch calibration run would decide rows these verdicts leave undecided:
+    a row exceeded its band and the qualifier that excused it names a noise run as its remedy
+    (``Verdict.qualified_by``). The harness then runs it itself (`parity.cell.run_cell`'s
+    ``escalate``), within a budget of one torch training run per cell.
+
+    Example:
+      >>> escalation([])
+      False
+    """
+    noise = {q.name for q in QUALIFIERS if q.remedy == "noise"}
+    return any(v.mode == EXCEEDED and v.qualified_by in noise for v in verdicts)

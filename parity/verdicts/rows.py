@@ -81,6 +81,8 @@ class Verdict:
       window: ``(start, stop)``: the steps the row covers (None where not per step).
       seeds_needed: an undecided seed-statistics row: the seeds per framework that would
         decide at the observed spread.
+      qualified_by: the last qualifier (`parity.verdicts.qualifiers.QUALIFIERS`) that made the
+        row undecided, ``""`` for none.
       power: the smallest relative difference the check could have detected (its tolerance for
         a band, 0 for an exact comparison, the equivalence margin for seed statistics); None
         where it cannot be stated. A row that would pass with a power above its bound
@@ -113,6 +115,7 @@ class Verdict:
     kind: str = ""
     window: tuple[int, int] | None = None
     seeds_needed: int | None = None
+    qualified_by: str = ""
 
     def __post_init__(self) -> None:
         # Every row states its power; a pass that could not have failed is no pass.

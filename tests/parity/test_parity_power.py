@@ -663,6 +663,47 @@ def test_a_late_skip_flip_without_a_noise_run_is_exceeded_not_failed():
     assert overall_status(_judged(runs)) == "FAIL"
 
 
+def test_an_exceeded_row_a_noise_run_decides_makes_the_cell_run_it(monkeypatch):
+    """The harness decides an uncalibrated chaotic cell itself: run_cell(escalate=True) runs
+    the 1-ulp torch calibration run (here faked) when a row exceeded its band past step 30, and
+    the cell is decided; without escalation it stays INCONCLUSIVE."""
+    from parity import cell
+    from parity.core.config import RunConfig
+    from parity.golden.format import BatchList
+    from parity.verdicts.qualifiers import escalation
+
+    n = 40
+    base = np.linspace(2.3, 1.0, n)
+    jax, noisy = base.copy(), base.copy()
+    jax[33:] *= 1.01  # parts past step 30: beyond the fixed bands' reach, within chaos
+    noisy[31:] *= 1.005  # torch's own 1-ulp run parts there too
+    trained = {"torch": _run("torch", base), "jax": _run("jax", jax)}
+    judged = _judged(list(trained.values()))
+    assert overall_status(judged) == "INCONCLUSIVE" and escalation(judged)
+    asked = []
+
+    def calibration_runs(config, pair, *, noise, **_):
+        asked.append(noise)
+        return [_run("torch", noisy, variant="noise")] if noise == "torch" else []
+
+    monkeypatch.setattr(cell, "train_framework", lambda fw, *a, **k: copy.deepcopy(trained[fw]))
+    monkeypatch.setattr(cell, "calibration_runs", calibration_runs)
+    monkeypatch.setattr(cell, "nonfinite_data_row", lambda *a: None)
+
+    class Pair:
+        torch_model = None
+
+        def make_data(self, seed, batch_size):
+            return BatchList([(np.zeros((1, 2)), np.zeros(1))])
+
+    config = RunConfig(model="mlp", precision="fp32", steps=n)
+    options = dict(pair=Pair(), step0_checks=False, echo=False)
+    runs = cell.run_cell(config, **options, escalate=True)
+    assert asked == ["torch"] and overall_status(compare_runs(runs)) == "PASS"
+    runs = cell.run_cell(config, **options)
+    assert asked[-1] == "none" and overall_status(compare_runs(runs)) == "INCONCLUSIVE"
+
+
 def test_gradient_norm_rows_take_their_own_noise_calibration_where_it_outruns_the_losss():
     """resnet adamw-4bit (matrix): the gradient norm parts from torch by 1.4e-3 at step 6, as far
     as torch's own 1-ulp noise run does, while the losses agree to 1e-7; the gradient-norm row
