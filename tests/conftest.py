@@ -26,6 +26,12 @@ import pytest  # noqa: E402
 # optax's bias correction computes float ** int32), so tests that run them carry the marker
 # `standard_promotion`, which switches back to JAX's default for that test only.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# The tests compare with torch's float32 (its CPU build; on CUDA torch's float32 matmuls are full
+# float32 too: torch.backends.cuda.matmul.allow_tf32 is False by default). JAX's default matmul
+# precision on a GPU multiplies float32 in TF32 (10-bit significands: 1e-3 apart after a few SGD
+# steps): there the tests ask for float32 products, as XLA:CPU always computes them.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(autouse=True)

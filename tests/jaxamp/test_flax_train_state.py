@@ -254,19 +254,51 @@ def test_always_overflowing_model_is_reported(maybe_jit):
     assert int(optimizer.amp_info().consecutive_skips) == 2 and int(optimizer.step[...]) == 0
 
 
+X_WARMUP = np.full((4, 2), 8.0, np.float32)  # d(loss)/d(kernel) = 32 * scale: inf while > 65504
+
+
+class _Linear1(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(x)
+
+
+def _warmup_params():
+    return jf.linen.with_policy(_Linear1().init, "fp16-mixed")(jax.random.key(0), X_WARMUP)[
+        "params"
+    ]
+
+
+def _torch_warmup(torch, params):
+    """torch.autocast fp16 + GradScaler on the same weights: (scales, each step applied)."""
+    linear = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(np.asarray(params["Dense_0"]["kernel"]).T.copy()))
+        linear.bias.copy_(torch.from_numpy(np.array(params["Dense_0"]["bias"])))
+    opt = torch.optim.SGD(linear.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    torch_scales, torch_finite = [], []
+    for _ in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = linear(torch.from_numpy(X_WARMUP))
+        loss = out.float().sum()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+        torch_finite.append(scaler.get_scale() >= before)
+    return torch_scales, torch_finite
+
+
 @pytest.mark.torch
 def test_fp16_warmup_skips_match_torch():
     """fp16 at 2**16 overflows in the first steps; torch skips as many."""
     torch = pytest.importorskip("torch")
-    x = np.full((4, 2), 8.0, np.float32)  # d(loss)/d(kernel) = 32 * scale: inf while > 65504
-
-    class Linear1(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(1)(x)
-
-    model = Linear1()
-    params = jf.linen.with_policy(model.init, "fp16-mixed")(jax.random.key(0), x)["params"]
+    x = X_WARMUP
+    model = _Linear1()
+    params = _warmup_params()
     state = jf.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(1e-6), policy="fp16-mixed"
     )
@@ -282,30 +314,29 @@ def test_fp16_warmup_skips_match_torch():
         state = step(state, x)
         jax_scales.append(float(state.amp_info().loss_scale))
         jax_finite.append(bool(state.amp_info().last_step_finite))
-
-    linear = torch.nn.Linear(2, 1)
-    with torch.no_grad():
-        linear.weight.copy_(torch.from_numpy(np.asarray(params["Dense_0"]["kernel"]).T.copy()))
-        linear.bias.copy_(torch.from_numpy(np.array(params["Dense_0"]["bias"])))
-    opt = torch.optim.SGD(linear.parameters(), lr=1e-6)
-    scaler = torch.amp.GradScaler("cpu")
-    torch_scales, torch_finite = [], []
-    for _ in range(8):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = linear(torch.from_numpy(x))
-        loss = out.float().sum()
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        torch_scales.append(scaler.get_scale())
-        torch_finite.append(scaler.get_scale() >= before)
+    torch_scales, torch_finite = _torch_warmup(torch, params)
     assert jax_finite == torch_finite
     assert jax_scales == torch_scales
     assert jax_finite[:6] == [False] * 6 and all(jax_finite[6:])
 
-    # NNX, same weights.
+
+@pytest.mark.torch
+@pytest.mark.xfail(
+    jax.default_backend() == "gpu",
+    strict=True,
+    raises=AssertionError,
+    reason="XLA:GPU's excess precision (xla_allow_excess_precision, on by default): the NNX "
+    "model's float16 kernel gradient (a dot accumulated in float32, rounded to float16, widened "
+    "for the float32 parameter) keeps its float32 value, so 32 * 4096 = 131072 is no inf and "
+    "the step at scale 4096 is not skipped (torch rounds to float16: inf, skip). Seen on an "
+    "H200 at step 4; the message lists each step's gradients. XLA_FLAGS="
+    "--xla_allow_excess_precision=false gives torch's rounding.",
+)
+def test_fp16_warmup_skips_match_torch_nnx():
+    """The same warm-up with an NNX model (same weights) and jaxamp.flax.Optimizer."""
+    torch = pytest.importorskip("torch")
+    params = _warmup_params()
+    torch_scales, torch_finite = _torch_warmup(torch, params)
     nnx_model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     nnx_model.kernel[...] = params["Dense_0"]["kernel"]
     nnx_model.bias[...] = params["Dense_0"]["bias"]
@@ -317,10 +348,15 @@ def test_fp16_warmup_skips_match_torch():
         loss_fn = jf.nnx_value_and_grad(lambda m, x: m(x).astype(jnp.float32).sum())
         _, grads = loss_fn(model, x, loss_scale=optimizer)
         optimizer.update(model, grads)
-        return optimizer.amp_info()
+        return optimizer.amp_info(), grads
 
-    infos = [nnx_train(nnx_model, optimizer, jnp.asarray(x)) for _ in range(8)]
-    assert [bool(i.last_step_finite) for i in infos] == torch_finite
+    infos, seen = [], []
+    for _ in range(8):
+        info, grads = nnx_train(nnx_model, optimizer, jnp.asarray(X_WARMUP))
+        infos.append(info)
+        seen.append(jax.tree.map(lambda g: np.asarray(g).ravel().tolist(), grads))
+    # the gradients in the message: each step's (scaled) kernel and bias gradients
+    assert [bool(i.last_step_finite) for i in infos] == torch_finite, seen
     assert [float(i.loss_scale) for i in infos] == torch_scales
 
 
