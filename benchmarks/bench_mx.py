@@ -41,11 +41,11 @@ MX_RECIPES = ("mxfp8", "mxfp8_floor", "mxfp8_wgrad_with_hp", "mxfp4")
 
 
 def jax_variants() -> dict:
-    fp8 = f8.recipe("tensorwise", emulate=True)
+    fp8 = f8.get_recipe("tensorwise", emulate=True)
     out = {"fp32": lambda x, w: jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)}
     out["fp8-tensorwise"] = lambda x, w: f8.dot_general(x, w, DN, recipe=fp8)
     for name in MX_RECIPES:
-        rec = mx.recipe(name, emulate=True)
+        rec = mx.get_recipe(name, emulate=True)
         out[name] = lambda x, w, rec=rec: mx.dot_general(x, w, DN, recipe=rec)
     return out
 

@@ -116,7 +116,9 @@ NAMES: dict[str, dict[str, str]] = {
         "quantize": "jaxamp.fp8.to_fp8_dynamic",
         "quantize_with_scale": "jaxamp.fp8.to_fp8",
         "dequantize": "jaxamp.fp8.from_fp8",
+        "recipe": "jaxamp.fp8.get_recipe",
     },
+    "jaxamp.mx": {"format": "jaxamp.mx.get_format", "recipe": "jaxamp.mx.get_recipe"},
     "jaxamp.optim_precision": {
         "quantize": "jaxamp.optim_precision.encode_blockwise",
         "dequantize": "jaxamp.optim_precision.decode_blockwise",

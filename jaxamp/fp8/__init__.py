@@ -22,7 +22,7 @@ from jaxamp.fp8._dot import to_fp8_dynamic as to_fp8_dynamic
 from jaxamp.fp8._recipes import RECIPE_NAMES as RECIPE_NAMES
 from jaxamp.fp8._recipes import Cast as Cast
 from jaxamp.fp8._recipes import Recipe as Recipe
-from jaxamp.fp8._recipes import recipe as recipe
+from jaxamp.fp8._recipes import get_recipe as get_recipe
 
 __all__ = [
     "RECIPE_NAMES",
@@ -41,8 +41,8 @@ __all__ = [
     "fp8_matmul_hardware",
     "fp8_max",
     "from_fp8",
+    "get_recipe",
     "init_state",
-    "recipe",
     "report",
     "select_state",
     "to_fp8",
@@ -51,5 +51,5 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Old names (quantize, quantize_with_scale, dequantize): one release with a warning.
+    # Old names (quantize, quantize_with_scale, dequantize, recipe): one release with a warning.
     return _deprecation.package_getattr(__name__, name)

@@ -29,7 +29,7 @@ from jaxamp.fp8._dot import (
     to_2d,
 )
 from jaxamp.fp8._recipes import Recipe
-from jaxamp.fp8._recipes import recipe as _fp8_recipe
+from jaxamp.fp8._recipes import get_recipe as _fp8_recipe
 
 __all__ = [
     "MatmulInfo",
@@ -72,7 +72,7 @@ class MatmulInfo:
       >>> def fp8_filter(info):
       ...     seen.append((info.name, info.lhs_shape, info.rhs_shape, info.linear))
       ...     return True
-      >>> loss = f8.convert(lambda x, w: x @ w, f8.recipe("tensorwise", emulate=True), fp8_filter=fp8_filter)
+      >>> loss = f8.convert(lambda x, w: x @ w, f8.get_recipe("tensorwise", emulate=True), fp8_filter=fp8_filter)
       >>> _ = loss(jnp.ones((4, 8)), jnp.ones((8, 2)))
       >>> seen
       [('dot_general', (4, 8), (8, 2), None)]
@@ -94,7 +94,7 @@ class MatmulRecord:
     Examples:
       >>> import jaxamp.fp8 as f8
       >>> (row,) = f8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
-      ...                    recipe=f8.recipe("tensorwise", emulate=True))
+      ...                    recipe=f8.get_recipe("tensorwise", emulate=True))
       >>> row.name, row.lhs_shape, row.fp8, row.how
       ('dot_general', (4, 8), True, 'tensorwise, emulated (float32 matmul of fp8 values)')
     """
@@ -123,7 +123,7 @@ class MatmulOperands:
     Examples:
       >>> import jaxamp.fp8 as f8
       >>> operands = f8.capture_operands(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 2)),
-      ...                                jnp.ones((4, 8)), recipe=f8.recipe("tensorwise", emulate=True))
+      ...                                jnp.ones((4, 8)), recipe=f8.get_recipe("tensorwise", emulate=True))
       >>> found = operands["dot_general"]
       >>> found.input.shape, found.weight.shape, found.grad_output.shape
       ((4, 8), (8, 2), (4, 2))
@@ -480,7 +480,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
 
     Args:
       fn: any JAX function (a loss, a model's apply).
-      recipe: a `Recipe` or recipe name (see `jaxamp.fp8.recipe`).
+      recipe: a `Recipe` or recipe name (see `jaxamp.fp8.get_recipe`).
       fp8_filter: which matmuls: None (every ``dot_general`` without batch dimensions, i.e.
         every linear layer; attention's batched matmuls stay as written, as torchao leaves them),
         a glob or list of globs on the module path / matmul name (``"*/mlp/*"``), or a callable
@@ -499,7 +499,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.fp8
-      >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.recipe("rowwise", emulate=True))
+      >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.get_recipe("rowwise", emulate=True))
       >>> f(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
       (4, 2)
     """
@@ -538,7 +538,7 @@ def report(
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> rows = jaxamp.fp8.report(lambda x, w: x @ w, jnp.ones((4, 8)), jnp.ones((8, 2)),
-      ...                          recipe=jaxamp.fp8.recipe("tensorwise", emulate=True))
+      ...                          recipe=jaxamp.fp8.get_recipe("tensorwise", emulate=True))
       >>> [(r.name, r.fp8) for r in rows]
       [('dot_general', True)]
     """
@@ -561,7 +561,7 @@ def init_state(
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
-      >>> r = jaxamp.fp8.recipe("delayed", emulate=True, amax_history_length=4)
+      >>> r = jaxamp.fp8.get_recipe("delayed", emulate=True, amax_history_length=4)
       >>> list(jaxamp.fp8.init_state(lambda x, w: x @ w, r, jnp.ones((2, 3)), jnp.ones((3, 5))))
       ['dot_general']
     """
@@ -612,7 +612,7 @@ def capture_operands(
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
-      >>> rec = jaxamp.fp8.recipe("tensorwise", emulate=True)
+      >>> rec = jaxamp.fp8.get_recipe("tensorwise", emulate=True)
       >>> ops = jaxamp.fp8.capture_operands(
       ...     lambda w, x: jnp.sum(x @ w), jnp.ones((8, 2)), jnp.ones((4, 8)), recipe=rec
       ... )

@@ -14,7 +14,7 @@ from jax import lax
 
 from jaxamp._numerics import widen
 from jaxamp.fp8._recipes import E4M3, E5M2, Cast, Recipe
-from jaxamp.fp8._recipes import recipe as _make_recipe
+from jaxamp.fp8._recipes import get_recipe as _make_recipe
 
 __all__ = [
     "DelayedScalingState",
@@ -411,14 +411,14 @@ def check_hardware(rec: Recipe) -> None:
 
     Examples:
       >>> import jaxamp.fp8 as f8
-      >>> f8.check_hardware(f8.recipe("tensorwise", emulate=True))  # emulation runs anywhere
+      >>> f8.check_hardware(f8.get_recipe("tensorwise", emulate=True))  # emulation runs anywhere
       >>> def runs_here(rec):
       ...     try:
       ...         f8.check_hardware(rec)
       ...     except ValueError:  # the message says why and to pass emulate=True
       ...         return False
       ...     return True
-      >>> runs_here(f8.recipe("tensorwise")) == (f8.fp8_matmul_hardware() is None)
+      >>> runs_here(f8.get_recipe("tensorwise")) == (f8.fp8_matmul_hardware() is None)
       True
     """
     if rec.emulate:
@@ -427,7 +427,7 @@ def check_hardware(rec: Recipe) -> None:
     if why:
         raise ValueError(
             f"jaxamp.fp8: recipe {rec.name!r} asks for fp8 matmuls, but {why}. Pass "
-            f"emulate=True (jaxamp.fp8.recipe({rec.name!r}, emulate=True): fp8-rounded operands, "
+            f"emulate=True (jaxamp.fp8.get_recipe({rec.name!r}, emulate=True): fp8-rounded operands, "
             "float32 matmul, as torchao's emulate=True) or run on an sm89+ GPU."
         )
 
@@ -496,7 +496,7 @@ def dot_general(
     Examples:
       >>> import jax.numpy as jnp, jaxamp.fp8
       >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
-      >>> r = jaxamp.fp8.recipe("tensorwise", emulate=True)
+      >>> r = jaxamp.fp8.get_recipe("tensorwise", emulate=True)
       >>> jaxamp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=r).shape
       (4, 2)
     """

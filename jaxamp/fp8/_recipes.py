@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Cast", "Recipe", "RECIPE_NAMES", "recipe"]
+__all__ = ["Cast", "Recipe", "RECIPE_NAMES", "get_recipe"]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -114,7 +114,7 @@ class Recipe:
 
     Examples:
       >>> import dataclasses, jaxamp.fp8 as f8
-      >>> rec = f8.recipe("rowwise_with_gw_hp")
+      >>> rec = f8.get_recipe("rowwise_with_gw_hp")
       >>> str(rec.input), str(rec.grad_output_for_grad_weight), rec.scaling
       ('e4m3/rowwise', 'hp', 'dynamic')
       >>> dataclasses.replace(rec, name="mine", emulate=True).name
@@ -235,7 +235,7 @@ class Recipe:
         )
 
 
-def recipe(name: str | Recipe, **changes: Any) -> Recipe:
+def get_recipe(name: str | Recipe, **changes: Any) -> Recipe:
     """An fp8 recipe by name: torchao's ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, or ``delayed``.
 
     * ``tensorwise`` (torchao's default): one scale per tensor; e4m3 input and weight, e5m2
@@ -256,7 +256,7 @@ def recipe(name: str | Recipe, **changes: Any) -> Recipe:
 
     Examples:
       >>> import jaxamp.fp8
-      >>> jaxamp.fp8.recipe("rowwise", emulate=True).power_of_2_scales
+      >>> jaxamp.fp8.get_recipe("rowwise", emulate=True).power_of_2_scales
       True
     """
     if isinstance(name, Recipe):
@@ -286,7 +286,7 @@ def recipe(name: str | Recipe, **changes: Any) -> Recipe:
         base = Recipe("delayed", scaling="delayed")
     else:
         raise ValueError(
-            f"jaxamp.fp8.recipe: unknown recipe {name!r}; valid: {RECIPE_NAMES}."
+            f"jaxamp.fp8.get_recipe: unknown recipe {name!r}; valid: {RECIPE_NAMES}."
             f"{_closest(name, RECIPE_NAMES)}"
         )
     return base.replace(**changes) if changes else base

@@ -1,12 +1,13 @@
 """Block-scaled training formats for JAX: MXFP8, MXFP4 and NVFP4, bit-exact to torchao."""
 
+from jaxamp import _deprecation
 from jaxamp.mx._convert import capture_operands as capture_operands
 from jaxamp.mx._convert import convert as convert
 from jaxamp.mx._convert import report as report
 from jaxamp.mx._formats import FORMAT_NAMES as FORMAT_NAMES
 from jaxamp.mx._formats import SCALE_MODES as SCALE_MODES
 from jaxamp.mx._formats import Format as Format
-from jaxamp.mx._formats import format as format  # noqa: A004
+from jaxamp.mx._formats import get_format as get_format
 from jaxamp.mx._linear import check_hardware as check_hardware
 from jaxamp.mx._linear import dot_general as dot_general
 from jaxamp.mx._linear import mx_matmul_hardware as mx_matmul_hardware
@@ -16,7 +17,7 @@ from jaxamp.mx._quantize import quantize as quantize
 from jaxamp.mx._quantize import scales_to_float32 as scales_to_float32
 from jaxamp.mx._recipes import RECIPE_NAMES as RECIPE_NAMES
 from jaxamp.mx._recipes import Recipe as Recipe
-from jaxamp.mx._recipes import recipe as recipe
+from jaxamp.mx._recipes import get_recipe as get_recipe
 
 __all__ = [
     "FORMAT_NAMES",
@@ -29,11 +30,16 @@ __all__ = [
     "convert",
     "dequantize",
     "dot_general",
-    "format",
+    "get_format",
+    "get_recipe",
     "mx_matmul_hardware",
     "per_tensor_scale",
     "quantize",
-    "recipe",
     "report",
     "scales_to_float32",
 ]
+
+
+def __getattr__(name: str):
+    # Old names (format, recipe): one release with a warning.
+    return _deprecation.package_getattr(__name__, name)

@@ -15,7 +15,7 @@ from jaxamp.fp8._convert import capture_operands as _capture_operands
 from jaxamp.fp8._convert import convert as _convert
 from jaxamp.fp8._convert import report as _report
 from jaxamp.mx._recipes import Recipe
-from jaxamp.mx._recipes import recipe as _make_recipe
+from jaxamp.mx._recipes import get_recipe as _make_recipe
 
 __all__ = ["capture_operands", "convert", "report"]
 
@@ -41,7 +41,7 @@ def convert(fn: Callable, recipe: Recipe | str = "mxfp8", *, mx_filter: Any = No
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
-      >>> f = jaxamp.mx.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.mx.recipe("mxfp8", emulate=True))
+      >>> f = jaxamp.mx.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.mx.get_recipe("mxfp8", emulate=True))
       >>> f(jnp.ones((32, 64)), jnp.ones((64, 32))).shape
       (32, 32)
     """
@@ -59,7 +59,7 @@ def report(
     Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> rows = jaxamp.mx.report(lambda x, w: x @ w, jnp.ones((32, 64)), jnp.ones((64, 32)),
-      ...                         recipe=jaxamp.mx.recipe("mxfp8", emulate=True))
+      ...                         recipe=jaxamp.mx.get_recipe("mxfp8", emulate=True))
       >>> rows[0].how
       'mxfp8 (mxfp8/rceil), emulated (float32 matmul of dequantized blocks)'
     """
@@ -82,7 +82,7 @@ def capture_operands(
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> ops = jaxamp.mx.capture_operands(
       ...     lambda w, x: jnp.sum(x @ w), jnp.ones((64, 32)), jnp.ones((32, 64)),
-      ...     recipe=jaxamp.mx.recipe("mxfp8", emulate=True))
+      ...     recipe=jaxamp.mx.get_recipe("mxfp8", emulate=True))
       >>> ops["dot_general"].grad_output.shape
       (32, 32)
     """

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMAT_NAMES", "SCALE_MODES", "Format", "format"]
+__all__ = ["FORMAT_NAMES", "SCALE_MODES", "Format", "get_format"]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -80,7 +80,7 @@ class Format:
       scale_mode: for e8m0 scales, one of ``SCALE_MODES``; None for e4m3 scales.
 
     Examples:
-      A format of your own (`jaxamp.mx.format` makes the named ones): MXFP8 with e5m2
+      A format of your own (`jaxamp.mx.get_format` makes the named ones): MXFP8 with e5m2
       elements and scales rounded up, used as a named one is:
 
       >>> import jax.numpy as jnp, jaxamp.mx
@@ -171,7 +171,7 @@ class Format:
         return f"{self.name}({self.element}, {self.block_size}x {self.scale} scale, {rule})"
 
 
-def format(name: str | Format, **changes: Any) -> Format:  # noqa: A001
+def get_format(name: str | Format, **changes: Any) -> Format:
     """A block-scaled format by name: ``"mxfp8"``, ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"nvfp4"``.
 
     * ``mxfp8``: float8_e4m3fn elements, one e8m0 scale per 32 (scale mode FLOOR unless
@@ -187,7 +187,7 @@ def format(name: str | Format, **changes: Any) -> Format:  # noqa: A001
 
     Examples:
       >>> import jaxamp.mx
-      >>> str(jaxamp.mx.format("mxfp8", scale_mode="rceil"))
+      >>> str(jaxamp.mx.get_format("mxfp8", scale_mode="rceil"))
       'mxfp8(e4m3, 32x e8m0 scale, rceil)'
     """
     if isinstance(name, Format):
@@ -202,7 +202,7 @@ def format(name: str | Format, **changes: Any) -> Format:  # noqa: A001
         base = Format("nvfp4", "e2m1", 16, "e4m3", None)
     else:
         raise ValueError(
-            f"jaxamp.mx.format: unknown format {name!r}; valid: {FORMAT_NAMES}."
+            f"jaxamp.mx.get_format: unknown format {name!r}; valid: {FORMAT_NAMES}."
             f"{_closest(name, FORMAT_NAMES)}"
         )
     return base.replace(**changes) if changes else base

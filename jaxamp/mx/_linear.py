@@ -16,7 +16,7 @@ from jaxamp.fp8._dot import linear_like, to_2d
 from jaxamp.mx._formats import Format
 from jaxamp.mx._quantize import dequantize, quantize
 from jaxamp.mx._recipes import Recipe
-from jaxamp.mx._recipes import recipe as _make_recipe
+from jaxamp.mx._recipes import get_recipe as _make_recipe
 
 __all__ = ["check_hardware", "dot_general", "mx_matmul_hardware"]
 
@@ -54,7 +54,7 @@ def check_hardware(rec: Recipe) -> None:
 
     Examples:
       >>> import jaxamp.mx
-      >>> jaxamp.mx.check_hardware(jaxamp.mx.recipe("mxfp8", emulate=True))  # any backend
+      >>> jaxamp.mx.check_hardware(jaxamp.mx.get_recipe("mxfp8", emulate=True))  # any backend
     """
     if rec.emulate:
         return
@@ -70,7 +70,7 @@ def check_hardware(rec: Recipe) -> None:
         why = f"jax.nn.scaled_matmul runs MXFP8 (e4m3, e8m0 scales, blocks of 32) and {bad} are not"
     raise ValueError(
         f"jaxamp.mx: recipe {rec.name!r} asks for block-scaled matmuls, but {why}. Pass "
-        f"emulate=True (jaxamp.mx.recipe({rec.name!r}, emulate=True): quantized operands, "
+        f"emulate=True (jaxamp.mx.get_recipe({rec.name!r}, emulate=True): quantized operands, "
         "dequantized, float32 matmul, as torchao's KernelPreference.EMULATED) or run on an "
         "sm100+ GPU."
     )
@@ -221,7 +221,7 @@ def dot_general(
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.mx
-      >>> r = jaxamp.mx.recipe("mxfp8", emulate=True)
+      >>> r = jaxamp.mx.get_recipe("mxfp8", emulate=True)
       >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
       >>> jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=r).shape
       (32, 32)

@@ -11,7 +11,7 @@ import numpy as np
 from jaxamp._numerics import widen
 from jaxamp.mx import _bits
 from jaxamp.mx._formats import Format
-from jaxamp.mx._formats import format as _make_format
+from jaxamp.mx._formats import get_format as _make_format
 from jaxamp.mx._scales import E8M0_BIAS, E8M0_NAN, e8m0_exponent, nvfp4_scales
 
 __all__ = ["dequantize", "per_tensor_scale", "quantize", "scales_to_float32"]

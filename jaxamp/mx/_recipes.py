@@ -7,9 +7,9 @@ import dataclasses
 from typing import Any
 
 from jaxamp.mx._formats import SCALE_MODES, Format, _closest
-from jaxamp.mx._formats import format as _make_format
+from jaxamp.mx._formats import get_format as _make_format
 
-__all__ = ["RECIPE_NAMES", "Recipe", "recipe"]
+__all__ = ["RECIPE_NAMES", "Recipe", "get_recipe"]
 
 RECIPE_NAMES = ("mxfp8", "mxfp8_floor", "mxfp8_wgrad_with_hp", "mxfp4", "mxfp4_floor")
 _OPERANDS = (
@@ -52,13 +52,13 @@ class Recipe:
         hardware (NVIDIA sm100+), refused elsewhere.
 
     Examples:
-      A recipe of your own (`jaxamp.mx.recipe` makes the named ones): MXFP8 operands with
+      A recipe of your own (`jaxamp.mx.get_recipe` makes the named ones): MXFP8 operands with
       RCEIL scales, the gradients' elements e5m2, run emulated; a matmul takes it as
       ``recipe=`` (as `jaxamp.mx.convert` and ``jaxamp.autocast(fp8=...)`` do):
 
       >>> import jax, jax.numpy as jnp, jaxamp.mx
-      >>> e4m3 = jaxamp.mx.format("mxfp8", scale_mode="rceil")
-      >>> e5m2 = jaxamp.mx.format("mxfp8_e5m2", scale_mode="rceil")
+      >>> e4m3 = jaxamp.mx.get_format("mxfp8", scale_mode="rceil")
+      >>> e5m2 = jaxamp.mx.get_format("mxfp8_e5m2", scale_mode="rceil")
       >>> mine = jaxamp.mx.Recipe("e5m2_grads", e4m3, e4m3, e5m2, emulate=True)
       >>> print(mine.describe())
       e5m2_grads: output=mxfp8/rceil x mxfp8/rceil (blocks along K), grad_input=mxfp8_e5m2/rceil x mxfp8/rceil (along N), grad_weight=mxfp8/rceil x mxfp8_e5m2/rceil (along M), emulated
@@ -163,7 +163,7 @@ class Recipe:
 
         Examples:
           >>> import jaxamp.mx
-          >>> print(jaxamp.mx.recipe("mxfp8_wgrad_with_hp").describe())
+          >>> print(jaxamp.mx.get_recipe("mxfp8_wgrad_with_hp").describe())
           mxfp8_wgrad_with_hp: output=mxfp8/rceil x mxfp8/rceil (blocks along K), grad_input=mxfp8/rceil x mxfp8/rceil (along N), grad_weight=high precision
         """
 
@@ -183,7 +183,7 @@ class Recipe:
         )
 
 
-def recipe(name: str | Recipe, *, scale_mode: str | None = None, **changes: Any) -> Recipe:
+def get_recipe(name: str | Recipe, *, scale_mode: str | None = None, **changes: Any) -> Recipe:
     """A block-scaled training recipe by name (torchao's ``mx_mm`` configurations).
 
     * ``mxfp8``: every operand MXFP8 (e4m3, 32-element e8m0 blocks), RCEIL scales: torchao's
@@ -201,7 +201,7 @@ def recipe(name: str | Recipe, *, scale_mode: str | None = None, **changes: Any)
 
     Examples:
       >>> import jaxamp.mx
-      >>> r = jaxamp.mx.recipe("mxfp8", emulate=True)
+      >>> r = jaxamp.mx.get_recipe("mxfp8", emulate=True)
       >>> r.input.scale_mode, r.grad_output.element, r.emulate
       ('rceil', 'e4m3', True)
     """
@@ -215,7 +215,7 @@ def recipe(name: str | Recipe, *, scale_mode: str | None = None, **changes: Any)
         base = Recipe(name, fmt, fmt, fmt, grad_weight_hp=name == "mxfp8_wgrad_with_hp")
     else:
         raise ValueError(
-            f"jaxamp.mx.recipe: unknown recipe {name!r}; valid: {RECIPE_NAMES}."
+            f"jaxamp.mx.get_recipe: unknown recipe {name!r}; valid: {RECIPE_NAMES}."
             f"{_closest(name, RECIPE_NAMES)}"
         )
     if scale_mode is not None:

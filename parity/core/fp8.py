@@ -75,7 +75,7 @@ def jax_recipe(precision: str, device: str | None = None) -> jaxamp.fp8.Recipe:
     ``"gpu"``: JAX's default backend decides).
     """
     emulate = device == "cpu" or jaxamp.fp8.fp8_matmul_hardware() is not None
-    return jaxamp.fp8.recipe(recipe_name(precision), emulate=emulate)
+    return jaxamp.fp8.get_recipe(recipe_name(precision), emulate=emulate)
 
 
 def _excluded(parts: list[str]) -> bool:

@@ -96,7 +96,7 @@ def recipe_name(precision: str) -> str:
 def jax_recipe(precision: str, device: str | None = None) -> jaxamp.mx.Recipe:
     """The `jaxamp.mx` recipe: emulated exactly where torch's is (no block-scaled matmul units)."""
     emulate = device == "cpu" or jaxamp.mx.mx_matmul_hardware() is not None
-    return jaxamp.mx.recipe(recipe_name(precision), emulate=emulate)
+    return jaxamp.mx.get_recipe(recipe_name(precision), emulate=emulate)
 
 
 def _blockable(k: int, n: int) -> bool:

@@ -17,47 +17,47 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def _emu(name, **kw):
-    return f8.recipe(name, emulate=True, **kw)
+    return f8.get_recipe(name, emulate=True, **kw)
 
 
 # --- recipes as data ---------------------------------------------------------------------------
 
 
 def test_recipe_semantics_match_torchao_names():
-    t = f8.recipe("tensorwise")
+    t = f8.get_recipe("tensorwise")
     assert (t.input.dtype, t.weight.dtype, t.grad_output.dtype) == (
         np.dtype(jnp.float8_e4m3fn),
         np.dtype(jnp.float8_e4m3fn),
         np.dtype(jnp.float8_e5m2),
     )
     assert t.input.granularity == "tensorwise" and not t.power_of_2_scales
-    r = f8.recipe("rowwise")
+    r = f8.get_recipe("rowwise")
     assert r.power_of_2_scales and r.grad_output.dtype == np.dtype(jnp.float8_e4m3fn)
     assert all(
         getattr(r, f).granularity == "rowwise"
         for f in ("input", "weight", "grad_output", "input_for_grad_weight")
     )
-    g = f8.recipe("rowwise_with_gw_hp")
+    g = f8.get_recipe("rowwise_with_gw_hp")
     assert not g.input_for_grad_weight.fp8 and not g.grad_output_for_grad_weight.fp8
     assert g.weight_for_grad_input.granularity == "tensorwise" and g.power_of_2_scales
-    d = f8.recipe("delayed", amax_history_length=16)
+    d = f8.get_recipe("delayed", amax_history_length=16)
     assert d.scaling == "delayed" and d.amax_history_length == 16
-    assert f8.recipe(t, emulate=True).emulate and "e5m2" in t.describe()
+    assert f8.get_recipe(t, emulate=True).emulate and "e5m2" in t.describe()
 
 
 def test_recipe_bad_input_names_parameter_and_closest():
     with pytest.raises(ValueError, match="rowwise"):
-        f8.recipe("rowwse")
+        f8.get_recipe("rowwse")
     with pytest.raises(ValueError, match="granularity"):
         f8.Cast("float8_e4m3fn", "colwise")
     with pytest.raises(ValueError, match="e5m2"):
         f8.Cast("float8_e5m3")
     with pytest.raises(ValueError, match="mixes fp8 and high precision"):
-        f8.recipe("tensorwise", input_for_grad_weight=f8.Cast(None))
+        f8.get_recipe("tensorwise", input_for_grad_weight=f8.Cast(None))
     with pytest.raises(ValueError, match="amax_history_length"):
-        f8.recipe("delayed", amax_history_length=0)
+        f8.get_recipe("delayed", amax_history_length=0)
     with pytest.raises(ValueError, match="delayed scaling is tensorwise"):
-        f8.recipe("rowwise", scaling="delayed")
+        f8.get_recipe("rowwise", scaling="delayed")
 
 
 # --- scales and casts against torchao -----------------------------------------------------------
@@ -277,7 +277,7 @@ def test_dot_general_native_formula_agrees_with_emulated():
     for name in ("tensorwise", "rowwise"):
         run = jax.jit(_linear_dynamic, static_argnums=(2, 3))
         emu = run(x, w, _emu(name), np.dtype(np.float32))
-        nat = run(x, w, f8.recipe(name), np.dtype(np.float32))
+        nat = run(x, w, f8.get_recipe(name), np.dtype(np.float32))
         band = 4 * 64 * EPS32 * (np.abs(np.asarray(x)) * 1.1) @ (np.abs(np.asarray(w)) * 1.1)
         np.testing.assert_array_less(np.abs(np.asarray(emu) - np.asarray(nat)), band)
 
@@ -535,8 +535,8 @@ def test_fp8_public_names_are_pinned():
             "fp8_matmul_hardware",
             "fp8_max",
             "from_fp8",
+            "get_recipe",
             "init_state",
-            "recipe",
             "report",
             "select_state",
             "to_fp8",

@@ -29,7 +29,7 @@ def _setup(seed=0, batch=16):
     return params, x, y
 
 
-DELAYED = f8.recipe("delayed", emulate=True, amax_history_length=8)
+DELAYED = f8.get_recipe("delayed", emulate=True, amax_history_length=8)
 
 
 def _delayed_loss(params, state, x, y, scale=jnp.float32(1.0)):
@@ -99,7 +99,7 @@ def test_accumulation_combines_states_by_max_like_the_full_batch():
 def test_fp8_under_multi_steps_applies_once_per_window():
     params, x, y = _setup()
     loss = f8.convert(
-        lambda p, x, y: jnp.mean((_mlp(p, x) - y) ** 2), f8.recipe("rowwise", emulate=True)
+        lambda p, x, y: jnp.mean((_mlp(p, x) - y) ** 2), f8.get_recipe("rowwise", emulate=True)
     )
     tx = jaxamp.multi_steps(jaxamp.loss_scaled(optax.sgd(0.1)), 2)
     opt_state = tx.init(params)
@@ -145,7 +145,7 @@ def test_fp8_with_a_sharded_batch_matches_one_device():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     loss = f8.convert(
-        lambda p, x, y: jnp.mean((_mlp(p, x) - y) ** 2), f8.recipe("tensorwise", emulate=True)
+        lambda p, x, y: jnp.mean((_mlp(p, x) - y) ** 2), f8.get_recipe("tensorwise", emulate=True)
     )
     grad = jax.jit(jax.value_and_grad(loss))
     want = grad(params, x, y)

@@ -17,8 +17,8 @@ import jaxamp.fp8 as f8
 import jaxamp.mx
 
 FP8_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "fp8.md"
-DELAYED = f8.recipe("delayed", emulate=True, amax_history_length=4)
-TENSORWISE = f8.recipe("tensorwise", emulate=True)
+DELAYED = f8.get_recipe("delayed", emulate=True, amax_history_length=4)
+TENSORWISE = f8.get_recipe("tensorwise", emulate=True)
 
 
 def _matmul(x, w):
@@ -177,17 +177,17 @@ def test_tiny_amax_clamped_as_torchao():
 )
 def test_recipe_margin_range_checked(margin, error, match):
     with pytest.raises(error, match=match):
-        f8.recipe("delayed", margin=margin)
+        f8.get_recipe("delayed", margin=margin)
 
 
 def test_recipe_margin_in_range_is_used(maybe_jit):
     for margin in (0, 2, np.float32(3.0), 17.5):
-        assert f8.recipe("delayed", margin=margin).margin == float(margin)
+        assert f8.get_recipe("delayed", margin=margin).margin == float(margin)
     # the margin divides the factor: one more power of two of headroom, one more in the scale
     x, w = jnp.full((2, 3), 0.5), jnp.full((3, 5), 0.25)
     scales = []
     for margin in (0, 1):
-        rec = f8.recipe(DELAYED, margin=margin)
+        rec = f8.get_recipe(DELAYED, margin=margin)
         f = f8.convert(_matmul, rec)
         state = _with_history(f8.init_state(_matmul, rec, x, w), 2.0)
         grad = maybe_jit(jax.grad(lambda x, s, f=f: jnp.sum(f(x, w, fp8_state=s)), argnums=(0, 1)))
@@ -197,7 +197,7 @@ def test_recipe_margin_in_range_is_used(maybe_jit):
 
 def test_recipe_power_of_2_scales_must_be_bool():
     with pytest.raises(TypeError, match="power_of_2_scales must be a bool; got 1"):
-        f8.recipe("tensorwise", power_of_2_scales=1)
+        f8.get_recipe("tensorwise", power_of_2_scales=1)
 
 
 # --- filters that select nothing ------------------------------------------------------------------

@@ -26,24 +26,24 @@ TORCH_ELEMENT = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "e2m1": "float4
 
 
 def test_formats_as_data():
-    f = mx.format("mxfp8")
+    f = mx.get_format("mxfp8")
     assert (f.element, f.block_size, f.scale, f.scale_mode) == ("e4m3", 32, "e8m0", "floor")
     assert f.dtype == np.dtype(jnp.float8_e4m3fn) and (f.max, f.emax) == (448.0, 8)
-    f4 = mx.format("mxfp4")
+    f4 = mx.get_format("mxfp4")
     assert f4.packed and f4.dtype == np.dtype(jnp.float4_e2m1fn) and (f4.max, f4.emax) == (6.0, 2)
-    nv = mx.format("nvfp4")
+    nv = mx.get_format("nvfp4")
     assert (nv.block_size, nv.scale, nv.scale_mode) == (16, "e4m3", None)
-    assert mx.format(f, scale_mode="rceil").scale_mode == "rceil"
-    assert mx.format("mxfp8_e5m2").emax == 15
+    assert mx.get_format(f, scale_mode="rceil").scale_mode == "rceil"
+    assert mx.get_format("mxfp8_e5m2").emax == 15
     assert mx.Format("mine", "float8_e4m3fn", 64).element == "e4m3"
 
 
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: mx.format("mxfp9"), "Did you mean 'mxfp8'"),
-        (lambda: mx.format("mxfp8", scale_mode="RCEIL"), "Did you mean 'rceil'"),
-        (lambda: mx.format("mxfp8", scale_mode="round"), "scale_mode must be one of"),
+        (lambda: mx.get_format("mxfp9"), "Did you mean 'mxfp8'"),
+        (lambda: mx.get_format("mxfp8", scale_mode="RCEIL"), "Did you mean 'rceil'"),
+        (lambda: mx.get_format("mxfp8", scale_mode="round"), "scale_mode must be one of"),
         (lambda: mx.Format("x", "e3m4"), "element must be one of"),
         (lambda: mx.Format("x", block_size=31), "block_size must be an even int"),
         (lambda: mx.Format("x", "e4m3", 16, "e4m3", None), "elements are e2m1"),
@@ -146,7 +146,7 @@ def _assert_same(jax_pair, torch_pair, what: str):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", MX_FORMATS)
 def test_mx_quantize_bit_exact_to_torchao(name, mode):
-    fmt = mx.format(name, scale_mode=mode)
+    fmt = mx.get_format(name, scale_mode=mode)
     quantize = jax.jit(lambda x: mx.quantize(x, fmt))
     _assert_same(_jax_bits(*quantize(_X32)), _torch_mx(_X32, fmt), f"{fmt} float32")
     xb = torch.from_numpy(_X32[:200]).to(torch.bfloat16)
@@ -167,7 +167,7 @@ def _torch_mx_bf16(xb, fmt):
 
 def test_mx_quantize_eager():
     # op by op (each primitive its own program): subnormal, threshold and special blocks
-    fmt = mx.format("mxfp8", scale_mode="rceil")
+    fmt = mx.get_format("mxfp8", scale_mode="rceil")
     x = _X32[-40:]
     _assert_same(_jax_bits(*mx.quantize(x, fmt)), _torch_mx(x, fmt), f"{fmt} eager")
 
@@ -192,7 +192,7 @@ def test_per_tensor_scale_is_torchaos():
 
 def test_quantize_along_an_axis_is_the_transpose_quantized():
     x = _X32[:64].reshape(64, 32)
-    fmt = mx.format("mxfp4", scale_mode="rceil")
+    fmt = mx.get_format("mxfp4", scale_mode="rceil")
     c0, s0 = jax.jit(lambda a: mx.quantize(a, fmt, axis=0))(x.T.copy())
     c1, s1 = jax.jit(lambda a: mx.quantize(a, fmt))(x)
     np.testing.assert_array_equal(np.asarray(c0).T, np.asarray(c1))
@@ -205,7 +205,7 @@ def test_quantize_along_an_axis_is_the_transpose_quantized():
 
 @pytest.mark.parametrize("name", MX_FORMATS)
 def test_mx_dequantize_matches_torchao(name):
-    fmt = mx.format(name, scale_mode="rceil")
+    fmt = mx.get_format(name, scale_mode="rceil")
     x = _X32[:500]
     ts, td = _torch_mx(x, fmt)
     elem = getattr(torch, TORCH_ELEMENT[fmt.element])

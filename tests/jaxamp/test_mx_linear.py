@@ -24,35 +24,35 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 
 def _emu(name, **kw):
-    return mx.recipe(name, emulate=True, **kw)
+    return mx.get_recipe(name, emulate=True, **kw)
 
 
 # --- recipes as data ---------------------------------------------------------------------------
 
 
 def test_recipes_are_torchaos_configurations():
-    r = mx.recipe("mxfp8")
+    r = mx.get_recipe("mxfp8")
     assert {f.name for f, _ in r.operands().values()} == {"mxfp8"}
     assert {f.scale_mode for f, _ in r.operands().values()} == {"rceil"}  # MXFP8TrainingOpConfig
     assert [axis for _, axis in r.operands().values()] == ["K", "K", "N", "N", "M", "M"]
-    assert mx.recipe("mxfp8_floor").weight_for_grad_input.scale_mode == "floor"
-    assert mx.recipe("mxfp8_wgrad_with_hp").grad_weight_hp
-    assert mx.recipe("mxfp4").input.element == "e2m1"
-    assert mx.recipe("mxfp8", scale_mode="even").grad_output.scale_mode == "even"
+    assert mx.get_recipe("mxfp8_floor").weight_for_grad_input.scale_mode == "floor"
+    assert mx.get_recipe("mxfp8_wgrad_with_hp").grad_weight_hp
+    assert mx.get_recipe("mxfp4").input.element == "e2m1"
+    assert mx.get_recipe("mxfp8", scale_mode="even").grad_output.scale_mode == "even"
     assert not r.emulate and _emu("mxfp8").emulate
-    custom = mx.Recipe("mine", "mxfp8", "mxfp8", mx.format("mxfp8_e5m2"))
+    custom = mx.Recipe("mine", "mxfp8", "mxfp8", mx.get_format("mxfp8_e5m2"))
     assert custom.grad_output_for_grad_weight.element == "e5m2"  # the partner's format
-    assert "grad_weight=high precision" in mx.recipe("mxfp8_wgrad_with_hp").describe()
+    assert "grad_weight=high precision" in mx.get_recipe("mxfp8_wgrad_with_hp").describe()
 
 
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: mx.recipe("mxfp9"), "Did you mean 'mxfp8'"),
-        (lambda: mx.recipe("mxfp8", scale_mode="rciel"), "Did you mean 'rceil'"),
+        (lambda: mx.get_recipe("mxfp9"), "Did you mean 'mxfp8'"),
+        (lambda: mx.get_recipe("mxfp8", scale_mode="rciel"), "Did you mean 'rceil'"),
         (lambda: mx.Recipe("r", "mxfp8", "nvfp4"), "block sizes 32 \\(input\\) and 16"),
         (lambda: mx.Recipe("r", input=3), "must be a jaxamp.mx.Format"),
-        (lambda: mx.recipe("mxfp8", emulate=1), "emulate must be a bool"),
+        (lambda: mx.get_recipe("mxfp8", emulate=1), "emulate must be a bool"),
     ],
 )
 def test_recipe_bad_input(call, match):
@@ -209,12 +209,12 @@ def test_hardware_path_feeds_scaled_matmul_its_layout(monkeypatch):
     # On sm100+ each matmul is jax.nn.scaled_matmul on (codes, e8m0 scales) blocked along the
     # contraction; traced abstractly here (no lowering on CPU), forward and backward.
     monkeypatch.setattr(_linear, "mx_matmul_hardware", lambda: None)
-    rec = mx.recipe("mxfp8")
+    rec = mx.get_recipe("mxfp8")
     f = lambda a, b: jnp.sum(mx.dot_general(a, b, DN_XW, recipe=rec))  # noqa: E731
     gx, gw = jax.eval_shape(jax.grad(f, argnums=(0, 1)), jnp.ones((64, 96)), jnp.ones((96, 32)))
     assert (gx.shape, gw.shape) == ((64, 96), (96, 32))
     with pytest.raises(ValueError, match="scaled_matmul runs MXFP8"):
-        mx.check_hardware(mx.recipe("mxfp4"))
+        mx.check_hardware(mx.get_recipe("mxfp4"))
 
 
 # --- the library flow --------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_step0_catches_a_wrong_recipe(monkeypatch):
     pair = get_model_pair("mlp", seed=0)
     x, y = _batch(pair)
     monkeypatch.setattr(
-        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.recipe("tensorwise", emulate=True)
+        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.get_recipe("tensorwise", emulate=True)
     )
     rows = pf.step0_fp8(pair, "fp8-rowwise", x, y)
     assert any(not r["passed"] for r in rows)

@@ -377,7 +377,7 @@ def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):
 
     # the JAX side quantizes with another recipe (rowwise scales): step 0 stops the run
     monkeypatch.setattr(
-        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.recipe("rowwise", emulate=True)
+        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.get_recipe("rowwise", emulate=True)
     )
     assert run(tmp_path / "wrong") == 1
     runs = load_results(tmp_path / "wrong")["runs"]
