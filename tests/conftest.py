@@ -17,6 +17,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # As `python -m parity` does: torch's OpenMP threads sleep instead of spinning against XLA's pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# One XLA compile per program per test session. JAX keeps an executable per jitted function object,
+# and tests build fresh ones (a new model, a new closure, a new trainer) whose programs are the
+# same as an earlier test's: most of the suite's CPU time is XLA compiling. JAX's compilation
+# cache, keyed by the program itself (not by its source names), compiles each once. Its folder is
+# made for this session and removed at its end (nothing carries over between sessions); pytest-xdist
+# workers and the subprocesses tests start inherit the variable and share it.
+# `JAX_COMPILATION_CACHE_DIR=` (empty) runs the suite without it.
+_OWN_COMPILE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxamp-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILE_CACHE
+    # Cache programs that took more than 0.1 s to compile (JAX's default, 1 s, leaves most out).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
@@ -67,6 +83,13 @@ def float_dtype(request):
 def maybe_jit(request):
     """Run a function as is, then under jax.jit."""
     return jax.jit if request.param else (lambda f, **kw: f)
+
+
+def pytest_unconfigure(config):
+    if _OWN_COMPILE_CACHE is not None:  # the process that made the cache folder removes it
+        import shutil
+
+        shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
 # --- CPU seconds per test (`--cpu-durations=N`) ----------------------------------------------------
