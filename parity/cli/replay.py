@@ -24,13 +24,9 @@ input (one line naming the option, the value, what it takes and the closest vali
 from __future__ import annotations
 
 import argparse
-import difflib
-import importlib
-import inspect
 import re
 from typing import Any
 
-import optax
 import torch
 
 from parity.api import replay_loop
@@ -38,13 +34,21 @@ from parity.cell import builtin_pair
 from parity.core.config import ConfigError, RunConfig
 from parity.core.recipes import resolve_precision
 from parity.core.records import write_json_atomic
+from parity.core.references import (
+    call_factory,
+    closest,
+    load_function,
+    load_optax,
+    load_reference,
+    required_arguments,
+)
 from parity.data import DataSpec
 from parity.models import MODEL_NAMES
 from parity.pairs.adapters import AdapterError
 from parity.replay.rows import replay_status, replay_verdicts
 from parity.training.user_loop import TrainingLoop
 
-__all__ = ["add_replay_parser", "load_reference", "run_replay"]
+__all__ = ["add_replay_parser", "run_replay"]
 
 TASKS = ("classification", "lm", "regression")
 
@@ -68,18 +72,13 @@ def _flag_names(text: str) -> str:
     return re.sub(r"`(\w+)`", lambda m: _FLAGS.get(m.group(1), m.group(0)), text)
 
 
-def _closest(value: str, allowed: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(value, list(allowed), n=1)
-    return f"; did you mean {close[0]!r}?" if close else "."
-
-
 def _choice(option: str, allowed: tuple[str, ...]):
     """argparse type: one of `allowed`, refused naming the closest."""
 
     def parse(text: str) -> str:
         if text not in allowed:
             raise argparse.ArgumentTypeError(
-                f"must be one of {', '.join(allowed)}; got {text!r}{_closest(text, allowed)}"
+                f"must be one of {', '.join(allowed)}; got {text!r}{closest(text, allowed)}"
             )
         return text
 
@@ -100,117 +99,13 @@ def _replay_steps(text: str) -> int:
     return value
 
 
-def load_reference(option: str, reference: str) -> Any:
-    """The object ``"package.module:attr"`` names (``attr`` may be dotted).
-
-    Raises:
-      ValueError: naming `option`, the reference, what it takes and, for a missing attribute,
-        the closest name the module has.
-
-    Example:
-      >>> load_reference("--jax-loss", "math:pi")
-      3.141592653589793
-      >>> load_reference("--jax-loss", "math:pii")
-      Traceback (most recent call last):
-      ...
-      ValueError: --jax-loss 'math:pii': module 'math' has no attribute 'pii'; did you mean 'pi'?
-    """
-    if not isinstance(reference, str) or reference.count(":") != 1 or reference.startswith(":"):
-        raise ValueError(
-            f"{option} takes 'package.module:attr' (an importable module, a colon, a name in "
-            f"it); got {reference!r}."
-        )
-    module_name, attr = reference.split(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"{option} {reference!r}: module {module_name!r} does not import ({e}); name a "
-            "module importable from here (the current folder, or one on PYTHONPATH)."
-        ) from None
-    except Exception as e:  # the module's own code failed while importing
-        raise ValueError(
-            f"{option} {reference!r}: importing module {module_name!r} failed "
-            f"({type(e).__name__}: {e})."
-        ) from None
-    where = module_name
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("__")]
-            raise ValueError(
-                f"{option} {reference!r}: {'module ' if where == module_name else ''}"
-                f"{where!r} has no attribute {part!r}{_closest(part, names)}"
-            )
-        obj = getattr(obj, part)
-        where = f"{where}.{part}" if where != module_name else f"{module_name}:{part}"
-    return obj
-
-
-def _required(fn: Any) -> int | None:
-    """How many positional arguments `fn` requires (None: not inspectable)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    return sum(
-        1
-        for p in sig.parameters.values()
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    )
-
-
-def _call(option: str, reference: str, factory: Any) -> Any:
-    try:
-        return factory()
-    except Exception as e:  # the user's factory failed: bad input, named
-        raise ValueError(
-            f"{option} {reference!r}: calling it with no arguments failed "
-            f"({type(e).__name__}: {e})."
-        ) from None
-
-
-def _function(option: str, reference: str | None, arity: int, takes: str) -> Any:
-    """A callable of `arity` positional arguments (None when not given)."""
-    if reference is None:
-        return None
-    fn = load_reference(option, reference)
-    if not callable(fn):
-        raise ValueError(f"{option} {reference!r} is a {type(fn).__name__}; it takes {takes}.")
-    try:
-        inspect.signature(fn).bind(*range(arity))
-    except TypeError:
-        raise ValueError(
-            f"{option} {reference!r} cannot be called with {arity} argument"
-            f"{'s' if arity > 1 else ''}; it takes {takes}."
-        ) from None
-    except ValueError:  # no signature to inspect (a builtin): taken as it is
-        pass
-    return fn
-
-
-def _jax_optimizer(reference: str | None) -> Any:
-
-    if reference is None:
-        return None
-    option, takes = (
-        "--jax-optimizer",
-        "an optax.GradientTransformation or a zero-argument factory returning one",
-    )
-    obj = load_reference(option, reference)
-    if not isinstance(obj, optax.GradientTransformation) and callable(obj) and _required(obj) == 0:
-        obj = _call(option, reference, obj)
-    if not isinstance(obj, optax.GradientTransformation):
-        raise ValueError(f"{option} {reference!r} gives a {type(obj).__name__}; it takes {takes}.")
-    return obj
-
-
 def _torch_clip(text: str | None) -> Any:
     if text is None:
         return None
     try:
         value = float(text)
     except ValueError:
-        return _function(
+        return load_function(
             "--torch-clip", text, 1, "a max global norm > 0, or a callable parameters -> Any"
         )
     if not 0 < value < float("inf"):
@@ -228,7 +123,7 @@ def _torch_model(reference: str, seed: int) -> Any:
     if not isinstance(obj, torch.nn.Module) and callable(obj):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            obj = _call(option, reference, obj)
+            obj = call_factory(option, reference, obj)
     if not isinstance(obj, torch.nn.Module):
         raise ValueError(
             f"{option} {reference!r} gives a {type(obj).__name__}; it takes a torch.nn.Module, "
@@ -240,8 +135,8 @@ def _torch_model(reference: str, seed: int) -> Any:
 def _batches(reference: str) -> Any:
     option = "--batches"
     obj = load_reference(option, reference)
-    if callable(obj) and _required(obj) == 0:
-        obj = _call(option, reference, obj)
+    if callable(obj) and required_arguments(obj) == 0:
+        obj = call_factory(option, reference, obj)
     return obj
 
 
@@ -377,18 +272,20 @@ def _check_sources(args: argparse.Namespace) -> None:
 def _loop(args: argparse.Namespace) -> Any:
 
     pieces = dict(
-        torch_optimizer=_function(
+        torch_optimizer=load_function(
             "--torch-optimizer", args.torch_optimizer, 1, "a callable torch module -> optimizer"
         ),
-        torch_scheduler=_function(
+        torch_scheduler=load_function(
             "--torch-scheduler", args.torch_scheduler, 1, "a callable optimizer -> LRScheduler"
         ),
         torch_clip=_torch_clip(args.torch_clip),
-        jax_optimizer=_jax_optimizer(args.jax_optimizer),
-        torch_loss=_function(
+        jax_optimizer=load_optax("--jax-optimizer", args.jax_optimizer),
+        torch_loss=load_function(
             "--torch-loss", args.torch_loss, 2, "a callable (logits, targets) -> loss"
         ),
-        jax_loss=_function("--jax-loss", args.jax_loss, 2, "a callable (logits, targets) -> loss"),
+        jax_loss=load_function(
+            "--jax-loss", args.jax_loss, 2, "a callable (logits, targets) -> loss"
+        ),
     )
     try:
         return TrainingLoop(**pieces, replay_steps=args.steps, replay_jit=not args.no_jit)
@@ -417,10 +314,12 @@ def _own(args: argparse.Namespace, loop: Any, precision: str):
     torch_model = _torch_model(args.torch_model, args.seed)
     flax_model = load_reference("--flax-model", args.flax_model)
     if isinstance(flax_model, type) or (
-        callable(flax_model) and not hasattr(flax_model, "apply") and _required(flax_model) == 0
+        callable(flax_model)
+        and not hasattr(flax_model, "apply")
+        and required_arguments(flax_model) == 0
     ):
-        flax_model = _call("--flax-model", args.flax_model, flax_model)
-    transfer = _function(
+        flax_model = call_factory("--flax-model", args.flax_model, flax_model)
+    transfer = load_function(
         "--transfer", args.transfer, 1, "a callable torch module -> Flax variables"
     )
     result = replay_loop(

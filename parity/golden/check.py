@@ -52,6 +52,7 @@ from parity.core.records import (
     build_unsupported_record,
     write_json_atomic,
 )
+from parity.core.references import load_function, load_optax
 from parity.golden.format import BatchList, Golden, GoldenFileError, load_golden
 from parity.golden.step0 import golden_step0
 from parity.pairs.adapters import AdapterError, as_flax_model
@@ -591,6 +592,19 @@ def add_check_parser(sub: Any) -> argparse.ArgumentParser:
         help="the Flax module (or a zero-argument factory) under test; default: the one the "
         "golden names",
     )
+    check.add_argument(
+        "--jax-optimizer",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="your optax port (a GradientTransformation or a zero-argument factory), where the "
+        "golden was exported with your torch optimizer: replayed against torch's recorded steps",
+    )
+    check.add_argument(
+        "--jax-loss",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="your JAX loss (logits, targets) -> loss, where the golden has your torch loss",
+    )
     check.add_argument("--json", default=None, help="also write the verdicts to this JSON file")
     check.add_argument("--no-progress", action="store_true", help="no progress output")
     return check
@@ -606,9 +620,19 @@ def bad_input(error: BaseException) -> int:
 def run_check(args: argparse.Namespace) -> int:
     """``check``'s body: prints the report; returns the exit code."""
     try:
-        result = check_golden(args.golden, args.flax_model, progress=not args.no_progress)
+        loop = {
+            "jax_optimizer": load_optax("--jax-optimizer", args.jax_optimizer),
+            "jax_loss": load_function(
+                "--jax-loss", args.jax_loss, 2, "a callable (logits, targets) -> loss"
+            ),
+        }
+        result = check_golden(args.golden, args.flax_model, progress=not args.no_progress, **loop)
     except ValueError as e:  # GoldenFileError included: a damaged or wrong file is bad input
-        return bad_input(e)
+        text = str(e)
+        for name in ("jax_optimizer", "jax_loss"):  # check_golden's names, as this command's
+            text = text.replace(f"as {name}=", f"as --{name.replace('_', '-')}")
+            text = text.replace(f"leave {name} out", f"leave --{name.replace('_', '-')} out")
+        return bad_input(ValueError(text))
     print(result.report())
     if args.json:
         write_json_atomic(args.json, result.to_dict())

@@ -118,3 +118,29 @@ def _shorten_a_shape(replay, arrays):
 def test_a_damaged_replay_record_is_refused_naming_the_field(tmp_path, change):
     with pytest.raises(GoldenFileError, match="field 'replay': the replay's record is malformed"):
         load_golden(_rewrite(tmp_path, change))
+
+
+def test_check_command_refuses_bad_references_and_a_missing_port(capsys):
+    """``python -m parity check --jax-optimizer/--jax-loss``: a misspelled name is refused
+    before any work, naming the closest; a golden recorded with your torch loop, checked
+    without your JAX port, is refused naming the option to pass."""
+    from parity.golden.check import main
+
+    port = "examples.training_loop.jax_loop"
+    assert main(["--golden", str(GOLDEN), "--jax-optimizer", f"{port}:optimiser"]) == 2
+    err = capsys.readouterr().err
+    assert "--jax-optimizer" in err and "did you mean 'optimizer'?" in err, err
+    assert main(["--golden", str(GOLDEN), "--jax-optimizer", f"{port}:optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert "pass its JAX port as --jax-loss" in err, err
+
+
+@pytest.mark.integration
+def test_check_command_replays_the_port_without_torch(capsys):
+    from parity.golden.check import main
+
+    port = "examples.training_loop.jax_loop"
+    argv = ["--golden", str(GOLDEN), "--jax-loss", f"{port}:loss", "--no-progress"]
+    assert main([*argv, "--jax-optimizer", f"{port}:forgot_the_mask"]) == 1
+    out = capsys.readouterr().out
+    assert "step 0 replay: optimizer on identical gradients" in out and "norm/scale" in out, out

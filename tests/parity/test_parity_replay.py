@@ -382,11 +382,11 @@ def test_compare_models_refuses_the_harness_optimizer_fields_beside_yours(setup)
 def test_docstring_examples():
     import doctest
 
-    from parity.cli import replay as cli_replay
-    from parity.replay import layout, rows
+    from parity.core import references
+    from parity.replay import layout, record, rows
     from parity.training import user_loop
 
-    for module in (layout, rows, user_loop, cli_replay):
+    for module in (layout, record, rows, user_loop, references):
         failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert tried and not failures
 
