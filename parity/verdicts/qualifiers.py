@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from parity.verdicts.rows import fmt_value
+from parity.verdicts.rows import no_power_note
 from parity.verdicts.tolerances import TOLERANCES
 
 if TYPE_CHECKING:
@@ -92,12 +92,7 @@ class Qualifier:
 
 
 def _no_power_note(row: Row, pair: Any) -> str:
-    power, bound = row.stated_power(), row.bound()
-    return (
-        f"no power: the tolerance {fmt_value(power)} exceeds the bound {fmt_value(bound)} for a "
-        f"{row.quantity()} (a difference up to {fmt_value(power)} would pass), so this row "
-        "decides nothing"
-    )
+    return no_power_note(row.stated_power(), row.kind)
 
 
 def _no_power(row: Row, pair: Any) -> bool:

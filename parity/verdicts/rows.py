@@ -31,6 +31,7 @@ __all__ = [
     "format_verdicts",
     "is_decisive",
     "loss_floor",
+    "no_power_note",
     "overall_status",
     "pair_fields",
     "power_bound",
@@ -132,10 +133,7 @@ class Verdict:
             object.__setattr__(
                 self,
                 "detail",
-                (self.detail + "; " if self.detail else "")
-                + f"no power: the tolerance {fmt_value(power)} exceeds the bound "
-                f"{fmt_value(bound)} for a {check_of(self.kind).quantity} (a difference up to "
-                f"{fmt_value(power)} would pass), so this row decides nothing",
+                (self.detail + "; " if self.detail else "") + no_power_note(power, self.kind),
             )
 
     @property
@@ -167,6 +165,21 @@ class Verdict:
         if fields.get("window") is not None:  # JSON holds it as a list
             fields["window"] = tuple(fields["window"])
         return cls(**fields)
+
+
+def no_power_note(power: float, kind: str = "") -> str:
+    """Why a row whose tolerance `power` is above its kind's bound decides nothing.
+
+    Example:
+      >>> no_power_note(0.5, "grad norm")[:48]
+      'no power: the tolerance 0.5 exceeds the bound 0.'
+    """
+    bound = power_bound(kind)
+    return (
+        f"no power: the tolerance {fmt_value(power)} exceeds the bound {fmt_value(bound)} for a "
+        f"{check_of(kind).quantity} (a difference up to {fmt_value(power)} would pass), so this "
+        "row decides nothing"
+    )
 
 
 def power_bound(kind: str = "") -> float:
