@@ -326,52 +326,60 @@ def scale_tree(tree: Any, scale: jax.Array) -> Any:
     return jax.tree_util.tree_map(mul, tree)
 
 
-def _sign_tie_breaks_up(n: jax.Array, scale: jax.Array) -> jax.Array:
-    """Whether 2**149 / scale > n + 1/2, exactly (int32 arithmetic; 2**126 < scale < 2**128).
+def _reciprocal_quotient(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(e, q, r)`` for a float32 `scale` = m * 2**(e - 150) (m its 24-bit significand, e its
+    biased exponent): q = floor(2**48 / m) and r the remainder, by long division in 8-bit steps
+    (uint32: r < m < 2**24, so r * 2**8 fits). Integer division is exact on every backend;
+    a float division is not (XLA:GPU divides float32 with PTX div.full, up to 2 ulps off)."""
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    e = (bits >> 23) & np.uint32(0xFF)
+    m = (bits & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    q, r = jnp.zeros_like(m), jnp.ones_like(m)
+    for _ in range(6):
+        r = r << np.uint32(8)
+        digit = r // m
+        r = r - digit * m
+        q = (q << np.uint32(8)) | digit
+    return e, q, r
 
-    With scale = m * 2**(e - 23) (m the 24-bit significand) this is the sign of
-    2**(173 - e) - (2n + 1) * m, a 48-bit product, summed in 12-bit limbs to stay in int32.
-    """
-    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    m = (bits & 0x7FFFFF) | 0x800000
-    exponent = ((bits >> 23) & 0xFF) - 127
-    c = 2 * n + 1
-    c1, c0 = c >> 12, c & 0xFFF
-    m1, m0 = m >> 12, m & 0xFFF
-    high = c1 * m1 - jnp.where(exponent == 126, 1 << 23, 1 << 22)
-    middle = c1 * m0 + c0 * m1
-    low = ((middle & 0xFFF) << 12) + c0 * m0
-    top = high + (middle >> 12) + (low >> 24)
-    low = low & 0xFFFFFF
-    product_above = (top > 0) | ((top == 0) & (low > 0))
-    return ~product_above
+
+def _round_shift(q: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
+    """(q + r/m) / 2**k rounded to the nearest integer, ties to even (k >= 1; r the remainder)."""
+    one = np.uint32(1)
+    kept = q >> k
+    guard = (q >> (k - one)) & one
+    sticky = ((q & ((one << (k - one)) - one)) != 0) | (r != 0)
+    return kept + (guard & (sticky.astype(jnp.uint32) | (kept & one)))
 
 
 def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(inv, post)` with torch's unscaling `x * float32(1/scale)` equal to `(x * inv) * post`.
 
     torch computes 1/scale in float64 and rounds it to float32 (for a float32 division that is
-    the same number: float64 has more than 2*24+2 bits). Above 2**126 that reciprocal is a
-    float32 subnormal, which XLA flushes to zero on CPU and TPU, so unscaling would return
-    zeros. There `inv` is the subnormal's significand times 2**64 (a normal number, rounded
-    exactly as torch rounds into the subnormal range) and `post` is 2**-64, so every result
-    torch gets as a normal float32 comes out bit-identical. Elsewhere `post` is 1.
+    the same number: float64 has more than 2*24+2 bits): 1/scale correctly rounded. Here it is
+    computed from the scale's bits with integer long division (`_reciprocal_quotient`), the same
+    number on every backend. Above 2**126 that reciprocal is a float32 subnormal, which XLA
+    flushes to zero on CPU and TPU, so unscaling would return zeros. There `inv` is the
+    subnormal's significand times 2**64 (a normal number, rounded exactly as torch rounds into
+    the subnormal range) and `post` is 2**-64, so every result torch gets as a normal float32
+    comes out bit-identical. Elsewhere `post` is 1. Scales that are not positive normal floats
+    (0, subnormal, inf, NaN) divide as floats.
     """
     scale = jnp.asarray(loss_scale, jnp.float32)
+    e, q, r = _reciprocal_quotient(scale)
     big = scale > jnp.float32(2.0**126)
-    normal_inv = jnp.float32(1.0) / jnp.where(big, jnp.float32(1.0), scale)
-    # RN24(2**149 / scale), in [2**21, 2**23]: its fraction is a multiple of 1/4, so only a
-    # fraction of exactly 1/2 may hide which side of the midpoint the exact quotient lies.
-    quotient = (jnp.float32(2.0**126) / jnp.where(big, scale, jnp.float32(2.0**127))) * (
-        jnp.float32(2.0**23)
+    # Normal result: 1/scale = 2**(126 - e) * (q / 2**24), significand rounded from q's 25 bits.
+    significand = _round_shift(q, r, np.uint32(1))  # in [2**23, 2**24]; 2**24 carries
+    normal_bits = ((np.uint32(253) - e) << np.uint32(23)) + (significand - np.uint32(2**23))
+    normal_inv = jax.lax.bitcast_convert_type(normal_bits, jnp.float32)
+    positive_normal = (e >= 1) & (e <= 253) & (scale > 0)
+    normal_inv = jnp.where(
+        positive_normal, normal_inv, jnp.float32(1.0) / jnp.where(big, jnp.float32(1.0), scale)
     )
-    whole = jnp.floor(quotient)
-    fraction = quotient - whole
-    whole_int = whole.astype(jnp.int32)
-    tie_up = _sign_tie_breaks_up(whole_int, jnp.where(big, scale, jnp.float32(2.0**127)))
-    round_up = (fraction > 0.5) | ((fraction == 0.5) & tie_up)
-    significand = whole + round_up.astype(jnp.float32)  # torch's subnormal / 2**-149
-    inv = jnp.where(big, significand * jnp.float32(2.0**-85), normal_inv)
+    # Subnormal result (e 253 or 254): torch's value is RN(2**149 / scale) * 2**-149, and
+    # 2**149 / scale = (2**48 / m) / 2**(e - 251).
+    subnormal = _round_shift(q, r, jnp.clip(e, 252, 254) - np.uint32(251))
+    inv = jnp.where(big, subnormal.astype(jnp.float32) * jnp.float32(2.0**-85), normal_inv)
     post = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
     # With a compile-time constant scale both factors are constants, and XLA would fold
     # ``(x * inv) * post`` into ``x * (inv * post)``: the subnormal this split avoids, flushed

@@ -299,6 +299,25 @@ def _torch_rule(x: np.ndarray, scale: float) -> np.ndarray:
     return x.astype(np.float32) * inverse
 
 
+def test_unscale_reciprocal_is_torchs_for_every_binade():
+    """The reciprocal unscaling multiplies by is torch's float32(1/float64(scale)), correctly
+    rounded, for random scales in every binade (the subnormal ones too, as inv * post), on any
+    backend: it is computed with integer division, since XLA:GPU's float32 division (PTX
+    div.full) is up to 2 ulps off."""
+    from jaxamp._numerics import reciprocal_factors
+
+    rng = np.random.default_rng(0)
+    exponents = rng.integers(-126, 128, 4096)
+    scales = (rng.uniform(1.0, 2.0, 4096) * np.exp2(exponents.astype(np.float64))).astype(
+        np.float32
+    )
+    scales = np.concatenate([scales[np.isfinite(scales)], np.float32([2.0**126, 3.0, F32_MAX])])
+    inv, post = jax.jit(jax.vmap(reciprocal_factors))(jnp.asarray(scales))
+    got = (np.asarray(inv, np.float64) * np.asarray(post, np.float64)).astype(np.float32)
+    want = (1.0 / scales.astype(np.float64)).astype(np.float32)
+    assert got.tobytes() == want.tobytes()
+
+
 # The scale traced: one compiled program for every scale.
 _UNSCALE_TRACED = jax.jit(lambda loss_scale, x: loss_scale.unscale(x))
 

@@ -296,7 +296,7 @@ def test_bad_reduce_dtype():
 
 @pytest.mark.slow
 @pytest.mark.standard_promotion
-def test_pmap_grads_in_param_dtype_psum_in_float32():
+def test_pmap_grads_in_param_dtype_psum_in_float32(replica_devices):
     n = 2
     p = _params()
     rng = np.random.default_rng(4)
@@ -307,7 +307,9 @@ def test_pmap_grads_in_param_dtype_psum_in_float32():
         _, g = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(p, x, ids)
         return jax.lax.pmean(g, "data")
 
-    g = jax.pmap(step, axis_name="data", in_axes=(None, 0, 0), devices=jax.devices()[:n])(p, x, ids)
+    g = jax.pmap(step, axis_name="data", in_axes=(None, 0, 0), devices=replica_devices[:n])(
+        p, x, ids
+    )
     _, full = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(
         p, x.reshape(-1, 16), ids.reshape(-1)
     )
