@@ -17,22 +17,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # As `python -m parity` does: torch's OpenMP threads sleep instead of spinning against XLA's pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# One XLA compile per program per test session. JAX keeps an executable per jitted function object,
-# and tests build fresh ones (a new model, a new closure, a new trainer) whose programs are the
-# same as an earlier test's: most of the suite's CPU time is XLA compiling. JAX's compilation
-# cache, keyed by the program itself (not by its source names), compiles each once. Its folder is
-# made for this session and removed at its end (nothing carries over between sessions); pytest-xdist
-# workers and the subprocesses tests start inherit the variable and share it.
-# `JAX_COMPILATION_CACHE_DIR=` (empty) runs the suite without it.
-_OWN_COMPILE_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxamp-tests-xla-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILE_CACHE
-    # Cache programs that took more than 0.1 s to compile (JAX's default, 1 s, leaves most out).
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
@@ -42,6 +26,24 @@ import pytest  # noqa: E402
 # optax's bias correction computes float ** int32), so tests that run them carry the marker
 # `standard_promotion`, which switches back to JAX's default for that test only.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# One XLA compile per program per test process. JAX keeps an executable per jitted function object,
+# and tests build fresh ones (a new model, a new closure, a new trainer) whose programs are the
+# same as an earlier test's: most of the suite's CPU time is XLA compiling. JAX's compilation
+# cache, keyed by the program itself (not by its source names), compiles each once. Each process
+# (each pytest-xdist worker) has its own folder, made here and removed at its end: JAX writes an
+# entry without a lock, so a process could read one another process is half-way through writing.
+# Nothing carries over between sessions. A JAX_COMPILATION_CACHE_DIR already set wins (empty: no
+# cache).
+_OWN_COMPILE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxamp-tests-xla-cache-")
+    jax.config.update("jax_compilation_cache_dir", _OWN_COMPILE_CACHE)
+    # programs that took over 0.1 s to compile (JAX's default, 1 s, leaves most out)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
 # The tests compare with torch's float32 (its CPU build; on CUDA torch's float32 matmuls are full
 # float32 too: torch.backends.cuda.matmul.allow_tf32 is False by default). JAX's default matmul
 # precision on a GPU multiplies float32 in TF32 (10-bit significands: 1e-3 apart after a few SGD
@@ -86,7 +88,7 @@ def maybe_jit(request):
 
 
 def pytest_unconfigure(config):
-    if _OWN_COMPILE_CACHE is not None:  # the process that made the cache folder removes it
+    if _OWN_COMPILE_CACHE is not None:
         import shutil
 
         shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
