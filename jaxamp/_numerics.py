@@ -352,6 +352,55 @@ def _round_shift(q: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
     return kept + (guard & (sticky.astype(jnp.uint32) | (kept & one)))
 
 
+def _divide_by_integers(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 ``a / b`` correctly rounded (to nearest, ties to even) from the operands' bits:
+    the significands' quotient by integer long division (exact on every backend). Where an
+    operand is zero, subnormal, inf or NaN, or the quotient is subnormal, the float division."""
+    one, mask = np.uint32(1), np.uint32(0x7FFFFF)
+    bits_a = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    bits_b = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    ea = ((bits_a >> 23) & np.uint32(0xFF)).astype(jnp.int32)
+    eb = ((bits_b >> 23) & np.uint32(0xFF)).astype(jnp.int32)
+    ma = (bits_a & mask) | np.uint32(0x800000)
+    mb = (bits_b & mask) | np.uint32(0x800000)
+    # q = floor(ma * 2**25 / mb), in (2**24, 2**26): three 8-bit steps and one 1-bit step; the
+    # remainder stays below mb < 2**24, so each shifted remainder fits in uint32.
+    q, r = jnp.zeros_like(ma), ma
+    for step in (8, 8, 8, 1):
+        r = r << np.uint32(step)
+        digit = r // mb
+        r = r - digit * mb
+        q = q * np.uint32(1 << step) + digit
+    wide = q >= np.uint32(2**25)
+    k = jnp.where(wide, np.uint32(2), one)
+    significand = _round_shift(q, r, k)  # in [2**23, 2**24]; 2**24 carries into the exponent
+    exponent = ea - eb + 125 + k.astype(jnp.int32)
+    magnitude = (exponent.astype(jnp.uint32) << np.uint32(23)) + (significand - np.uint32(2**23))
+    sign = (bits_a ^ bits_b) & np.uint32(0x80000000)
+    quotient = jax.lax.bitcast_convert_type(magnitude | sign, jnp.float32)
+    simple = (ea >= 1) & (ea <= 254) & (eb >= 1) & (eb <= 254)
+    simple = simple & (exponent >= 1) & (exponent <= 254)
+    return jnp.where(simple, quotient, a / b)
+
+
+def divide(a: Any, b: Any) -> jax.Array:
+    """float32 ``a / b`` correctly rounded, as torch divides, on every backend.
+
+    XLA rewrites a division by a broadcast scalar (a constant or not) into a multiplication by
+    its rounded reciprocal, which differs from IEEE division in the last bit for about a third of
+    the quotients (XLA:CPU), and XLA:GPU divides float32 with PTX div.full (up to 2 ulps off).
+    On CPU the divisor is broadcast to the quotient's shape behind an optimization barrier, so
+    the division stays an IEEE division; elsewhere the quotient is computed from the operands'
+    bits (`_divide_by_integers`). The form is chosen when the program is lowered."""
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a, b = jnp.broadcast_to(a, shape), jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    if not shape:
+        return _divide_by_integers(a, b)  # a scalar: the integer form costs nothing
+    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: a / b, default=_divide_by_integers)
+
+
 def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(inv, post)` with torch's unscaling `x * float32(1/scale)` equal to `(x * inv) * post`.
 

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from jaxamp._numerics import widen
+from jaxamp._numerics import divide, widen
 from jaxamp.fp8._recipes import E4M3, E5M2, Cast, Recipe
 from jaxamp.fp8._recipes import get_recipe as _make_recipe
 
@@ -104,7 +104,8 @@ def amax_to_scale(amax: jax.Array, dtype: Any, power_of_2: bool = False) -> jax.
     amax = jnp.asarray(amax).astype(jnp.float32)
     fmax = fp8_max(dtype)
     clamped = np.float32(fmax / _EPS)
-    scale = jnp.where(amax < _EPS32, clamped, np.float32(fmax) / amax)
+    # correctly rounded on every backend, as torchao's float64 quotient rounded to float32
+    scale = jnp.where(amax < _EPS32, clamped, divide(np.float32(fmax), amax))
     return _floor_pow2(scale) if power_of_2 else scale
 
 

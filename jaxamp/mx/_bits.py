@@ -10,12 +10,12 @@ codes equal an IEEE computation's wherever a result is large enough to survive t
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxamp._numerics import divide
 
 __all__ = [
     "E2M1_VALUES",
@@ -94,20 +94,6 @@ def mul_pow2(x: jax.Array, p: jax.Array) -> jax.Array:
     p1 = jnp.clip(p, -126, 127)
     p2 = jnp.clip(p - p1, -126, 127)
     return base * pow2(p1) * pow2(p2)
-
-
-def divide(a: jax.Array, b: Any) -> jax.Array:
-    """``a / b`` correctly rounded, also where `b` is one number.
-
-    XLA rewrites a division by a broadcast scalar (a constant or not) into a multiplication by
-    its rounded reciprocal, which differs from IEEE division in the last bit for about a third of
-    the quotients (measured: ``x / 6.0`` on XLA:CPU, jax 0.10.2). The divisor is broadcast to the
-    quotient's shape behind an optimization barrier, so the division stays a division.
-    """
-    a = jnp.asarray(a)
-    b = jnp.asarray(b, a.dtype)
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    return jnp.broadcast_to(a, shape) / lax.optimization_barrier(jnp.broadcast_to(b, shape))
 
 
 def nan_codes(nan_bits: jax.Array, element: str) -> jax.Array:

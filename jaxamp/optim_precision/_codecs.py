@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._numerics import divide
 from jaxamp.optim_precision import _qmaps
 
 __all__ = [
@@ -210,14 +211,6 @@ def _blocks(x: jax.Array, block_size: int, order: BlockOrder | None) -> jax.Arra
     return x.reshape(-1, block_size)
 
 
-def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """IEEE division, as torch's. XLA rewrites ``x / broadcast(s)`` (and ``x / constant``) into
-    ``x * (1 / s)``, which rounds twice and moves codes at rounding midpoints; a barrier on the
-    broadcast denominator keeps it a true division."""
-    denominator = jnp.broadcast_to(denominator, numerator.shape)
-    return numerator / jax.lax.optimization_barrier(denominator)
-
-
 def encode_blockwise(
     x: jax.Array,
     state_format: str,
@@ -268,13 +261,13 @@ def encode_blockwise(
     code_shape = tuple(x.shape) if order is None else (size,)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     if state_format == "fp8":
-        scale = _divide(jnp.maximum(amax, _TINY_AMAX), jnp.float32(_FP8_MAX))
-        codes = _divide(blocks, scale[:, None]).astype(_FP8).reshape(code_shape)
+        scale = divide(jnp.maximum(amax, _TINY_AMAX), jnp.float32(_FP8_MAX))
+        codes = divide(blocks, scale[:, None]).astype(_FP8).reshape(code_shape)
         return QuantizedArray(codes, scale, "fp8", bool(signed), tuple(x.shape), block_size, order)
     scale = jnp.maximum(amax, _TINY_AMAX)
     qmap = jnp.asarray(_QMAPS[state_format, bool(signed)])
     bits = 8 if state_format == "8bit" else 4
-    codes = _search(_divide(blocks, scale[:, None]), qmap, bits)
+    codes = _search(divide(blocks, scale[:, None]), qmap, bits)
     if state_format == "8bit":
         codes = codes.reshape(code_shape)
     else:

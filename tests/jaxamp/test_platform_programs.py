@@ -114,3 +114,29 @@ def test_both_check_shapes_give_the_same_answer(shape, float_dtype):
         y = jnp.asarray(y, float_dtype)
         a, b = jax.jit(_largest_at_once)(y), jax.jit(_largest_in_blocks)(y)
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (shape, bad)
+
+
+def test_divide_gpu_form_is_ieee_division():
+    """`jaxamp._numerics.divide` off CPU divides the significands as integers (XLA:GPU's float32
+    division is PTX div.full, up to 2 ulps off): that form, run here, is numpy's IEEE quotient
+    bit for bit wherever operands and quotient are normal (and for 0, inf and NaN)."""
+    from jaxamp._numerics import _divide_by_integers
+
+    rng = np.random.default_rng(1)
+
+    def draw(n):
+        v = (rng.uniform(1.0, 2.0, n) * np.exp2(rng.integers(-126, 128, n).astype(float))).astype(
+            np.float32
+        )
+        return np.where(rng.random(n) < 0.5, -v, v).astype(np.float32)
+
+    special = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, 448.0, 255.0, 6.0, 3e38])
+    a = np.concatenate([draw(20000), np.repeat(special, special.size)])
+    b = np.concatenate([draw(20000), np.tile(special, special.size)])
+    with np.errstate(all="ignore"):
+        want = a / b
+    got = np.asarray(jax.jit(_divide_by_integers)(jnp.asarray(a), jnp.asarray(b)))
+    tiny = np.finfo(np.float32).tiny
+    normal = (np.abs(want) >= tiny) | (want == 0) | ~np.isfinite(want)  # CPU flushes the rest
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same[normal].all(), (a[~same & normal][:3], b[~same & normal][:3])
