@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity.core.config import RunConfig
+from parity.core.once import once_jit
 from parity.pairs.adapters import intercept_calls
 from parity.verdicts.rows import PADDING_CHECK, Verdict
 from parity.verdicts.sides import Side, jax_device
@@ -225,7 +226,7 @@ def _flax_outputs(pair, variables, inputs, config: RunConfig) -> tuple[dict, dic
 
     with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
         both = jax.device_get(
-            jax.jit(run)(variables["params"], variables.get("batch_stats"), np.asarray(inputs))
+            once_jit(run)(variables["params"], variables.get("batch_stats"), np.asarray(inputs))
         )
     return tuple({k: np.asarray(v) for k, v in outs.items()} for outs in both)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parity.core.once import once_jit
 from parity.pairs.adapters import intercept_calls, output_logits
 from parity.verdicts.layer_table import PROBE_CHECK, shaped_error
 from parity.verdicts.rows import Verdict
@@ -135,7 +136,7 @@ class _FlaxRunner:
         # One compiled program (eval and train mode) whose arguments are the probe weights and
         # every layer's substituted input: traced and compiled once, then reused for every probe
         # scale (same shapes). ``meta`` holds the facts of that one trace.
-        self.program = jax.jit(self._both)
+        self.program = once_jit(self._both)
 
     def _both(self, variables, x, substitutes_eval, substitutes_train):
         return (

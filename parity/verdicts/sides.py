@@ -20,6 +20,7 @@ import numpy as np
 
 from parity.core.config import RunConfig
 from parity.core.losses import loss_jax
+from parity.core.once import once_jit
 from parity.perf.flops import jax_matmul_flops
 from parity.perf.phases import phase
 from parity.training.steps import jax_forward
@@ -115,7 +116,7 @@ def jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops) 
         np.asarray(targets),
     )
     with jax.default_matmul_precision("highest"), jax.default_device(jax_device(config)):
-        traced = jax.jit(run).trace(*args)
+        traced = once_jit(run).trace(*args)
         flops = None
         if trace_flops:
             with phase("dtype trace"):

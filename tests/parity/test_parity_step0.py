@@ -401,3 +401,19 @@ def test_the_layer_probe_runs_on_the_runs_torch_device(monkeypatch):
         config = RunConfig(model="mlp", precision="fp32", device=device)
         step0_checks.probe_verdict(None, config, None)
     assert seen == ["cuda", "cpu"]
+
+
+def test_step0_compiles_its_programs_with_the_run_once_options(monkeypatch):
+    """Step 0's sides and the layer probe are programs run once: they compile with
+    `parity.core.once.ONCE` (XLA:GPU's autotuning off), the train step with XLA's defaults. An
+    option XLA does not know shows where the options reach."""
+    from parity.core import once
+
+    config = RunConfig(model="tiny_mlp", precision="fp32", batch_size=4)
+    monkeypatch.setitem(once.ONCE, "xla_not_an_option", 0)
+    with pytest.raises(Exception, match="xla_not_an_option"):
+        check_step0(_mlp_pair(), config, _mlp_batch(), diagnose=False)
+    from parity.verdicts.step0_checks import probe_verdict
+
+    row, probe = probe_verdict(_mlp_pair(), config, _mlp_batch()[0])
+    assert probe is None and "xla_not_an_option" in row.detail  # the probe's one program too
