@@ -37,6 +37,12 @@ from parity.core.losses import TASKS
 from parity.data import BatchStream
 from parity.models import ModelPair
 from parity.pairs import adapters
+from parity.pairs.dropout import (
+    disable_torch_dropout,
+    dropout_settings,
+    flax_dropout_settings,
+    torch_dropout_layers,
+)
 from parity.pairs.mapping import WeightMapping
 from parity.pairs.variables import as_variables
 from parity.perf.measure import set_threads
@@ -201,17 +207,17 @@ def prepare_pair(
     channels_first = adapters.check_image_layout(torch_module, inputs, torch_channels_first)
     model = copy.deepcopy(torch_module)
     # both sides' rates before they are turned off: step 0 names a difference (not tested)
-    dropout_settings = {
-        "torch": adapters.dropout_settings(model),
-        "flax": adapters.flax_dropout_settings(flax, inputs),
+    rates = {
+        "torch": dropout_settings(model),
+        "flax": flax_dropout_settings(flax, inputs),
     }
-    found = adapters.torch_dropout_layers(model)
+    found = torch_dropout_layers(model)
     if found and dropout == "refuse":
         raise adapters.AdapterError(
             f"the torch model has dropout {found}: the two frameworks draw different masks, so "
             "parity cannot be checked. Set the rates to 0, or pass dropout='disable'."
         )
-    adapters.disable_torch_dropout(model)
+    disable_torch_dropout(model)
 
     example = torch.as_tensor(inputs)
     if example.is_floating_point():
@@ -249,7 +255,7 @@ def prepare_pair(
         data=None,
         torch_channels_first=channels_first,
         mapping=mapping if isinstance(mapping, WeightMapping) else None,
-        dropout=dropout_settings,
+        dropout=rates,
     )
     # One abstract forward pass each side: signatures, outputs and shapes fail here, not mid-run.
     logits = jax.eval_shape(

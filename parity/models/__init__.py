@@ -132,7 +132,7 @@ class ModelPair:
       loop: the user's `parity.training.user_loop.TrainingLoop` (their optimizer, scheduler,
         clipping and losses), or None: the harness's own (`parity.training.steps`).
       dropout: the two sides' dropout settings before the adapters turned them off
-        (``{"torch": [(name, rate), ...], "flax": [...]}``, `parity.pairs.adapters.dropout_settings`),
+        (``{"torch": [(name, rate), ...], "flax": [...]}``, `parity.pairs.dropout.dropout_settings`),
         or None (a built-in pair: no dropout): step 0 names a difference.
     """
 

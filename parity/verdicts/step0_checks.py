@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from parity.automap.explain import folded_tensors
-from parity.pairs.adapters import dropout_differences, torch_stochastic_modules
+from parity.pairs.dropout import dropout_differences, torch_stochastic_modules
 from parity.verdicts.layer_probe import probe_layers
 from parity.verdicts.layer_table import (
     FOLDED_CHECK,

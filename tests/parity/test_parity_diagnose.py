@@ -269,7 +269,7 @@ def test_an_active_linen_dropout_is_refused_naming_each_module_and_its_rate():
     import torch
 
     from parity import api
-    from parity.pairs import adapters
+    from parity.pairs import adapters, dropout
 
     class Block(fnn.Module):
         @fnn.compact
@@ -294,7 +294,7 @@ def test_an_active_linen_dropout_is_refused_naming_each_module_and_its_rate():
     message = str(refused.value)
     assert "block/Dropout_0 (rate 0.3)" in message and "Dropout_0 (rate 0.5)" in message
     assert "deterministic" in message and "rate 0" in message
-    assert adapters.linen_dropouts(Net(), jnp.ones((4, 3)), {"train": False}) == [
+    assert dropout.linen_dropouts(Net(), jnp.ones((4, 3)), {"train": False}) == [
         "block/Dropout_0 (rate 0.3)"
     ]
     pair = api.prepare_pair(torch.nn.Linear(3, 2), Switchable(), None, batches)

@@ -26,7 +26,7 @@ import torch
 from parity import api
 from parity.core.config import RunConfig
 from parity.models import get_model_pair
-from parity.pairs import adapters
+from parity.pairs import adapters, dropout
 from parity.twins import transformer as transformer_module
 from parity.verdicts.layer_probe import probe_layers
 from parity.verdicts.step0 import check_step0
@@ -349,7 +349,7 @@ def test_dropout_left_on_fails_naming_the_module():
     assert verdict.passed is False and verdict.value == "blocks.0.attn"
     assert "blocks.0.attn" in verdict.detail
     # turned off by name, the same model is deterministic again
-    assert adapters.disable_torch_dropout(pair.torch_model) == ["blocks.0.attn.dropout"]
+    assert dropout.disable_torch_dropout(pair.torch_model) == ["blocks.0.attn.dropout"]
     assert stochastic_verdict(pair, config, inputs).passed is True
 
 

@@ -1,4 +1,4 @@
-"""The docstring examples of the mapping / adapter / data modules run (issue 9)."""
+"""The docstring examples of the mapping / adapter / data modules run."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _MODULES = (
     "parity.automap.explain",
     "parity.automap.validate",
     "parity.pairs.adapters",
+    "parity.pairs.dropout",
     "parity.twins.nnx_layers",
 )
 _DATA_NAMES = ("load_digits", "load_text", "text_fraction", "text_stream", "DataSpec")

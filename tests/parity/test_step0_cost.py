@@ -118,7 +118,7 @@ def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
     """Given the output of step 0's float32 train-mode call, one more call that repeats it
     exactly is the whole check; an output that differs (a dropout left on) is still named by the
     two hooked calls."""
-    from parity.pairs import adapters
+    from parity.pairs import dropout
     from parity.verdicts import step0_checks
 
     pair = get_model_pair("transformer", seed=0, **TINY_TRANSFORMER)
@@ -127,7 +127,7 @@ def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
     fp32 = dataclasses.replace(config, precision="fp32")
     reference = torch_side(pair, inputs, targets, fp32, 1.0, trace_flops=False).train_logits
     hooked = []
-    original = adapters.torch_stochastic_modules
+    original = dropout.torch_stochastic_modules
 
     def counted(*args):
         hooked.append(True)
