@@ -118,6 +118,7 @@ def summarise(run: dict, steps: int) -> dict[str, object]:
         "step0_sides_cpu_s": _phase(phases, "step 0/outputs and gradients"),
         "step0_torch_cpu_s": _phase(phases, "step 0/outputs and gradients/torch"),
         "step0_jax_cpu_s": _phase(phases, "step 0/outputs and gradients/jax"),
+        "step0_jax_compile_cpu_s": _phase(phases, "step 0/outputs and gradients/jax/compile"),
         "stochastic_cpu_s": _phase(phases, "step 0/stochastic modules"),
         "jax_compile_cpu_s": compile_s,
         "train_steps_cpu_s": train_steps,
@@ -173,7 +174,8 @@ def render(data: dict) -> str:
         f"batch {meta['batch_size']}, context {meta['seq_len']}; load {meta['load_before']}"
         f"-{meta['load_after']})",
         "",
-        "| size | precision | params | verdict | step 0 (probe; torch, JAX passes) | JAX compile "
+        "| size | precision | params | verdict | step 0 (probe; torch; JAX, its compile) "
+        "| JAX compile "
         "| steps (both) | eval | report (plots) | harness / steps | @300 | step 0 / step "
         "| plots % wall |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -185,7 +187,9 @@ def render(data: dict) -> str:
         plots_share = row["plots_share_of_wall"]
         step0_parts = _fmt(row["probe_cpu_s"])
         if row.get("step0_jax_cpu_s"):  # recorded since the step-0 sides were timed apart
-            step0_parts += f"; {_fmt(row['step0_torch_cpu_s'])}, {_fmt(row['step0_jax_cpu_s'])}"
+            step0_parts += f"; {_fmt(row['step0_torch_cpu_s'])}; {_fmt(row['step0_jax_cpu_s'])}"
+            if row.get("step0_jax_compile_cpu_s"):
+                step0_parts += f", {_fmt(row['step0_jax_compile_cpu_s'])}"
         lines.append(
             f"| {row['size']} | {row['precision']} | {_fmt(row['params'])} | {row['verdict']} "
             f"| {_fmt(row['step0_cpu_s'])} ({step0_parts}) "

@@ -32,6 +32,7 @@ def test_the_ratios_come_from_the_records_phases(bench):
         ("step 0/outputs and gradients", 3.0),
         ("step 0/outputs and gradients/torch", 1.0),
         ("step 0/outputs and gradients/jax", 2.0),
+        ("step 0/outputs and gradients/jax/compile", 1.5),
         ("train torch", 5.0),
         ("train torch/steps", 4.0),
         ("train jax", 5.0),
@@ -55,4 +56,4 @@ def test_the_ratios_come_from_the_records_phases(bench):
         }
     )
     assert "| 64x2 | fp32 |" in text and "| 1.71 |" in text
-    assert "| 6 (2; 1, 2) |" in text  # step 0 (its probe; torch's and JAX's passes)
+    assert "| 6 (2; 1; 2, 1.5) |" in text  # step 0 (its probe; torch's, JAX's passes, compile)

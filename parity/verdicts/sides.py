@@ -121,8 +121,10 @@ def jax_side(pair, variables, inputs, targets, config, loss_scale, trace_flops) 
         if trace_flops:
             with phase("dtype trace"):
                 flops = jax_matmul_flops(_named_jaxpr(traced.jaxpr, "train_grads"))
-        compiled = traced.lower().compile()
-        eval_logits, loss, logits, new_stats, grads = jax.device_get(compiled(*args))
+        with phase("compile"):
+            compiled = traced.lower().compile()
+        with phase("run"):
+            eval_logits, loss, logits, new_stats, grads = jax.device_get(compiled(*args))
     return Side(
         np.asarray(eval_logits),
         np.asarray(logits),
