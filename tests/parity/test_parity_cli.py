@@ -74,6 +74,9 @@ def test_run_both_writes_results_and_report(tmp_path, capsys):
         names = [entry["phase"] for entry in run["phases"]]
         for name in ("step 0", "step 0/outputs and gradients", "step 0/layer probe"):
             assert name in names, names
+        for part in ("torch", "jax", "jax/compile", "jax/run"):  # each side's passes, timed apart
+            assert f"step 0/outputs and gradients/{part}" in names, names
+        assert "step 0/stochastic modules" in names, names
         for name in ("train torch/steps", "train jax/compile", "train jax/steps"):
             assert name in names, names
         assert "verdicts" in names and "report/plots" in names, names
