@@ -85,6 +85,11 @@ class Recipe:
         order (kinds of `parity.verdicts.checks.CHECKS`: ``"loss"`` per step at float32's
         bands, ``"fp8 loss"``, ``"scale"`` and ``"skips"`` (loss scaling: each side's scale from its
         own skips, skip decisions apart only by rounding flips), ``"final loss"``).
+      step0_checks: the recipe's own step-0 checks, beyond the outputs and gradients every
+        recipe gets: ``"quantized layers"`` (every quantized layer's scales and element codes
+        against torchao's, `quantized_layers_step0`, in place of the run-precision stage's
+        outputs and gradients), ``"optimizer state"`` (one optimizer step's state codes and
+        scales against torchao's, once the model's rows pass).
     """
 
     name: ClassVar[str] = ""
@@ -98,6 +103,7 @@ class Recipe:
     first_distinct_step: ClassVar[int] = 0
     calibration: ClassVar[dict[str, Any]] = {}
     verdict_checks: ClassVar[tuple[str, ...]] = ("loss",)
+    step0_checks: ClassVar[tuple[str, ...]] = ()
 
     @property
     def policy(self) -> jaxamp.Policy:
@@ -227,10 +233,12 @@ class Recipe:
         del config
         return 1.0
 
-    def fp8_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict] | None:
-        """Per-layer fp8 scale and code rows (`parity.core.fp8.step0_fp8`), or None (no fp8 layers)."""
+    def quantized_layers_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict]:
+        """Per-layer scale and code rows of a recipe whose `step0_checks` name ``"quantized
+        layers"`` (`parity.core.fp8.step0_fp8`'s row format); raises ValueError when the two
+        sides quantize different layers."""
         del pair, inputs, targets
-        return None
+        raise NotImplementedError(f"{self.name}: no quantized layers to compare at step 0")
 
     # -- records ---------------------------------------------------------------------------------
 
@@ -408,6 +416,7 @@ class _Fp8(Recipe):
     claims_policy = False
     compute_dtype_name = "float8"
     verdict_checks = ("fp8 loss", "final loss")
+    step0_checks = ("quantized layers",)
 
     def unsupported(self, arm: str, mode: str | None = None) -> str | None:
         super().unsupported(arm, mode)
@@ -441,7 +450,7 @@ class _Fp8(Recipe):
         del arm
         return parity_fp8.fp8_method(self.name, "jax", device)
 
-    def fp8_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict] | None:
+    def quantized_layers_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict]:
         return parity_fp8.step0_fp8(pair, self.name, inputs, targets)
 
 
@@ -471,6 +480,7 @@ class _Mx(Recipe):
     claims_policy = False
     compute_dtype_name = "float8"  # e4m3 elements: fp8's step bands
     verdict_checks = ("fp8 loss", "final loss")
+    step0_checks = ("quantized layers",)
     # The weight-gradient matmul blocks the batch rows in 32s: a batch of 32 (mlp: 32 rows).
     matrix_plan = {"steps": 30, "batch_size": 32}
 
@@ -502,7 +512,7 @@ class _Mx(Recipe):
         del arm
         return parity_mx.mx_method(self.name, "jax", device)
 
-    def fp8_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict] | None:
+    def quantized_layers_step0(self, pair: Any, inputs: Any, targets: Any) -> list[dict]:
         """Per-layer MX scale and code rows (`parity.core.mx.step0_mx`), in fp8's row format."""
         return parity_mx.step0_mx(pair, self.name, inputs, targets)
 
@@ -576,6 +586,7 @@ class _LowBitAdamW(Fp32):
     claims_policy = False
     optimizers = ("adamw",)
     first_distinct_step = 2
+    step0_checks = ("optimizer state",)
     state_format: ClassVar[str] = ""
     torchao_class: ClassVar[str] = ""
 

@@ -118,7 +118,7 @@ def optimizer_state_verdicts(
     weights after one optimizer step`` (`optimizer_state_step0`,
     `parity.verdicts.optim_judge.optimizer_state_rows`), or None for a recipe whose optimizer
     state is not torchao's low-bit one."""
-    if getattr(config.recipe, "torchao_class", None) is None:
+    if "optimizer state" not in config.recipe.step0_checks:
         return None
     try:
         rows = optimizer_state_step0(pair, config, inputs, targets)

@@ -96,9 +96,10 @@ _FP8_TOLERANCES = {
 }
 
 
-def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | None:
-    """Step-0 rows of an fp8 run (None for a recipe without fp8 layers): `parity.core.fp8.step0_fp8` (torchao's scales and fp8 codes against
-    jaxamp.fp8's, every converted layer), one row per tensor (input, weight, grad_output).
+def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict]:
+    """Step-0 rows of a recipe whose step-0 checks name ``"quantized layers"`` (fp8, MX):
+    `parity.core.recipes.Recipe.quantized_layers_step0` (torchao's scales and codes against
+    jaxamp's, every converted layer), one row per tensor (input, weight, grad_output).
 
     The generic run-precision rows would compare two float32 models (an fp8 precision's policy
     is fp32 outside the converted layers, and neither side applies fp8 there), so they say
@@ -107,7 +108,7 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | N
     base = {"model": config.model, "precision": config.precision, "device": config.device}
     prefix = f"step 0 {config.precision}"
     try:
-        rows = config.recipe.fp8_step0(pair, inputs, targets)
+        rows = config.recipe.quantized_layers_step0(pair, inputs, targets)
     except ValueError as e:  # the two sides convert different layers
         return [
             Verdict(
@@ -121,8 +122,6 @@ def _fp8_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdict] | N
                 **base,
             )
         ]
-    if rows is None:
-        return None
     verdicts = []
     for tensor, tol in _FP8_TOLERANCES.items():
         group = [r for r in rows if r["tensor"] == tensor]
@@ -254,9 +253,9 @@ def check_step0(
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
             fp8_rows = None
-            if low:
+            if low and "quantized layers" in stage_config.recipe.step0_checks:
                 with phase("fp8 codes"):
-                    fp8_rows = _fp8_verdicts(pair, stage_config, inputs, targets)
+                    fp8_rows = _quantized_verdicts(pair, stage_config, inputs, targets)
             if fp8_rows is not None:  # fp32 stage passed: compare the fp8 recipes
                 verdicts.extend(fp8_rows)
                 if any(v.passed is False for v in verdicts):
@@ -294,7 +293,9 @@ def check_step0(
                 failed_stage = stage_config
                 break  # a broken fp32 port makes the low-precision comparison meaningless
         optim_rows = None
-        if not any(v.passed is False for v in verdicts):  # the model agrees: its optimizer?
+        if "optimizer state" in config.recipe.step0_checks and not any(
+            v.passed is False for v in verdicts
+        ):  # the model agrees: its optimizer?
             with phase("optimizer state"):
                 optim_rows = optimizer_state_verdicts(pair, config, inputs, targets)
             verdicts.extend(optim_rows or [])

@@ -439,3 +439,16 @@ def test_what_decides_a_cell_is_read_from_the_check_table_not_the_label():
     text = "about 99 seeds per framework would decide"
     assert seeds_to_decide([row("equivalence loss", detail=text)]) == TOLERANCES["deciding_seeds"]
     assert seeds_to_decide([row("equivalence loss", seeds_needed=7)]) == 7
+
+
+def test_every_recipe_names_its_own_step0_checks_from_the_known_ones():
+    from parity.core.recipes import RECIPES, Recipe
+
+    for name, recipe in RECIPES.items():
+        assert set(recipe.step0_checks) <= {"quantized layers", "optimizer state"}, name
+        overrides = recipe.quantized_layers_step0 is not Recipe.quantized_layers_step0
+        assert overrides == ("quantized layers" in recipe.step0_checks), name
+    assert "quantized layers" in RECIPES["fp8-tensorwise"].step0_checks
+    assert "quantized layers" in RECIPES["mxfp8"].step0_checks
+    assert RECIPES["adamw-8bit"].step0_checks == ("optimizer state",)
+    assert RECIPES["fp32"].step0_checks == RECIPES["bf16-mixed"].step0_checks == ()
