@@ -47,7 +47,7 @@ def _widen(rows: list[Verdict], dtype: str, shapes, reason: str) -> list[Verdict
         if not isinstance(row.tolerance, float) or not isinstance(row.value, int | float):
             out.append(row)
             continue
-        gradients = row.check.endswith("gradients")
+        gradients = row.kind == "step 0 gradients"
         depth = shapes["grad" if gradients else "forward"][1]
         extra = SAFETY * depth * unit_roundoff(dtype)
         if gradients:

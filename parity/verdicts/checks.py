@@ -91,6 +91,24 @@ CHECKS: dict[str, Check] = {
             "the dtype's rounding: 8 eps",
             "relative error",
         ),
+        *(
+            Check(kind, series, rule, "relative error", decisive=False)
+            for kind, series, rule in (
+                (
+                    "step 0 output",
+                    "step-0 outputs: logits, loss, running statistics",
+                    "step-0 band",
+                ),
+                ("step 0 gradients", "step-0 gradients", "step-0 band"),
+                ("layer probe", "each layer fed torch's input, on probe weights", "noise floor"),
+                ("stochastic", "torch's train-mode forward, twice", "exact"),
+                ("folded", "tensors the weight mapping sums", "informational"),
+                ("dropout", "the two models' dropout rates", "informational"),
+                ("compute dtype", "matmul/conv FLOPs in the compute dtype", "share of FLOPs"),
+                ("quantized layers", "each quantized layer's scales and codes", "code steps"),
+                ("optimizer state", "one optimizer step's state codes, scales, weights", "exact"),
+            )
+        ),
         Check(
             "padding rows",
             "embedding rows torch never trains (step 0)",

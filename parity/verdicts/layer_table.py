@@ -19,7 +19,7 @@ import numpy as np
 from parity.core.config import RunConfig
 from parity.core.once import once_jit
 from parity.pairs.adapters import intercept_calls
-from parity.verdicts.rows import PADDING_CHECK, Verdict
+from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, jax_device
 from parity.verdicts.tolerance import (
     gradient_tolerance,
@@ -333,14 +333,16 @@ def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: Any) -> None
     or the input of one that agrees on it) unless the table's first forward divergence comes
     earlier; a gradient-only table divergence (named last-first, as the backward pass runs)
     gives way to a probe failure, which is the first in execution order."""
-    failed = {v.check: v for v in verdicts if v.passed is False}
-    if STOCHASTIC_CHECK in failed:
-        diagnosis.cause = f"stochastic torch modules: {failed[STOCHASTIC_CHECK].value}"
-    else:
-        dtype = [v for check, v in failed.items() if check.startswith("compute dtype")]
-        if dtype:
-            diagnosis.cause = f"{dtype[0].check}: {dtype[0].detail}"
-    first = _probe_first(probe) if PROBE_CHECK in failed and probe is not None else None
+    failed = [v for v in verdicts if v.passed is False]
+    failed_kinds = {v.kind for v in failed}
+    stochastic = [v for v in failed if v.kind == "stochastic"]
+    dtype = [v for v in failed if v.kind == "compute dtype"]
+    if stochastic:
+        diagnosis.cause = f"stochastic torch modules: {stochastic[0].value}"
+    elif dtype:
+        diagnosis.cause = f"{dtype[0].check}: {dtype[0].detail}"
+    probed = "layer probe" in failed_kinds and probe is not None
+    first = _probe_first(probe) if probed else None
     if first is not None:
         layer, is_input, row = first
         order = [r["layer"] for r in diagnosis.rows if r["stage"] == diagnosis.first_failing_stage]
@@ -361,9 +363,9 @@ def explain_failure(diagnosis: Any, verdicts: list[Verdict], probe: Any) -> None
                 f"{row['scale']:g})"
             )
     for verdict in verdicts:
-        if verdict.check == FOLDED_CHECK:
+        if verdict.kind == "folded":
             diagnosis.notes.append(f"{verdict.value} folded: {verdict.detail}")
-        if verdict.check == PADDING_CHECK:
+        if verdict.kind == "padding rows":
             diagnosis.notes.append(f"{verdict.value} with a padding row: {verdict.detail}")
 
 

@@ -234,6 +234,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
         return [
             Verdict(
                 check=f"{prefix}: optimizer state codes and scales",
+                kind="optimizer state",
                 compared=compared,
                 value="not compared",
                 tolerance="bit-identical",
@@ -278,6 +279,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
     return [
         Verdict(
             check=f"{prefix}: optimizer state codes and scales",
+            kind="optimizer state",
             compared=compared,
             value=f"{len(failed)}/{len(states)} moments off",
             tolerance="bit-identical, blocks in torch's element order",
@@ -289,6 +291,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
         ),
         Verdict(
             check=f"{prefix}: weights after one optimizer step",
+            kind="optimizer state",
             compared=compared,
             value=weights["max_abs_diff"],
             tolerance=f"{WEIGHT_ULPS} float32 eps x (|w| + lr) per element",

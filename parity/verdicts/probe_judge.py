@@ -445,6 +445,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
     if probe is None:
         return Verdict(
             check=PROBE_CHECK,
+            kind="layer probe",
             compared=compared,
             value="not run",
             tolerance="-",
@@ -456,6 +457,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
     if not probe.rows:
         return Verdict(
             check=PROBE_CHECK,
+            kind="layer probe",
             compared=compared,
             value="no layer probed",
             tolerance="-",
@@ -488,6 +490,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
     )
     return Verdict(
         check=PROBE_CHECK,
+        kind="layer probe",
         compared=compared,
         value=float(row["error"]),
         tolerance=float(row["threshold"]),

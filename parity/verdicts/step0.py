@@ -113,6 +113,7 @@ def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdic
         return [
             Verdict(
                 check=f"{prefix}: fp8 layers",
+                kind="quantized layers",
                 compared="torchao Float8Linear layers vs jaxamp.fp8 matmuls",
                 value="mismatch",
                 tolerance="same layers",
@@ -158,6 +159,7 @@ def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdic
         verdicts.append(
             Verdict(
                 check=f"{prefix}: fp8 {tensor} scales and codes",
+                kind="quantized layers",
                 compared="jaxamp.fp8 vs torchao, every converted layer",
                 value=f"{len(failed)}/{len(group)} layers off",
                 tolerance=tol,

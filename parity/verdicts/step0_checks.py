@@ -125,6 +125,7 @@ def stochastic_verdict(
     )
     return Verdict(
         check=STOCHASTIC_CHECK,
+        kind="stochastic",
         compared="torch train-mode forward, twice",
         value=", ".join(named) if named else "deterministic",
         tolerance="deterministic",
@@ -147,6 +148,7 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
     listed = "; ".join(f"{' + '.join(names)} -> {'/'.join(path)}" for path, names in folded.items())
     return Verdict(
         check=FOLDED_CHECK,
+        kind="folded",
         compared="the weight mapping",
         value=f"{len(folded)} Flax leaves",
         tolerance="-",
@@ -177,6 +179,7 @@ def dropout_verdict(pair: Any, config: Any) -> Verdict | None:
         return None
     return Verdict(
         check=DROPOUT_CHECK,
+        kind="dropout",
         compared="the two models' dropout settings",
         value=f"{len(differences)} differing",
         tolerance="-",

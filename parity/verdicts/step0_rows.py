@@ -82,6 +82,7 @@ def stage_verdicts(
         rows.append(
             Verdict(
                 check=f"step 0 {stage}: {check}",
+                kind="step 0 output",
                 compared=compared,
                 value=value,
                 tolerance=out_tol,
@@ -100,6 +101,7 @@ def stage_verdicts(
         rows.append(
             Verdict(
                 check=f"step 0 {stage}: gradients",
+                kind="step 0 gradients",
                 compared=compared,
                 value=value,
                 tolerance=grad_tol,
@@ -135,6 +137,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
             rows.append(
                 Verdict(
                     check=f"compute dtype ({framework})",
+                    kind="compute dtype",
                     compared=f"{framework} step 0 matmul/conv FLOPs",
                     value="no matmul/conv FLOPs",
                     tolerance=f">= {MIN_COMPUTE_FRACTION:.0%} in {want}",
@@ -151,6 +154,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
         rows.append(
             Verdict(
                 check=f"compute dtype ({framework})",
+                kind="compute dtype",
                 compared=f"{framework} step 0 matmul/conv FLOPs in {want}",
                 value=fraction,
                 tolerance=MIN_COMPUTE_FRACTION,

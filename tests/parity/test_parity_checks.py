@@ -184,5 +184,16 @@ def test_every_check_of_a_trained_pair_is_tested_here():
         "padding rows",  # a step-0 row: test_parity_verdicts.py
         "replay optimizer",  # the replay's rows: test_parity_replay.py
         "replay loss",
+        # step 0's rows: test_parity_step0.py, test_parity_mutations.py, test_fp8_parity.py,
+        # test_mx_parity.py, test_parity_optim_state.py
+        "step 0 output",
+        "step 0 gradients",
+        "layer probe",
+        "stochastic",
+        "folded",
+        "dropout",
+        "compute dtype",
+        "quantized layers",
+        "optimizer state",
     }
     assert set(CHECKS) == set(DECIDING) | set(INFORMATIONAL) | made_elsewhere

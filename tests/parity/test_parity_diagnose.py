@@ -169,16 +169,25 @@ def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
     from parity.verdicts.rows import Verdict
     from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK, explain_failure
 
-    def row(check, passed, value=0.0, detail=""):
-        return Verdict("m", "bf16-true", "cpu", check, "jax vs torch", value, 1.0, passed, detail)
+    def row(check, passed, value=0.0, detail="", kind=""):
+        return Verdict(
+            "m", "bf16-true", "cpu", check, "jax vs torch", value, 1.0, passed, detail, kind=kind
+        )
 
     diagnosis = Diagnosis([], None)
-    dtype = row("compute dtype (jax)", False, 0.0, "float32 100%; the run asked for bfloat16")
+    dtype = row(
+        "compute dtype (jax)",
+        False,
+        0.0,
+        "float32 100%; the run asked for bfloat16",
+        "compute dtype",
+    )
     explain_failure(diagnosis, [row("step 0 fp32: gradients", True), dtype], None)
     assert diagnosis.summary().startswith("cause: compute dtype (jax): float32 100%")
 
     diagnosis = Diagnosis([], None)
-    explain_failure(diagnosis, [row(STOCHASTIC_CHECK, False, "bert.encoder.layer.0")], None)
+    stochastic = row(STOCHASTIC_CHECK, False, "bert.encoder.layer.0", kind="stochastic")
+    explain_failure(diagnosis, [stochastic], None)
     assert diagnosis.cause == "stochastic torch modules: bert.encoder.layer.0"
 
     class Probe:
@@ -188,7 +197,7 @@ def test_explain_failure_names_non_layer_causes_and_the_probe_layer():
         ]
 
     diagnosis = Diagnosis([], None)
-    explain_failure(diagnosis, [row(PROBE_CHECK, False)], Probe())
+    explain_failure(diagnosis, [row(PROBE_CHECK, False, kind="layer probe")], Probe())
     assert diagnosis.first_failing == "fc2" and diagnosis.cause is None
     assert diagnosis.first_failing_kind.startswith("input on probe weights")
     assert diagnosis.first_failing_input
@@ -241,7 +250,9 @@ def test_the_headline_names_the_first_in_execution_order_and_says_input_of(table
 
     rows = _table(*table)
     diagnosis = Diagnosis(rows, *(_first_failing(rows) or (None, None, None)))
-    failed = Verdict("m", "fp32", "cpu", PROBE_CHECK, "jax vs torch", 1.0, 0.1, False)
+    failed = Verdict(
+        "m", "fp32", "cpu", PROBE_CHECK, "jax vs torch", 1.0, 0.1, False, kind="layer probe"
+    )
     explain_failure(diagnosis, [failed], _probe(*probe))
     assert diagnosis.summary().startswith(headline), diagnosis.summary()
 
