@@ -24,6 +24,7 @@ class Check:
         can pass a wrong port whatever their figures (a run completed, its losses finite) and
         for rows that only say something about the runs.
       per_step: it compares a series step by step: its rows cover windows of steps.
+      over_seeds: it compares statistics over the data seeds (its rows name the seed count).
     """
 
     kind: str
@@ -32,6 +33,7 @@ class Check:
     quantity: str
     decisive: bool = True
     per_step: bool = False
+    over_seeds: bool = False
 
 
 # A row made outside the judging pass (step 0's gate, a distributed run's own checks) has no kind:
@@ -71,10 +73,28 @@ CHECKS: dict[str, Check] = {
             "norm",
             per_step=True,
         ),
-        Check("welch loss", "final loss over seeds", "difference test", "loss"),
-        Check("welch eval", "eval metric over seeds", "difference test", "relative error"),
-        Check("equivalence loss", "final loss over seeds", "equivalence margin", "loss"),
-        Check("equivalence eval", "eval metric over seeds", "equivalence margin", "relative error"),
+        Check("welch loss", "final loss over seeds", "difference test", "loss", over_seeds=True),
+        Check(
+            "welch eval",
+            "eval metric over seeds",
+            "difference test",
+            "relative error",
+            over_seeds=True,
+        ),
+        Check(
+            "equivalence loss",
+            "final loss over seeds",
+            "equivalence margin",
+            "loss",
+            over_seeds=True,
+        ),
+        Check(
+            "equivalence eval",
+            "eval metric over seeds",
+            "equivalence margin",
+            "relative error",
+            over_seeds=True,
+        ),
         Check("logit tokens", "eval tokens sampled", "exact", "relative error"),
         Check("logit kl", "eval logits, per-token KL", "logit band", "relative error"),
         Check("logit top1", "eval logits, top-1 agreement", "logit band", "relative error"),

@@ -43,6 +43,7 @@ from parity.core.records import (
 )
 from parity.verdicts import builders, fp16
 from parity.verdicts.builders import Row
+from parity.verdicts.checks import CHECKS
 from parity.verdicts.logits import logit_rows
 from parity.verdicts.qualifiers import qualify
 from parity.verdicts.rows import (
@@ -324,7 +325,6 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
     rows += builders.max_gap(pair)
     rows += builders.eval_metric(pair)
     rows += [Row.of(v.kind, v) for v in logit_rows(ref, cand, pair.envelope)]
-    seed_kinds = ("welch loss", "welch eval", "equivalence loss", "equivalence eval")
     if pair.seeds_decide:
         rows += builders.welch(pair)
     rows += builders.signals(pair)
@@ -339,7 +339,7 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
     )
     pair.departure = _departure(pair, seeds)
     ordered = [r for r in rows if not r.late] + [r for r in rows if r.late]
-    return [qualify(r, pair).freeze(pair.base(seeds=r.kind in seed_kinds)) for r in ordered]
+    return [qualify(r, pair).freeze(pair.base(seeds=CHECKS[r.kind].over_seeds)) for r in ordered]
 
 
 # --- all runs -------------------------------------------------------------------------------------
