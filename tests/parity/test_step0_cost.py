@@ -102,9 +102,7 @@ def test_the_probe_examples_follow_the_models_work():
     np.testing.assert_array_equal(record.inputs, inputs[:3])
 
 
-@pytest.mark.parametrize(
-    "model", ["mlp", "cnn", "cnn_bn", "lstm", "resnet", "transformer"]
-)
+@pytest.mark.parametrize("model", ["mlp", "cnn", "cnn_bn", "lstm", "resnet", "transformer"])
 def test_the_built_in_models_at_their_default_sizes_probe_every_example(model):
     """The bound changes nothing the built-in models' verdicts were measured with."""
     pair = get_model_pair(model, seed=0)
