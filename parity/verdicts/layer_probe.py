@@ -438,10 +438,13 @@ def probe_torch(
             probe_pair = dataclasses.replace(pair, torch_model=model)
             modes = {}
             eval_pass = None
+            # A train-mode pass changes buffers only (running statistics): without any, it runs
+            # on the probe model itself, and there are no statistics to read back.
+            buffers = any(True for _ in model.buffers())
             for train in (False, True):
-                trained = copy.deepcopy(model) if train else model  # eval: nothing changes
+                trained = copy.deepcopy(model) if train and buffers else model
                 entries = _torch_capture(probe_pair, trained, names, x, train)
-                if train:  # the running statistics the train-mode pass left behind
+                if train and "batch_stats" in variables:  # the statistics the pass left behind
                     entries[""]["stats"] = flatten(
                         probe_pair.to_flax(trained).get("batch_stats", {})
                     )
