@@ -218,10 +218,21 @@ def _dry_command(stage: Stage, run_it: bool) -> tuple[str, ...] | None:
     if args[:2] == ["-m", "parity"]:
         return stage.command if run_it else None
     if args[:2] == ["-m", "pytest"]:
-        return (*stage.command[:3], "--collect-only", *args[2:])
+        # the options as the GPU runs them, on one test file of each folder named: the options
+        # and a collection are checked (the whole folder's collection is the suite's own)
+        rest = [_one_test_file(a) for a in args[2:]]
+        return (*stage.command[:3], "--collect-only", *rest)
     if args and args[0].endswith(".py"):
         return (stage.command[0], args[0], "--help")
     return stage.command
+
+
+def _one_test_file(arg: str) -> str:
+    """`arg`, or the first ``test_*.py`` of it when it is a folder."""
+    folder = Path(arg)
+    if not folder.is_dir():
+        return arg
+    return str(min(folder.glob("test_*.py"), default=folder))
 
 
 def _parse_parity(stage: Stage) -> None:
