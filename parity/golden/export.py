@@ -39,7 +39,7 @@ from parity.golden.format import write_golden
 from parity.replay.rows import record_replay
 from parity.training.trainers import train_framework
 from parity.training.user_loop import TrainingLoop, run_config_fields
-from parity.verdicts.diagnose import module_pairs, torch_layer_outputs
+from parity.verdicts.diagnose import module_pairs
 from parity.verdicts.layer_probe import probe_torch
 from parity.verdicts.optim_step0 import torch_optimizer_step
 from parity.verdicts.step0_checks import (
@@ -49,7 +49,7 @@ from parity.verdicts.step0_checks import (
     padding_verdict,
     stochastic_verdict,
 )
-from parity.verdicts.torch_side import torch_stage_side
+from parity.verdicts.torch_side import layer_arrays, torch_stage_side
 
 __all__ = ["export_golden", "export_models"]
 
@@ -74,21 +74,21 @@ def _torch_step0(pair: Any, config: RunConfig, inputs, targets) -> tuple[list, d
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
     try:
-        sides = []
+        pairs, unmatched = module_pairs(pair, pair.torch_to_flax())
+        names = [name for name, _ in pairs]
+        sides, layers = [], {}
         for stage, stage_config in stages:
             low = not stage_config.recipe.baseline
-            side, scale = torch_stage_side(pair, inputs, targets, stage_config, trace_flops=low)
+            # each mapped layer's outputs kept from the same passes (the diagnosis's torch side)
+            side, scale = torch_stage_side(
+                pair, inputs, targets, stage_config, trace_flops=low, layers=names
+            )
             sides.append((stage, stage_config.precision, scale, side))
+            layers[stage] = tuple(layer_arrays(pair, captured) for captured in side.layers)
         try:
             probe, probe_error = probe_torch(pair, inputs), None
         except Exception as e:  # recorded as check_step0 reports it: the probe did not run
             probe, probe_error = None, f"{type(e).__name__}: {str(e)[:300]}"
-        pairs, unmatched = module_pairs(pair, pair.torch_to_flax())
-        names = [name for name, _ in pairs]
-        layers = {
-            stage: torch_layer_outputs(pair, names, inputs, stage_config)
-            for stage, stage_config in stages
-        }
         optimizer = None
         if getattr(config.recipe, "torchao_class", None):  # a low-bit AdamW state
             try:
