@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -44,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -112,13 +114,14 @@ def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tu
     return (sys.executable, *cmd)
 
 
-_TRACE = (("PARITY_PHASE_TRACE", "1"), ("PYTHONUNBUFFERED", "1"))
-
-
 def _cells_env(out: Path) -> tuple[tuple[str, str], ...]:
     """The cells' environment: the phase trace, and one JAX compilation cache for all of them
     (the layer probe's program and bf16/fp16's float32 stage of step 0 are the fp32 cell's)."""
-    return (*_TRACE, ("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache")))
+    return (
+        ("PARITY_PHASE_TRACE", "1"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache")),
+    )
 
 
 def plan(out: Path, *, dry: bool = False, tests: tuple[str, ...] = JAXAMP_TESTS) -> list[Stage]:
@@ -189,8 +192,6 @@ def select(
 
     def known(key: str, what: str) -> str:
         if key not in keys:
-            import difflib
-
             close = difflib.get_close_matches(key, keys, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"{what} names stage {key!r}; the stages are {keys}{hint}")
@@ -366,8 +367,6 @@ def _junit(path: Path) -> dict[str, Any] | None:
     the skip reasons with their counts; None when there is no file (the stage did not end)."""
     if not path.exists():
         return None
-    import xml.etree.ElementTree as ET
-
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
