@@ -249,7 +249,19 @@ def _unpacked(codes: np.ndarray, axis: int, packed: bool) -> np.ndarray:
     if not packed:
         return codes.view(np.uint8)
     moved = np.moveaxis(codes, axis, -1)
-    return np.moveaxis(np.asarray(_bits.unpack_nibbles(moved)), -1, axis)
+    return np.moveaxis(np.asarray(_unpack_nibbles(moved)), -1, axis)
+
+
+# The step-0 comparison's JAX helpers, jitted: run eagerly, each of their primitives compiles
+# once per operand shape (hundreds of small XLA programs for one model); jitted, one program per
+# shape. Integer bit work and multiplications by powers of two: the values are the same.
+_unpack_nibbles = jax.jit(_bits.unpack_nibbles)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _dequantize_unpacked(codes, scales, fmt: jaxamp.mx.Format):
+    """`jaxamp.mx.dequantize` of unpacked codes (a packed format's packed first)."""
+    return jaxamp.mx.dequantize(_bits.pack_nibbles(codes) if fmt.packed else codes, scales, fmt)
 
 
 def _role_codes(rec: jaxamp.mx.Recipe, role: str, tensor: np.ndarray):
@@ -365,8 +377,8 @@ def _compare_role(js, jc, ts, tc, fmt) -> dict:
             "detail": f"blocks differ: scales torch {ts.shape}, jax {js.shape}",
         }
     # values in units of one element step at the block's largest magnitude
-    vj = np.asarray(jaxamp.mx.dequantize(jc if not fmt.packed else _bits.pack_nibbles(jc), js, fmt))
-    vt = np.asarray(jaxamp.mx.dequantize(tc if not fmt.packed else _bits.pack_nibbles(tc), ts, fmt))
+    vj = np.asarray(_dequantize_unpacked(jc, js, fmt))
+    vt = np.asarray(_dequantize_unpacked(tc, ts, fmt))
     vj, vt = (a.reshape(*a.shape[:-1], -1, fmt.block_size) for a in (vj, vt))
     with np.errstate(invalid="ignore"):
         top = np.fmax(np.abs(vj), np.abs(vt)).max(axis=-1, keepdims=True)
