@@ -41,6 +41,7 @@ from parity.golden.step0_data import (
     encode_probe,
 )
 from parity.replay.record import TorchReplay, decode_replay, encode_replay
+from parity.verdicts.checks import CHECKS
 from parity.verdicts.optim_judge import OptimizerRecord
 from parity.verdicts.probe_judge import ProbeRecord
 from parity.verdicts.rows import Verdict
@@ -54,6 +55,7 @@ __all__ = [
     "Golden",
     "GoldenFileError",
     "load_golden",
+    "upgrade_header",
     "validate_golden",
     "write_golden",
 ]
@@ -61,7 +63,19 @@ __all__ = [
 FORMAT = "parity-golden"
 # 2: step 0's rows beyond outputs and gradients recorded (the layer probe's torch side, torch's
 # layer outputs for the diagnosis, the torch-only rows): a version-1 file would check fewer rows.
-SCHEMA_VERSION = 2
+# 3: every torch-only row carries its kind (`Verdict.kind`), which the diagnosis reads to name a
+# cause (a random draw torch made, tensors the mapping folds); a version-2 file is read by
+# `upgrade_header`, which names its rows' kinds.
+SCHEMA_VERSION = 3
+
+# The labels version 2's writer gave the torch-only rows it wrote without a kind, and the kind each
+# is (`parity.verdicts.checks.CHECKS`): the one place a row's kind is read from its label.
+_V2_KINDS = {
+    "step 0: deterministic train-mode forward (torch)": "stochastic",
+    "step 0: tensors folded by the mapping": "folded",
+    "step 0: embedding rows torch never trains (padding_idx)": "padding rows",
+    "step 0: dropout rates differ (turned off on both sides)": "dropout",
+}
 HEADER_KEY = "header.json"
 
 
@@ -441,14 +455,20 @@ def validate_golden(header: Any, arrays: Mapping[str, np.ndarray], path: Any = N
             decode_probe(step0["probe"], arrays)
         for stage in step0["layers"]["stages"]:
             decode_layers(step0["layers"], arrays, stage)
-        for row in step0["torch_rows"]:
-            Verdict.from_dict(row)
+        kinds = [Verdict.from_dict(row).kind for row in step0["torch_rows"]]
     except KeyError as e:
         raise GoldenFileError(
             f"step-0 record incomplete: {e.args[0]!r} missing", path=path, field="step0"
         ) from None
     except (TypeError, ValueError, AttributeError) as e:
         raise GoldenFileError(f"step-0 record malformed ({e})", path=path, field="step0") from None
+    for i, kind in enumerate(kinds):
+        if kind not in CHECKS:
+            raise GoldenFileError(
+                f"kind {kind!r} is no check's (known: {', '.join(sorted(CHECKS))})",
+                path=path,
+                field=f"step0.torch_rows[{i}].kind",
+            )
     missing = [k for k in needed if k not in arrays and not k.endswith("...")]
     missing += [k for k in needed if k.endswith("...")]
     if missing:
@@ -535,8 +555,39 @@ def load_golden(path: str | os.PathLike) -> Golden:
         header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise GoldenFileError(f"header is not JSON ({e})", path=path, field=HEADER_KEY) from None
-    validate_golden(header, arrays, path)
+    validate_golden(upgrade_header(header, path), arrays, path)
     return Golden(header, arrays, str(path))
+
+
+def upgrade_header(header: Any, path: Any = None) -> Any:
+    """A version-2 header read as version 3, in place (any other header unchanged): each
+    torch-only step-0 row without a kind gets the kind of its label (`_V2_KINDS`), so an older
+    file's rows name their causes as a new one's do.
+
+    Raises:
+      GoldenFileError: a version-2 row without a kind whose label version 2 never wrote.
+
+    Example:
+      >>> h = {"schema_version": 2, "step0": {"torch_rows": [
+      ...     {"check": "step 0: tensors folded by the mapping", "kind": ""}]}}
+      >>> upgrade_header(h)["step0"]["torch_rows"][0]["kind"], h["schema_version"]
+      ('folded', 3)
+    """
+    if not isinstance(header, dict) or header.get("schema_version") != 2:
+        return header
+    rows = (header.get("step0") or {}).get("torch_rows") or []
+    for i, row in enumerate(rows):
+        if isinstance(row, dict) and not row.get("kind"):
+            if row.get("check") not in _V2_KINDS:
+                raise GoldenFileError(
+                    f"a version-2 torch row without a kind, labelled {row.get('check')!r}, "
+                    f"which version 2 never wrote (its labels: {sorted(_V2_KINDS)})",
+                    path=path,
+                    field=f"step0.torch_rows[{i}].check",
+                )
+            row["kind"] = _V2_KINDS[row["check"]]
+    header["schema_version"] = 3
+    return header
 
 
 class BatchList:

@@ -179,6 +179,32 @@ def test_schema_refuses_broken_files_naming_the_field(tmp_path):
         load_golden(tmp_path / "plain.npz")
 
 
+def test_a_version_2_golden_reads_with_the_kinds_of_its_torch_rows(tmp_path):
+    """Version 2 wrote its torch-only rows without kinds: read, each has its kind (the
+    diagnosis finds a cause by kind); a label version 2 never wrote, or a version-3 row
+    without a kind, is refused naming the row."""
+    from parity.verdicts.checks import CHECKS
+
+    for path in (GOLDEN, MLP_GOLDEN):
+        with np.load(path, allow_pickle=False) as archive:
+            stored = json.loads(archive[HEADER_KEY].tobytes())
+        assert stored["schema_version"] == 2
+        assert not any(row.get("kind") for row in stored["step0"]["torch_rows"])
+        rows = load_golden(path).torch_rows()
+        assert [v.kind for v in rows] == ["stochastic"] and rows[0].kind in CHECKS
+
+    def unknown(h):
+        h["step0"]["torch_rows"][0]["check"] = "step 0: something new"
+
+    def version_3(h):
+        h["schema_version"] = 3
+
+    for change, field in ((unknown, "check"), (version_3, "kind")):
+        with pytest.raises(GoldenFileError) as error:
+            load_golden(_rewrite(tmp_path, change))
+        assert error.value.field == f"step0.torch_rows[0].{field}", error.value
+
+
 _AVX2 = {"cpu": {"flags": ["avx", "avx2", "fma"]}, "env": {}}
 _AVX512_BF16 = {"cpu": {"flags": ["avx", "avx2", "avx512f", "avx512_bf16"]}, "env": {}}
 
