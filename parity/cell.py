@@ -40,7 +40,7 @@ from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.judge import compare_runs
-from parity.verdicts.qualifiers import escalation
+from parity.verdicts.qualifiers import escalation, verdict
 from parity.verdicts.rows import Verdict, cell_configs, format_verdicts, overall_status
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
@@ -94,7 +94,7 @@ def nonfinite_data_row(config: RunConfig, batch: Any) -> Verdict | None:
         )
     if not problems:
         return None
-    return Verdict(
+    return verdict(
         config.model,
         config.precision,
         config.device,
@@ -107,6 +107,7 @@ def nonfinite_data_row(config: RunConfig, batch: Any) -> Verdict | None:
         "gradient on both sides is not either; the step-0 checks and the per-layer diagnosis "
         "are skipped (they would blame the first layer)",
         mode="data",
+        kind="data finite",
     )
 
 

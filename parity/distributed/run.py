@@ -40,6 +40,7 @@ from parity.distributed.pairs import make_pair
 from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
 from parity.report.markdown import speed_ratios
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict, cell_configs, format_verdicts
 
 __all__ = [
@@ -425,27 +426,20 @@ def _train_sides(frameworks, config, plan, pair, stream, work, pair_factory, ref
             records.append(dict(record, **_labels(side, plan)))
             continue
         records.append(_record(side, config, plan, pair, stream, ranks[side][0]))
-    rows = _rank_rows(config, plan, ranks)
-    if "jax" in frameworks:
-        rows += [
-            _verdict(config, "JAX mode", f"jax:{mode}", "unsupported here", "-", None, reason)
-            for mode, reason in refused.items()
-        ]
+    rows = _rank_rows(config, plan, ranks, refused if "jax" in frameworks else {})
     for record in records:
         side = record["distributed"].rsplit(" ", 1)[0]
-        record["distributed_verdicts"] = [
-            v.to_dict()
-            for v in rows
-            if v.compared == side or v.check == "JAX mode"  # a refused mode: the arm's row
-        ]
+        record["distributed_verdicts"] = [v.to_dict() for v in _side_rows(rows, side)]
     return records
 
 
 # -- verdicts ------------------------------------------------------------------------------------
 
 
-def _verdict(config: RunConfig, check: str, compared: str, value, tolerance, passed, detail=""):
-    return Verdict(
+def _verdict(
+    config: RunConfig, kind: str, check: str, compared: str, value, tolerance, passed, detail=""
+):
+    return verdict(
         config.model,
         config.precision,
         config.device,
@@ -456,6 +450,7 @@ def _verdict(config: RunConfig, check: str, compared: str, value, tolerance, pas
         passed=passed,
         detail=detail,
         mode="distributed",
+        kind=kind,
     )
 
 
@@ -463,9 +458,15 @@ def _trajectory(result: dict) -> list[tuple]:
     return [(s["loss_scale"], s["skipped"]) for s in result["steps"]]
 
 
-def _rank_rows(config, plan, ranks) -> list[Verdict]:
+def _side_rows(rows: list[Verdict], side: str) -> list[Verdict]:
+    """The rows a side's record stores: its own, and the arm's (a refused JAX mode)."""
+    return [v for v in rows if v.compared == side or v.kind == "jax mode"]
+
+
+def _rank_rows(config, plan, ranks, refused=None) -> list[Verdict]:
     """The arm's own checks, one side each (``compared`` names the side): what compare cannot
-    see from rank 0's record. Torch against JAX is compare's (every step, the usual bands)."""
+    see from rank 0's record, and one row per JAX mode the arm refused (`refused`: mode ->
+    reason). Torch against JAX is compare's (every step, the usual bands)."""
     rows = []
     # 1. loss-scale trajectory and skip decisions identical across ranks.
     for side, results in ranks.items():
@@ -475,6 +476,7 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
             rows.append(
                 _verdict(
                     config,
+                    "ranks agree",
                     "loss scale and skips identical across ranks",
                     side,
                     "identical" if same else "differ",
@@ -494,6 +496,7 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
             rows.append(
                 _verdict(
                     config,
+                    "injected overflow",
                     f"injected overflow (rank {rank}, step {step}) skipped on every rank",
                     side,
                     f"skipped on {sum(f is True for f in flags)}/{len(flags)} ranks",
@@ -515,6 +518,7 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
             rows.append(
                 _verdict(
                     config,
+                    "replicated params",
                     "replicated params identical across ranks",
                     side,
                     "identical" if same else f"{len(set(digests))} distinct copies",
@@ -532,6 +536,7 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
         rows.append(
             _verdict(
                 config,
+                "reduction dtype",
                 "gradient reduction dtype",
                 side,
                 ", ".join(seen) or "none seen",
@@ -540,6 +545,10 @@ def _rank_rows(config, plan, ranks) -> list[Verdict]:
                 results[0].get("reduce_dtype_method", ""),
             )
         )
+    rows += [
+        _verdict(config, "jax mode", "JAX mode", f"jax:{mode}", "unsupported here", "-", None, why)
+        for mode, why in (refused or {}).items()
+    ]
     return rows
 
 

@@ -62,6 +62,7 @@ from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
 from parity.verdicts.judge import compare_runs
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import (
     Verdict,
     cell_bottom_lines,
@@ -546,7 +547,7 @@ def check_pair(
         print(f"error: jax {config.model}: step 0: {error}", file=sys.stderr)
         result = Step0Result(
             [
-                Verdict(
+                verdict(
                     model=config.model,
                     precision=config.precision,
                     device=config.device,
@@ -557,6 +558,7 @@ def check_pair(
                     passed=False,
                     detail=error,
                     mode="step 0",
+                    kind="step 0 ran",
                 )
             ],
             False,

@@ -14,6 +14,7 @@ import numpy as np
 from parity.replay.explain import ULPS, Finding, first_difference
 from parity.replay.jax_side import SideStep, jax_replay
 from parity.replay.losses import LossFinding
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict
 
 __all__ = [
@@ -103,7 +104,7 @@ def optimizer_row(result: ReplayResult, **base: Any) -> tuple[Verdict, dict[str,
     ``device``."""
     first = result.first
     sequences = ", ".join(f"{name} ({n} steps)" for name, n in result.steps.items())
-    row = Verdict(
+    row = verdict(
         kind="replay optimizer",
         check=OPTIMIZER_CHECK,
         compared="the user's torch optimizer vs optax transformation, same gradients",
@@ -127,7 +128,7 @@ def loss_row(
     finding: LossFinding | None, cases: list[dict], **base: Any
 ) -> tuple[Verdict, dict[str, Any]]:
     """The loss replay's row and record (`parity.replay.losses.compare_losses`'s result)."""
-    row = Verdict(
+    row = verdict(
         kind="replay loss",
         check=LOSS_CHECK,
         compared="the user's torch loss vs JAX loss, same logits and targets",

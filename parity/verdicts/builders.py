@@ -15,7 +15,6 @@ written once, for users, in the documentation page "What a PASS means"
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,90 +23,19 @@ import numpy as np
 from scipy import stats
 
 from parity.core.records import run_label
-from parity.verdicts.checks import CHECKS
 from parity.verdicts.rows import (
     LOSS_UNIT,
-    Verdict,
+    Row,
     final_mean,
     fmt_value,
+    power_bound,
     run_losses,
     signal_envelope,
     signal_gaps,
 )
 from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
 
-__all__ = ["Row", "equivalence"]
-
-
-@dataclasses.dataclass
-class Row:
-    """A row being judged: `Verdict`'s fields, its identity (`kind`, `window`: the steps it
-    covers) and what the qualifiers need; `freeze` makes the `Verdict`."""
-
-    kind: str
-    check: str
-    value: Any
-    tolerance: Any
-    passed: bool | None
-    detail: str = ""
-    mode: str = ""
-    window: tuple[int, int] | None = None
-    first_failing_step: int | None = None
-    worst_step: int | None = None
-    step0_gap: float | None = None
-    absolute: float | None = None
-    unit: str = ""
-    power: float | None = None
-    split_at_chaos: bool = False  # an uncalibrated per-step row: past the chaos step undecided
-    seeds_needed: int | None = None  # an undecided equivalence row: seeds that would decide
-    late: bool = False  # listed after the pair's first rows (signals, seeds, fp16 explanations)
-    qualified: list[str] = dataclasses.field(default_factory=list)
-
-    def quantity(self) -> str:
-        return CHECKS[self.kind].quantity
-
-    def bound(self) -> float:
-        return POWER_BOUNDS[self.quantity()]
-
-    def stated_power(self) -> float | None:
-        """The smallest difference this row could detect: its `power`, else a numeric
-        tolerance, else 0 for an exact comparison."""
-        if self.power is not None:
-            return self.power
-        if isinstance(self.tolerance, int | float):
-            return float(self.tolerance)
-        return 0.0 if self.mode == "exact" else None
-
-    def freeze(self, base: dict[str, Any]) -> Verdict:
-        return Verdict(
-            check=self.check,
-            value=self.value,
-            tolerance=self.tolerance,
-            passed=self.passed,
-            detail=self.detail,
-            mode=self.mode,
-            first_failing_step=self.first_failing_step,
-            worst_step=self.worst_step,
-            step0_gap=self.step0_gap,
-            absolute=self.absolute,
-            unit=self.unit,
-            power=self.stated_power(),
-            kind=self.kind,
-            window=self.window,
-            seeds_needed=self.seeds_needed,
-            qualified_by=self.qualified[-1] if self.qualified else "",
-            **base,
-        )
-
-    @classmethod
-    def of(cls, kind: str, verdict: Verdict, late: bool = False) -> Row:
-        """A row from a `Verdict` a helper module built (fp16 explanations, logits)."""
-        fields = {
-            f.name: getattr(verdict, f.name)
-            for f in dataclasses.fields(Verdict)
-            if f.name not in ("model", "precision", "device", "compared", "kind", "qualified_by")
-        }
-        return cls(kind=kind, late=late, **fields)
+__all__ = ["equivalence"]
 
 
 # --- the fp32 per-step loss ---------------------------------------------------------------------
@@ -260,7 +188,7 @@ def _horizon(
 ) -> list[Row]:
     if start >= stop:
         return []
-    bound = POWER_BOUNDS[CHECKS[kind].quantity]
+    bound = power_bound(kind)
     horizon = start
     while horizon < stop and tolerances[horizon] <= bound:
         horizon += 1

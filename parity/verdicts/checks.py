@@ -36,9 +36,9 @@ class Check:
     over_seeds: bool = False
 
 
-# A row made outside the judging pass (step 0's gate, a distributed run's own checks) has no kind:
-# its tolerance is a relative error, and step 0's rows never decide a cell (their mode says so).
-UNCLASSIFIED = Check("", "a row made outside the judging pass", "its own", "relative error")
+# A row stored before rows had kinds (read back from an old run record) has none: its tolerance
+# is a relative error, and step 0's rows never decide a cell (their mode says so).
+UNCLASSIFIED = Check("", "a row stored without a kind", "its own", "relative error")
 
 
 CHECKS: dict[str, Check] = {
@@ -96,8 +96,8 @@ CHECKS: dict[str, Check] = {
             over_seeds=True,
         ),
         Check("logit tokens", "eval tokens sampled", "exact", "relative error"),
-        Check("logit kl", "eval logits, per-token KL", "logit band", "relative error"),
-        Check("logit top1", "eval logits, top-1 agreement", "logit band", "relative error"),
+        Check("logit kl", "eval logits, per-token KL", "logit band", "logit difference"),
+        Check("logit top1", "eval logits, top-1 agreement", "logit band", "logit difference"),
         Check("structural", "weight mapping and padding rows", "informational", "relative error"),
         Check(
             "replay optimizer",
@@ -135,6 +135,28 @@ CHECKS: dict[str, Check] = {
             "informational",
             "relative error",
             decisive=False,
+        ),
+        # What a cell holds besides checks: why nothing or not everything was compared.
+        *(
+            Check(kind, series, rule, "relative error", decisive=False)
+            for kind, series, rule in (
+                ("comparable", "the settings that shape the trajectory", "the same settings"),
+                ("unsupported", "whether this hardware runs the cell", "informational"),
+                ("pair", "a torch run and a JAX run of one data seed", "both present"),
+                ("step 0 ran", "whether the step-0 checks ran", "they run"),
+                ("data finite", "batch 0's inputs and targets", "finite"),
+                ("jax mode", "the JAX modes a distributed arm runs", "informational"),
+            )
+        ),
+        # A distributed run's own checks, one side each (`parity.distributed.run`).
+        *(
+            Check(kind, series, rule, "relative error")
+            for kind, series, rule in (
+                ("ranks agree", "loss scale and skips on every rank", "identical"),
+                ("injected overflow", "the injected overflow's step on every rank", "skipped"),
+                ("replicated params", "each replica's parameters", "bit-identical"),
+                ("reduction dtype", "the gradient reduction's dtype", "the policy's"),
+            )
         ),
     )
 }

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.records import run_config, run_label
-from parity.verdicts.builders import Row
-from parity.verdicts.rows import fmt_value
+from parity.verdicts.rows import Row, fmt_value
 from parity.verdicts.tolerances import TOLERANCES
 
 __all__ = ["SkipDifference", "flip_window", "scale_rows", "skip_differences", "skip_rows"]

@@ -29,6 +29,7 @@ they are informational, never its PASS.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -42,17 +43,18 @@ from parity.core.records import (
     run_status,
 )
 from parity.verdicts import builders, fp16
-from parity.verdicts.builders import Row
 from parity.verdicts.checks import CHECKS
 from parity.verdicts.logits import logit_rows
-from parity.verdicts.qualifiers import qualify
+from parity.verdicts.qualifiers import qualify, verdict
 from parity.verdicts.rows import (
+    Row,
     Verdict,
     fmt_value,
     loss_floor,
     relative_gaps,
     run_losses,
     running_envelope,
+    seeds_to_decide,
     self_divergence,
 )
 from parity.verdicts.tolerances import TOLERANCES, envelope_ratio, step_tolerances
@@ -147,7 +149,7 @@ class Pair:
 
 
 def _not_comparable(ref, cand, differences: list[str]) -> Verdict:
-    return Verdict(
+    return verdict(
         ref["model"],
         ref["precision"],
         ref["device"],
@@ -160,11 +162,12 @@ def _not_comparable(ref, cand, differences: list[str]) -> Verdict:
         "gap would measure the settings, not the port; rerun one side with the other's settings "
         "(nothing judged, never a pass)",
         mode="not comparable",
+        kind="comparable",
     )
 
 
 def _left_out(ref, run, differences: list[str]) -> Verdict:
-    return Verdict(
+    return verdict(
         ref["model"],
         ref["precision"],
         ref["device"],
@@ -324,7 +327,7 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
         rows += TRAJECTORY_BUILDERS[kind](pair)
     rows += builders.max_gap(pair)
     rows += builders.eval_metric(pair)
-    rows += [Row.of(v.kind, v) for v in logit_rows(ref, cand, pair.envelope)]
+    rows += logit_rows(ref, cand, pair.envelope)
     if pair.seeds_decide:
         rows += builders.welch(pair)
     rows += builders.signals(pair)
@@ -332,12 +335,7 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
         rows += builders.seed_equivalence(pair)
     _structural(pair)
     rows += builders.structural(pair)
-    needed = [r.seeds_needed for r in rows if r.seeds_needed is not None]
-    seeds = max(
-        TOLERANCES["deciding_seeds"],
-        min((n for n in needed if n is not None), default=TOLERANCES["deciding_seeds"]),
-    )
-    pair.departure = _departure(pair, seeds)
+    pair.departure = _departure(pair, seeds_to_decide(rows))
     ordered = [r for r in rows if not r.late] + [r for r in rows if r.late]
     return [qualify(r, pair).freeze(pair.base(seeds=CHECKS[r.kind].over_seeds)) for r in ordered]
 
@@ -346,7 +344,8 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
 
 
 def _embedded_verdicts(runs: Iterable[Mapping[str, Any]]) -> list[Verdict]:
-    """Verdict rows stored in run records (``run["step0"]["verdicts"]``), deduplicated."""
+    """Verdict rows stored in run records (``run["step0"]["verdicts"]``), each once (the
+    same row stored in both frameworks' records)."""
     seen, out = set(), []
     for run in runs:
         step0 = run.get("step0")
@@ -357,7 +356,7 @@ def _embedded_verdicts(runs: Iterable[Mapping[str, Any]]) -> list[Verdict]:
             verdict = Verdict.from_dict(row)
             if not verdict.mode:
                 verdict = dataclasses.replace(verdict, mode="step 0")
-            key = (verdict.cell, verdict.check, verdict.compared)
+            key = json.dumps(verdict.to_dict(), sort_keys=True, default=str)
             if key not in seen:
                 seen.add(key)
                 out.append(verdict)
@@ -370,7 +369,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
     for run in members:
         if run_status(run) == "unsupported":
             rows.append(
-                Verdict(
+                verdict(
                     *key,
                     check="unsupported here",
                     compared=run_label(run),
@@ -379,6 +378,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
                     passed=None,
                     detail="this hardware cannot run the cell: reported, not failed, not passed",
                     mode="unsupported here",
+                    kind="unsupported",
                 )
             )
     usable = [r for r in members if run_status(r) != "unsupported"]
@@ -419,7 +419,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
         ]
         if errors:
             rows.append(
-                Verdict(
+                verdict(
                     *key,
                     check="run completed",
                     compared=f"{run_label(cand)} vs {run_label(ref)}",
@@ -468,7 +468,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
     if not compared_any and usable:
         present = ", ".join(sorted({run_label(r) for r in usable}))
         rows.append(
-            Verdict(
+            verdict(
                 *key,
                 check="pair",
                 compared=present,
@@ -478,6 +478,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
                 detail="nothing compared: a cell needs a torch run and a JAX run with the "
                 "same data seed (never a pass)",
                 mode="nothing compared",
+                kind="pair",
             )
         )
     return rows, judged_any

@@ -56,18 +56,17 @@ import numpy as np
 from scipy import special
 
 from parity.core.recipes import get_recipe
-from parity.core.records import eval_logit_sample, run_label
-from parity.verdicts.qualifiers import EXCEEDED, UNCALIBRATED_NOTE
+from parity.core.records import eval_logit_sample
 from parity.verdicts.rows import (
     LOSS_UNIT,
-    Verdict,
+    Row,
     fmt_value,
     loss_floor,
     relative_gaps,
     run_losses,
 )
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
-from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
+from parity.verdicts.tolerances import TOLERANCES, step_band, step_tolerances
 
 __all__ = [
     "eval_logit_band",
@@ -233,7 +232,7 @@ def _points(run: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
 
 def logit_rows(
     ref: Mapping[str, Any], cand: Mapping[str, Any], envelope: Sequence[float] | None = None
-) -> list[Verdict]:
+) -> list[Row]:
     """The KL and top-1 rows of every eval point both records sampled (module docstring).
 
     Args:
@@ -243,7 +242,8 @@ def logit_rows(
         or None without calibration runs.
 
     Returns:
-      Two `Verdict` rows per common eval point (step order); [] where either record has no
+      Two rows per common eval point (`parity.verdicts.rows.Row`, judged by
+      `parity.verdicts.judge`) (step order); [] where either record has no
       ``eval_logits`` (not a language model, or evaluation off).
 
     Example:
@@ -251,19 +251,14 @@ def logit_rows(
       []
     """
     mine, theirs = _points(ref), _points(cand)
-    base = {
-        "model": ref["model"],
-        "precision": ref["precision"],
-        "device": ref["device"],
-        "compared": f"{run_label(cand)} vs {run_label(ref)}",
-    }
-    rows: list[Verdict] = []
+    rows: list[Row] = []
     for step in sorted(set(mine) & set(theirs)):
         a, b = mine[step], theirs[step]
         prefix = f"eval logits, step {step}"
         if a["positions"] != b["positions"] or a.get("inputs_sha256") != b.get("inputs_sha256"):
             rows.append(
-                Verdict(
+                Row(
+                    "logit tokens",
                     check=f"{prefix}: sampled tokens",
                     value="different tokens",
                     tolerance="the same tokens",
@@ -271,16 +266,14 @@ def logit_rows(
                     detail="the two records sampled different eval tokens (positions or inputs "
                     "differ): the eval batches are not the same data, so nothing else was compared",
                     mode="exact",
-                    kind="logit tokens",
-                    **base,
                 )
             )
             continue
-        rows += _point_rows(base, prefix, ref, cand, step, a, b, envelope)
+        rows += _point_rows(prefix, ref, cand, step, a, b, envelope)
     return rows
 
 
-def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
+def _point_rows(prefix, ref, cand, step, a, b, envelope) -> list[Row]:
     z_ref, z_cand = eval_logit_sample(a), eval_logit_sample(b)
     tokens, vocab = z_ref.shape
     eps, mode, source = eval_logit_band(ref, cand, step, envelope)
@@ -301,17 +294,10 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
         worst, top1, top5, agrees = 0, 0.0, 0.0, np.zeros(tokens, bool)
     kl_passed: bool | None = mean_kl <= mean_tol and max_kl <= max_tol
     top_passed: bool | None = bool(agrees.all())
-    # Beyond the horizon a pass has no power; past the chaos step, uncalibrated, a failure is
-    # excused (exceeded, not failed) as the loss rows' are, and a pass stands.
-    beyond = (
-        f"beyond the horizon: the model's own divergence makes eps {fmt_value(eps)}, above "
-        f"the loss bound {fmt_value(POWER_BOUNDS['loss'])}: a pass decides nothing"
-        if eps > POWER_BOUNDS["loss"]
-        else None
-    )
+    # Past the chaos step, uncalibrated, a failure is excused as the loss rows' are (qualifier
+    # "uncalibrated chaos"); above the loss bound a pass has no power (qualifier "no power").
     uncalibrated = (
-        beyond is None
-        and mode == "fixed bands"
+        mode == "fixed bands"
         and step > TOLERANCES["chaos_step"]
         and _compute_dtype(ref) == "float32"
     )
@@ -321,23 +307,13 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
         f"of {fmt_value(eps)} spread over the vocabulary"
     )
 
-    def finish(passed, detail, row_mode):
-        if beyond is not None and passed:  # no power: never a pass
-            return None, "inconclusive", f"{detail}; {beyond}"
-        if uncalibrated and passed is False:
-            return None, EXCEEDED, f"{detail}; {UNCALIBRATED_NOTE}"
-        return passed, row_mode, detail
-
-    kl_passed, kl_mode, kl_detail = finish(
-        kl_passed,
+    kl_detail = (
         f"KL mean {fmt_value(mean_kl, LOSS_UNIT)} against eps^2 mean(z^2) / 2 = "
         f"{fmt_value(mean_tol, LOSS_UNIT)}; max {fmt_value(max_kl, LOSS_UNIT)} (token {worst}) "
-        f"against ln(2NV) eps^2 max(z^2) = {fmt_value(max_tol, LOSS_UNIT)}; {where}",
-        mode,
+        f"against ln(2NV) eps^2 max(z^2) = {fmt_value(max_tol, LOSS_UNIT)}; {where}"
     )
     disagree = int(np.sum(~agrees))
-    top_passed, top_mode, top_detail = finish(
-        top_passed,
+    top_detail = (
         f"top-1 agreement {top1:.3f}, top-{min(TOLERANCES['top_k'], vocab)} overlap {top5:.3f}; "
         + (
             f"{disagree} token(s) whose top-1 differs by more than a near-tie "
@@ -345,32 +321,31 @@ def _point_rows(base, prefix, ref, cand, step, a, b, envelope) -> list[Verdict]:
             if disagree
             else "every top-1 agrees up to near-ties within 2 sqrt(2 ln(2NV)) eps rms(z)"
         )
-        + f"; {where}",
-        mode,
+        + f"; {where}"
     )
     return [
-        Verdict(
+        Row(
+            "logit kl",
             check=f"{prefix}: per-token KL(torch || jax)",
             value=mean_kl,
             tolerance=mean_tol,
             passed=kl_passed,
             detail=kl_detail,
-            mode=kl_mode,
+            mode=mode,
             absolute=max_kl,
             unit=LOSS_UNIT,
             power=eps,
-            kind="logit kl",
-            **base,
+            split_at_chaos=uncalibrated,
         ),
-        Verdict(
+        Row(
+            "logit top1",
             check=f"{prefix}: top-1 agreement",
             value=top1,
             tolerance="1 up to near-ties",
             passed=top_passed,
             detail=top_detail,
-            mode=top_mode,
+            mode=mode,
             power=eps,
-            kind="logit top1",
-            **base,
+            split_at_chaos=uncalibrated,
         ),
     ]

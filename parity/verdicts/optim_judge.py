@@ -22,6 +22,7 @@ import optax
 from jaxamp.optim_precision import QuantizedArray
 from parity.core.config import RunConfig
 from parity.training.steps import build_jax_optimizer
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import flatten
 
@@ -232,7 +233,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
     )
     if isinstance(rows, str):  # e.g. no mapping to take the block order from
         return [
-            Verdict(
+            verdict(
                 check=f"{prefix}: optimizer state codes and scales",
                 kind="optimizer state",
                 compared=compared,
@@ -277,7 +278,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
             f"{r['torch_name']} {r['moment']} ({r['detail']})" for r in undecided[:3]
         )
     return [
-        Verdict(
+        verdict(
             check=f"{prefix}: optimizer state codes and scales",
             kind="optimizer state",
             compared=compared,
@@ -289,7 +290,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
             power=0.0,
             **base,
         ),
-        Verdict(
+        verdict(
             check=f"{prefix}: weights after one optimizer step",
             kind="optimizer state",
             compared=compared,

@@ -22,6 +22,7 @@ import numpy as np
 from parity.core.once import once_jit
 from parity.pairs.adapters import intercept_calls, output_logits
 from parity.verdicts.layer_table import PROBE_CHECK, shaped_error
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import flatten
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
@@ -443,7 +444,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
     (`error`: the probe raised)."""
     compared = "jax vs torch, each Flax layer fed torch's input, on probe weights"
     if probe is None:
-        return Verdict(
+        return verdict(
             check=PROBE_CHECK,
             kind="layer probe",
             compared=compared,
@@ -455,7 +456,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
             **_base(config),
         )
     if not probe.rows:
-        return Verdict(
+        return verdict(
             check=PROBE_CHECK,
             kind="layer probe",
             compared=compared,
@@ -488,7 +489,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
         "u(float32)), never grown by the model's depth"
         + (f"; not probed: {probe.skipped}" if probe.skipped else "")
     )
-    return Verdict(
+    return verdict(
         check=PROBE_CHECK,
         kind="layer probe",
         compared=compared,

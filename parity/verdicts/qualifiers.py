@@ -17,28 +17,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from parity.verdicts.rows import no_power_note
+from parity.verdicts.rows import EXCEEDED, Row, Verdict, no_power_note
 from parity.verdicts.tolerances import TOLERANCES
-
-if TYPE_CHECKING:
-    from parity.verdicts.builders import Row
 
 __all__ = [
     "ADAPTIVE_UPDATE_NOTE",
-    "EXCEEDED",
     "QUALIFIERS",
     "Qualifier",
     "UNCALIBRATED_FLIP_NOTE",
     "UNCALIBRATED_NOTE",
     "escalation",
     "qualify",
+    "verdict",
 ]
 
 CHAOS_STEP = TOLERANCES["chaos_step"]
 
-EXCEEDED = "exceeded"  # the mode of a row that exceeded its band and was excused, not failed
 
 UNCALIBRATED_NOTE = (
     f"exceeded, not failed: from step {CHAOS_STEP} on, no band is calibrated to this "
@@ -67,6 +63,7 @@ WELCH_NOTE = "a difference test that does not reject proves nothing: the equival
 
 # Row kinds (`parity.verdicts.checks.CHECKS`) each qualifier looks at.
 _PER_STEP = ("loss", "fp8 loss", "grad norm", "update norm")
+_LOGITS = ("logit kl", "logit top1")  # one eval point each, past the chaos step or not
 _STRUCTURAL = (*_PER_STEP, "final loss", "welch loss", "equivalence loss")
 _DEPARTURE = ("loss", "grad norm", "final loss")
 
@@ -82,6 +79,9 @@ class Qualifier:
       mode: the mode the row gets (``"inconclusive"``, ``"informational"``), or None to keep its own.
       remedy: what decides a row it excuses: ``"noise"`` (a 1-ulp calibration run, which the
         harness runs itself: `escalation`), ``"seeds"``, or ``""``.
+      pairwise: it reads the trained pair's context; False: it also judges rows made outside a
+        judging pass (step 0's gate, a distributed run's own checks: `verdict`), whose pair is
+        None.
     """
 
     name: str
@@ -89,6 +89,7 @@ class Qualifier:
     note: Callable[[Row, Any], str]
     mode: str | None
     remedy: str = ""
+    pairwise: bool = True
 
 
 def _no_power_note(row: Row, pair: Any) -> str:
@@ -101,13 +102,10 @@ def _no_power(row: Row, pair: Any) -> bool:
 
 
 def _uncalibrated(row: Row, pair: Any) -> bool:
-    return (
-        row.kind in _PER_STEP
-        and row.split_at_chaos
-        and row.window is not None
-        and row.window[0] >= CHAOS_STEP
-        and row.passed is False
+    past_chaos = row.kind in _LOGITS or (
+        row.kind in _PER_STEP and row.window is not None and row.window[0] >= CHAOS_STEP
     )
+    return past_chaos and row.split_at_chaos and row.passed is False
 
 
 def _uncalibrated_flip(row: Row, pair: Any) -> bool:
@@ -140,7 +138,7 @@ def _departure(row: Row, pair: Any) -> bool:
 
 
 QUALIFIERS: tuple[Qualifier, ...] = (
-    Qualifier("no power", _no_power, _no_power_note, "inconclusive"),
+    Qualifier("no power", _no_power, _no_power_note, "inconclusive", pairwise=False),
     Qualifier(
         "uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED, "noise"
     ),
@@ -178,9 +176,11 @@ QUALIFIERS: tuple[Qualifier, ...] = (
 
 def qualify(row: Row, pair: Any) -> Row:
     """`row` with every qualifier of `QUALIFIERS` that applies, in order: ``passed`` None, the
-    qualifier's mode, its reason appended to the detail. Changes `row` in place and returns it."""
+    qualifier's mode, its reason appended to the detail. Changes `row` in place and returns it.
+    `pair` None: a row made outside a trained pair, judged by the qualifiers that read no pair
+    (`Qualifier.pairwise` False)."""
     for q in QUALIFIERS:
-        if q.applies(row, pair):
+        if (pair is not None or not q.pairwise) and q.applies(row, pair):
             note = q.note(row, pair)
             row.passed = None
             if q.mode is not None:
@@ -188,6 +188,35 @@ def qualify(row: Row, pair: Any) -> Row:
             row.detail = f"{row.detail}; {note}" if row.detail else note
             row.qualified.append(q.name)
     return row
+
+
+def verdict(
+    model: str,
+    precision: str,
+    device: str,
+    check: str,
+    compared: str,
+    value: Any,
+    tolerance: Any,
+    passed: bool | None,
+    *,
+    kind: str,
+    **fields: Any,
+) -> Verdict:
+    """A row made outside a trained pair's judging pass (step 0's gate, a distributed run's own
+    checks, a replay, the data check), judged by the qualifiers that read no pair (a pass
+    without power is inconclusive) and frozen: `Verdict`'s fields, `kind` required.
+
+    Example:
+      >>> v = verdict("m", "fp32", "cpu", "step 0 fp32: gradients", "jax vs torch", 0.5, 3.25,
+      ...             True, kind="step 0 gradients", mode="step 0")
+      >>> v.passed, v.mode, v.power
+      (None, 'inconclusive', 3.25)
+    """
+    row = qualify(Row(kind, check, value, tolerance, passed, **fields), None)
+    return row.freeze(
+        {"model": model, "precision": precision, "device": device, "compared": compared}
+    )
 
 
 def escalation(verdicts) -> bool:

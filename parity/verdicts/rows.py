@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from parity.core.flags import run_arguments
-from parity.core.records import run_label
 from parity.verdicts.checks import check_of
 from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES
 
@@ -24,7 +23,6 @@ __all__ = [
     "PADDING_CHECK",
     "cell_bottom_lines",
     "cell_configs",
-    "compared_pairs",
     "deciding_command",
     "final_mean",
     "fmt_value",
@@ -33,15 +31,16 @@ __all__ = [
     "loss_floor",
     "no_power_note",
     "overall_status",
-    "pair_fields",
     "power_bound",
     "relative_gaps",
+    "Row",
     "run_losses",
     "running_envelope",
     "seeds_to_decide",
     "self_divergence",
     "signal_envelope",
     "signal_gaps",
+    "stated_power",
     "Verdict",
     "verdict_mark",
 ]
@@ -51,8 +50,8 @@ __all__ = [
 # (`parity.verdicts.qualifiers`): undecided, never a FAIL, never inside a PASS.
 EXCEEDED = "exceeded"
 
-# The step-0 row naming torch embedding rows that never train (`parity.verdicts.step0_checks`);
-# `parity.verdicts.judge` reads it from the run records to explain a trajectory that parts.
+# The label of the step-0 row naming torch embedding rows that never train (kind "padding rows",
+# `parity.verdicts.step0_checks`); `parity.verdicts.judge` finds the row by its kind.
 PADDING_CHECK = "step 0: embedding rows torch never trains (padding_idx)"
 
 
@@ -77,8 +76,8 @@ class Verdict:
       step0_gap: relative loss gap at step 0 (None where not measured).
       absolute: the absolute difference behind `value`, in `unit`.
       unit: unit of `absolute` (``"nats"`` for losses).
-      kind: the row's check kind (`parity.verdicts.checks.CHECKS`; empty for rows made outside
-        the judging pass): with `window`, the row's identity.
+      kind: the row's check kind (`parity.verdicts.checks.CHECKS`; empty only in rows stored
+        before rows had kinds): with `window`, the row's identity.
       window: ``(start, stop)``: the steps the row covers (None where not per step).
       seeds_needed: an undecided seed-statistics row: the seeds per framework that would
         decide at the observed spread.
@@ -87,12 +86,17 @@ class Verdict:
       power: the smallest relative difference the check could have detected (its tolerance for
         a band, 0 for an exact comparison, the equivalence margin for seed statistics); None
         where it cannot be stated. A row that would pass with a power above its bound
-        (`POWER_BOUNDS`, `power_bound`) is made inconclusive when built: ``passed`` None, mode
+        (`POWER_BOUNDS`, `power_bound`) is judged inconclusive before it is frozen (the
+        qualifier "no power", `parity.verdicts.qualifiers`): ``passed`` None, mode
         ``"inconclusive"``, the reason in `detail`.
+
+    A `Verdict` is frozen: it is made by `Row.freeze`, after the qualifiers
+    (`parity.verdicts.qualifiers.qualify`, or `parity.verdicts.qualifiers.verdict` for a row
+    made outside a trained pair's judging pass), or read back by `from_dict`.
 
     Example:
       >>> v = Verdict("mlp", "fp32", "cpu", "per-step loss, steps 0-9", "jax vs torch", 3e-6,
-      ...             1e-4, True)
+      ...             1e-4, True, kind="loss")
       >>> v.value_text, v.tolerance_text
       ('3e-06', '1e-04')
     """
@@ -118,24 +122,6 @@ class Verdict:
     seeds_needed: int | None = None
     qualified_by: str = ""
 
-    def __post_init__(self) -> None:
-        # Every row states its power; a pass that could not have failed is no pass.
-        power = self.power
-        if power is None and isinstance(self.tolerance, int | float):
-            power = float(self.tolerance)
-        elif power is None and self.mode == "exact":
-            power = 0.0
-        object.__setattr__(self, "power", power)
-        bound = power_bound(self.kind)
-        if self.passed is True and power is not None and bound is not None and not power <= bound:
-            object.__setattr__(self, "passed", None)
-            object.__setattr__(self, "mode", "inconclusive")
-            object.__setattr__(
-                self,
-                "detail",
-                (self.detail + "; " if self.detail else "") + no_power_note(power, self.kind),
-            )
-
     @property
     def value_text(self) -> str:
         if isinstance(self.value, float):
@@ -159,12 +145,87 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
-        """Reads `to_dict` output (unknown keys are ignored: rows from newer versions load)."""
+        """Reads `to_dict` output (unknown keys are ignored: rows from newer versions load; a
+        row stored before rows had a ``power`` gets its stated power, `stated_power`)."""
         names = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in data.items() if k in names}
         if fields.get("window") is not None:  # JSON holds it as a list
             fields["window"] = tuple(fields["window"])
+        if "power" not in fields:  # stored before rows stated their power
+            fields["power"] = stated_power(None, fields["tolerance"], fields.get("mode", ""))
         return cls(**fields)
+
+
+def stated_power(power: float | None, tolerance: Any, mode: str) -> float | None:
+    """The smallest difference a row could detect: its `power`, else a numeric tolerance, else 0
+    for an exact comparison (mode ``"exact"``), else None.
+
+    Example:
+      >>> stated_power(None, 0.05, "fixed bands"), stated_power(None, "finite", "exact")
+      (0.05, 0.0)
+    """
+    if power is not None:
+        return power
+    if isinstance(tolerance, int | float):
+        return float(tolerance)
+    return 0.0 if mode == "exact" else None
+
+
+@dataclasses.dataclass
+class Row:
+    """A row being judged: `Verdict`'s fields but the cell's, its identity (`kind`, `window`:
+    the steps it covers) and what the qualifiers need (`parity.verdicts.qualifiers`); `freeze`
+    makes the `Verdict`."""
+
+    kind: str
+    check: str
+    value: Any
+    tolerance: Any
+    passed: bool | None
+    detail: str = ""
+    mode: str = ""
+    window: tuple[int, int] | None = None
+    first_failing_step: int | None = None
+    worst_step: int | None = None
+    step0_gap: float | None = None
+    absolute: float | None = None
+    unit: str = ""
+    power: float | None = None
+    # uncalibrated: a failure past the chaos step is undecided (a per-step row: its windows from
+    # the chaos step on; an eval logit row: an eval point past it)
+    split_at_chaos: bool = False
+    seeds_needed: int | None = None  # an undecided equivalence row: seeds that would decide
+    late: bool = False  # listed after the pair's first rows (signals, seeds, fp16 explanations)
+    qualified: list[str] = dataclasses.field(default_factory=list)
+
+    def bound(self) -> float:
+        return power_bound(self.kind)
+
+    def stated_power(self) -> float | None:
+        return stated_power(self.power, self.tolerance, self.mode)
+
+    def freeze(self, base: Mapping[str, Any]) -> Verdict:
+        """The `Verdict` of this row in the cell and pair `base` (model, precision, device,
+        compared)."""
+        return Verdict(
+            check=self.check,
+            value=self.value,
+            tolerance=self.tolerance,
+            passed=self.passed,
+            detail=self.detail,
+            mode=self.mode,
+            first_failing_step=self.first_failing_step,
+            worst_step=self.worst_step,
+            step0_gap=self.step0_gap,
+            absolute=self.absolute,
+            unit=self.unit,
+            power=self.stated_power(),
+            kind=self.kind,
+            window=self.window,
+            seeds_needed=self.seeds_needed,
+            qualified_by=self.qualified[-1] if self.qualified else "",
+            **base,
+        )
 
 
 def no_power_note(power: float, kind: str = "") -> str:
@@ -185,7 +246,7 @@ def no_power_note(power: float, kind: str = "") -> str:
 def power_bound(kind: str = "") -> float:
     """The largest tolerance a row of `kind` may have and still decide (`POWER_BOUNDS`), by
     the quantity its check compares (`parity.verdicts.checks.CHECKS`); a row without a kind
-    (made outside the judging pass) is a relative error's.
+    (stored before rows had kinds) is a relative error's.
 
     Example:
       >>> power_bound("final loss"), power_bound("grad norm"), power_bound("")
@@ -200,7 +261,7 @@ def is_decisive(v: Verdict) -> bool:
     Step-0 rows (mode ``"step 0"``: the gate, the compute dtype), rows of a kind that is not
     decisive (`parity.verdicts.checks.Check.decisive`: a run completed, its losses finite) and
     informational rows do not count; neither does a row whose power is above its bound (those
-    are made inconclusive when built).
+    are judged inconclusive before they are frozen).
     """
     if v.passed is not True or v.mode == "step 0" or not check_of(v.kind).decisive:
         return False
@@ -234,16 +295,6 @@ def deciding_command(
     if unset:
         own += f"; not settable from the command line: {', '.join(unset)}"
     return f"{shlex.join(['python', '-m', 'parity', 'run', *args])} ({own})"
-
-
-def pair_fields(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
-    """The cell and ``compared`` fields of a `Verdict` on the runs `cand` vs `ref`."""
-    return {
-        "model": ref["model"],
-        "precision": ref["precision"],
-        "device": ref["device"],
-        "compared": f"{run_label(cand)} vs {run_label(ref)}",
-    }
 
 
 def run_losses(run: Mapping[str, Any]) -> list[float | None]:
@@ -330,15 +381,6 @@ def fmt_value(x: float | None, unit: str = "") -> str:
     if not math.isfinite(x):
         return "no finite value"
     return f"{x:.3g}{(' ' + unit) if unit else ''}"
-
-
-def compared_pairs(verdicts: Iterable[Verdict]) -> set[tuple[str, str, str, str]]:
-    """The (model, precision, device, compared) pairs that were actually compared."""
-    return {
-        (*v.cell, v.compared)
-        for v in verdicts
-        if v.mode not in ("nothing compared", "unsupported here")
-    }
 
 
 def overall_status(verdicts: Sequence[Verdict]) -> str:
@@ -522,7 +564,7 @@ def _pass_depth(rows: Sequence[Verdict], command: str) -> str | None:
     )
 
 
-def seeds_to_decide(rows: Sequence[Verdict]) -> int:
+def seeds_to_decide(rows: Sequence[Verdict | Row]) -> int:
     """The tolerance table's ``deciding_seeds``, or more where an undecided seed-statistics
     row says how many seeds its observed spread needs (`Verdict.seeds_needed`; the fewest of
     its rows: one decides)."""

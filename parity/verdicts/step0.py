@@ -56,6 +56,7 @@ from parity.core.records import build_error_record
 from parity.perf.phases import phase
 from parity.verdicts.diagnose import diagnose_pair, module_pairs
 from parity.verdicts.optim_step0 import optimizer_state_verdicts
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_checks import (
@@ -111,7 +112,7 @@ def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdic
         rows = config.recipe.quantized_layers_step0(pair, inputs, targets)
     except ValueError as e:  # the two sides convert different layers
         return [
-            Verdict(
+            verdict(
                 check=f"{prefix}: fp8 layers",
                 kind="quantized layers",
                 compared="torchao Float8Linear layers vs jaxamp.fp8 matmuls",
@@ -157,7 +158,7 @@ def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdic
                 + detail
             )
         verdicts.append(
-            Verdict(
+            verdict(
                 check=f"{prefix}: fp8 {tensor} scales and codes",
                 kind="quantized layers",
                 compared="jaxamp.fp8 vs torchao, every converted layer",
@@ -367,7 +368,7 @@ def run_step0(
         result = check_step0(pair, config, stream.batch(0))
     except Exception as e:  # e.g. no kernel for this dtype here: training reports it, not step 0
         reason = f"{type(e).__name__}: {str(e)[:300]}"
-        row = Verdict(
+        row = verdict(
             model=config.model,
             precision=config.precision,
             device=config.device,
@@ -377,6 +378,7 @@ def run_step0(
             tolerance="-",
             passed=None,
             detail="the step-0 checks raised; training goes on and records its own outcome",
+            kind="step 0 ran",
         )
         result = Step0Result([row], True)
     if echo:

@@ -47,6 +47,7 @@ from parity.verdicts.layer_table import (
     mask_padding_rows,
 )
 from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import PADDING_CHECK, Verdict
 from parity.verdicts.sides import torch_device
 from parity.verdicts.torch_side import torch_setup
@@ -123,7 +124,7 @@ def stochastic_verdict(
         "draw different masks. Set its rate to 0 (for transformers: every *dropout* config "
         "field, e.g. attention_probs_dropout_prob) or pass dropout='disable' to compare_models"
     )
-    return Verdict(
+    return verdict(
         check=STOCHASTIC_CHECK,
         kind="stochastic",
         compared="torch train-mode forward, twice",
@@ -146,7 +147,7 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
     if not folded:
         return None
     listed = "; ".join(f"{' + '.join(names)} -> {'/'.join(path)}" for path, names in folded.items())
-    return Verdict(
+    return verdict(
         check=FOLDED_CHECK,
         kind="folded",
         compared="the weight mapping",
@@ -177,7 +178,7 @@ def dropout_verdict(pair: Any, config: Any) -> Verdict | None:
     differences = dropout_differences(settings.get("torch", []), settings.get("flax", []))
     if not differences:
         return None
-    return Verdict(
+    return verdict(
         check=DROPOUT_CHECK,
         kind="dropout",
         compared="the two models' dropout settings",
@@ -241,7 +242,7 @@ def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | 
     if not rows:
         return None
     listed = "; ".join(f"{name} row {index} -> {key}" for key, (name, index) in rows.items())
-    return Verdict(
+    return verdict(
         check=PADDING_CHECK,
         kind="padding rows",
         compared="the weight mapping",

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from parity.perf.flops import requested_fraction
+from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import Side, pair_mapping
 from parity.verdicts.tolerance import (
@@ -80,7 +81,7 @@ def stage_verdicts(
         errs = {k: outputs[k] for k in keys}
         name, value = worst(errs)
         rows.append(
-            Verdict(
+            verdict(
                 check=f"step 0 {stage}: {check}",
                 kind="step 0 output",
                 compared=compared,
@@ -99,7 +100,7 @@ def stage_verdicts(
     if worst_param is not None:
         name, value = worst_param
         rows.append(
-            Verdict(
+            verdict(
                 check=f"step 0 {stage}: gradients",
                 kind="step 0 gradients",
                 compared=compared,
@@ -135,7 +136,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
         )
         if fraction is None:
             rows.append(
-                Verdict(
+                verdict(
                     check=f"compute dtype ({framework})",
                     kind="compute dtype",
                     compared=f"{framework} step 0 matmul/conv FLOPs",
@@ -152,7 +153,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
         if not passed:
             detail += f"; the run asked for {want} but its matmuls ran mostly in other dtypes"
         rows.append(
-            Verdict(
+            verdict(
                 check=f"compute dtype ({framework})",
                 kind="compute dtype",
                 compared=f"{framework} step 0 matmul/conv FLOPs in {want}",

@@ -141,6 +141,9 @@ POWER_BOUNDS: Mapping[str, float] = types.MappingProxyType(
         "loss": TOLERANCES["power_bound_loss"],
         "norm": TOLERANCES["power_bound_norm"],
         "relative error": TOLERANCES["power_bound_relative_error"],
+        # an eval logit row is held to a relative logit difference taken from the loss rows'
+        # tolerance (`parity.verdicts.logits`): the loss's bound
+        "logit difference": TOLERANCES["power_bound_loss"],
     }
 )
 

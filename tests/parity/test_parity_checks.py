@@ -195,5 +195,48 @@ def test_every_check_of_a_trained_pair_is_tested_here():
         "compute dtype",
         "quantized layers",
         "optimizer state",
+        "step 0 ran",
+        # what a cell holds besides checks, and a distributed run's own rows: below
+        *ROWS_BESIDE_CHECKS,
     }
     assert set(CHECKS) == set(DECIDING) | set(INFORMATIONAL) | made_elsewhere
+
+
+ROWS_BESIDE_CHECKS = (
+    "comparable",
+    "unsupported",
+    "pair",
+    "data finite",
+    "jax mode",
+    "ranks agree",
+    "injected overflow",
+    "replicated params",
+    "reduction dtype",
+)
+
+
+def test_rows_beside_the_checks_have_kinds_of_the_table():
+    """The rows that say why nothing (or not everything) was compared, the data's own row and
+    a distributed arm's rows carry a kind of the table, as every check's row does."""
+    from parity.cell import nonfinite_data_row
+    from parity.core.config import RunConfig
+    from parity.distributed.run import DistributedPlan, _rank_rows, _side_rows
+
+    rows = compare_runs([fake_run("torch", BASE), fake_run("jax", BASE, config={"lr": 0.5})])
+    rows += compare_runs([{**fake_run("torch", BASE), "status": "unsupported"}])
+    rows += compare_runs([fake_run("torch", BASE, model="lone")])
+    rows.append(nonfinite_data_row(RunConfig(), (np.array([np.nan]), np.array([0]))))
+    result = {
+        "steps": [{"step": 0, "loss_scale": 1.0, "skipped": True}],
+        "params_digest": "same",
+        "reduce_dtypes": ["float32"],
+    }
+    ranks = {"torch": [result, result], "jax:jit": [result, result]}
+    arm = _rank_rows(
+        RunConfig(), DistributedPlan(inject_overflow=(0, 1)), ranks, {"multiprocess": "no"}
+    )
+    rows += arm
+    assert {v.kind for v in rows} >= set(ROWS_BESIDE_CHECKS)
+    assert all(v.kind in CHECKS for v in rows), [(v.kind, v.check) for v in rows]
+    # the arm's refused mode is stored with every side, found by its kind
+    assert [v.kind for v in _side_rows(arm, "torch")].count("jax mode") == 1

@@ -296,6 +296,11 @@ def test_top1_row_fails_a_moved_argmax_and_forgives_near_ties(runs):
     assert all(v.value < 1 for v in rows)
 
 
+def _judged(ref, cand, kind="logit kl"):
+    """The rows of `kind` as the judging pass leaves them (its qualifiers applied)."""
+    return [v for v in compare_runs([ref, cand]) if v.kind == kind]
+
+
 def test_other_tokens_chaos_and_no_logits(runs):
     ref = runs[0]
     other = _as_jax(ref)
@@ -309,13 +314,14 @@ def test_other_tokens_chaos_and_no_logits(runs):
         run["steps"] = [dict(run["steps"][i % STEPS], step=i) for i in range(40)]
         run["config"] = {**run["config"], "steps": 40}
         run["eval_logits"][1]["step"] = 40
-    kl = [v for v in logit_rows(long_ref, long_cand) if "KL" in v.check]
+    kl = _judged(long_ref, long_cand)
     assert [v.passed for v in kl] == [False, None] and kl[1].mode == "exceeded"
+    assert kl[1].qualified_by == "uncalibrated chaos"  # a noise run decides it (escalation)
     # ... and a row well inside its band there passes: the excuse is for a failure only
     near = copy.deepcopy(long_cand)
     for point, source in zip(near["eval_logits"], long_ref["eval_logits"], strict=True):
         point.update({k: v for k, v in source.items() if k != "step"})
-    kl = [v for v in logit_rows(long_ref, near) if "KL" in v.check]
+    kl = _judged(long_ref, near)
     assert [v.passed for v in kl] == [True, True], kl
     assert logit_rows({**ref, "eval_logits": None}, ref) == []
     assert math.isfinite(kl[0].value)
@@ -323,8 +329,10 @@ def test_other_tokens_chaos_and_no_logits(runs):
 
 def test_fp8_band_can_fail_but_never_decides_a_pass(runs):
     ref = _at(runs[0], "fp8-rowwise")
-    close = [v for v in logit_rows(ref, _at(_as_jax(runs[0], scale=0.01), "fp8-rowwise"))]
+    close_jax = _at(_as_jax(runs[0], scale=0.01), "fp8-rowwise")
+    close = _judged(ref, close_jax) + _judged(ref, close_jax, "logit top1")
     assert all(v.passed is None and v.mode == "inconclusive" for v in close), close
+    assert {v.qualified_by for v in close} == {"no power"}
     assert {v.power for v in close} == {0.5}  # 8 roundoffs of float8_e4m3
-    far = logit_rows(ref, _at(_as_jax(runs[0], scale=5.0), "fp8-rowwise"))
-    assert [v.passed for v in far if "KL" in v.check] == [False, False]
+    far = _judged(ref, _at(_as_jax(runs[0], scale=5.0), "fp8-rowwise"))
+    assert [v.passed for v in far] == [False, False]

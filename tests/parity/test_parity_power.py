@@ -29,6 +29,7 @@ from parity.core.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.builders import equivalence  # noqa: E402
 from parity.verdicts.fp16 import skip_differences  # noqa: E402
 from parity.verdicts.judge import compare_runs  # noqa: E402
+from parity.verdicts.qualifiers import verdict  # noqa: E402
 from parity.verdicts.rows import (  # noqa: E402
     Verdict,
     cell_bottom_lines,
@@ -52,36 +53,41 @@ def _chaos(n, start_gap, seed, rate=1.6):
     return base, base * (1 + rng.choice([-1, 1], n) * gap)
 
 
-def _row(check, tolerance, passed=True, **fields):
-    return Verdict(*CELL, check, "jax vs torch", 0.0, tolerance, passed, **fields)
+def _row(check, tolerance, passed=True, kind="loss", **fields):
+    """A row made outside a judging pass, judged by the qualifiers that read no pair."""
+    return verdict(*CELL, check, "jax vs torch", 0.0, tolerance, passed, kind=kind, **fields)
 
 
 # --- power ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "check, tolerance, decides",
+    "check, kind, tolerance, decides",
     [
-        ("step 0 bf16-mixed: gradients", 3.25, False),  # an all-zero gradient scores 1
-        ("step 0 bf16-mixed: gradients", 0.9, True),
-        ("final loss (mean of last 5)", 21.23, False),  # the ResNet bf16 2,123%
-        ("final loss (mean of last 5)", 0.05, True),
+        ("step 0 bf16-mixed: gradients", "step 0 gradients", 3.25, False),  # all-zero scores 1
+        ("step 0 bf16-mixed: gradients", "step 0 gradients", 0.9, True),
+        ("final loss (mean of last 5)", "final loss", 21.23, False),  # the ResNet bf16 2,123%
+        ("final loss (mean of last 5)", "final loss", 0.05, True),
     ],
 )
-def test_a_pass_above_the_bound_is_inconclusive_never_a_pass(check, tolerance, decides):
-    row = _row(check, tolerance, detail="measured")
+def test_a_pass_above_the_bound_is_inconclusive_never_a_pass(check, kind, tolerance, decides):
+    row = _row(check, tolerance, kind=kind, detail="measured", mode="step 0")
     assert row.power == tolerance
     if decides:
-        assert row.passed is True and row.mode != "inconclusive"
+        assert row.passed is True and row.mode == "step 0" and not row.qualified_by
     else:
         assert row.passed is None and row.mode == "inconclusive"
+        assert row.qualified_by == "no power"
         assert "no power" in row.detail and "measured" in row.detail
     # A failing row stays a failure whatever its power.
-    assert _row(check, tolerance, passed=False).passed is False
+    assert _row(check, tolerance, kind=kind, passed=False).passed is False
+    # A frozen row is never rewritten: read back, it is the row that was stored.
+    stored = Verdict.from_dict(row.to_dict())
+    assert stored == row
 
 
 def test_three_outcomes_and_their_exit_codes():
-    step0 = _row("step 0 fp32: gradients", 1e-4, mode="step 0")
+    step0 = _row("step 0 fp32: gradients", 1e-4, kind="step 0 gradients", mode="step 0")
     blind = _row("per-step loss, steps 10-29", 1.22)  # resnet's calibrated 122%
     decisive = _row("per-step loss, steps 0-9", 1e-4, mode="fixed bands")
     failing = _row("per-step loss, steps 10-29", 1e-3, passed=False)
@@ -133,8 +139,17 @@ def test_the_deciding_command_reruns_the_cells_own_run_with_only_the_deciding_op
     )
     cell = ("resnet", "fp32", "cpu")
     rows = [
-        Verdict(*cell, "step 0 fp32: gradients", "jax vs torch", 0.0, 1e-4, True, mode="step 0"),
-        Verdict(*cell, "per-step loss, steps 10-19", "jax vs torch", 0.0, 1.22, True),
+        verdict(
+            *cell,
+            "step 0 fp32: gradients",
+            "jax vs torch",
+            0.0,
+            1e-4,
+            True,
+            kind="step 0 gradients",
+            mode="step 0",
+        ),
+        verdict(*cell, "per-step loss, steps 10-19", "jax vs torch", 0.0, 1.22, True, kind="loss"),
     ]
     runs = [
         {**_run(fw, [2.0, 1.5, 1.2]), "model": "resnet", "config": config.to_dict()}
