@@ -436,12 +436,15 @@ def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     return jax.lax.optimization_barrier((inv, post))
 
 
-def unscale_tree(tree: Any, loss_scale: Any) -> Any:
-    """Multiplies inexact leaves by torch's float32(1/scale); each leaf keeps its dtype.
+def unscaler(loss_scale: Any) -> Any:
+    """The function that multiplies a tree's inexact leaves by torch's float32(1/scale).
 
-    The product is computed in float32 (float64/complex in their own dtype) and rounded once to
-    the leaf's dtype. Exact for every float32 scale, 2**127 and float32 max included, on
-    backends that flush subnormals (see `reciprocal_factors`).
+    The reciprocal (`reciprocal_factors`) is computed here, once: every tree the function
+    unscales in a step (each leaf's finiteness check, then the gradients themselves) reads the
+    same two scalars, so the program holds one reciprocal, not one per call. Each leaf keeps its
+    dtype; the product is computed in float32 (float64/complex in their own dtype) and rounded
+    once to the leaf's dtype. Exact for every float32 scale, 2**127 and float32 max included,
+    on backends that flush subnormals.
     """
     inv, post = reciprocal_factors(loss_scale)
 
@@ -455,7 +458,12 @@ def unscale_tree(tree: Any, loss_scale: Any) -> Any:
             return jax.lax.complex((x.real * i) * p, (x.imag * i) * p).astype(x.dtype)
         return ((x.astype(wide) * inv.astype(wide)) * post.astype(wide)).astype(x.dtype)
 
-    return jax.tree_util.tree_map(mul, tree)
+    return lambda tree: jax.tree_util.tree_map(mul, tree)
+
+
+def unscale_tree(tree: Any, loss_scale: Any) -> Any:
+    """`tree`'s inexact leaves multiplied by torch's float32(1/scale) (see `unscaler`)."""
+    return unscaler(loss_scale)(tree)
 
 
 def mul_like_torch(scale: jax.Array, factor: float) -> jax.Array:

@@ -37,7 +37,7 @@ from jaxamp._numerics import (
     select_leaves,
     select_tree,
     skip_updates,
-    unscale_tree,
+    unscaler,
 )
 from jaxamp._policy import Policy, check_param_dtypes, get_policy
 from jaxamp._provenance import leaf_paths, measure_overflow, no_overflow
@@ -437,8 +437,7 @@ def _unscaler(loss_scale: Any) -> Any:
     steps then equal an unwrapped run bit for bit)."""
     if isinstance(loss_scale, (NoOpLossScale, jmp.NoOpLossScale)):
         return None
-    scale_value = loss_scale.loss_scale
-    return lambda tree: unscale_tree(tree, scale_value)
+    return unscaler(loss_scale.loss_scale)
 
 
 def _skip_if_not(

@@ -26,7 +26,7 @@ from jaxamp._numerics import (
     full_like_shapes,
     is_inexact_leaf,
     leaf_finite,
-    unscale_tree,
+    unscaler,
 )
 
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -138,9 +138,10 @@ def _log2_of_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
     return jnp.where(exponent == 0, subnormal, normal)
 
 
-def _headroom_and_finite(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
+def _headroom_and_finite(x: jax.Array, scale: Any, unscale: Any) -> tuple[jax.Array, jax.Array]:
     """(headroom, finite) of one real float array, `finite` as `finite_after` decides it: every
-    element finite, and (where a scale below 1 is removed) every element finite unscaled.
+    element finite, and (where a scale below 1 is removed, by `unscale`) every element finite
+    unscaled.
 
     From the array's maximum and minimum alone, reduced from the values themselves: XLA:CPU
     writes out any array computed on the way into a long reduction (a sign mask, a bitcast),
@@ -170,14 +171,14 @@ def _headroom_and_finite(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array
     finite = scaled_finite
     if scale is not None:
         keeps = jnp.asarray(scale, jnp.float32) >= 1
-        unscaled_finite = jnp.logical_or(keeps, leaf_finite(unscale_tree(largest, scale)))
+        unscaled_finite = jnp.logical_or(keeps, leaf_finite(unscale(largest)))
         finite = jnp.logical_and(finite, unscaled_finite)
     # The headroom of the scaled values: finite for a leaf that overflows only once unscaled.
     headroom = jnp.where(scaled_finite, _LOG2_F16_MAX - log2_largest, jnp.float32(-np.inf))
     return headroom, finite
 
 
-def _leaf_measure(x: Any, scale: Any) -> tuple[jax.Array, jax.Array]:
+def _leaf_measure(x: Any, scale: Any, unscale: Any) -> tuple[jax.Array, jax.Array]:
     """(headroom, finite) of one gradient leaf (complex: the worse of its two parts)."""
     if not is_inexact_leaf(x):
         return jnp.float32(np.inf), jnp.array(True)
@@ -185,7 +186,7 @@ def _leaf_measure(x: Any, scale: Any) -> tuple[jax.Array, jax.Array]:
     if x.size == 0:
         return jnp.float32(np.inf), jnp.array(True)
     parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    measured = [_headroom_and_finite(part, scale) for part in parts]
+    measured = [_headroom_and_finite(part, scale, unscale) for part in parts]
     headroom = functools.reduce(jnp.minimum, [h for h, _ in measured])
     finite = functools.reduce(jnp.logical_and, [f for _, f in measured])
     return headroom, finite
@@ -199,7 +200,8 @@ def _measure(
     n = len(leaves)
     if not leaves:
         return jnp.asarray(_NONE, jnp.int32), jnp.zeros((0,), jnp.float32)
-    measured = [_leaf_measure(x, scale) for x in leaves]
+    unscale = None if scale is None else unscaler(scale)  # one reciprocal for every leaf
+    measured = [_leaf_measure(x, scale, unscale) for x in leaves]
     headroom = jnp.stack([h for h, _ in measured]).astype(jnp.float32)
     finite = jnp.stack([f for _, f in measured])
     # `n` (past the last leaf) where every leaf is finite, so a minimum picks the first.
