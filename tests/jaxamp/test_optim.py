@@ -1,6 +1,8 @@
 """loss_scaled, get_loss_scale, amp_info, value_and_grad: skips, clipping, accumulation, parameter
 groups, sharding, optimizer state dtype, overflow reporting, wrapping and bad arguments."""
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import jmp
 import numpy as np
 import optax
 import pytest
+from conftest import FLOAT_DTYPES
 
 import jaxamp
 from jaxamp._optim import LossScaledTransformation
@@ -78,26 +81,36 @@ OPTIMIZERS = {
 # --- a skipped step is a true no-op ---------------------------------------------------------------
 
 
+def _each(fn, maybe_jit):
+    """`fn` applied to each tuple of arguments in a sequence of them: under jit one program for
+    all (one XLA compile instead of one per variant), each variant's result its own."""
+    return maybe_jit(lambda variants: tuple(fn(*args) for args in variants))
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("bad", [-jnp.inf, jnp.nan])
-def test_skipped_step_is_noop(name, bad, float_dtype, maybe_jit):
+def test_skipped_step_is_noop(name, maybe_jit):
+    # Gradients in each float dtype (the three in one program under jit), -inf and then NaN.
     params = _params()
     tx = jaxamp.loss_scaled(OPTIMIZERS[name]())
-    state = tx.init(params)
-    grads = jax.tree.map(lambda p: jnp.ones_like(p, float_dtype), params)
-    update = maybe_jit(tx.update)
-    _, state = update(grads, state, params)  # one real step so the state is non-trivial
-    bad_grads = _inject(grads, bad)
-    updates, new_state = update(bad_grads, state, params)
-    for u in jax.tree.leaves(updates):
-        assert not np.any(np.asarray(u)), "a skipped step must return zero updates"
-        assert np.all(np.signbit(np.asarray(u, np.float32))), "-0.0: the exact identity for p + u"
-    _leaves_equal(new_state.inner_state, state.inner_state)
-    assert not bool(new_state.last_step_finite)
-    assert int(new_state.skipped_steps) == 1
-    np.testing.assert_array_equal(new_state.loss_scale.loss_scale, state.loss_scale.loss_scale / 2)
-    new_params = optax.apply_updates(params, updates)
-    _leaves_equal(new_params, params)
+    update = _each(tx.update, maybe_jit)
+    grads = [jax.tree.map(lambda p, d=d: jnp.ones_like(p, d), params) for d in FLOAT_DTYPES]
+    # one real step so the state is non-trivial
+    states = [s for _, s in update([(g, tx.init(params), params) for g in grads])]
+    for bad in (-jnp.inf, jnp.nan):
+        stepped = update([(_inject(g, bad), s, params) for g, s in zip(grads, states, strict=True)])
+        for dtype, state, (updates, new_state) in zip(FLOAT_DTYPES, states, stepped, strict=True):
+            case = f"{jnp.dtype(dtype).name} gradients, {bad}"
+            for u in jax.tree.leaves(updates):
+                assert not np.any(np.asarray(u)), f"a skipped step must return zero updates: {case}"
+                assert np.all(np.signbit(np.asarray(u, np.float32))), f"-0.0 (p + u exact): {case}"
+            _leaves_equal(new_state.inner_state, state.inner_state)
+            assert not bool(new_state.last_step_finite), case
+            assert int(new_state.skipped_steps) == 1, case
+            np.testing.assert_array_equal(
+                new_state.loss_scale.loss_scale, state.loss_scale.loss_scale / 2, err_msg=case
+            )
+            new_params = optax.apply_updates(params, updates)
+            _leaves_equal(new_params, params)
 
 
 def test_skip_keeps_negative_zero_params_bitwise(maybe_jit):
@@ -622,7 +635,8 @@ def test_jitted_train_step_does_not_retrace():
 
 
 def _fused_and_split(tx, maybe_jit):
-    """(apply_gradients, update + apply_updates) as two steps, each wrapped (jitted) once."""
+    """(apply_gradients, update + apply_updates) as two steps, each wrapped (jitted) once and
+    taking a sequence of (grads, state, params), one per variant (see `_each`)."""
 
     def fused(grads, state, params):
         return jaxamp.apply_gradients(tx, grads, state, params)
@@ -631,54 +645,65 @@ def _fused_and_split(tx, maybe_jit):
         updates, new_state = tx.update(grads, state, params)
         return jaxamp.apply_updates(params, updates, new_state), new_state
 
-    return maybe_jit(fused), maybe_jit(split)
+    return _each(fused, maybe_jit), _each(split, maybe_jit)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_apply_gradients_equals_update_then_apply(name, float_dtype, maybe_jit):
-    params = jax.tree.map(lambda p: p.astype(float_dtype), _params())
+def test_apply_gradients_equals_update_then_apply(name, maybe_jit):
+    # Parameters in each float dtype, the three in one program under jit.
+    params = [jax.tree.map(lambda p, d=d: p.astype(d), _params()) for d in FLOAT_DTYPES]
     # A scale at which the float16 loss stays finite: every step here is applied.
     tx = jaxamp.loss_scaled(OPTIMIZERS[name](), jaxamp.DynamicLossScale.create(init_scale=1024.0))
-    state = tx.init(params)
-    scale = jaxamp.get_loss_scale(state)
+    states = [tx.init(p) for p in params]
+    scale = jaxamp.get_loss_scale(states[0])
     fused, split = _fused_and_split(tx, maybe_jit)
-    for x, y in _batches(3, float_dtype):
+    batches = [_batches(3, d) for d in FLOAT_DTYPES]
+    for step in range(3):
         # Gradients of the scaled loss, in the parameters' dtype (as autodiff returns them).
-        grads = jax.grad(lambda p, x=x, y=y: scale.scale(_loss(p, x, y)).astype(float_dtype))(
-            params
-        )
-        fused_params, fused_state = fused(grads, state, params)
-        split_params, split_state = split(grads, state, params)
-        if maybe_jit is jax.jit:
-            # Two XLA programs may contract a*b+c into an FMA differently.
-            _leaves_ulp_close(fused_params, split_params)
-            _leaves_ulp_close(fused_state.inner_state, split_state.inner_state)
-        else:
-            _leaves_equal((fused_params, fused_state), (split_params, split_state))
-        for p in jax.tree.leaves(fused_params):
-            assert p.dtype == float_dtype
-        assert bool(fused_state.last_step_finite)
-        _leaves_equal(fused_state.loss_scale, split_state.loss_scale)
-        params, state = fused_params, fused_state
+        variants = []
+        for dtype, p, s, b in zip(FLOAT_DTYPES, params, states, batches, strict=True):
+            x, y = b[step]
+            g = jax.grad(lambda p, x=x, y=y, d=dtype: scale.scale(_loss(p, x, y)).astype(d))(p)
+            variants.append((g, s, p))
+        fused_out, split_out = fused(variants), split(variants)
+        for dtype, (fused_params, fused_state), (split_params, split_state) in zip(
+            FLOAT_DTYPES, fused_out, split_out, strict=True
+        ):
+            if maybe_jit is jax.jit:
+                # Two XLA programs may contract a*b+c into an FMA differently.
+                _leaves_ulp_close(fused_params, split_params)
+                _leaves_ulp_close(fused_state.inner_state, split_state.inner_state)
+            else:
+                _leaves_equal((fused_params, fused_state), (split_params, split_state))
+            for p in jax.tree.leaves(fused_params):
+                assert p.dtype == dtype
+            assert bool(fused_state.last_step_finite), jnp.dtype(dtype).name
+            _leaves_equal(fused_state.loss_scale, split_state.loss_scale)
+        params = [p for p, _ in fused_out]
+        states = [s for _, s in fused_out]
 
 
-@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
-def test_apply_gradients_skip_keeps_params_and_state_bitwise(bad, float_dtype, maybe_jit):
+def test_apply_gradients_skip_keeps_params_and_state_bitwise(maybe_jit):
     # -0.0, a float32 subnormal and normal values: a skipped step must not touch any of them.
-    w = jnp.asarray([-0.0, 0.0, 1e-40, -2.5], jnp.float32).astype(float_dtype)
-    params = {"w": w, "b": jnp.ones((2,), float_dtype)}
+    # Each float dtype (the three in one program under jit); inf, -inf and NaN.
+    w = jnp.asarray([-0.0, 0.0, 1e-40, -2.5], jnp.float32)
+    params = [{"w": w.astype(d), "b": jnp.ones((2,), d)} for d in FLOAT_DTYPES]
     tx = jaxamp.loss_scaled(optax.adam(1e-2))
-    state = tx.init(params)
-    step = maybe_jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p))
-    good = jax.tree.map(lambda p: jnp.full(p.shape, 1024.0, float_dtype), params)
-    params1, state1 = step(good, state, params)
-    bad_grads = {"w": good["w"].at[2].set(bad), "b": good["b"]}
-    params2, state2 = step(bad_grads, state1, params1)
-    for new, old in zip(jax.tree.leaves(params2), jax.tree.leaves(params1), strict=True):
-        assert np.asarray(new).tobytes() == np.asarray(old).tobytes()
-    _leaves_equal(state2.inner_state, state1.inner_state)
-    assert not bool(state2.last_step_finite) and int(state2.skipped_steps) == 1
-    assert float(state2.loss_scale.loss_scale) == float(state1.loss_scale.loss_scale) / 2
+    step = _each(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p), maybe_jit)
+    good = [jax.tree.map(lambda p: jnp.full(p.shape, 1024.0, p.dtype), p) for p in params]
+    first = step([(g, tx.init(p), p) for g, p in zip(good, params, strict=True)])
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        bad_grads = [{"w": g["w"].at[2].set(bad), "b": g["b"]} for g in good]
+        second = step([(g, s, p) for g, (p, s) in zip(bad_grads, first, strict=True)])
+        for dtype, (params1, state1), (params2, state2) in zip(
+            FLOAT_DTYPES, first, second, strict=True
+        ):
+            case = f"{jnp.dtype(dtype).name}, {bad}"
+            for new, old in zip(jax.tree.leaves(params2), jax.tree.leaves(params1), strict=True):
+                assert np.asarray(new).tobytes() == np.asarray(old).tobytes(), case
+            _leaves_equal(state2.inner_state, state1.inner_state)
+            assert not bool(state2.last_step_finite) and int(state2.skipped_steps) == 1, case
+            assert float(state2.loss_scale.loss_scale) == float(state1.loss_scale.loss_scale) / 2
 
 
 def test_apply_gradients_select_form_agrees_with_branch(float_dtype):
@@ -803,30 +828,34 @@ def test_check_reads_a_matrix_in_square_blocks_whichever_way_it_is_stored(
         assert first_reduce == (blocks, (len(blocks) - 3, len(blocks) - 1))
 
 
-def test_a_transposed_16_bit_gradient_is_checked_element_by_element(float_dtype, maybe_jit):
+def test_a_transposed_16_bit_gradient_is_checked_element_by_element(maybe_jit):
     """The case the blocks are for, end to end: a kernel's gradient through a hand-written
     narrowing cast (as a Flax module's ``dtype=``), which XLA:CPU stores transposed. One
     non-finite input element makes one row of the 32 x 48 gradient inf/NaN; the step skips
-    exactly then, and the parameters stay finite."""
+    exactly then, and the parameters stay finite. Each float dtype (one program under jit)."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(32, 48)) * 0.1, jnp.float32)}
     tx = jaxamp.loss_scaled(optax.adam(1e-2))
 
-    def step(params, opt_state, x):
+    def step(params, opt_state, x, dtype):
         def loss(p, x):
-            y = x.astype(float_dtype) @ p["w"].astype(float_dtype)
+            y = x.astype(dtype) @ p["w"].astype(dtype)
             return jnp.mean(y.astype(jnp.float32) ** 2)
 
         _, grads = jaxamp.value_and_grad(loss)(params, x, loss_scale=opt_state)
         return jaxamp.apply_gradients(tx, grads, opt_state, params)
 
-    step = maybe_jit(step)
+    steps = [functools.partial(step, dtype=d) for d in FLOAT_DTYPES]
+    each = maybe_jit(lambda p, s, x: tuple(f(p, s, x) for f in steps))
     for bad in (None, *_NON_FINITE):
         x = rng.normal(size=(8, 32)).astype(np.float32)
         if bad is not None:
             x[5, 19] = _NON_FINITE[bad]
-        new_params, opt_state = step(params, tx.init(params), jnp.asarray(x))
-        assert bool(jaxamp.amp_info(opt_state).last_step_applied) is (bad is None), bad
-        assert np.isfinite(np.asarray(new_params["w"])).all(), bad
-        changed = not np.array_equal(np.asarray(new_params["w"]), np.asarray(params["w"]))
-        assert changed is (bad is None), bad
+        for dtype, (new_params, opt_state) in zip(
+            FLOAT_DTYPES, each(params, tx.init(params), jnp.asarray(x)), strict=True
+        ):
+            case = (jnp.dtype(dtype).name, bad)
+            assert bool(jaxamp.amp_info(opt_state).last_step_applied) is (bad is None), case
+            assert np.isfinite(np.asarray(new_params["w"])).all(), case
+            changed = not np.array_equal(np.asarray(new_params["w"]), np.asarray(params["w"]))
+            assert changed is (bad is None), case
