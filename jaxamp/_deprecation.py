@@ -118,7 +118,12 @@ NAMES: dict[str, dict[str, str]] = {
         "dequantize": "jaxamp.fp8.from_fp8",
         "recipe": "jaxamp.fp8.get_recipe",
     },
-    "jaxamp.mx": {"format": "jaxamp.mx.get_format", "recipe": "jaxamp.mx.get_recipe"},
+    "jaxamp.mx": {
+        "format": "jaxamp.mx.get_format",
+        "recipe": "jaxamp.mx.get_recipe",
+        "quantize": "jaxamp.mx.to_block_scaled",
+        "dequantize": "jaxamp.mx.from_block_scaled",
+    },
     "jaxamp.optim_precision": {
         "quantize": "jaxamp.optim_precision.encode_blockwise",
         "dequantize": "jaxamp.optim_precision.decode_blockwise",

@@ -11,10 +11,10 @@ from jaxamp.mx._formats import get_format as get_format
 from jaxamp.mx._linear import check_hardware as check_hardware
 from jaxamp.mx._linear import dot_general as dot_general
 from jaxamp.mx._linear import mx_matmul_hardware as mx_matmul_hardware
-from jaxamp.mx._quantize import dequantize as dequantize
+from jaxamp.mx._quantize import from_block_scaled as from_block_scaled
 from jaxamp.mx._quantize import per_tensor_scale as per_tensor_scale
-from jaxamp.mx._quantize import quantize as quantize
 from jaxamp.mx._quantize import scales_to_float32 as scales_to_float32
+from jaxamp.mx._quantize import to_block_scaled as to_block_scaled
 from jaxamp.mx._recipes import RECIPE_NAMES as RECIPE_NAMES
 from jaxamp.mx._recipes import Recipe as Recipe
 from jaxamp.mx._recipes import get_recipe as get_recipe
@@ -28,18 +28,18 @@ __all__ = [
     "capture_operands",
     "check_hardware",
     "convert",
-    "dequantize",
     "dot_general",
+    "from_block_scaled",
     "get_format",
     "get_recipe",
     "mx_matmul_hardware",
     "per_tensor_scale",
-    "quantize",
     "report",
     "scales_to_float32",
+    "to_block_scaled",
 ]
 
 
 def __getattr__(name: str):
-    # Old names (format, recipe): one release with a warning.
+    # Old names (format, recipe, quantize, dequantize): one release with a warning.
     return _deprecation.package_getattr(__name__, name)

@@ -76,7 +76,7 @@ def capture_operands(
 ) -> dict[str, MatmulOperands]:
     """The input, weight and grad_output each block-scaled matmul of a loss receives (2-D, before
     quantization), as `jaxamp.fp8.capture_operands`: what a comparison of scales and codes
-    against torchao needs (quantize them with `jaxamp.mx.quantize` and the recipe's formats).
+    against torchao needs (quantize them with `jaxamp.mx.to_block_scaled` and the recipe's formats).
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.mx

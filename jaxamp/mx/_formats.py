@@ -87,10 +87,10 @@ class Format:
       >>> fmt = jaxamp.mx.Format("e5m2_ceil", element="e5m2", scale_mode="ceil")
       >>> str(fmt), fmt.max, fmt.emax
       ('e5m2_ceil(e5m2, 32x e8m0 scale, ceil)', 57344.0, 15)
-      >>> codes, scales = jaxamp.mx.quantize(jnp.full((1, 32), 3.0), fmt)
+      >>> codes, scales = jaxamp.mx.to_block_scaled(jnp.full((1, 32), 3.0), fmt)
       >>> codes.dtype, scales.tolist()  # ceil: log2(3.0) rounded up is 2; 2 - emax + 127
       (dtype(float8_e5m2), [[114]])
-      >>> jaxamp.mx.dequantize(codes, scales, fmt)[0, :2].tolist()
+      >>> jaxamp.mx.from_block_scaled(codes, scales, fmt)[0, :2].tolist()
       [3.0, 3.0]
     """
 
@@ -179,7 +179,7 @@ def get_format(name: str | Format, **changes: Any) -> Format:
     * ``mxfp8_e5m2``: float8_e5m2 elements, same scales.
     * ``mxfp4``: float4_e2m1fn elements, packed two per byte, one e8m0 scale per 32.
     * ``nvfp4``: float4_e2m1fn elements, one float8_e4m3fn scale per 16 (and an optional float32
-      per-tensor scale, passed to `jaxamp.mx.quantize`).
+      per-tensor scale, passed to `jaxamp.mx.to_block_scaled`).
 
     Args:
       name: a name above, or a `Format` (returned with `changes` applied).

@@ -14,7 +14,7 @@ from jax import lax
 from jaxamp.fp8._convert import register_format
 from jaxamp.fp8._dot import linear_like, to_2d
 from jaxamp.mx._formats import Format
-from jaxamp.mx._quantize import dequantize, quantize
+from jaxamp.mx._quantize import from_block_scaled, to_block_scaled
 from jaxamp.mx._recipes import Recipe
 from jaxamp.mx._recipes import get_recipe as _make_recipe
 
@@ -112,8 +112,8 @@ def operand_axis(rec: Recipe, role: str) -> tuple[Format, int]:
 def _emulated(t: jax.Array, rec: Recipe, role: str) -> jax.Array:
     """`t` quantized as operand `role`, dequantized to its own dtype (torchao EMULATED)."""
     fmt, axis = operand_axis(rec, role)
-    q, s = quantize(t, fmt, axis)
-    return dequantize(q, s, fmt, axis, t.dtype)
+    q, s = to_block_scaled(t, fmt, axis)
+    return from_block_scaled(q, s, fmt, axis, t.dtype)
 
 
 def _hardware(t: jax.Array, rec: Recipe, role: str) -> tuple[jax.Array, jax.Array]:
@@ -126,7 +126,7 @@ def _hardware(t: jax.Array, rec: Recipe, role: str) -> tuple[jax.Array, jax.Arra
             f"{_TENSOR_AXES[role][axis]} (emulate=True runs any axis)."
         )
     t = jnp.moveaxis(t, axis, -1)
-    q, sc = quantize(t, fmt, -1)
+    q, sc = to_block_scaled(t, fmt, -1)
     return q[None], lax.bitcast_convert_type(sc, jnp.float8_e8m0fnu)[None]
 
 

@@ -14,7 +14,7 @@ from jaxamp.mx._formats import Format
 from jaxamp.mx._formats import get_format as _make_format
 from jaxamp.mx._scales import E8M0_BIAS, E8M0_NAN, e8m0_exponent, nvfp4_scales
 
-__all__ = ["dequantize", "per_tensor_scale", "quantize", "scales_to_float32"]
+__all__ = ["from_block_scaled", "per_tensor_scale", "scales_to_float32", "to_block_scaled"]
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -102,7 +102,7 @@ def _element_bits(scaled: jax.Array, fmt: Format) -> jax.Array:
     return jax.lax.bitcast_convert_type(scaled.astype(fmt.dtype), jnp.uint8)
 
 
-def quantize(
+def to_block_scaled(
     x: Any,
     fmt: Format | str = "mxfp8",
     axis: int = -1,
@@ -137,12 +137,12 @@ def quantize(
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
-      >>> codes, scales = jaxamp.mx.quantize(jnp.full((2, 32), 3.0), "mxfp8")
+      >>> codes, scales = jaxamp.mx.to_block_scaled(jnp.full((2, 32), 3.0), "mxfp8")
       >>> codes.dtype, scales.tolist()  # 3.0 = 384 * 2**-7: exponent 1 - 8 + 127
       (dtype(float8_e4m3fn), [[120], [120]])
     """
     fmt = _make_format(fmt)
-    x, axis = _check_input(x, fmt, axis, "jaxamp.mx.quantize")
+    x, axis = _check_input(x, fmt, axis, "jaxamp.mx.to_block_scaled")
     data = _blocks(_bits.to_float32(x), axis, fmt.block_size)
     # max over the bits: exact for subnormals, NaN (above inf) wherever the block has one
     mab = jnp.max(_bits.abs_bits(data), axis=-1)
@@ -150,7 +150,7 @@ def quantize(
     if fmt.scale == "e8m0":
         if per_tensor_scale is not None:
             raise ValueError(
-                f"jaxamp.mx.quantize: per_tensor_scale is NVFP4's two-level scaling; {fmt.name} "
+                f"jaxamp.mx.to_block_scaled: per_tensor_scale is NVFP4's two-level scaling; {fmt.name} "
                 "has e8m0 block scales only."
             )
         scales = e8m0_exponent(mab, fmt)
@@ -162,7 +162,7 @@ def quantize(
             pts = jnp.asarray(per_tensor_scale, jnp.float32)
             if pts.size != 1:
                 raise ValueError(
-                    f"jaxamp.mx.quantize: per_tensor_scale must be one float32 value; got shape "
+                    f"jaxamp.mx.to_block_scaled: per_tensor_scale must be one float32 value; got shape "
                     f"{pts.shape}."
                 )
             pts = pts.reshape(())
@@ -208,7 +208,7 @@ def scales_to_float32(scales: jax.Array, fmt: Format | str = "mxfp8") -> jax.Arr
     return jnp.where(codes == E8M0_NAN, np.float32(np.nan), value)
 
 
-def dequantize(
+def from_block_scaled(
     codes: Any,
     scales: Any,
     fmt: Format | str = "mxfp8",
@@ -217,7 +217,7 @@ def dequantize(
     *,
     per_tensor_scale: Any = None,
 ) -> jax.Array:
-    """Inverse of `quantize`: element values times their block scale, in `dtype` (torchao's
+    """Inverse of `to_block_scaled`: element values times their block scale, in `dtype` (torchao's
     ``MXTensor.dequantize`` / ``NVFP4Tensor.dequantize``).
 
     MX: each value times ``2**(scale - 127)``, exact (a NaN block is NaN); values below float32's
@@ -227,8 +227,8 @@ def dequantize(
     Examples:
       >>> import jax.numpy as jnp, jaxamp.mx
       >>> x = jnp.linspace(-1.0, 1.0, 64).reshape(2, 32)
-      >>> c, s = jaxamp.mx.quantize(x, "mxfp4")
-      >>> y = jaxamp.mx.dequantize(c, s, "mxfp4")
+      >>> c, s = jaxamp.mx.to_block_scaled(x, "mxfp4")
+      >>> y = jaxamp.mx.from_block_scaled(c, s, "mxfp4")
       >>> y.shape, float(jnp.max(jnp.abs(y - x))) <= 0.125
       ((2, 32), True)
     """

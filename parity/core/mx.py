@@ -260,8 +260,10 @@ _unpack_nibbles = jax.jit(_bits.unpack_nibbles)
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def _dequantize_unpacked(codes, scales, fmt: jaxamp.mx.Format):
-    """`jaxamp.mx.dequantize` of unpacked codes (a packed format's packed first)."""
-    return jaxamp.mx.dequantize(_bits.pack_nibbles(codes) if fmt.packed else codes, scales, fmt)
+    """`jaxamp.mx.from_block_scaled` of unpacked codes (a packed format's packed first)."""
+    return jaxamp.mx.from_block_scaled(
+        _bits.pack_nibbles(codes) if fmt.packed else codes, scales, fmt
+    )
 
 
 def _role_codes(rec: jaxamp.mx.Recipe, role: str, tensor: np.ndarray):
@@ -275,7 +277,7 @@ def _role_codes(rec: jaxamp.mx.Recipe, role: str, tensor: np.ndarray):
     return scales, codes
 
 
-_quantize = jax.jit(jaxamp.mx.quantize, static_argnums=(1, 2))
+_quantize = jax.jit(jaxamp.mx.to_block_scaled, static_argnums=(1, 2))
 
 
 def _torch_roles(precision: str, x, w, g) -> dict:

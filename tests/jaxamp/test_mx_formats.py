@@ -58,13 +58,13 @@ def test_format_bad_input_names_parameter(call, match):
 
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match="multiple of mxfp8's block size 32"):
-        mx.quantize(jnp.ones((2, 48)), "mxfp8")
+        mx.to_block_scaled(jnp.ones((2, 48)), "mxfp8")
     with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
-        mx.quantize(jnp.ones((2, 32), jnp.int32), "mxfp8")
+        mx.to_block_scaled(jnp.ones((2, 32), jnp.int32), "mxfp8")
     with pytest.raises(ValueError, match="axis=2 is out of range"):
-        mx.quantize(jnp.ones((2, 32)), "mxfp8", axis=2)
+        mx.to_block_scaled(jnp.ones((2, 32)), "mxfp8", axis=2)
     with pytest.raises(ValueError, match="per_tensor_scale is NVFP4's"):
-        mx.quantize(jnp.ones((2, 32)), "mxfp8", per_tensor_scale=1.0)
+        mx.to_block_scaled(jnp.ones((2, 32)), "mxfp8", per_tensor_scale=1.0)
 
 
 # --- the inputs --------------------------------------------------------------------------------
@@ -147,12 +147,12 @@ def _assert_same(jax_pair, torch_pair, what: str):
 @pytest.mark.parametrize("name", MX_FORMATS)
 def test_mx_quantize_bit_exact_to_torchao(name, mode):
     fmt = mx.get_format(name, scale_mode=mode)
-    quantize = jax.jit(lambda x: mx.quantize(x, fmt))
+    quantize = jax.jit(lambda x: mx.to_block_scaled(x, fmt))
     _assert_same(_jax_bits(*quantize(_X32)), _torch_mx(_X32, fmt), f"{fmt} float32")
     xb = torch.from_numpy(_X32[:200]).to(torch.bfloat16)
     jb = jnp.asarray(xb.view(torch.int16).numpy()).view(jnp.bfloat16)
     _assert_same(
-        _jax_bits(*jax.jit(lambda x: mx.quantize(x, fmt))(jb)),
+        _jax_bits(*jax.jit(lambda x: mx.to_block_scaled(x, fmt))(jb)),
         _torch_mx_bf16(xb, fmt),
         f"{fmt} bfloat16",
     )
@@ -169,7 +169,7 @@ def test_mx_quantize_eager():
     # op by op (each primitive its own program): subnormal, threshold and special blocks
     fmt = mx.get_format("mxfp8", scale_mode="rceil")
     x = _X32[-40:]
-    _assert_same(_jax_bits(*mx.quantize(x, fmt)), _torch_mx(x, fmt), f"{fmt} eager")
+    _assert_same(_jax_bits(*mx.to_block_scaled(x, fmt)), _torch_mx(x, fmt), f"{fmt} eager")
 
 
 @pytest.mark.parametrize("pts", [None, 0.01, 1e-30])
@@ -177,7 +177,7 @@ def test_nvfp4_quantize_bit_exact_to_torchao(pts):
     tpts = None if pts is None else torch.tensor(pts, dtype=torch.float32)
     ts, tc = nvfp4_tensor.nvfp4_quantize(torch.from_numpy(_X16), 16, tpts)
     jpts = None if pts is None else jnp.float32(pts)
-    codes, scales = jax.jit(lambda x: mx.quantize(x, "nvfp4", per_tensor_scale=jpts))(_X16)
+    codes, scales = jax.jit(lambda x: mx.to_block_scaled(x, "nvfp4", per_tensor_scale=jpts))(_X16)
     _assert_same(
         _jax_bits(codes, scales), (ts.view(torch.uint8).numpy(), tc.numpy()), f"nvfp4 {pts}"
     )
@@ -193,8 +193,8 @@ def test_per_tensor_scale_is_torchaos():
 def test_quantize_along_an_axis_is_the_transpose_quantized():
     x = _X32[:64].reshape(64, 32)
     fmt = mx.get_format("mxfp4", scale_mode="rceil")
-    c0, s0 = jax.jit(lambda a: mx.quantize(a, fmt, axis=0))(x.T.copy())
-    c1, s1 = jax.jit(lambda a: mx.quantize(a, fmt))(x)
+    c0, s0 = jax.jit(lambda a: mx.to_block_scaled(a, fmt, axis=0))(x.T.copy())
+    c1, s1 = jax.jit(lambda a: mx.to_block_scaled(a, fmt))(x)
     np.testing.assert_array_equal(np.asarray(c0).T, np.asarray(c1))
     np.testing.assert_array_equal(np.asarray(s0).T, np.asarray(s1))
     assert c0.shape == (16, 64) and s0.shape == (1, 64)
@@ -214,8 +214,8 @@ def test_mx_dequantize_matches_torchao(name):
     ref = mx_tensor.to_dtype(
         tdata, torch.from_numpy(ts).view(torch.float8_e8m0fnu), elem, 32, torch.float32
     ).numpy()
-    codes, scales = jax.jit(lambda a: mx.quantize(a, fmt))(x)
-    ours = np.asarray(jax.jit(lambda c, s: mx.dequantize(c, s, fmt))(codes, scales))
+    codes, scales = jax.jit(lambda a: mx.to_block_scaled(a, fmt))(x)
+    ours = np.asarray(jax.jit(lambda c, s: mx.from_block_scaled(c, s, fmt))(codes, scales))
     # XLA:CPU flushes float32 subnormal results to zero; torch keeps them
     tiny = np.abs(ref) < np.finfo(np.float32).tiny
     np.testing.assert_array_equal(ours, np.where(tiny, np.copysign(np.float32(0.0), ref), ref))
@@ -229,8 +229,8 @@ def test_nvfp4_dequantize_matches_torchao():
 
     @jax.jit
     def round_trip(a):
-        codes, scales = mx.quantize(a, "nvfp4", per_tensor_scale=pts32)
-        return mx.dequantize(codes, scales, "nvfp4", per_tensor_scale=pts32)
+        codes, scales = mx.to_block_scaled(a, "nvfp4", per_tensor_scale=pts32)
+        return mx.from_block_scaled(codes, scales, "nvfp4", per_tensor_scale=pts32)
 
     ours = round_trip(x)
     np.testing.assert_array_equal(np.asarray(ours), ref.dequantize(torch.float32).numpy())

@@ -168,9 +168,11 @@ def test_planted_wrong_block_axis_or_mode_is_caught():
     wrong_mode = _jax_mm(x, w, gy, rec.with_scale_mode("floor"))[0]
     # blocks along N: the wrong axis
     wrong_axis = x @ np.asarray(
-        jax.jit(lambda a: mx.dequantize(*mx.quantize(a, rec.weight, axis=1), rec.weight, axis=1))(
-            w.T
-        )
+        jax.jit(
+            lambda a: mx.from_block_scaled(
+                *mx.to_block_scaled(a, rec.weight, axis=1), rec.weight, axis=1
+            )
+        )(w.T)
     )
     assert _rel(wrong_mode, theirs) > 1e-3 and _rel(wrong_axis, theirs) > 1e-3
 
