@@ -209,8 +209,10 @@ def test_dot_general_matches_torchao_float8_linear(name):
     def f(x, w, b):  # torch layout: x @ w.T, as flax's Dense would see w.T
         return f8.dot_general(x, w, (((2,), (1,)), ((), ())), recipe=rec) + b
 
-    y, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(w), jnp.asarray(b))
-    gx, gw, _ = vjp(jnp.asarray(g))
+    def forward_and_backward(x, w, b, g):
+        y, vjp = jax.vjp(f, x, w, b)
+        return y, *vjp(g)[:2]
+
     k_fwd, k_gi, k_gw = 48, 24, 15
     # bands: the dequantized operands are bit-identical (tested above), so differences come only
     # from the float32 matmul's summation order.
@@ -219,17 +221,22 @@ def test_dot_general_matches_torchao_float8_linear(name):
         np.abs(w) * 1.01,
         np.abs(g).reshape(15, 24) * 1.01,
     )
-    np.testing.assert_array_less(
-        np.abs(np.asarray(y) - y_t).reshape(15, 24),
-        _f32_band(xa, wa.T, k_fwd) + EPS32 * 4 * np.abs(b),
-    )
-    np.testing.assert_array_less(
-        np.abs(np.asarray(gx) - gx_t).reshape(15, 48), _f32_band(ga, wa, k_gi)
-    )
-    np.testing.assert_array_less(np.abs(np.asarray(gw) - gw_t), _f32_band(ga.T, xa, k_gw))
-    # and the fp8 rounding itself is visible: not the float32 result
-    y32 = x.reshape(15, 48) @ w.T + b
-    assert np.abs(np.asarray(y).reshape(15, 24) - y32).max() > 1e-4
+    # Under jit, as a training step runs it; eagerly (op by op, each op compiled alone: several
+    # times the compile work) for one recipe: dot_general has no eager-only code path.
+    runners = [jax.jit] + ([lambda fn: fn] if name == "tensorwise" else [])
+    for runner in runners:
+        y, gx, gw = runner(forward_and_backward)(*map(jnp.asarray, (x, w, b, g)))
+        np.testing.assert_array_less(
+            np.abs(np.asarray(y) - y_t).reshape(15, 24),
+            _f32_band(xa, wa.T, k_fwd) + EPS32 * 4 * np.abs(b),
+        )
+        np.testing.assert_array_less(
+            np.abs(np.asarray(gx) - gx_t).reshape(15, 48), _f32_band(ga, wa, k_gi)
+        )
+        np.testing.assert_array_less(np.abs(np.asarray(gw) - gw_t), _f32_band(ga.T, xa, k_gw))
+        # and the fp8 rounding itself is visible: not the float32 result
+        y32 = x.reshape(15, 48) @ w.T + b
+        assert np.abs(np.asarray(y).reshape(15, 24) - y32).max() > 1e-4
 
 
 @pytest.mark.slow
