@@ -66,10 +66,11 @@ def multi_steps(
       >>> params = {"w": jnp.ones(2)}
       >>> opt_state = tx.init(params)
       >>> grads = {"w": jnp.full(2, 65536.0)}  # scaled by the default 2**16
-      >>> updates, opt_state = tx.update(grads, opt_state, params)  # accumulated
+      >>> update = jax.jit(tx.update)
+      >>> updates, opt_state = update(grads, opt_state, params)  # accumulated
       >>> updates["w"]  # nothing applied yet
       Array([-0., -0.], dtype=float32)
-      >>> updates, opt_state = tx.update(grads, opt_state, params)  # applied: sgd on the mean
+      >>> updates, opt_state = update(grads, opt_state, params)  # applied: sgd on the mean
       >>> updates["w"]
       Array([-0.1, -0.1], dtype=float32)
     """

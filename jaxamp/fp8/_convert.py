@@ -500,7 +500,7 @@ def convert(fn: Callable, recipe: Recipe | str = "tensorwise", *, fp8_filter: An
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.fp8
       >>> f = jaxamp.fp8.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.fp8.get_recipe("rowwise", emulate=True))
-      >>> f(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
+      >>> jax.jit(f)(jnp.ones((4, 8)), jnp.ones((8, 2))).shape
       (4, 2)
     """
     rec = _make_recipe(recipe)

@@ -40,9 +40,9 @@ def convert(fn: Callable, recipe: Recipe | str = "mxfp8", *, mx_filter: Any = No
         say ``emulate=True``. Nothing falls back to high precision silently.
 
     Examples:
-      >>> import jax.numpy as jnp, jaxamp.mx
+      >>> import jax, jax.numpy as jnp, jaxamp.mx
       >>> f = jaxamp.mx.convert(lambda x, w: jnp.tanh(x @ w), jaxamp.mx.get_recipe("mxfp8", emulate=True))
-      >>> f(jnp.ones((32, 64)), jnp.ones((64, 32))).shape
+      >>> jax.jit(f)(jnp.ones((32, 64)), jnp.ones((64, 32))).shape
       (32, 32)
     """
     return _convert(fn, _make_recipe(recipe), fp8_filter=mx_filter)
