@@ -41,7 +41,7 @@ from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.judge import compare_runs
 from parity.verdicts.qualifiers import escalation, verdict
-from parity.verdicts.rows import Verdict, cell_configs, format_verdicts, overall_status
+from parity.verdicts.rows import Verdict, cell_configs, cell_fields, format_verdicts, overall_status
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
 __all__ = [
@@ -95,9 +95,7 @@ def nonfinite_data_row(config: RunConfig, batch: Any) -> Verdict | None:
     if not problems:
         return None
     return verdict(
-        config.model,
-        config.precision,
-        config.device,
+        **cell_fields(config),
         check="batch 0 data finite",
         compared="data",
         value="; ".join(problems),

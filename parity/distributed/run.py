@@ -41,7 +41,7 @@ from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
 from parity.report.markdown import speed_ratios
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict, cell_configs, format_verdicts
+from parity.verdicts.rows import Verdict, cell_configs, cell_fields, format_verdicts
 
 __all__ = [
     "JAX_MODES",
@@ -440,9 +440,7 @@ def _verdict(
     config: RunConfig, kind: str, check: str, compared: str, value, tolerance, passed, detail=""
 ):
     return verdict(
-        config.model,
-        config.precision,
-        config.device,
+        **cell_fields(config),
         check=check,
         compared=compared,
         value=value,

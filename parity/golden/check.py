@@ -67,6 +67,7 @@ from parity.verdicts.rows import (
     Verdict,
     cell_bottom_lines,
     cell_configs,
+    cell_fields,
     format_verdicts,
     overall_status,
 )
@@ -548,9 +549,6 @@ def check_pair(
         result = Step0Result(
             [
                 verdict(
-                    model=config.model,
-                    precision=config.precision,
-                    device=config.device,
                     check="step 0",
                     compared="jax vs torch, step 0",
                     value="error",
@@ -559,6 +557,7 @@ def check_pair(
                     detail=error,
                     mode="step 0",
                     kind="step 0 ran",
+                    **cell_fields(config),
                 )
             ],
             False,

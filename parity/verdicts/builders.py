@@ -84,6 +84,16 @@ def loss_windows(pair) -> list[Row]:
     return rows
 
 
+def _judged(gaps, tolerances, start: int, stop: int) -> tuple[list[int], int, int]:
+    """Steps [start, stop) against their tolerances: the failing steps, the worst step's index
+    in the window (by gap over tolerance, then gap) and the judged one's (the first failing,
+    else the worst)."""
+    segment, tols = gaps[start:stop], tolerances[start:stop]
+    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    worst = max(range(len(segment)), key=lambda i: (segment[i] / tols[i], segment[i]))
+    return failing, worst, failing[0] - start if failing else worst
+
+
 def _compare_window(pair, start: int, stop: int) -> Row:
     gaps, tolerances, envelope = pair.gaps, pair.tolerances, pair.envelope
     ref, cand = pair.ref, pair.cand
@@ -96,13 +106,8 @@ def _compare_window(pair, start: int, stop: int) -> Row:
         for s, t in zip(range(start, stop), window_tols, strict=True)
     ]
     segment = gaps[start:stop]
-    failing = [
-        start + i for i, (g, t) in enumerate(zip(segment, window_tols, strict=True)) if not g <= t
-    ]
-    margins = [g / t for g, t in zip(segment, window_tols, strict=True)]
-    worst_i = max(range(len(segment)), key=lambda i: (margins[i], segment[i]))
+    failing, worst_i, judge_i = _judged(gaps, tolerances, start, stop)
     worst_step = start + worst_i
-    judge_i = failing[0] - start if failing else worst_i
     mode = "noise-calibrated" if "noise-calibrated" in deciders else "fixed bands"
     a, b = ref_l[worst_step], cand_l[worst_step]
     absolute = abs(a - b) if a is not None and b is not None else None
@@ -221,9 +226,7 @@ def _horizon(
 def _window_row(kind, check, gaps, tolerances, start, stop, bound, what, calibrated) -> Row:
     segment = gaps[start:stop]
     tols = tolerances[start:stop]
-    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
-    worst = max(range(len(segment)), key=lambda i: (segment[i] / tols[i], segment[i]))
-    judge_i = failing[0] - start if failing else worst
+    failing, worst, judge_i = _judged(gaps, tolerances, start, stop)
     return Row(
         kind,
         check,

@@ -225,6 +225,7 @@ def _structural(pair: Pair) -> None:
     named by step 0), the two models are different models from step 1 on."""
     folded = _folded(pair.ref) or _folded(pair.cand)
     padding = _padding(pair.ref) or _padding(pair.cand)
+    found = []  # (check, value, reason, the step-0 row's note)
     if folded:
         names = ", ".join(str(r.get("torch")) for r in folded)
         reason = (
@@ -232,12 +233,12 @@ def _structural(pair: Pair) -> None:
             "tensor where torch trains several, so the trajectories part by construction; past "
             "step 0 this row cannot tell that from a port bug (step 0 decides)"
         )
-        pair.structural.append(reason)
-        pair.structural_rows.append(
+        found.append(
             (
                 "structural difference (weight mapping)",
                 f"{len(folded)} folded",
-                f"{reason}. {folded[0].get('note', '')}",
+                reason,
+                folded[0].get("note", ""),
             )
         )
     if padding is not None:
@@ -247,14 +248,17 @@ def _structural(pair: Pair) -> None:
             "train differently wherever a batch holds that token, and this row cannot tell that "
             "from a port bug (step 0 decides)"
         )
-        pair.structural.append(reason)
-        pair.structural_rows.append(
+        found.append(
             (
                 "structural difference (embedding padding rows)",
                 str(padding.get("value")),
-                f"{reason}. {padding.get('detail', '')}",
+                reason,
+                padding.get("detail", ""),
             )
         )
+    for check, value, reason, note in found:
+        pair.structural.append(reason)
+        pair.structural_rows.append((check, value, f"{reason}. {note}"))
 
 
 # Measured on the built-in resnet at lr 1e-2 (AdamW, batch 8, 20 steps), a correct port: loss gap

@@ -23,7 +23,7 @@ from jaxamp.optim_precision import QuantizedArray
 from parity.core.config import RunConfig
 from parity.training.steps import build_jax_optimizer
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.sides import flatten
 
 __all__ = [
@@ -226,7 +226,7 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
     weights after one optimizer step`` from `compare_optimizer_step`'s rows, or one failing
     row when the step could not be compared (`rows`: why)."""
     torchao_class = getattr(config.recipe, "torchao_class", "")
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    base = cell_fields(config)
     prefix = f"step 0 {config.precision}"
     compared = (
         f"jaxamp.optim_precision.low_precision_state vs torchao.optim.{torchao_class}, one step"

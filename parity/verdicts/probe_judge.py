@@ -23,7 +23,7 @@ from parity.core.once import once_jit
 from parity.pairs.adapters import intercept_calls, output_logits
 from parity.verdicts.layer_table import PROBE_CHECK, shaped_error
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.sides import flatten
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
 
@@ -435,10 +435,6 @@ def _judge(flax_of, mode: ProbeMode, flax_entries, scale, mode_name, skipped):
 # --- the step-0 row -------------------------------------------------------------------------------
 
 
-def _base(config) -> dict[str, Any]:
-    return {"model": config.model, "precision": config.precision, "device": config.device}
-
-
 def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -> Verdict:
     """The probe's step-0 row: from its `LayerProbe`, or informational with why it did not run
     (`error`: the probe raised)."""
@@ -453,7 +449,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
             passed=None,
             detail=f"the probe raised {error}",
             mode="step 0",
-            **_base(config),
+            **cell_fields(config),
         )
     if not probe.rows:
         return verdict(
@@ -465,7 +461,7 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
             passed=None,
             detail="; ".join(f"{k}: {v}" for k, v in probe.skipped.items())[:500],
             mode="step 0",
-            **_base(config),
+            **cell_fields(config),
         )
     failed = probe.failed
     row = failed[0] if failed else probe.worst
@@ -498,5 +494,5 @@ def probe_row(config: Any, probe: LayerProbe | None, error: str | None = None) -
         passed=not failed,
         detail=detail,
         mode="step 0",
-        **_base(config),
+        **cell_fields(config),
     )

@@ -23,6 +23,7 @@ __all__ = [
     "PADDING_CHECK",
     "cell_bottom_lines",
     "cell_configs",
+    "cell_fields",
     "deciding_command",
     "final_mean",
     "fmt_value",
@@ -226,6 +227,11 @@ class Row:
             qualified_by=self.qualified[-1] if self.qualified else "",
             **base,
         )
+
+
+def cell_fields(config: Any) -> dict[str, str]:
+    """A `Verdict`'s cell fields (model, precision, device) from a run config."""
+    return {"model": config.model, "precision": config.precision, "device": config.device}
 
 
 def no_power_note(power: float, kind: str = "") -> str:
@@ -460,6 +466,16 @@ def cell_bottom_lines(
       >>> cell_bottom_lines([])
       {}
     """
+    return {cell: text for cell, (_, text) in _cell_outcomes(verdicts, configs).items()}
+
+
+def _cell_outcomes(
+    verdicts: Sequence[Verdict],
+    configs: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
+) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """Each cell's outcome (``"FAIL"``, ``"INCONCLUSIVE"``, ``"PASS"``, ``"PASS early"``: a PASS
+    whose decisive per-step rows stop at the noise horizon, or ``"nothing judged"``) and its
+    bottom line (`cell_bottom_lines`)."""
     cells: dict[tuple, list[Verdict]] = {}
     for v in verdicts:
         cells.setdefault(v.cell, []).append(v)
@@ -479,9 +495,12 @@ def cell_bottom_lines(
                 else ""
             )
             out[cell] = (
-                f"parity FAIL: {first.check} — {first.value_text} against {first.tolerance_text}"
-                f"{where}{'; ' + first.mode if first.mode else ''}"
-                + (f"; {len(failed) - 1} more failing check(s)" if len(failed) > 1 else "")
+                "FAIL",
+                (
+                    f"parity FAIL: {first.check} — {first.value_text} against {first.tolerance_text}"
+                    f"{where}{'; ' + first.mode if first.mode else ''}"
+                    + (f"; {len(failed) - 1} more failing check(s)" if len(failed) > 1 else "")
+                ),
             )
         elif exceeded:
             first = exceeded[0]
@@ -491,11 +510,14 @@ def cell_bottom_lines(
                 else ""
             )
             out[cell] = (
-                f"parity INCONCLUSIVE: {first.check} exceeded its band ({first.value_text} "
-                f"against {first.tolerance_text}{where}) and is excused, not failed (its note "
-                "says why)"
-                + (f"; {len(exceeded) - 1} more such row(s)" if len(exceeded) > 1 else "")
-                + f"; to decide: {command}"
+                "INCONCLUSIVE",
+                (
+                    f"parity INCONCLUSIVE: {first.check} exceeded its band ({first.value_text} "
+                    f"against {first.tolerance_text}{where}) and is excused, not failed (its note "
+                    "says why)"
+                    + (f"; {len(exceeded) - 1} more such row(s)" if len(exceeded) > 1 else "")
+                    + f"; to decide: {command}"
+                ),
             )
         elif decisive:
             modes = sorted({v.mode for v in passed if v.mode and v.mode != "exact"})
@@ -523,17 +545,23 @@ def cell_bottom_lines(
                     "informational, not a pass)"
                 )
             depth = _pass_depth(rows, command)
-            out[cell] = f"{text}; {depth}" if depth else text
+            out[cell] = ("PASS early", f"{text}; {depth}") if depth else ("PASS", text)
         elif passed or inconclusive:
             lacking = "; ".join(_why_inconclusive(v) for v in inconclusive[:3])
             out[cell] = (
-                "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
-                + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
-                + f"; to decide: {command}"
+                "INCONCLUSIVE",
+                (
+                    "parity INCONCLUSIVE: nothing failed, but no check past step 0 decided"
+                    + (f" ({lacking})" if lacking else " (only step 0 and informational rows)")
+                    + f"; to decide: {command}"
+                ),
             )
         else:
             reasons = sorted({v.detail or v.value_text for v in rows if v.passed is None})
-            out[cell] = "nothing judged (never a pass): " + "; ".join(reasons)[:300]
+            out[cell] = (
+                "nothing judged",
+                "nothing judged (never a pass): " + "; ".join(reasons)[:300],
+            )
     return out
 
 
@@ -590,33 +618,11 @@ def format_verdicts(
     undecided cell's deciding command, or a passing cell's bottom line when its PASS covers the
     first steps only (`cell_bottom_lines`; its run's settings from `configs`, `cell_configs` of
     the runs, where given)."""
-    rows = [
-        (
-            "model",
-            "precision",
-            "device",
-            "check",
-            "compared",
-            "value",
-            "tolerance",
-            "mode",
-            "verdict",
-        )
-    ]
+    header = ("model", "precision", "device", "check", "compared", "value", "tolerance")
+    rows = [(*header, "mode", "verdict")]
     for v in verdicts:
-        rows.append(
-            (
-                v.model,
-                v.precision,
-                v.device,
-                v.check,
-                v.compared,
-                v.value_text,
-                v.tolerance_text,
-                v.mode,
-                verdict_mark(v),
-            )
-        )
+        cells = (v.model, v.precision, v.device, v.check, v.compared, v.value_text)
+        rows.append((*cells, v.tolerance_text, v.mode, verdict_mark(v)))
     widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell[:48].ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
@@ -637,8 +643,8 @@ def format_verdicts(
         f"{inconclusive} inconclusive (no power): {status}"
     )
     if status in ("INCONCLUSIVE", "PASS"):  # undecided cells, and a PASS that ends early
-        for cell, text in cell_bottom_lines(verdicts, configs).items():
-            if text.startswith("parity INCONCLUSIVE") or "PASS on steps 0-" in text:
+        for cell, (outcome, text) in _cell_outcomes(verdicts, configs).items():
+            if outcome in ("INCONCLUSIVE", "PASS early"):
                 lines.append(f"{' '.join(cell)}: {text}")
     if status == "NOTHING COMPARED":
         lines.append(

@@ -57,7 +57,7 @@ from parity.perf.phases import phase
 from parity.verdicts.diagnose import diagnose_pair, module_pairs
 from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.sides import Side, as_config, jax_side
 from parity.verdicts.step0_checks import (
     dropout_verdict,
@@ -106,7 +106,7 @@ def _quantized_verdicts(pair, config: RunConfig, inputs, targets) -> list[Verdic
     is fp32 outside the converted layers, and neither side applies fp8 there), so they say
     nothing about the fp8 recipes. A layer converted on one side only fails the run.
     """
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    base = cell_fields(config)
     prefix = f"step 0 {config.precision}"
     try:
         rows = config.recipe.quantized_layers_step0(pair, inputs, targets)
@@ -369,9 +369,6 @@ def run_step0(
     except Exception as e:  # e.g. no kernel for this dtype here: training reports it, not step 0
         reason = f"{type(e).__name__}: {str(e)[:300]}"
         row = verdict(
-            model=config.model,
-            precision=config.precision,
-            device=config.device,
             check="step 0",
             compared="jax vs torch, step 0",
             value=f"not run ({reason})",
@@ -379,6 +376,7 @@ def run_step0(
             passed=None,
             detail="the step-0 checks raised; training goes on and records its own outcome",
             kind="step 0 ran",
+            **cell_fields(config),
         )
         result = Step0Result([row], True)
     if echo:

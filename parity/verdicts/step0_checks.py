@@ -48,7 +48,7 @@ from parity.verdicts.layer_table import (
 )
 from parity.verdicts.probe_judge import PROBE_CHECK, LayerProbe, probe_row
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import PADDING_CHECK, Verdict
+from parity.verdicts.rows import PADDING_CHECK, Verdict, cell_fields
 from parity.verdicts.sides import torch_device
 from parity.verdicts.torch_side import torch_setup
 
@@ -65,10 +65,6 @@ __all__ = [
     "probe_verdict",
     "stochastic_verdict",
 ]
-
-
-def _base(config) -> dict[str, Any]:
-    return {"model": config.model, "precision": config.precision, "device": config.device}
 
 
 def probe_verdict(
@@ -133,7 +129,7 @@ def stochastic_verdict(
         passed=not named,
         detail=detail,
         mode="step 0",
-        **_base(config),
+        **cell_fields(config),
     )
 
 
@@ -161,7 +157,7 @@ def folded_verdict(pair: Any, config: Any) -> Verdict | None:
         "parameterisation on the Flax side (e.g. parity.twins.layers.TorchLSTM) to compare "
         "training",
         mode="informational",
-        **_base(config),
+        **cell_fields(config),
     )
 
 
@@ -190,7 +186,7 @@ def dropout_verdict(pair: Any, config: Any) -> Verdict | None:
         "with dropout on, the port would not train as the torch model does. Set the same rates "
         "on both sides",
         mode="informational",
-        **_base(config),
+        **cell_fields(config),
     )
 
 
@@ -257,5 +253,5 @@ def padding_verdict(config: Any, rows: dict[str, tuple[str, int]]) -> Verdict | 
         "decides). To compare training, zero that row's gradient on the Flax side (e.g. "
         "optax.masked / a stop_gradient on the row)",
         mode="informational",
-        **_base(config),
+        **cell_fields(config),
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 from parity.perf.flops import requested_fraction
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.sides import Side, pair_mapping
 from parity.verdicts.tolerance import (
     LOW_PRECISION_GRADIENT_FACTOR,
@@ -55,7 +55,7 @@ def stage_verdicts(
 ) -> tuple[list[Verdict], tuple[str, float] | None, tuple[str, float] | None]:
     """One stage's rows (eval-mode output, train-mode output, gradients), the worst output and
     the worst parameter; `shapes` is `parity.verdicts.tolerance.program_shapes`'s."""
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    base = cell_fields(config)
     compared = "jax vs torch, step 0"
     rows: list[Verdict] = []
     fwd_fan, fwd_depth = shapes["forward"]
@@ -126,7 +126,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
     """``compute dtype (torch)`` / ``(jax)``: the share of each side's matmul FLOPs in the
     run's compute dtype."""
     want = config.compute_dtype
-    base = {"model": config.model, "precision": config.precision, "device": config.device}
+    base = cell_fields(config)
     rows = []
     for framework, flops in (("torch", t.flops), ("jax", j.flops)):
         fraction = requested_fraction(flops or {}, want)

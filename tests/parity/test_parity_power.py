@@ -81,9 +81,12 @@ def test_a_pass_above_the_bound_is_inconclusive_never_a_pass(check, kind, tolera
         assert "no power" in row.detail and "measured" in row.detail
     # A failing row stays a failure whatever its power.
     assert _row(check, tolerance, kind=kind, passed=False).passed is False
-    # A frozen row is never rewritten: read back, it is the row that was stored.
+    # A frozen row is never rewritten: read back, it is the row that was stored; and a
+    # Verdict judges nothing when built (the qualifiers do, before it is frozen).
     stored = Verdict.from_dict(row.to_dict())
     assert stored == row
+    built = Verdict(*CELL, check, "jax vs torch", 0.0, tolerance, True, kind=kind)
+    assert built.passed is True and built.power is None and not built.detail
 
 
 def test_three_outcomes_and_their_exit_codes():
