@@ -60,7 +60,7 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 _PROBE = """
-import importlib.metadata, importlib.util
+import importlib.metadata, importlib.util, runpy, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("torchao") is None
 try:
     importlib.metadata.version("torch")
@@ -70,29 +70,28 @@ except importlib.metadata.PackageNotFoundError:
 import scipy.stats  # probes array libraries
 from transformers import FlaxGPT2LMHeadModel  # probes torch/torchao with find_spec
 import parity.golden.check, parity.twins.resnet, parity.twins.transformer
+# `python -m parity ARGS` in this process (one interpreter start for both checks)
+sys.argv = ["parity", *sys.argv[1:]]
+try:
+    runpy.run_module("parity", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    print("python -m parity exit code:", done.code)
 import torch
 """
 
 
 @pytest.mark.integration
-def test_without_torch_as_a_machine_without_it():
+def test_builtin_model_golden_checks_without_torch_as_a_machine_without_it(tmp_path):
     """What libraries probe answers as without torch, transformers' Flax models and the golden
-    check's modules import, and ``import torch`` fails as it does where it is not installed."""
-    done = _run(["-c", _PROBE], _env())
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'torch'"
-
-
-@pytest.mark.integration
-def test_builtin_model_golden_checks_without_torch(tmp_path):
-    """A built-in model's golden, no --flax-model: its twin is built from the recorded
-    configuration, torch-free."""
+    check's modules import, and ``import torch`` fails as it does where it is not installed.
+    In that process a built-in model's golden checks PASS, no --flax-model: its twin is built
+    from the recorded configuration, torch-free."""
     out = tmp_path / "verdicts.json"
-    done = _run(
-        ["-m", "parity", "check", "--golden", str(MLP_GOLDEN), "--no-progress", "--json", str(out)],
-        _env(),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    args = ["check", "--golden", str(MLP_GOLDEN), "--no-progress", "--json", str(out)]
+    done = _run(["-c", _PROBE, *args], _env())
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'torch'"
+    assert "python -m parity exit code: 0" in done.stdout, done.stdout[-3000:]
     result = json.loads(out.read_text())
     assert result["status"] == "PASS"
     assert any(v["check"] == "per-step loss, steps 0-4" and v["passed"] for v in result["verdicts"])
