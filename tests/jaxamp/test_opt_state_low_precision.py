@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FLOAT_DTYPES
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
@@ -54,30 +55,39 @@ def _max_error(state_format, signed, scale):
     return scale * max(0.5 * float(np.diff(table).max()), float(below))
 
 
-@pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("state_format", BLOCK)
-def test_quantize_round_trip_dtypes_shapes_and_error(state_format, signed, float_dtype, maybe_jit):
+def test_quantize_round_trip_dtypes_shapes_and_error(state_format, maybe_jit):
+    # Signed and unsigned codes of each float dtype: under jit the six in one program.
+    variants = [(signed, d) for signed in (True, False) for d in FLOAT_DTYPES]
     x = jax.random.normal(jax.random.key(0), (8, 128)) * 3.0
-    x = (x if signed else jnp.abs(x)).astype(float_dtype)
-    q = maybe_jit(lambda v: optim_precision.encode_blockwise(v, state_format, signed=signed))(x)
+    xs = [(x if signed else jnp.abs(x)).astype(d) for signed, d in variants]
+    encode = maybe_jit(
+        lambda xs: tuple(
+            optim_precision.encode_blockwise(v, state_format, signed=signed)
+            for v, (signed, _) in zip(xs, variants, strict=True)
+        )
+    )
+    decode = maybe_jit(lambda qs: tuple(optim_precision.decode_blockwise(q) for q in qs))
+    qs = encode(xs)
     block = optim_precision._codecs.DEFAULT_BLOCK_SIZE[state_format]
-    assert q.scale.dtype == jnp.float32 and q.scale.shape == (1024 // block,)
     want_codes = {
         "8bit": (jnp.uint8, (8, 128)),
         "4bit": (jnp.uint8, (512,)),
         "fp8": (jnp.float8_e4m3fn, (8, 128)),
     }[state_format]
-    assert (q.codes.dtype, q.codes.shape) == (jnp.dtype(want_codes[0]), want_codes[1])
-    back = maybe_jit(optim_precision.decode_blockwise)(q)
-    assert back.dtype == jnp.float32 and back.shape == x.shape
-    x32 = np.asarray(x.astype(jnp.float32)).reshape(-1, block)
-    bound = _max_error(state_format, signed, np.abs(x32).max(-1, keepdims=True))
-    err = np.abs(np.asarray(back).reshape(-1, block) - x32)
-    # ... plus the float32 rounding of value * scale (half an ulp of the scale).
-    assert (err <= bound + np.abs(x32).max(-1, keepdims=True) * 2.0**-23).all()
-    # The scale is each block's largest magnitude (fp8: over 448).
-    want = np.abs(x32).max(-1) / (448.0 if state_format == "fp8" else 1.0)
-    np.testing.assert_allclose(np.asarray(q.scale), want, rtol=2.0**-23)
+    for (signed, dtype), x, q, back in zip(variants, xs, qs, decode(qs), strict=True):
+        case = f"signed={signed}, {jnp.dtype(dtype).name}"
+        assert q.scale.dtype == jnp.float32 and q.scale.shape == (1024 // block,), case
+        assert (q.codes.dtype, q.codes.shape) == (jnp.dtype(want_codes[0]), want_codes[1]), case
+        assert back.dtype == jnp.float32 and back.shape == x.shape, case
+        x32 = np.asarray(x.astype(jnp.float32)).reshape(-1, block)
+        bound = _max_error(state_format, signed, np.abs(x32).max(-1, keepdims=True))
+        err = np.abs(np.asarray(back).reshape(-1, block) - x32)
+        # ... plus the float32 rounding of value * scale (half an ulp of the scale).
+        assert (err <= bound + np.abs(x32).max(-1, keepdims=True) * 2.0**-23).all(), case
+        # The scale is each block's largest magnitude (fp8: over 448).
+        want = np.abs(x32).max(-1) / (448.0 if state_format == "fp8" else 1.0)
+        np.testing.assert_allclose(np.asarray(q.scale), want, rtol=2.0**-23, err_msg=case)
 
 
 def test_quantize_zeros_and_pytree_round_trip():
@@ -107,25 +117,31 @@ def test_codec_errors_name_the_parameter_and_the_closest_value():
 
 
 @pytest.mark.parametrize("state_format", ALL)
-def test_state_layout_dtypes_and_update_dtypes(state_format, float_dtype, maybe_jit):
+def test_state_layout_dtypes_and_update_dtypes(state_format, maybe_jit):
+    # Parameters of each float dtype: under jit the three updates in one program.
     tx = jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format)
-    params = _params(float_dtype)
-    state = tx.init(params)
-    adam = state.inner_state[0]
-    for field in ("mu", "nu"):
-        w, b = getattr(adam, field)["w"], getattr(adam, field)["b"]
-        if state_format == "bf16":
-            assert w.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16
-        else:  # the 64-element bias is below torchao's 4096-element minimum
-            assert isinstance(w, optim_precision.QuantizedArray)
-            assert w.signed == (field == "mu")
-            assert b.dtype == float_dtype
-    updates, new_state = maybe_jit(tx.update)(_grads(0, float_dtype), state, params)
-    assert jax.tree.map(lambda u: u.dtype, updates) == {"w": float_dtype, "b": float_dtype}
-    # The state keeps its types step to step (no retrace, no branch promotion in loss_scaled).
-    assert jax.tree.structure(new_state) == jax.tree.structure(state)
-    assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
-    assert bool(jnp.isfinite(updates["w"].astype(jnp.float32)).all())
+    params = [_params(d) for d in FLOAT_DTYPES]
+    states = [tx.init(p) for p in params]
+    for float_dtype, state in zip(FLOAT_DTYPES, states, strict=True):
+        adam = state.inner_state[0]
+        for field in ("mu", "nu"):
+            w, b = getattr(adam, field)["w"], getattr(adam, field)["b"]
+            if state_format == "bf16":
+                assert w.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16
+            else:  # the 64-element bias is below torchao's 4096-element minimum
+                assert isinstance(w, optim_precision.QuantizedArray)
+                assert w.signed == (field == "mu")
+                assert b.dtype == float_dtype
+    update = maybe_jit(lambda variants: tuple(tx.update(*v) for v in variants))
+    stepped = update(
+        [(_grads(0, d), s, p) for d, s, p in zip(FLOAT_DTYPES, states, params, strict=True)]
+    )
+    for float_dtype, state, (updates, new_state) in zip(FLOAT_DTYPES, states, stepped, strict=True):
+        assert jax.tree.map(lambda u: u.dtype, updates) == {"w": float_dtype, "b": float_dtype}
+        # The state keeps its types step to step (no retrace, no branch promotion in loss_scaled).
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+        assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
+        assert bool(jnp.isfinite(updates["w"].astype(jnp.float32)).all())
 
 
 @pytest.mark.parametrize("state_format", ALL)
@@ -344,24 +360,30 @@ def test_checkpoint_round_trip_keeps_codes_static_fields_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("state_format", BLOCK)
-def test_block_order_blocks_the_permuted_elements(state_format, float_dtype, maybe_jit):
+def test_block_order_blocks_the_permuted_elements(state_format, maybe_jit):
     """With an order, the codes and scales are those of the permuted elements (a (64, 32)
-    kernel blocked as its (32, 64) transpose), and dequantize puts every value back in place."""
-    x = (jax.random.normal(jax.random.key(1), (64, 32)) * 3.0).astype(float_dtype)
+    kernel blocked as its (32, 64) transpose), and dequantize puts every value back in place.
+    Each float dtype: under jit the three in one program."""
+    x = jax.random.normal(jax.random.key(1), (64, 32)) * 3.0
+    xs = [x.astype(d) for d in FLOAT_DTYPES]
     order = optim_precision.BlockOrder(np.arange(x.size).reshape(x.shape).T.reshape(-1))
-    q = maybe_jit(lambda v: optim_precision.encode_blockwise(v, state_format, order=order))(x)
-    plain = optim_precision.encode_blockwise(x.T, state_format)
-    assert q.order is order and q.codes.ndim == 1 and q.scale.shape == plain.scale.shape
-    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(plain.scale))
-    np.testing.assert_array_equal(
-        np.asarray(q.codes).reshape(-1).view(np.uint8),
-        np.asarray(plain.codes).reshape(-1).view(np.uint8),
+    encode = maybe_jit(
+        lambda xs: tuple(optim_precision.encode_blockwise(v, state_format, order=order) for v in xs)
     )
-    back = maybe_jit(optim_precision.decode_blockwise)(q)
-    assert back.shape == x.shape and back.dtype == jnp.float32
-    np.testing.assert_array_equal(
-        np.asarray(back), np.asarray(optim_precision.decode_blockwise(plain)).T
-    )
+    decode = maybe_jit(lambda qs: tuple(optim_precision.decode_blockwise(q) for q in qs))
+    qs = encode(xs)
+    for x, q, back in zip(xs, qs, decode(qs), strict=True):
+        plain = optim_precision.encode_blockwise(x.T, state_format)
+        assert q.order is order and q.codes.ndim == 1 and q.scale.shape == plain.scale.shape
+        np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(plain.scale))
+        np.testing.assert_array_equal(
+            np.asarray(q.codes).reshape(-1).view(np.uint8),
+            np.asarray(plain.codes).reshape(-1).view(np.uint8),
+        )
+        assert back.shape == x.shape and back.dtype == jnp.float32
+        np.testing.assert_array_equal(
+            np.asarray(back), np.asarray(optim_precision.decode_blockwise(plain)).T
+        )
 
 
 def test_block_order_in_the_optimizer_keeps_its_order_and_stays_finite(maybe_jit):
