@@ -208,6 +208,7 @@ RUN_SCHEMA = {
             "compute_flops": Nullable({}),
             "diagnosis": Nullable(_DIAGNOSIS),
             "diagnosis_error": _STR,
+            "examples": Nullable({"!compared": _COUNT, "!batch": _COUNT}),
         }
     ),
     "diagnosis": Nullable(_DIAGNOSIS),

@@ -42,6 +42,7 @@ from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.verdicts.diagnose import module_pairs
 from parity.verdicts.layer_probe import probe_torch
 from parity.verdicts.optim_step0 import torch_optimizer_step
+from parity.verdicts.step0_batch import step0_batch
 from parity.verdicts.step0_checks import (
     dropout_verdict,
     folded_verdict,
@@ -164,7 +165,9 @@ def export_golden(
     eval_batches = (
         [tuple(np.asarray(b) for b in e) for e in stream.eval_batches()] if config.eval else []
     )
-    sides, step0 = _torch_step0(pair, config, *batches[0])
+    # step 0 compares the batch's first examples where it is large, as check_step0 does
+    bounded = step0_batch(pair, variables, *batches[0])
+    sides, step0 = _torch_step0(pair, config, bounded.inputs, bounded.targets)
     loop = getattr(pair, "loop", None)
     replay = None
     if loop is not None:  # the user's torch loop on the replay's gradients and logits

@@ -28,12 +28,12 @@ from parity.verdicts.optim_judge import compare_optimizer_step, optimizer_state_
 from parity.verdicts.probe_judge import judge_probe, probe_row
 from parity.verdicts.rows import Verdict
 from parity.verdicts.sides import jax_side
+from parity.verdicts.step0_batch import step0_batch
 from parity.verdicts.step0_result import Step0Result
 from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
 from parity.verdicts.tolerance import (
     LOW_PRECISION_GRADIENT_FACTOR,
     SAFETY,
-    program_shapes,
     unit_roundoff,
 )
 
@@ -99,7 +99,8 @@ def golden_step0(
       A `Step0Result` as `parity.verdicts.step0.check_step0` returns it (its diagnosis names
       the first diverging layer, or the cause, when a row fails).
     """
-    shapes = program_shapes(pair, variables, inputs, targets)
+    bounded = step0_batch(pair, variables, inputs, targets)  # the examples the export compared
+    inputs, targets, shapes = bounded.inputs, bounded.targets, bounded.shapes
     padded = golden.padding()
     probe_verdict, probe = _probe(golden, pair, config)
     recorded = golden.torch_rows()
@@ -147,6 +148,7 @@ def golden_step0(
         verdicts += optim_rows
     passed = not any(v.passed is False for v in verdicts)
     result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
+    result.examples = bounded.to_dict() if bounded.bounded else None
     # the float32 diagnosis would not see an optimizer state's blocks (the model's rows passed)
     if not passed and optim_rows is None:
         try:

@@ -59,6 +59,7 @@ from parity.verdicts.optim_step0 import optimizer_state_verdicts
 from parity.verdicts.qualifiers import verdict
 from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.sides import Side, as_config, jax_side
+from parity.verdicts.step0_batch import step0_batch
 from parity.verdicts.step0_checks import (
     dropout_verdict,
     explain_failure,
@@ -71,9 +72,6 @@ from parity.verdicts.step0_checks import (
 )
 from parity.verdicts.step0_result import Step0Failure, Step0Result
 from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
-from parity.verdicts.tolerance import (
-    program_shapes,
-)
 from parity.verdicts.torch_side import torch_stage_side
 
 __all__ = [
@@ -187,7 +185,9 @@ def check_step0(
       pair: a `parity.models.ModelPair` (built-in or user; ``pair.mapping`` is used when present).
       config: a `RunConfig`, or just its precision (``"fp32"``, ``"bf16-mixed"``, ...).
       batch: ``(inputs, targets)`` numpy arrays (default: batch 0 of the pair's data at
-        ``config.seed``/``config.batch_size``).
+        ``config.seed``/``config.batch_size``). Step 0 compares its first examples only, as
+        many as a forward pass of ``STEP0_FLOPS`` matmul FLOPs holds, where the whole batch is
+        more work than that (`parity.verdicts.step0_batch`; the result's ``examples`` says so).
       variables: the Flax variables to start from (default: converted from the torch model).
       diagnose: on a failure, run `parity.verdicts.diagnose.diagnose_pair` at the failing stage's precision
         and keep its table in the result.
@@ -233,8 +233,9 @@ def check_step0(
         flops = None
         failed_stage = None
         fp8_failed = False
-        with phase("outputs and gradients"):
-            shapes = program_shapes(pair, variables, inputs, targets)
+        with phase("outputs and gradients"):  # the batch's first examples where it is large
+            bounded = step0_batch(pair, variables, inputs, targets)
+        inputs, targets, shapes = bounded.inputs, bounded.targets, bounded.shapes
         sides: dict[str, tuple[Side, Side]] = {}
         # torch's passes keep each layer's output for the diagnosis (no pass runs twice)
         layers = [name for name, _ in module_pairs(pair, variables)[0]] if diagnose else None
@@ -304,6 +305,7 @@ def check_step0(
             verdicts.extend(optim_rows or [])
         passed = not any(v.passed is False for v in verdicts)
         result = Step0Result(verdicts, passed, worst_output, worst_param, flops, probe=probe)
+        result.examples = bounded.to_dict() if bounded.bounded else None
         # an fp8 failure is already per layer; the float32 diagnosis would not apply fp8
         # nor would it see an optimizer state's blocks (the model's own rows passed)
         if not passed and diagnose and not fp8_failed and optim_rows is None:

@@ -38,6 +38,9 @@ class Step0Result:
       diagnosis: the `parity.verdicts.diagnose.Diagnosis` made when a check failed (None otherwise).
       diagnosis_error: why the diagnosis could not be made, if it could not.
       probe: the `parity.verdicts.layer_probe.LayerProbe` of the float32 stage (None when not run).
+      examples: ``{"compared": n, "batch": size}`` when step 0 compared only the batch's first
+        ``n`` examples (`parity.verdicts.step0_batch`: a batch whose forward pass is more work
+        than its bound); None when it compared the whole batch.
     """
 
     verdicts: list[Verdict]
@@ -48,13 +51,20 @@ class Step0Result:
     diagnosis: Any = None
     diagnosis_error: str | None = None
     probe: Any = None
+    examples: dict[str, int] | None = None
 
     def summary(self) -> str:
         """One line: pass, or the failed checks with their worst output/parameter, and the first
-        diverging layer."""
+        diverging layer; and how many examples were compared, when not the whole batch."""
         failed = [v for v in self.verdicts if v.passed is False]
+        on = (
+            f" (on the batch's first {self.examples['compared']} of {self.examples['batch']} "
+            "examples: bounded by work)"
+            if self.examples
+            else ""
+        )
         if not failed:
-            return "step 0: all checks pass"
+            return f"step 0: all checks pass{on}"
         parts = [
             f"{v.check}: {v.value_text} > {v.tolerance_text} ({v.detail.split(';')[0]})"
             for v in failed
@@ -64,7 +74,7 @@ class Step0Result:
             getattr(self.diagnosis, "first_failing", None) or getattr(self.diagnosis, "cause", None)
         ):
             head = f"{head} ({self.diagnosis.summary()})"
-        return f"{head}: " + "; ".join(parts)
+        return f"{head}{on}: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (for run records and reports)."""
@@ -77,6 +87,7 @@ class Step0Result:
             "compute_flops": self.compute_flops,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "diagnosis_error": self.diagnosis_error,
+            "examples": self.examples,
             "probe": (
                 {
                     "failed": [

@@ -1,7 +1,7 @@
 """What step 0 runs once and reuses: torch's passes for the diagnosis (check_step0's diagnosis
 without a second torch pass: test_parity_step0.py's wrong padding), float64 floors across the
-probe's modes, and the probe's examples bounded by the model's work (parity.verdicts.layer_probe,
-diagnose, torch_side). Tiny models."""
+probe's modes, and the probe's and step 0's examples bounded by the model's work
+(parity.verdicts.layer_probe, step0_batch, diagnose, torch_side). Tiny models."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from parity.core.config import RunConfig
+from parity.core.schema import RUN_SCHEMA, check_schema
 from parity.models import get_model_pair
-from parity.verdicts import diagnose, layer_probe
+from parity.verdicts import diagnose, layer_probe, step0_batch
 from parity.verdicts.probe_judge import PROBE_EXAMPLES, PROBE_FLOPS, PROBE_MIN_EXAMPLES
-from parity.verdicts.tolerance import forward_flops
+from parity.verdicts.step0 import check_step0
+from parity.verdicts.tolerance import forward_flops, program_shapes
 from parity.verdicts.torch_side import layer_arrays, torch_side
 
 TINY_RESNET = {"image_shape": (8, 8, 3), "channels": (4, 8, 16), "blocks_per_stage": 1}
@@ -103,13 +105,64 @@ def test_the_probe_examples_follow_the_models_work():
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn", "cnn_bn", "lstm", "resnet", "transformer"])
-def test_the_built_in_models_at_their_default_sizes_probe_every_example(model):
-    """The bound changes nothing the built-in models' verdicts were measured with."""
+def test_the_built_in_models_at_their_default_sizes_probe_and_compare_every_example(model):
+    """The bounds change nothing the built-in models' verdicts were measured with: the probe
+    runs on 8 examples, and step 0 compares the whole batch at every batch size the CLI and the
+    matrix plans default to (32 at most; the README's main job: cnn on digits, less work than
+    its default input, and the transformer at its default size)."""
     pair = get_model_pair(model, seed=0)
     inputs, _ = pair.make_data(0, PROBE_EXAMPLES).batch(0)
     flops = forward_flops(pair, pair.torch_to_flax(), inputs)
     assert flops * 2 < PROBE_FLOPS  # with room
     assert layer_probe.probe_examples(pair, inputs, flops) == PROBE_EXAMPLES
+    batch = max(RunConfig(model=model).batch_size, 32)
+    whole = flops * batch // PROBE_EXAMPLES  # matmul FLOPs grow with the examples
+    assert whole * 2 < step0_batch.STEP0_FLOPS  # with room
+    assert step0_batch.step0_examples(batch, whole) == batch
+
+
+def test_step0_batch_bounds_the_examples_and_reads_the_bands_from_them(monkeypatch):
+    # a context long enough that the weight gradients' contraction (examples x tokens) is the
+    # longest of the program
+    pair = get_model_pair("transformer", seed=0, **{**TINY_TRANSFORMER, "seq_len": 128})
+    variables = pair.torch_to_flax()
+    inputs, targets = pair.make_data(0, 4).batch(0)
+    whole = step0_batch.step0_batch(pair, variables, inputs, targets)
+    assert (whole.compared, whole.size, whole.bounded, whole.note()) == (4, 4, False, None)
+    assert whole.inputs is inputs and whole.shapes == program_shapes(
+        pair, variables, inputs, targets
+    )
+    monkeypatch.setattr(step0_batch, "STEP0_FLOPS", whole.flops // 2)  # two examples fit
+    half = step0_batch.step0_batch(pair, variables, inputs, targets)
+    assert (half.compared, half.size, half.bounded, half.flops) == (2, 4, True, whole.flops)
+    np.testing.assert_array_equal(half.inputs, inputs[:2])
+    np.testing.assert_array_equal(half.targets, targets[:2])
+    # the gradients' batch-sized contractions: as long as the ones actually summed
+    assert half.shapes == program_shapes(pair, variables, inputs[:2], targets[:2])
+    assert half.shapes["grad"][0] < whole.shapes["grad"][0]
+    assert "first 2 of 4 examples" in half.note()
+    monkeypatch.setattr(step0_batch, "STEP0_FLOPS", 1)  # never under the minimum
+    assert step0_batch.step0_examples(4, whole.flops) == step0_batch.STEP0_MIN_EXAMPLES
+    assert step0_batch.step0_examples(1, whole.flops) == 1
+    with pytest.raises(ValueError, match="size"):
+        step0_batch.step0_examples(0, 1)
+
+
+def test_a_bounded_step0_says_so_and_still_names_a_wrong_port(monkeypatch):
+    """Past its bound step 0 compares the batch's first examples: its summary and record say
+    how many, and a wrong port fails there with its first diverging layer named."""
+    monkeypatch.setattr(step0_batch, "STEP0_FLOPS", 1)
+    pair = _resnet("padding")
+    config = RunConfig(model="resnet", precision="fp32", batch_size=4)
+    result = check_step0(pair, config, pair.make_data(0, 4).batch(0))
+    assert not result.passed and result.examples == {"compared": 2, "batch": 4}
+    assert "(on the batch's first 2 of 4 examples: bounded by work)" in result.summary()
+    assert result.diagnosis.first_failing == "blocks.1.conv1"
+    record = result.to_dict()
+    assert record["examples"] == {"compared": 2, "batch": 4}
+    problems = []
+    check_schema(record, RUN_SCHEMA["step0"], "step0", lambda f, m: problems.append((f, m)))
+    assert not problems
 
 
 def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
