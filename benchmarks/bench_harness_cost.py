@@ -120,6 +120,8 @@ def summarise(run: dict, steps: int) -> dict[str, object]:
         "step0_jax_cpu_s": _phase(phases, "step 0/outputs and gradients/jax"),
         "step0_jax_compile_cpu_s": _phase(phases, "step 0/outputs and gradients/jax/compile"),
         "stochastic_cpu_s": _phase(phases, "step 0/stochastic modules"),
+        # {"compared": n, "batch": size} where step 0 compared the batch's first n examples only
+        "step0_examples": (run.get("step0") or {}).get("examples"),
         "jax_compile_cpu_s": compile_s,
         "train_steps_cpu_s": train_steps,
         "eval_cpu_s": _phase(phases, "train torch/eval") + _phase(phases, "train jax/eval"),
@@ -190,6 +192,9 @@ def render(data: dict) -> str:
             step0_parts += f"; {_fmt(row['step0_torch_cpu_s'])}; {_fmt(row['step0_jax_cpu_s'])}"
             if row.get("step0_jax_compile_cpu_s"):
                 step0_parts += f", {_fmt(row['step0_jax_compile_cpu_s'])}"
+        if row.get("step0_examples"):  # bounded by work
+            step0_parts += f"; {row['step0_examples']['compared']} of "
+            step0_parts += f"{row['step0_examples']['batch']} examples"
         lines.append(
             f"| {row['size']} | {row['precision']} | {_fmt(row['params'])} | {row['verdict']} "
             f"| {_fmt(row['step0_cpu_s'])} ({step0_parts}) "

@@ -57,3 +57,10 @@ def test_the_ratios_come_from_the_records_phases(bench):
     )
     assert "| 64x2 | fp32 |" in text and "| 1.71 |" in text
     assert "| 6 (2; 1; 2, 1.5) |" in text  # step 0 (its probe; torch's, JAX's passes, compile)
+    assert row["step0_examples"] is None  # the whole batch compared
+    run["step0"] = {"examples": {"compared": 2, "batch": 8}}
+    bounded = bench.summarise(run, steps=10)
+    assert bounded["step0_examples"] == {"compared": 2, "batch": 8}
+    cell = {"size": "512x8", "precision": "fp32", "verdict": "PASS"} | bounded
+    text = bench.render({"meta": meta | {"load_before": 1, "load_after": 2}, "rows": [cell]})
+    assert "| 6 (2; 1; 2, 1.5; 2 of 8 examples) |" in text
