@@ -99,7 +99,9 @@ def golden_step0(
       A `Step0Result` as `parity.verdicts.step0.check_step0` returns it (its diagnosis names
       the first diverging layer, or the cause, when a row fails).
     """
-    bounded = step0_batch(pair, variables, inputs, targets)  # the examples the export compared
+    # the examples the export compared (its bound at the time: the recorded outputs' count)
+    recorded = len(golden.side(golden.stages[0]["stage"]).eval_logits)
+    bounded = step0_batch(pair, variables, inputs, targets, examples=recorded)
     inputs, targets, shapes = bounded.inputs, bounded.targets, bounded.shapes
     padded = golden.padding()
     probe_verdict, probe = _probe(golden, pair, config)

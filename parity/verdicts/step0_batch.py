@@ -96,13 +96,17 @@ def step0_examples(size: int, flops: float) -> int:
     return min(size, max(STEP0_MIN_EXAMPLES, fits))
 
 
-def step0_batch(pair: Any, variables: dict, inputs: Any, targets: Any) -> Step0Batch:
+def step0_batch(
+    pair: Any, variables: dict, inputs: Any, targets: Any, *, examples: int | None = None
+) -> Step0Batch:
     """The examples step 0 compares and the program shapes its bands read (`Step0Batch`).
 
     Args:
       pair: the model pair.
       variables: the Flax variables step 0 starts from.
       inputs, targets: the step-0 batch (numpy; examples along the first axis).
+      examples: compare this many of the batch's first examples (a golden file's check: as
+        many as its export compared); default `step0_examples`'s.
 
     Example:
       >>> batch = step0_batch(get_model_pair("mlp"), variables, inputs, targets)
@@ -112,7 +116,10 @@ def step0_batch(pair: Any, variables: dict, inputs: Any, targets: Any) -> Step0B
     shapes = program_shapes(pair, variables, inputs, targets)
     size = len(inputs)
     flops = int(shapes["forward flops"])
-    compared = step0_examples(size, flops) if size else size
+    if examples is not None:
+        compared = min(size, examples)
+    else:
+        compared = step0_examples(size, flops) if size else size
     if compared < size:
         inputs, targets = inputs[:compared], targets[:compared]
         shapes = program_shapes(pair, variables, inputs, targets)

@@ -192,3 +192,24 @@ def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
     reference = torch_side(pair, inputs, targets, fp32, 1.0, trace_flops=False).train_logits
     verdict = step0_checks.stochastic_verdict(pair, config, inputs, reference=reference)
     assert verdict.passed is False and verdict.value == "blocks.0.attn" and hooked
+
+
+@pytest.mark.integration
+@pytest.mark.standard_promotion  # optax/flax internals run inside the check
+def test_a_golden_checks_the_examples_its_export_compared(tmp_path, monkeypatch):
+    """A golden exported where step 0 was bounded records torch's step 0 on the batch's first
+    examples; its check compares those, whatever the bound is when it runs."""
+    from parity.cli.commands import main
+    from parity.golden.check import check_golden
+
+    path = tmp_path / "mlp.npz"
+    export = "export --model mlp --precision fp32 --steps 2 --batch-size 4 --no-eval "
+    export += "--model-override image_shape=[4,4,1] --model-override hidden=8 --no-progress --out"
+    with monkeypatch.context() as patch:
+        patch.setattr(step0_batch, "STEP0_FLOPS", 1)
+        assert main([*export.split(), str(path)]) == 0
+    result = check_golden(path)  # the bound back at its default: the whole batch would fit
+    step0 = result.runs[1]["step0"]
+    assert result.status == "PASS", result.report()
+    assert step0["passed"] and step0["examples"] == {"compared": 2, "batch": 4}
+    assert "first 2 of 4 examples" in step0["summary"]
