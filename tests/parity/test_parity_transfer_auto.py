@@ -69,7 +69,7 @@ def test_auto_on_freshly_initialised_flax_variables_matches_by_shape_and_order()
         torch_net[1].running_mean.uniform_()
         torch_net[1].running_var.uniform_(0.5, 2)
     images = np.random.default_rng(0).standard_normal((2, 6, 6, 3)).astype(np.float32)
-    variables = jax.jit(Net().init)(jax.random.key(0), jnp.asarray(images))
+    variables = jax.eval_shape(Net().init, jax.random.key(0), jnp.asarray(images))
     mapping = auto(torch_net, variables, example_inputs=torch.as_tensor(images).permute(0, 3, 1, 2))
     flax_vars = mapping.to_flax(torch_net)
     validate_variables(flax_vars, variables)
@@ -173,7 +173,7 @@ def test_recurrent_norms_and_transposed_conv_forward_agree():
     torch.manual_seed(0)
     model = _TorchSeq().eval()
     tokens = np.random.default_rng(0).integers(0, 11, (2, 7))
-    variables = jax.jit(_FlaxSeq().init)(jax.random.key(0), jnp.asarray(tokens))
+    variables = jax.eval_shape(_FlaxSeq().init, jax.random.key(0), jnp.asarray(tokens))
     # Flax's LSTM and GRU cells have one bias where torch has two: auto says so.
     with pytest.warns(
         UserWarning, match=r"lstm\.bias_ih_l0 \+ lstm\.bias_hh_l0 .*train differently"
