@@ -79,7 +79,7 @@ class NNXEncDec(nnx.Module):
 def test_enc_dec_pairs_by_execution_order_in_linen_and_nnx():
     torch.manual_seed(0)
     model = EncDec()
-    variables = FlaxEncDec().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxEncDec().init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxEncDec())
     assert _pairs(mapping) == {"enc": "encoder", "dec": "decoder"}
     assert set(_how(mapping).values()) == {"execution order"}
@@ -96,7 +96,7 @@ def test_enc_dec_pairs_by_execution_order_in_linen_and_nnx():
 
 def test_enc_dec_without_a_forward_pass_raises_with_a_rule_that_settles_it():
     model = EncDec()
-    variables = FlaxEncDec().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxEncDec().init, jax.random.key(0), X)
     with pytest.raises(TransferError) as info:
         auto(model, variables)  # weights only: no order to see, and names do not agree
     message = str(info.value)
@@ -151,7 +151,7 @@ def test_query_key_siblings_are_decided_by_function(key_first):
     torch.manual_seed(0)
     model = QueryKey()
     flax_module = FlaxQK(key_first=key_first)
-    variables = flax_module.init(jax.random.key(0), X)
+    variables = jax.eval_shape(flax_module.init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=flax_module)
     assert _pairs(mapping) == {"query": "q", "key": "k", "out": "o"}
     assert _how(mapping)["query"] == "function" and _how(mapping)["out"] == "execution order"
@@ -178,7 +178,7 @@ class FlaxSumOfTwo(fnn.Module):
 
 def test_siblings_that_no_function_separates_raise_with_both_pairings():
     model = SumOfTwo()
-    variables = FlaxSumOfTwo().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxSumOfTwo().init, jax.random.key(0), X)
     with pytest.raises(TransferError) as info:
         auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxSumOfTwo())
     message = str(info.value)
@@ -211,7 +211,7 @@ class FlaxStages(fnn.Module):
 def test_fc_a_fc_b_against_second_stage_first_stage():
     torch.manual_seed(1)
     model = Stages()
-    variables = FlaxStages().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxStages().init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxStages())
     assert _pairs(mapping) == {"fc_a": "first_stage", "fc_b": "second_stage"}
     _same_output(model, FlaxStages(), mapping)
@@ -242,7 +242,7 @@ class FlaxCollide(fnn.Module):
 def test_a_dot_1_and_a_underscore_1_do_not_share_a_name():
     torch.manual_seed(2)
     model = Collide()
-    variables = FlaxCollide().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxCollide().init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxCollide())
     assert _pairs(mapping) == {"a.0": "a_0", "a.1": "a_1", "a_1": "head"}
     assert _how(mapping) == {"a.0": "name", "a.1": "execution order", "a_1": "execution order"}
@@ -261,7 +261,7 @@ class Nested(fnn.Module):
 def test_sequential_against_nested_compact_calls():
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
-    variables = Nested().init(jax.random.key(0), X)
+    variables = jax.eval_shape(Nested().init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=Nested())
     assert _pairs(mapping) == {"0": "Dense_1", "2": "Dense_0"}
     _same_output(model, Nested(), mapping)
@@ -292,7 +292,7 @@ class FlaxReused(fnn.Module):
 def test_a_layer_run_twice_is_one_layer_at_its_first_call():
     torch.manual_seed(5)
     model = Reused()
-    variables = FlaxReused().init(jax.random.key(0), X)
+    variables = jax.eval_shape(FlaxReused().init, jax.random.key(0), X)
     mapping = auto(model, variables, example_inputs=torch.as_tensor(X), flax_model=FlaxReused())
     assert _pairs(mapping) == {"shared": "zz", "other": "aa"}
     _same_output(model, FlaxReused(), mapping)
@@ -318,7 +318,7 @@ def test_the_layers_of_one_stacked_lstm_pair_in_layer_order():
     torch.manual_seed(6)
     model = StackedLSTM()
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
-    variables = FlaxStackedLSTM().init(jax.random.key(0), x)
+    variables = jax.eval_shape(FlaxStackedLSTM().init, jax.random.key(0), x)
     mapping = auto(
         model, variables, example_inputs=torch.as_tensor(x), flax_model=FlaxStackedLSTM()
     )
@@ -345,7 +345,7 @@ def test_the_fix_hint_names_no_path_that_only_exists_or_fits():
                 torch.nn.Linear(3, 5),
             )
 
-    variables = FlaxTwo().init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    variables = jax.eval_shape(FlaxTwo().init, jax.random.key(0), np.zeros((1, 4), np.float32))
     with pytest.raises(TransferError) as info:
         auto(Three(), variables)
     message = str(info.value)
@@ -362,7 +362,9 @@ def test_a_folded_gru_bias_is_warned_and_explained():
             super().__init__()
             self.gru = torch.nn.GRU(3, 4, batch_first=True)
 
-    variables = fnn.RNN(fnn.GRUCell(4)).init(jax.random.key(0), np.zeros((1, 2, 3), np.float32))
+    variables = jax.eval_shape(
+        fnn.RNN(fnn.GRUCell(4)).init, jax.random.key(0), np.zeros((1, 2, 3), np.float32)
+    )
     variables = {"params": {"gru": variables["params"]}}
     model = GRU()
     with pytest.raises(UserWarning, match=r"gru\.bias_ih_l0 \+ gru\.bias_hh_l0"):
