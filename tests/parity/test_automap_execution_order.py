@@ -588,8 +588,9 @@ def test_bert_pair_maps_by_name_with_no_transfer_code():
     ids = np.random.default_rng(0).integers(0, 64, (2, 8))
     with torch.no_grad():
         want = torch_model(torch.as_tensor(ids)).last_hidden_state.numpy()
-    with jax.default_matmul_precision("highest"):
-        got = flax_model(ids, params=mapping.to_flax(torch_model)["params"]).last_hidden_state
+    with jax.default_matmul_precision("highest"):  # one compiled forward, not op by op
+        forward = jax.jit(lambda params: flax_model(ids, params=params).last_hidden_state)
+        got = forward(mapping.to_flax(torch_model)["params"])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
