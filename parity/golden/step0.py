@@ -31,37 +31,8 @@ from parity.verdicts.sides import jax_side
 from parity.verdicts.step0_batch import step0_batch
 from parity.verdicts.step0_result import Step0Result
 from parity.verdicts.step0_rows import compute_verdicts, stage_verdicts
-from parity.verdicts.tolerance import (
-    LOW_PRECISION_GRADIENT_FACTOR,
-    SAFETY,
-    unit_roundoff,
-)
 
 __all__ = ["golden_step0"]
-
-
-def _widen(rows: list[Verdict], dtype: str, shapes, reason: str) -> list[Verdict]:
-    """Step-0 rows of a low-precision stage with the one-rounding-per-layer allowance added."""
-    out = []
-    for row in rows:
-        if not isinstance(row.tolerance, float) or not isinstance(row.value, int | float):
-            out.append(row)
-            continue
-        gradients = row.kind == "step 0 gradients"
-        depth = shapes["grad" if gradients else "forward"][1]
-        extra = SAFETY * depth * unit_roundoff(dtype)
-        if gradients:
-            extra *= LOW_PRECISION_GRADIENT_FACTOR
-        tolerance = row.tolerance + extra
-        out.append(
-            dataclasses.replace(
-                row,
-                tolerance=tolerance,
-                passed=bool(row.value <= tolerance),
-                detail=f"{row.detail}; + {extra:.3g} for {reason}",
-            )
-        )
-    return out
 
 
 def _probe(golden: Golden, pair: Any, config: RunConfig) -> tuple[Verdict, Any]:
@@ -117,16 +88,11 @@ def golden_step0(
         j = jax_side(pair, variables, inputs, targets, stage_config, stage["loss_scale"], low)
         j = mask_padding_rows(j, padded)
         sides[stage["stage"]] = (t, j)
+        dtype = stage_config.compute_dtype
+        widen = f"the recorded {dtype} kernels (one rounding per layer)" if extra.get(dtype) else ""
         rows, w_out, w_param = stage_verdicts(
-            pair, config, stage["stage"], stage_config.compute_dtype, t, j, shapes
+            pair, config, stage["stage"], dtype, t, j, shapes, widen=widen
         )
-        if extra.get(stage_config.compute_dtype):
-            rows = _widen(
-                rows,
-                stage_config.compute_dtype,
-                shapes,
-                f"the recorded {stage_config.compute_dtype} kernels (one rounding per layer)",
-            )
         verdicts += rows
         if stage["stage"] == "fp32":
             verdicts += structure

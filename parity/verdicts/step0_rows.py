@@ -23,6 +23,7 @@ from parity.verdicts.tolerance import (
     group_errors,
     relative_error,
     tolerance,
+    unit_roundoff,
 )
 
 __all__ = ["compute_verdicts", "stage_verdicts", "torch_name", "worst"]
@@ -51,10 +52,20 @@ def torch_name(pair: Any, flax_key: str) -> str:
 
 
 def stage_verdicts(
-    pair, config, stage: str, dtype: str, t: Side, j: Side, shapes: dict[str, tuple[int, int]]
+    pair,
+    config,
+    stage: str,
+    dtype: str,
+    t: Side,
+    j: Side,
+    shapes: dict[str, tuple[int, int]],
+    widen: str = "",
 ) -> tuple[list[Verdict], tuple[str, float] | None, tuple[str, float] | None]:
     """One stage's rows (eval-mode output, train-mode output, gradients), the worst output and
-    the worst parameter; `shapes` is `parity.verdicts.tolerance.program_shapes`'s."""
+    the worst parameter; `shapes` is `parity.verdicts.tolerance.program_shapes`'s. `widen`: why
+    each band allows one more rounding in `dtype` per layer (a golden file recorded on other
+    kernels: ``SAFETY x depth x u(dtype)``, times the low-precision gradient factor for
+    gradients), judged before the rows are frozen; empty: none."""
     base = cell_fields(config)
     compared = "jax vs torch, step 0"
     rows: list[Verdict] = []
@@ -62,6 +73,10 @@ def stage_verdicts(
     grad_fan, grad_depth = shapes["grad"]
     out_tol = tolerance(dtype, fwd_fan, fwd_depth)
     grad_tol = gradient_tolerance(dtype, grad_fan, grad_depth)
+    out_extra = grad_extra = 0.0
+    if widen:  # one more rounding in `dtype` per layer
+        out_extra = SAFETY * fwd_depth * unit_roundoff(dtype)
+        grad_extra = SAFETY * grad_depth * unit_roundoff(dtype) * LOW_PRECISION_GRADIENT_FACTOR
     formula = f"band = {SAFETY:g} x depth x (sqrt(fan-in) x u(float32) + u({dtype}))"
 
     outputs = {
@@ -86,10 +101,10 @@ def stage_verdicts(
                 kind="step 0 output",
                 compared=compared,
                 value=value,
-                tolerance=out_tol,
-                passed=bool(value <= out_tol),
+                tolerance=out_tol + out_extra,
+                passed=bool(value <= out_tol + out_extra),
                 detail=f"worst: {name} (||jax - torch|| / ||torch||); fan-in {fwd_fan}, depth "
-                f"{fwd_depth}; {formula}",
+                f"{fwd_depth}; {formula}" + (f"; + {out_extra:.3g} for {widen}" if widen else ""),
                 **base,
             )
         )
@@ -105,8 +120,8 @@ def stage_verdicts(
                 kind="step 0 gradients",
                 compared=compared,
                 value=value,
-                tolerance=grad_tol,
-                passed=bool(value <= grad_tol),
+                tolerance=grad_tol + grad_extra,
+                passed=bool(value <= grad_tol + grad_extra),
                 detail=f"worst parameter: {torch_name(pair, name)} of {len(grad_errors)}"
                 + (f"; missing on one side: {grad_missing}" if grad_missing else "")
                 + f"; fan-in {grad_fan}, depth {grad_depth}; {formula}"
@@ -114,7 +129,8 @@ def stage_verdicts(
                     f", x {LOW_PRECISION_GRADIENT_FACTOR:g} for gradients below float32"
                     if grad_tol != tolerance(dtype, grad_fan, grad_depth)
                     else ""
-                ),
+                )
+                + (f"; + {grad_extra:.3g} for {widen}" if widen else ""),
                 **base,
             )
         )

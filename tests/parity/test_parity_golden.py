@@ -116,8 +116,13 @@ def test_cli_check_passes_without_torch_on_a_narrower_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["status"] == "PASS"
     checks = {v["check"]: v["passed"] for v in result["verdicts"]}
-    assert checks["step 0 fp32: gradients"] and checks["step 0 bf16-mixed: gradients"]
-    assert checks["final loss (mean of last 5)"]
+    assert checks["step 0 fp32: gradients"] and checks["final loss (mean of last 5)"]
+    # the bf16 gradient band, widened for the recorded kernels, is judged once widened: within
+    # it, and above the power bound it is no pass (inconclusive), never a FAIL
+    (widened,) = [v for v in result["verdicts"] if v["check"] == "step 0 bf16-mixed: gradients"]
+    assert "for the recorded bfloat16 kernels" in widened["detail"]
+    assert widened["value"] <= widened["tolerance"]
+    assert widened["passed"] is (True if widened["tolerance"] <= 1.0 else None)
     # the golden holds torch's per-step gradient norms, and check judges them (at bf16-mixed a
     # 50% band: judged, never a PASS on its own)
     norms = [v for v in result["verdicts"] if v["check"].startswith("per-step gradient norm")]
