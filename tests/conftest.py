@@ -3,6 +3,7 @@
 import copy
 import math
 import os
+from typing import Any
 
 # Must happen before jax is imported anywhere: multi-device tests run on 8 virtual CPU devices.
 # XLA:CPU compiles at its default optimisation level, as users run it: at LLVM level 0 the
@@ -114,8 +115,20 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+# With `-o enable_assertion_pass_hook=true` the summary also counts the test's passing `assert`
+# statements: how many ran, and at how many distinct (test, line) places. A cheaper test must
+# keep its checks: compare these counts before and after a change, beside the CPU seconds.
+_ASSERTS: dict[str, Any] = {"ran": 0, "sites": set()}
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    _ASSERTS["ran"] += 1
+    _ASSERTS["sites"].add((str(item.path), lineno))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    _ASSERTS["ran"], _ASSERTS["sites"] = 0, set()
     start = _cpu_seconds()
     yield
     item.user_properties.append(("cpu_s", _cpu_seconds() - start))
@@ -133,15 +146,20 @@ def pytest_runtest_teardown(item):
     start = _cpu_seconds()
     yield
     item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+    item.user_properties.append(("asserts", (_ASSERTS["ran"], len(_ASSERTS["sites"]))))
 
 
 _CPU_BY_TEST: dict[str, float] = {}
+_ASSERTS_BY_TEST: dict[str, tuple[int, int]] = {}
 
 
 def pytest_runtest_logreport(report):
     # user_properties accumulate over the phases: the teardown report carries all three.
     if report.when == "teardown":
         _CPU_BY_TEST[report.nodeid] = sum(v for k, v in report.user_properties if k == "cpu_s")
+        for key, value in report.user_properties:
+            if key == "asserts":
+                _ASSERTS_BY_TEST[report.nodeid] = tuple(value)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -151,11 +169,24 @@ def pytest_terminal_summary(terminalreporter, config):
     tr = terminalreporter
     total = sum(_CPU_BY_TEST.values())
     tr.write_sep("=", f"CPU seconds: {total:.0f} over {len(_CPU_BY_TEST)} tests")
+    counted = config.getini("enable_assertion_pass_hook")
+    if counted:
+        ran = sum(r for r, _ in _ASSERTS_BY_TEST.values())
+        sites = sum(s for _, s in _ASSERTS_BY_TEST.values())
+        tr.write_line(f"passing asserts: {ran} ran, at {sites} distinct (test, line) places")
     by_file: dict[str, float] = {}
+    asserts_by_file: dict[str, tuple[int, int]] = {}
     for nodeid, seconds in _CPU_BY_TEST.items():
-        by_file[nodeid.split("::")[0]] = by_file.get(nodeid.split("::")[0], 0.0) + seconds
+        path = nodeid.split("::")[0]
+        by_file[path] = by_file.get(path, 0.0) + seconds
+        ran, sites = asserts_by_file.get(path, (0, 0))
+        more = _ASSERTS_BY_TEST.get(nodeid, (0, 0))
+        asserts_by_file[path] = (ran + more[0], sites + more[1])
     for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1]):
-        tr.write_line(f"{seconds:8.1f}s  {path}")
+        ran, sites = asserts_by_file[path]
+        tr.write_line(
+            f"{seconds:8.1f}s  {path}" + (f"  ({ran} asserts, {sites} places)" if counted else "")
+        )
     tr.write_sep("-", f"slowest {n} tests by CPU seconds")
     for nodeid, seconds in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
         tr.write_line(f"{seconds:8.1f}s  {nodeid}")
