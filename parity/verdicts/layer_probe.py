@@ -76,7 +76,7 @@ from parity.verdicts.probe_judge import (
     judge_probe,
 )
 from parity.verdicts.sides import flatten
-from parity.verdicts.tolerance import forward_flops
+from parity.verdicts.tolerance import examples_within, forward_flops
 
 __all__ = [
     "NOISE_K",
@@ -387,9 +387,7 @@ def probe_examples(pair: Any, inputs: Any, flops: int | None = None) -> int:
     size = len(inputs)
     if flops is None:
         flops = forward_flops(pair, pair.torch_to_flax(), inputs)
-    per_example = flops / max(size, 1)
-    fits = int(PROBE_FLOPS // per_example) if per_example > 0 else PROBE_EXAMPLES
-    return max(1, min(size, PROBE_EXAMPLES, max(PROBE_MIN_EXAMPLES, fits)))
+    return max(1, examples_within(size, flops, PROBE_FLOPS, PROBE_MIN_EXAMPLES, PROBE_EXAMPLES))
 
 
 def probe_torch(

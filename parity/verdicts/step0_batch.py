@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from parity.verdicts.tolerance import program_shapes
+from parity.verdicts.tolerance import examples_within, program_shapes
 
 __all__ = ["STEP0_FLOPS", "STEP0_MIN_EXAMPLES", "Step0Batch", "step0_batch", "step0_examples"]
 
@@ -91,9 +91,7 @@ def step0_examples(size: int, flops: float) -> int:
     """
     if size < 1:
         raise ValueError(f"step0_examples: `size` must be >= 1; got {size}.")
-    per_example = flops / size
-    fits = int(STEP0_FLOPS // per_example) if per_example > 0 else size
-    return min(size, max(STEP0_MIN_EXAMPLES, fits))
+    return examples_within(size, flops, STEP0_FLOPS, STEP0_MIN_EXAMPLES, size)
 
 
 def step0_batch(

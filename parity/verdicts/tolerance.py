@@ -48,6 +48,7 @@ __all__ = [
     "LOW_PRECISION_GRADIENT_FACTOR",
     "MIN_COMPUTE_FRACTION",
     "SAFETY",
+    "examples_within",
     "forward_flops",
     "gradient_tolerance",
     "group_error",
@@ -263,6 +264,20 @@ def forward_flops(pair, variables, inputs) -> int:
     """The matmul and convolution FLOPs of the float32 forward pass on `inputs` (the probe's
     budget: `parity.verdicts.layer_probe.probe_examples`)."""
     return sum(jax_matmul_flops(_forward_jaxpr(pair, variables, jnp.asarray(inputs))).values())
+
+
+def examples_within(size: int, flops: float, budget: float, least: int, most: int) -> int:
+    """How many of a batch's first examples a pass of at most `budget` matmul FLOPs holds, given
+    `flops` for the whole batch of `size`: never fewer than `least`, never more than `most` or
+    the batch (step 0's comparison and the layer probe are bounded this way).
+
+    Example:
+      >>> examples_within(32, 5.4e8, 2**31, 2, 32), examples_within(8, 2.6e10, 2**30, 2, 8)
+      (32, 2)
+    """
+    per_example = flops / max(size, 1)
+    fits = int(budget // per_example) if per_example > 0 else most
+    return min(size, most, max(least, fits))
 
 
 def program_shapes(pair, variables, inputs, targets) -> dict[str, Any]:
