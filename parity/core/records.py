@@ -20,7 +20,8 @@ give (``0o666`` minus the umask), and is moved into place with ``os.replace``: a
 leaves the previous complete file, never half of one; `merge_runs` holds a lock on the folder's
 results file around its read-modify-write, so concurrent writers lose no run. `load_results`
 validates the whole file (`parity.core.schema`: every field a reader uses, step-0 rows and ``config``
-included) and raises one `ResultsFileError` naming the file, the run and the field.
+included) and raises one `ResultsFileError` naming the file, the run and the field; rows stored
+before rows had kinds are read as rows are written now (`parity.core.stored_rows`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from parity.core.hardware import hardware_info, versions
 from parity.core.losses import eval_metric_name
 from parity.core.recipes import get_recipe
 from parity.core.schema import MAX_DEPTH, RUN_SCHEMA, check_schema, depth_exceeds, describe
+from parity.core.stored_rows import StoredRowError, upgrade_run
 
 __all__ = [
     "MEMORY_METHODS",
@@ -672,7 +674,13 @@ def _read_results(path: Path) -> dict[str, Any]:
         raise ResultsFileError("nested too deeply to read", path=path) from None
     except OSError as e:
         raise ResultsFileError(f"cannot be read ({e.strerror or e})", path=path) from e
-    return validate_results(data, path)
+    validate_results(data, path)
+    for index, run in enumerate(data["runs"]):  # rows stored before rows had kinds
+        try:
+            upgrade_run(run)
+        except StoredRowError as e:
+            raise ResultsFileError(e.reason, path=path, run_index=index, field=e.field) from None
+    return data
 
 
 def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:

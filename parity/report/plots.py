@@ -21,9 +21,7 @@ from parity.perf import speed
 from parity.verdicts.rows import (
     POWER_BOUNDS,
     TOLERANCES,
-    loss_floor,
-    relative_gaps,
-    run_losses,
+    loss_gaps,
     self_divergence,
 )
 from parity.verdicts.tolerances import step_tolerances
@@ -240,8 +238,7 @@ def plot_divergence(runs, path: Path) -> bool:
         return False
     fig, axes = _grid(len(panels))
     for ax, ((model, precision, device), ref, cand, noise) in zip(axes, panels, strict=False):
-        ref_l = run_losses(ref)
-        gaps = relative_gaps(ref_l, run_losses(cand), loss_floor(ref_l))
+        gaps = loss_gaps(ref, cand)
         pts = [(i, g) for i, g in enumerate(gaps) if math.isfinite(g) and g > 0]
         if pts:
             xs, ys = decimate(*zip(*pts, strict=True))
@@ -254,7 +251,7 @@ def plot_divergence(runs, path: Path) -> bool:
             )
         for run in noise:
             own = ref if run["framework"] == "torch" else cand
-            env = self_divergence(own, [run]) or []
+            env = self_divergence([run], {run["framework"]: own}) or []
             pts = [(i, e) for i, e in enumerate(env) if math.isfinite(e) and e > 0]
             if pts:
                 xs, ys = decimate(*zip(*pts, strict=True))
@@ -302,8 +299,7 @@ def plot_gaps(runs, path: Path) -> bool:
         return False
     fig, axes = _grid(len(panels))
     for ax, ((model, precision, device), ref, cand, noise) in zip(axes, panels, strict=False):
-        ref_l = run_losses(ref)
-        gaps = relative_gaps(ref_l, run_losses(cand), loss_floor(ref_l))
+        gaps = loss_gaps(ref, cand)
         series = [("loss", gaps, "tab:purple")]
         for field, color in (("grad_norm", "tab:green"), ("update_norm", "tab:orange")):
             a = [s.get(field) for s in ref["steps"]]
@@ -323,16 +319,7 @@ def plot_gaps(runs, path: Path) -> bool:
             if pts:
                 xs, ys = decimate(*zip(*pts, strict=True))
                 ax.plot(xs, ys, color=color, lw=1.2, marker=".", ms=3, label=f"{label} gap")
-        envelope = None
-        for run in noise:
-            own = ref if run["framework"] == "torch" else cand
-            env = self_divergence(own, [run])
-            if env:
-                envelope = (
-                    env
-                    if envelope is None
-                    else [max(x, y) for x, y in zip(envelope, env, strict=False)]
-                )
+        envelope = self_divergence(noise, {"torch": ref, "jax": cand})
         tolerance = step_tolerances(gaps, envelope)
         ax.step(
             *decimate(range(len(tolerance)), tolerance),

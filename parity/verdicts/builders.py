@@ -15,6 +15,7 @@ written once, for users, in the documentation page "What a PASS means"
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from parity.verdicts.rows import (
     fmt_value,
     power_bound,
     run_losses,
-    signal_envelope,
+    self_divergence,
     signal_gaps,
 )
 from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
@@ -89,9 +90,15 @@ def _judged(gaps, tolerances, start: int, stop: int) -> tuple[list[int], int, in
     in the window (by gap over tolerance, then gap) and the judged one's (the first failing,
     else the worst)."""
     segment, tols = gaps[start:stop], tolerances[start:stop]
-    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    failing = _failing(gaps, tolerances, start, stop)
     worst = max(range(len(segment)), key=lambda i: (segment[i] / tols[i], segment[i]))
     return failing, worst, failing[0] - start if failing else worst
+
+
+def _failing(gaps, tolerances, start: int, stop: int) -> list[int]:
+    """The steps in [start, stop) whose gap is not within its tolerance (a NaN gap fails)."""
+    stop = min(stop, len(gaps), len(tolerances))
+    return [s for s in range(start, stop) if not gaps[s] <= tolerances[s]]
 
 
 def _compare_window(pair, start: int, stop: int) -> Row:
@@ -253,7 +260,7 @@ def _window_row(kind, check, gaps, tolerances, start, stop, bound, what, calibra
 
 def _beyond_row(kind, check, gaps, tolerances, start, stop, bound, what, cause) -> Row:
     segment, tols = gaps[start:stop], tolerances[start:stop]
-    failing = [start + i for i, (g, t) in enumerate(zip(segment, tols, strict=False)) if not g <= t]
+    failing = _failing(gaps, tolerances, start, stop)
     why = cause[0].format(
         low=fmt_value(min(tols)), high=fmt_value(max(tols)), bound=fmt_value(bound)
     )
@@ -289,7 +296,7 @@ def fp8_loss(pair) -> list[Row]:
         ]
     band = TOLERANCES["fp8_step_band"]
     tolerances = [step_band(0)] + [band] * (len(gaps) - 1)
-    failing = [i for i, (g, t) in enumerate(zip(gaps, tolerances, strict=True)) if not g <= t]
+    failing = _failing(gaps, tolerances, 0, len(gaps))
     worst = max(range(len(gaps)), key=lambda i: gaps[i] / tolerances[i])
     return [
         Row(
@@ -310,28 +317,25 @@ def fp8_loss(pair) -> list[Row]:
 
 def final_loss(pair) -> list[Row]:
     """The mean of the last losses within the final-loss band (or k x the envelope at the end)."""
-    ref, cand, envelope = pair.ref, pair.cand, pair.envelope
+    ref, cand = pair.ref, pair.cand
     window = TOLERANCES["final_window"]
     ref_l, cand_l = pair.ref_losses, pair.cand_losses
     a, b = final_mean(ref_l, window), final_mean(cand_l, window)
     floor = pair.floor
     value = math.inf if a is None or b is None else abs(a - b) / max(abs(a), floor, 1e-30)
-    tolerance = TOLERANCES["final_loss_rel"]
+    tolerance, env_final = pair.final_band()
     mode = "fixed bands"
     detail = (
         f"{run_label(ref)} {fmt_value(a, LOSS_UNIT)}, {run_label(cand)} {fmt_value(b, LOSS_UNIT)}; "
         f"difference {fmt_value(None if a is None or b is None else abs(a - b), LOSS_UNIT)}, "
         f"relative to max(|{run_label(ref)}|, floor {fmt_value(floor, LOSS_UNIT)} = 1% of the first loss)"
     )
-    if envelope:
-        env_final = envelope[min(len(envelope), len(ref_l)) - 1]
-        noise = TOLERANCES["noise_k"] * env_final
-        if noise > tolerance:
-            tolerance, mode = noise, "noise-calibrated"
-            detail += (
-                f"; self-divergence at the end {fmt_value(env_final)}: tolerance k x envelope "
-                "(one run cannot tell chaos from a port bug here: use seed statistics)"
-            )
+    if tolerance > TOLERANCES["final_loss_rel"]:
+        mode = "noise-calibrated"
+        detail += (
+            f"; self-divergence at the end {fmt_value(env_final)}: tolerance k x envelope "
+            "(one run cannot tell chaos from a port bug here: use seed statistics)"
+        )
     passed: bool | None = value <= tolerance
     if pair.seeds_decide:
         passed, mode = None, "informational"
@@ -418,7 +422,9 @@ def signals(pair) -> list[Row]:
         own = None
         if pair.fp32:
             tols = [factor * t for t in pair.tolerances[:m]]
-            own = signal_envelope(pair.noise, pair.mains, field)
+            own = self_divergence(
+                pair.noise, pair.mains, functools.partial(signal_gaps, field=field)
+            )
             if own:  # the signal's own rounding divergence, where it outruns the loss's
                 own_tols = step_tolerances(signal[:m], own)
                 tols = [max(t, o) for t, o in zip(tols, own_tols, strict=False)]
@@ -639,6 +645,15 @@ def structural(pair) -> list[Row]:
     """Informational rows naming a structural difference between the two models (a weight
     mapping that folds trainable tensors, embedding padding rows torch never trains)."""
     return [
-        Row("structural", check, value, "—", None, detail, mode="informational", late=True)
-        for check, value, detail in pair.structural_rows
+        Row(
+            "structural",
+            s.check,
+            s.value,
+            "—",
+            None,
+            f"{s.reason}. {s.note}",
+            mode="informational",
+            late=True,
+        )
+        for s in pair.structural
     ]

@@ -38,6 +38,7 @@ __all__ = ["SkipDifference", "flip_window", "scale_rows", "skip_differences", "s
 FP16_FLIP_ULPS = TOLERANCES["fp16_flip_ulps"]
 FP16_FLIP_NOISE_K = TOLERANCES["fp16_flip_noise_k"]
 FP16_MAX = TOLERANCES["fp16_max"]
+ULP_WINDOW = FP16_FLIP_ULPS * 2.0**-11  # the flip window without a calibration run: 4 ulps
 
 Calibration = Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
 
@@ -84,11 +85,11 @@ def flip_window(calibration: Calibration, step: int) -> tuple[float, float]:
             for name, x in a.items():
                 if name in b:
                     spread = max(spread, abs(b[name] - x) / x)
-    return max(FP16_FLIP_ULPS * 2.0**-11, FP16_FLIP_NOISE_K * spread), spread
+    return max(ULP_WINDOW, FP16_FLIP_NOISE_K * spread), spread
 
 
 def _window_words(window: float, spread: float, step: int) -> str:
-    if window <= FP16_FLIP_ULPS * 2.0**-11:
+    if window <= ULP_WINDOW:
         return f"{FP16_FLIP_ULPS} float16 ulps"
     return (
         f"{window:.3g} ({FP16_FLIP_NOISE_K:g} x the {spread:.3g} by which a parameter's largest "

@@ -21,9 +21,10 @@ the rounding floor. Then:
   data seeds per framework were run;
 - `parity.verdicts.qualifiers.QUALIFIERS`, in order, on every row.
 
-Step-0 rows (`parity.verdicts.step0`, stored as ``run["step0"]["verdicts"]`` or passed as
-``extra_verdicts``) come first in their cell; where the cell has no trained comparable pair
-they are informational, never its PASS.
+The rows a run record stores (step 0's, `parity.verdicts.step0`, as ``run["step0"]["verdicts"]``;
+a distributed run's own checks) are judged in their cell and come first in it; where the cell
+has no trained comparable pair a passing one is informational (the qualifier ``"no trained
+pair"``), never its PASS.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from parity.core.recipes import get_recipe
 from parity.core.records import (
@@ -42,6 +43,7 @@ from parity.core.records import (
     run_seed,
     run_status,
 )
+from parity.core.stored_rows import stored_rows
 from parity.verdicts import builders, fp16
 from parity.verdicts.checks import CHECKS
 from parity.verdicts.logits import logit_rows
@@ -51,9 +53,9 @@ from parity.verdicts.rows import (
     Verdict,
     fmt_value,
     loss_floor,
+    loss_gaps,
     relative_gaps,
     run_losses,
-    running_envelope,
     seeds_to_decide,
     self_divergence,
 )
@@ -92,8 +94,7 @@ class Pair:
     tolerances: list[float] = dataclasses.field(default_factory=list)
     ratio: float = 1.0
     skips: list[fp16.SkipDifference] = dataclasses.field(default_factory=list)
-    structural: list[str] = dataclasses.field(default_factory=list)
-    structural_rows: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    structural: list[Structural] = dataclasses.field(default_factory=list)
     departure: tuple[int, str] | None = None
 
     def __post_init__(self) -> None:
@@ -102,6 +103,17 @@ class Pair:
         self.gaps = relative_gaps(self.ref_losses, self.cand_losses, self.floor)
         self.tolerances = step_tolerances(self.gaps, self.envelope)
         self.ratio = envelope_ratio(self.gaps, self.envelope)
+        self.structural = _structural(self.ref, self.cand)
+
+    def final_band(self) -> tuple[float, float | None]:
+        """The band of the final loss: `final_loss_rel`, or ``k`` times the self-divergence
+        envelope at the end where larger; and that envelope's value (None: uncalibrated)."""
+        band = TOLERANCES["final_loss_rel"]
+        if not self.envelope:
+            return band, None
+        end = self.envelope[min(len(self.envelope), len(self.ref_losses)) - 1]
+        noise = TOLERANCES["noise_k"] * end
+        return (noise if noise > band else band), end
 
     @property
     def compared(self) -> str:
@@ -183,27 +195,14 @@ def _left_out(ref, run, differences: list[str]) -> Verdict:
     )
 
 
-def _demoted(verdict: Verdict) -> Verdict:
-    """A passing step-0 row of a cell where no trained pair was compared: informational."""
-    if verdict.passed is not True:
-        return verdict
-    return dataclasses.replace(
-        verdict,
-        passed=None,
-        detail=(verdict.detail + "; " if verdict.detail else "")
-        + "informational: no trained torch/JAX pair in this cell to judge",
-    )
-
-
 # --- the pair's context ---------------------------------------------------------------------------
 
 
-def _envelope(pair_noise, mains) -> tuple[list[float] | None, list[str]]:
-    """The self-divergence envelope: each calibration run against its framework's main run,
-    the running maximum over all of them (the steps all have, where one stopped early)."""
-    envelopes = [(run, self_divergence(mains[run["framework"]], [run])) for run in pair_noise]
-    used = [(run, env) for run, env in envelopes if env is not None]
-    return running_envelope(env for _, env in used), [run_label(run) for run, _ in used]
+def _envelope(noise, mains) -> tuple[list[float] | None, list[str]]:
+    """The self-divergence envelope of the calibration runs against their frameworks' main
+    runs (the steps all have, where one stopped early), and the runs it comes from."""
+    used = [run for run in noise if loss_gaps(mains[run["framework"]], run)]
+    return self_divergence(used, mains), [run_label(run) for run in used]
 
 
 def _folded(run) -> list[dict[str, Any]]:
@@ -219,13 +218,24 @@ def _padding(run) -> Mapping[str, Any] | None:
     return None
 
 
-def _structural(pair: Pair) -> None:
+class Structural(NamedTuple):
+    """A structural difference of the two models: its row's label and value, why a trajectory
+    row cannot tell it from a port bug (the qualifier ``"structural difference"``), and the
+    step-0 row's note."""
+
+    check: str
+    value: str
+    reason: str
+    note: str
+
+
+def _structural(ref, cand) -> list[Structural]:
     """Where the weight mapping folds trainable tensors (torch's b_ih + b_hh summed into one
     Flax bias), or torch never trains an embedding row the Flax model trains (``padding_idx``,
     named by step 0), the two models are different models from step 1 on."""
-    folded = _folded(pair.ref) or _folded(pair.cand)
-    padding = _padding(pair.ref) or _padding(pair.cand)
-    found = []  # (check, value, reason, the step-0 row's note)
+    folded = _folded(ref) or _folded(cand)
+    padding = _padding(ref) or _padding(cand)
+    found = []
     if folded:
         names = ", ".join(str(r.get("torch")) for r in folded)
         reason = (
@@ -234,7 +244,7 @@ def _structural(pair: Pair) -> None:
             "step 0 this row cannot tell that from a port bug (step 0 decides)"
         )
         found.append(
-            (
+            Structural(
                 "structural difference (weight mapping)",
                 f"{len(folded)} folded",
                 reason,
@@ -249,16 +259,14 @@ def _structural(pair: Pair) -> None:
             "from a port bug (step 0 decides)"
         )
         found.append(
-            (
+            Structural(
                 "structural difference (embedding padding rows)",
                 str(padding.get("value")),
                 reason,
                 padding.get("detail", ""),
             )
         )
-    for check, value, reason, note in found:
-        pair.structural.append(reason)
-        pair.structural_rows.append((check, value, f"{reason}. {note}"))
+    return found
 
 
 # Measured on the built-in resnet at lr 1e-2 (AdamW, batch 8, 20 steps), a correct port: loss gap
@@ -331,13 +339,12 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
         rows += TRAJECTORY_BUILDERS[kind](pair)
     rows += builders.max_gap(pair)
     rows += builders.eval_metric(pair)
-    rows += logit_rows(ref, cand, pair.envelope)
+    rows += logit_rows(pair)
     if pair.seeds_decide:
         rows += builders.welch(pair)
     rows += builders.signals(pair)
     if pair.seeds_decide:
         rows += builders.seed_equivalence(pair)
-    _structural(pair)
     rows += builders.structural(pair)
     pair.departure = _departure(pair, seeds_to_decide(rows))
     ordered = [r for r in rows if not r.late] + [r for r in rows if r.late]
@@ -347,23 +354,18 @@ def _pair_rows(pair: Pair) -> list[Verdict]:
 # --- all runs -------------------------------------------------------------------------------------
 
 
-def _embedded_verdicts(runs: Iterable[Mapping[str, Any]]) -> list[Verdict]:
-    """Verdict rows stored in run records (``run["step0"]["verdicts"]``), each once (the
-    same row stored in both frameworks' records)."""
+def _stored_rows(runs: Iterable[Mapping[str, Any]]) -> list[tuple[dict[str, Any], Row]]:
+    """The rows run records store (step 0's, a distributed run's own checks:
+    `parity.core.stored_rows`), each once (the same row stored in both frameworks' records),
+    with their cell and pair, to judge in their cell."""
     seen, out = set(), []
     for run in runs:
-        step0 = run.get("step0")
-        rows = step0.get("verdicts", []) if isinstance(step0, Mapping) else []
-        # A distributed run's own checks (ranks agree, reduction dtypes), stored with its sides.
-        rows = [*rows, *run.get("distributed_verdicts", [])]
-        for row in rows:
-            verdict = Verdict.from_dict(row)
-            if not verdict.mode:
-                verdict = dataclasses.replace(verdict, mode="step 0")
-            key = json.dumps(verdict.to_dict(), sort_keys=True, default=str)
+        for _, data in stored_rows(run):
+            base, row = Row.stored(data)
+            key = json.dumps([base, dataclasses.asdict(row)], sort_keys=True, default=str)
             if key not in seen:
                 seen.add(key)
-                out.append(verdict)
+                out.append((base, row))
     return out
 
 
@@ -488,16 +490,14 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
     return rows, judged_any
 
 
-def compare_runs(
-    runs: Sequence[dict[str, Any]], *, extra_verdicts: Iterable[Verdict] = ()
-) -> list[Verdict]:
+def compare_runs(runs: Sequence[dict[str, Any]]) -> list[Verdict]:
     """Verdicts for every torch/JAX pair among `runs`, grouped by (model, precision, device).
 
     Args:
       runs: run records (results.json's ``runs``): main runs, calibration runs
-        (``variant="noise"``) and seed runs (other ``config.data_seed``) alike.
-      extra_verdicts: rows made elsewhere (step-0 checks), listed first in their cell; a
-        passing one is informational where the cell has no trained comparable pair.
+        (``variant="noise"``) and seed runs (other ``config.data_seed``) alike; the rows they
+        store (step 0's) come first in their cell, informational where a passing one's cell has
+        no trained comparable pair (the qualifier ``"no trained pair"``).
 
     Returns:
       `Verdict` rows; a cell without both frameworks gets one row with ``passed=None`` saying so,
@@ -511,11 +511,19 @@ def compare_runs(
     groups: dict[tuple, list] = {}
     for run in runs:
         groups.setdefault((run["model"], run["precision"], run["device"]), []).append(run)
-    extra = list(extra_verdicts) + _embedded_verdicts(runs)
+    stored = _stored_rows(runs)
+
+    def judged(rows, cell_judged):
+        return [qualify(row, cell_judged, "stored").freeze(base) for base, row in rows]
+
     verdicts: list[Verdict] = []
     for key in sorted(groups):
-        cell_rows, judged = _cell_rows(key, groups[key])
-        here = [v if judged else _demoted(v) for v in extra if v.cell == key]
-        verdicts.extend(here + cell_rows)
-    verdicts.extend(_demoted(v) for v in extra if v.cell not in groups)
+        cell_rows, judged_any = _cell_rows(key, groups[key])
+        here = [(base, row) for base, row in stored if _cell(base) == key]
+        verdicts.extend(judged(here, judged_any) + cell_rows)
+    verdicts.extend(judged([(b, r) for b, r in stored if _cell(b) not in groups], False))
     return verdicts
+
+
+def _cell(base: Mapping[str, Any]) -> tuple[str, str, str]:
+    return (base["model"], base["precision"], base["device"])

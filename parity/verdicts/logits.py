@@ -45,7 +45,7 @@ by more than the band does. The raw top-1 and top-5 rates are the row's figures.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -53,16 +53,9 @@ from scipy import special
 
 from parity.core.recipes import get_recipe
 from parity.core.records import eval_logit_sample
-from parity.verdicts.rows import (
-    LOSS_UNIT,
-    Row,
-    fmt_value,
-    loss_floor,
-    relative_gaps,
-    run_losses,
-)
+from parity.verdicts.rows import LOSS_UNIT, Row, fmt_value
 from parity.verdicts.tolerance import SAFETY, unit_roundoff
-from parity.verdicts.tolerances import TOLERANCES, step_band, step_tolerances
+from parity.verdicts.tolerances import TOLERANCES, step_band
 
 __all__ = [
     "eval_logit_band",
@@ -186,12 +179,12 @@ def _compute_dtype(run: Mapping[str, Any]) -> str:
         return "float32"
 
 
-def eval_logit_band(
-    ref: Mapping[str, Any], cand: Mapping[str, Any], step: int, envelope: Sequence[float] | None
-) -> tuple[float, str, str]:
+def eval_logit_band(pair: Any, step: int) -> tuple[float, str, str]:
     """``(eps, mode, source)``: the relative logit difference the eval point after `step`
-    updates is held to (module docstring), what decides, and where ``eps`` comes from."""
-    dtype = _compute_dtype(ref)
+    updates is held to (module docstring), what decides, and where ``eps`` comes from; `pair`
+    is the judged pair's context (`parity.verdicts.judge.Pair`: its loss gaps, per-step
+    tolerances and final-loss band)."""
+    dtype = _compute_dtype(pair.ref)
     rounding = SAFETY * _ROUNDOFF.get(dtype, 0.0)
     step0 = max(step_band(0), rounding)
     if step == 0:
@@ -202,51 +195,36 @@ def eval_logit_band(
             else f"step 0: the fp32 step-0 loss band {fmt_value(step_band(0))}"
         )
         return step0, "step 0", source
-    ref_l, cand_l = run_losses(ref), run_losses(cand)
-    gaps = relative_gaps(ref_l, cand_l, loss_floor(ref_l))
-    calibrated = bool(envelope)
-    if dtype == "float32" and gaps:
-        eps = step_tolerances(gaps, envelope)[min(step, len(gaps)) - 1]
-        return (
-            eps,
-            "noise-calibrated" if calibrated else "fixed bands",
-            f"the per-step loss tolerance of step {min(step, len(gaps)) - 1}",
-        )
-    eps, source = TOLERANCES["final_loss_rel"], "the final-loss band"
-    if calibrated:
-        noise = TOLERANCES["noise_k"] * envelope[min(len(envelope), len(ref_l)) - 1]
-        if noise > eps:
-            eps, source = noise, "k x the self-divergence envelope at the end"
+    calibrated = "noise-calibrated" if pair.envelope else "fixed bands"
+    if dtype == "float32" and pair.gaps:
+        last = min(step, len(pair.gaps)) - 1
+        return pair.tolerances[last], calibrated, f"the per-step loss tolerance of step {last}"
+    eps, _ = pair.final_band()
     if step0 > eps:
-        eps, source = step0, f"{SAFETY:g} u({dtype})"
-    return eps, "noise-calibrated" if calibrated and "envelope" in source else "fixed bands", source
+        return step0, "fixed bands", f"{SAFETY:g} u({dtype})"
+    if eps > TOLERANCES["final_loss_rel"]:
+        return eps, calibrated, "k x the self-divergence envelope at the end"
+    return eps, "fixed bands", "the final-loss band"
 
 
 def _points(run: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
     return {int(p["step"]): p for p in run.get("eval_logits") or [] if isinstance(p, Mapping)}
 
 
-def logit_rows(
-    ref: Mapping[str, Any], cand: Mapping[str, Any], envelope: Sequence[float] | None = None
-) -> list[Row]:
-    """The KL and top-1 rows of every eval point both records sampled (module docstring).
+def logit_rows(pair: Any) -> list[Row]:
+    """The KL and top-1 rows of every eval point both records of a judged pair sampled (module
+    docstring).
 
     Args:
-      ref: torch's run record (the reference of ``KL(ref || cand)``).
-      cand: JAX's run record.
-      envelope: the self-divergence envelope of the cell (`parity.verdicts.rows.self_divergence`),
-        or None without calibration runs.
+      pair: the pair's context (`parity.verdicts.judge.Pair`): torch's run record ``ref`` (the
+        reference of ``KL(ref || cand)``), JAX's ``cand``, and the bands `eval_logit_band` reads.
 
     Returns:
       Two rows per common eval point (`parity.verdicts.rows.Row`, judged by
       `parity.verdicts.judge`) (step order); [] where either record has no
       ``eval_logits`` (not a language model, or evaluation off).
-
-    Example:
-      >>> logit_rows({"steps": []}, {"steps": []})
-      []
     """
-    mine, theirs = _points(ref), _points(cand)
+    mine, theirs = _points(pair.ref), _points(pair.cand)
     rows: list[Row] = []
     for step in sorted(set(mine) & set(theirs)):
         a, b = mine[step], theirs[step]
@@ -265,14 +243,14 @@ def logit_rows(
                 )
             )
             continue
-        rows += _point_rows(prefix, ref, cand, step, a, b, envelope)
+        rows += _point_rows(prefix, pair, step, a, b)
     return rows
 
 
-def _point_rows(prefix, ref, cand, step, a, b, envelope) -> list[Row]:
+def _point_rows(prefix, pair, step, a, b) -> list[Row]:
     z_ref, z_cand = eval_logit_sample(a), eval_logit_sample(b)
     tokens, vocab = z_ref.shape
-    eps, mode, source = eval_logit_band(ref, cand, step, envelope)
+    eps, mode, source = eval_logit_band(pair, step)
     finite = bool(np.isfinite(z_ref).all() and np.isfinite(z_cand).all())
     ms = np.mean(np.square(z_ref.astype(np.float64)), axis=-1)
     spread = math.log(2 * tokens * vocab)
@@ -295,7 +273,7 @@ def _point_rows(prefix, ref, cand, step, a, b, envelope) -> list[Row]:
     uncalibrated = (
         mode == "fixed bands"
         and step > TOLERANCES["chaos_step"]
-        and _compute_dtype(ref) == "float32"
+        and _compute_dtype(pair.ref) == "float32"
     )
     where = (
         f"{tokens} tokens of the first eval batch x vocab {vocab}, eval mode, after {step} "

@@ -24,6 +24,7 @@ from parity.verdicts.tolerances import TOLERANCES
 
 __all__ = [
     "ADAPTIVE_UPDATE_NOTE",
+    "NO_PAIR_NOTE",
     "QUALIFIERS",
     "Qualifier",
     "UNCALIBRATED_FLIP_NOTE",
@@ -61,6 +62,8 @@ UNCALIBRATED_FLIP_NOTE = (
 
 WELCH_NOTE = "a difference test that does not reject proves nothing: the equivalence row decides"
 
+NO_PAIR_NOTE = "informational: no trained torch/JAX pair in this cell to judge"
+
 # Row kinds (`parity.verdicts.checks.CHECKS`) each qualifier looks at.
 _PER_STEP = ("loss", "fp8 loss", "grad norm", "update norm")
 _LOGITS = ("logit kl", "logit top1")  # one eval point each, past the chaos step or not
@@ -79,9 +82,11 @@ class Qualifier:
       mode: the mode the row gets (``"inconclusive"``, ``"informational"``), or None to keep its own.
       remedy: what decides a row it excuses: ``"noise"`` (a 1-ulp calibration run, which the
         harness runs itself: `escalation`), ``"seeds"``, or ``""``.
-      pairwise: it reads the trained pair's context; False: it also judges rows made outside a
-        judging pass (step 0's gate, a distributed run's own checks: `verdict`), whose pair is
-        None.
+      judges: which rows it judges, and so what its second argument is: ``"pair"`` a trained
+        pair's rows (the pair's context, `parity.verdicts.judge.Pair`); ``"made"`` rows made
+        outside a judging pass (step 0's gate, a distributed run's own checks: `verdict`; None);
+        ``"stored"`` the rows a run record stores, judged in their cell (whether the cell has a
+        trained comparable pair).
     """
 
     name: str
@@ -89,7 +94,7 @@ class Qualifier:
     note: Callable[[Row, Any], str]
     mode: str | None
     remedy: str = ""
-    pairwise: bool = True
+    judges: tuple[str, ...] = ("pair",)
 
 
 def _no_power_note(row: Row, pair: Any) -> str:
@@ -138,7 +143,7 @@ def _departure(row: Row, pair: Any) -> bool:
 
 
 QUALIFIERS: tuple[Qualifier, ...] = (
-    Qualifier("no power", _no_power, _no_power_note, "inconclusive", pairwise=False),
+    Qualifier("no power", _no_power, _no_power_note, "inconclusive", judges=("pair", "made")),
     Qualifier(
         "uncalibrated chaos", _uncalibrated, lambda row, pair: UNCALIBRATED_NOTE, EXCEEDED, "noise"
     ),
@@ -164,24 +169,31 @@ QUALIFIERS: tuple[Qualifier, ...] = (
     Qualifier(
         "structural difference",
         _structural,
-        lambda row, pair: "; ".join(pair.structural),
+        lambda row, pair: "; ".join(s.reason for s in pair.structural),
         EXCEEDED,
         "seeds",
     ),
     Qualifier(
         "rounding departure", _departure, lambda row, pair: pair.departure[1], EXCEEDED, "seeds"
     ),
+    Qualifier(
+        "no trained pair",
+        lambda row, judged: row.passed is True and not judged,
+        lambda row, judged: NO_PAIR_NOTE,
+        None,
+        judges=("stored",),
+    ),
 )
 
 
-def qualify(row: Row, pair: Any) -> Row:
-    """`row` with every qualifier of `QUALIFIERS` that applies, in order: ``passed`` None, the
-    qualifier's mode, its reason appended to the detail. Changes `row` in place and returns it.
-    `pair` None: a row made outside a trained pair, judged by the qualifiers that read no pair
-    (`Qualifier.pairwise` False)."""
+def qualify(row: Row, context: Any, rows: str = "pair") -> Row:
+    """`row` with every qualifier of `QUALIFIERS` that judges `rows` (`Qualifier.judges`) and
+    applies, in order: ``passed`` None, the qualifier's mode, its reason appended to the detail.
+    Changes `row` in place and returns it. `context`: a trained pair's (``rows="pair"``), None
+    (``"made"``), or whether the cell has a trained pair (``"stored"``)."""
     for q in QUALIFIERS:
-        if (pair is not None or not q.pairwise) and q.applies(row, pair):
-            note = q.note(row, pair)
+        if rows in q.judges and q.applies(row, context):
+            note = q.note(row, context)
             row.passed = None
             if q.mode is not None:
                 row.mode = q.mode
@@ -213,7 +225,7 @@ def verdict(
       >>> v.passed, v.mode, v.power
       (None, 'inconclusive', 3.25)
     """
-    row = qualify(Row(kind, check, value, tolerance, passed, **fields), None)
+    row = qualify(Row(kind, check, value, tolerance, passed, **fields), None, "made")
     return row.freeze(
         {"model": model, "precision": precision, "device": device, "compared": compared}
     )

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import math
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from parity.core.flags import run_arguments
@@ -30,6 +30,7 @@ __all__ = [
     "format_verdicts",
     "is_decisive",
     "loss_floor",
+    "loss_gaps",
     "no_power_note",
     "overall_status",
     "power_bound",
@@ -39,7 +40,6 @@ __all__ = [
     "running_envelope",
     "seeds_to_decide",
     "self_divergence",
-    "signal_envelope",
     "signal_gaps",
     "stated_power",
     "Verdict",
@@ -199,6 +199,15 @@ class Row:
     late: bool = False  # listed after the pair's first rows (signals, seeds, fp16 explanations)
     qualified: list[str] = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def stored(cls, data: Mapping[str, Any]) -> tuple[dict[str, Any], Row]:
+        """A row a run record stores (`Verdict.to_dict`'s keys) as a row to judge in its cell,
+        and its cell and pair (model, precision, device, compared): what `freeze` takes."""
+        fields = Verdict.from_dict(data).to_dict()
+        base = {k: fields.pop(k) for k in ("model", "precision", "device", "compared")}
+        qualified_by = fields.pop("qualified_by")
+        return base, cls(**fields, qualified=[qualified_by] if qualified_by else [])
+
     def bound(self) -> float:
         return power_bound(self.kind)
 
@@ -357,28 +366,37 @@ def running_envelope(gaps: Iterable[Sequence[float] | None]) -> list[float] | No
     return envelope
 
 
+def loss_gaps(main: Mapping[str, Any], run: Mapping[str, Any]) -> list[float]:
+    """Per step, the relative loss gap of `run` to `main` (`relative_gaps`, floored at 1% of
+    `main`'s first loss)."""
+    ref = run_losses(main)
+    return relative_gaps(ref, run_losses(run), loss_floor(ref))
+
+
 def self_divergence(
-    main: Mapping[str, Any], noise_runs: Iterable[Mapping[str, Any]]
+    noise: Iterable[Mapping[str, Any]],
+    mains: Mapping[str, Mapping[str, Any]],
+    gaps: Callable[[Any, Any], Sequence[float] | None] = loss_gaps,
 ) -> list[float] | None:
-    """The self-divergence envelope: running max over steps of the noise-vs-main relative gap.
+    """The self-divergence envelope: per step, the running maximum over steps of each
+    calibration run's gap to its own framework's main run, the largest over them.
 
     Args:
-      main: the unperturbed run.
-      noise_runs: calibration runs of the same cell (``variant="noise"``), any framework; each
-        is measured against the main run of its own framework by the caller.
+      noise: calibration runs (``variant="noise"``), any framework.
+      mains: framework -> the unperturbed main run.
+      gaps: ``(main, run) -> per-step gaps``: the loss's (`loss_gaps`), or a recorded
+        signal's (`signal_gaps`).
 
     Returns:
-      ``env[s]`` per step (max over calibration runs), or None without a usable calibration run.
+      ``env[s]`` per step, or None without a usable calibration run.
 
     Example:
-      >>> main = {"steps": [{"loss": 2.0}, {"loss": 1.0}]}
-      >>> noisy = {"steps": [{"loss": 2.0}, {"loss": 1.1}]}
-      >>> [round(x, 3) for x in self_divergence(main, [noisy])]
+      >>> main = {"framework": "torch", "steps": [{"loss": 2.0}, {"loss": 1.0}]}
+      >>> noisy = {"framework": "torch", "steps": [{"loss": 2.0}, {"loss": 1.1}]}
+      >>> [round(x, 3) for x in self_divergence([noisy], {"torch": main})]
       [0.0, 0.1]
     """
-    ref = run_losses(main)
-    floor = loss_floor(ref)
-    return running_envelope(relative_gaps(ref, run_losses(run), floor) for run in noise_runs)
+    return running_envelope(gaps(mains[run["framework"]], run) for run in noise)
 
 
 def fmt_value(x: float | None, unit: str = "") -> str:
@@ -677,10 +695,3 @@ def signal_gaps(ref, cand, field) -> list[float] | None:
         else:
             out.append(abs(x - y) / max(abs(x), 1e-30))
     return out
-
-
-def signal_envelope(noise, mains, field) -> list[float] | None:
-    """The self-divergence envelope of a per-step signal (``grad_norm``...): running max over
-    steps of each noise run's relative gap to its framework's main run (`mains`: framework ->
-    run); None without one."""
-    return running_envelope(signal_gaps(mains[run["framework"]], run, field) for run in noise)

@@ -377,6 +377,7 @@ def run_step0(
             tolerance="-",
             passed=None,
             detail="the step-0 checks raised; training goes on and records its own outcome",
+            mode="step 0",
             kind="step 0 ran",
             **cell_fields(config),
         )

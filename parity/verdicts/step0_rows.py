@@ -66,7 +66,7 @@ def stage_verdicts(
     each band allows one more rounding in `dtype` per layer (a golden file recorded on other
     kernels: ``SAFETY x depth x u(dtype)``, times the low-precision gradient factor for
     gradients), judged before the rows are frozen; empty: none."""
-    base = cell_fields(config)
+    base = {**cell_fields(config), "mode": "step 0"}
     compared = "jax vs torch, step 0"
     rows: list[Verdict] = []
     fwd_fan, fwd_depth = shapes["forward"]
@@ -142,7 +142,7 @@ def compute_verdicts(config, t: Side, j: Side) -> list[Verdict]:
     """``compute dtype (torch)`` / ``(jax)``: the share of each side's matmul FLOPs in the
     run's compute dtype."""
     want = config.compute_dtype
-    base = cell_fields(config)
+    base = {**cell_fields(config), "mode": "step 0"}
     rows = []
     for framework, flops in (("torch", t.flops), ("jax", j.flops)):
         fraction = requested_fraction(flops or {}, want)

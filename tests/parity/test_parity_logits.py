@@ -31,9 +31,9 @@ from parity.core.eval_logits import (  # noqa: E402
 from parity.core.records import ResultsFileError, validate_run  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
-from parity.verdicts.judge import compare_runs  # noqa: E402
+from parity.verdicts.judge import Pair, compare_runs  # noqa: E402
+from parity.verdicts.logits import logit_rows as pair_logit_rows  # noqa: E402
 from parity.verdicts.logits import (  # noqa: E402
-    logit_rows,
     token_kl,
     top1_agrees,
     topk_agreement,
@@ -53,6 +53,23 @@ TINY = {
 }
 STEPS = 2
 DTYPES = (np.float16, jnp.bfloat16, np.float32)
+
+
+def logit_rows(ref, cand):
+    """The logit rows of `ref` (torch) against `cand` (JAX), uncalibrated, before qualifiers."""
+    pair = Pair(
+        cell=(ref["model"], ref["precision"], ref["device"]),
+        ref=ref,
+        cand=cand,
+        noise=[],
+        mains={"torch": ref, "jax": cand},
+        seed_refs=[],
+        seed_cands=[],
+        envelope=None,
+        calibrated_by="",
+        recipe_checks=(),
+    )
+    return pair_logit_rows(pair)
 
 
 # --- the pure functions ------------------------------------------------------------------------

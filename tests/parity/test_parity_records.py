@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +173,72 @@ def test_config_carries_a_policy_and_round_trips():
     assert RunConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="bf16-mixed"):
         RunConfig(precision="bf16-mixd")
+
+
+# --- rows stored before rows had kinds ------------------------------------------------------------
+
+# A real record pair saved before rows carried their check kinds (the README's main job, transformer
+# fp32, on CPU; trimmed to 12 steps, eval logits left out): its step-0 rows have no kind, and those
+# built without a mode have none.
+OLD_RECORDS = Path(__file__).resolve().parents[2] / "tests" / "data" / "old_run_records.json"
+
+
+def _old(tmp_path, change=None):
+    data = json.loads(OLD_RECORDS.read_text())
+    assert all(not row.get("kind") for r in data["runs"] for row in r["step0"]["verdicts"])
+    if change:
+        change(data["runs"][0])
+    _write(tmp_path, data)
+    return data
+
+
+def test_rows_stored_without_kinds_are_read_with_them(tmp_path):
+    from parity.verdicts.checks import CHECKS
+    from parity.verdicts.judge import compare_runs
+    from parity.verdicts.rows import PADDING_CHECK
+
+    stored = _old(tmp_path)
+    runs = load_results(tmp_path)["runs"]
+    rows = [row for r in runs for row in r["step0"]["verdicts"]]
+    assert {row["kind"] for row in rows} == {
+        "step 0 output", "step 0 gradients", "stochastic", "layer probe"
+    }  # fmt: skip
+    assert all(row["mode"] in ("step 0", "inconclusive") for row in rows)
+    old = {row["check"]: row for r in stored["runs"] for row in r["step0"]["verdicts"]}
+    for row in rows:  # nothing else changes
+        assert {k: v for k, v in row.items() if k not in ("kind", "mode")} == {
+            k: v for k, v in old[row["check"]].items() if k not in ("kind", "mode")
+        }
+        assert row["kind"] in CHECKS and old[row["check"]].get("mode") in ("", row["mode"])
+
+    # the judge finds a stored row by its kind: the padding row of such a record, as that version
+    # wrote it (label, no kind), makes the trained pair's structural-difference row
+    def padding(run):
+        run["step0"]["verdicts"].append(
+            {
+                **run["step0"]["verdicts"][0],
+                "check": PADDING_CHECK,
+                "compared": "the weight mapping",
+                "value": "1 embedding(s)",
+                "tolerance": "-",
+                "passed": None,
+                "mode": "informational",
+            }
+        )
+
+    _old(tmp_path, padding)
+    verdicts = compare_runs(load_results(tmp_path)["runs"])
+    assert [v.kind for v in verdicts if v.check.startswith("structural")] == ["structural"]
+
+
+def test_a_stored_row_no_version_wrote_is_refused_naming_it(tmp_path):
+    def unknown(run):
+        run["step0"]["verdicts"][2]["check"] = "step 0 fp32: gradient norms"
+
+    _old(tmp_path, unknown)
+    with pytest.raises(ResultsFileError) as e:
+        load_results(tmp_path)
+    assert e.value.run_index == 0 and e.value.field == "step0.verdicts[2]"
+    assert "'step 0 fp32: gradient norms'" in str(e.value) and "'step 0 P: gradients'" in str(
+        e.value
+    )

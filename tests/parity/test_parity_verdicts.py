@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import fake_run as _run
 
 from parity.verdicts.judge import compare_runs
+from parity.verdicts.qualifiers import NO_PAIR_NOTE
 from parity.verdicts.rows import (
     Verdict,
     cell_bottom_lines,
@@ -93,8 +96,8 @@ def test_fixed_bands_stay_default_when_self_divergence_is_below_them():
 def test_self_divergence_is_a_running_maximum():
     main = _run("torch", [2.0, 1.0, 1.0])
     noisy = _run("torch", [2.0, 1.1, 1.0], variant="noise")
-    assert self_divergence(main, [noisy]) == pytest.approx([0.0, 0.1, 0.1])
-    assert self_divergence(main, []) is None
+    assert self_divergence([noisy], {"torch": main}) == pytest.approx([0.0, 0.1, 0.1])
+    assert self_divergence([], {"torch": main}) is None
 
 
 def test_near_zero_losses_are_judged_against_the_loss_scale_floor():
@@ -202,21 +205,38 @@ def test_unsupported_cells_are_reported_not_failed():
     assert overall_status(verdicts) == "NOTHING COMPARED"
 
 
-def test_step0_rows_plug_in_from_records_and_arguments():
+def test_step0_rows_plug_in_from_records():
     row = Verdict(
-        "m", "fp32", "cpu", "step 0 forward (fp32)", "jax vs torch", 1e-7, 1e-5, True, mode="step 0"
+        "m",
+        "fp32",
+        "cpu",
+        "step 0 fp32: eval-mode output",
+        "jax vs torch",
+        1e-7,
+        1e-5,
+        True,
+        mode="step 0",
+        power=1e-5,
+        kind="step 0 output",
     )
     torch_run, jax_run = _run("torch", [2.0, 1.0]), _run("jax", [2.0, 1.0])
     torch_run["step0"] = {"verdicts": [row.to_dict()]}
     jax_run["step0"] = {"verdicts": [{**row.to_dict(), "mode": ""}]}  # the same row, no mode
     verdicts = compare_runs([torch_run, jax_run])
     assert verdicts[0] == row and verdicts[1].check != row.check  # once, mode "step 0"
-    extra = Verdict(
-        "m", "fp32", "cpu", "step 0 gradients", "jax vs torch", 1.0, 1e-5, False, mode="step 0"
-    )
-    verdicts = compare_runs([torch_run, jax_run], extra_verdicts=[extra])
-    assert verdicts[0] == extra and overall_status(verdicts) == "FAIL"
+    failing = dataclasses.replace(row, check="step 0 fp32: gradients", kind="step 0 gradients")
+    jax_run["step0"]["verdicts"].append({**failing.to_dict(), "value": 1.0, "passed": False})
+    verdicts = compare_runs([torch_run, jax_run])
+    assert verdicts[1].passed is False and overall_status(verdicts) == "FAIL"
     assert Verdict.from_dict({**row.to_dict(), "new_field": 1}) == row
+    # a cell with no trained comparable pair: its passing step-0 rows judge nothing
+    alone = compare_runs([torch_run])
+    assert (alone[0].passed, alone[0].mode, alone[0].qualified_by) == (
+        None,
+        "step 0",
+        "no trained pair",
+    )
+    assert alone[0].detail.endswith(NO_PAIR_NOTE) and overall_status(alone) == "NOTHING COMPARED"
 
 
 def test_tolerances_are_stated():
