@@ -196,7 +196,7 @@ def eval_logit_band(pair: Any, step: int) -> tuple[float, str, str]:
         )
         return step0, "step 0", source
     calibrated = "noise-calibrated" if pair.envelope else "fixed bands"
-    if dtype == "float32" and pair.gaps:
+    if pair.fp32 and pair.gaps:
         last = min(step, len(pair.gaps)) - 1
         return pair.tolerances[last], calibrated, f"the per-step loss tolerance of step {last}"
     eps, _ = pair.final_band()
@@ -270,11 +270,7 @@ def _point_rows(prefix, pair, step, a, b) -> list[Row]:
     top_passed: bool | None = bool(agrees.all())
     # Past the chaos step, uncalibrated, a failure is excused as the loss rows' are (qualifier
     # "uncalibrated chaos"); above the loss bound a pass has no power (qualifier "no power").
-    uncalibrated = (
-        mode == "fixed bands"
-        and step > TOLERANCES["chaos_step"]
-        and _compute_dtype(pair.ref) == "float32"
-    )
+    uncalibrated = mode == "fixed bands" and step > TOLERANCES["chaos_step"] and pair.fp32
     where = (
         f"{tokens} tokens of the first eval batch x vocab {vocab}, eval mode, after {step} "
         f"update(s); eps {fmt_value(eps)} ({source}): could detect a relative logit difference "

@@ -28,6 +28,7 @@ from parity.core.eval_logits import (  # noqa: E402
     eval_logit_point,
     eval_logit_sample,
 )
+from parity.core.recipes import get_recipe  # noqa: E402
 from parity.core.records import ResultsFileError, validate_run  # noqa: E402
 from parity.models import get_model_pair  # noqa: E402
 from parity.training.train_torch import train_torch  # noqa: E402
@@ -67,7 +68,7 @@ def logit_rows(ref, cand):
         seed_cands=[],
         envelope=None,
         calibrated_by="",
-        recipe_checks=(),
+        recipe_checks=get_recipe(ref["precision"]).verdict_checks,
     )
     return pair_logit_rows(pair)
 
