@@ -12,6 +12,7 @@ torch here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -226,23 +227,23 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
     weights after one optimizer step`` from `compare_optimizer_step`'s rows, or one failing
     row when the step could not be compared (`rows`: why)."""
     torchao_class = getattr(config.recipe, "torchao_class", "")
-    base = cell_fields(config)
     prefix = f"step 0 {config.precision}"
-    compared = (
-        f"jaxamp.optim_precision.low_precision_state vs torchao.optim.{torchao_class}, one step"
+    row = functools.partial(
+        verdict,
+        kind="optimizer state",
+        compared="jaxamp.optim_precision.low_precision_state vs "
+        f"torchao.optim.{torchao_class}, one step",
+        mode="step 0",
+        **cell_fields(config),
     )
     if isinstance(rows, str):  # e.g. no mapping to take the block order from
         return [
-            verdict(
+            row(
                 check=f"{prefix}: optimizer state codes and scales",
-                kind="optimizer state",
-                compared=compared,
                 value="not compared",
                 tolerance="bit-identical",
                 passed=False,
                 detail=rows[:500],
-                mode="step 0",
-                **base,
             )
         ]
     states, weights = rows[:-1], rows[-1]
@@ -278,28 +279,20 @@ def optimizer_state_rows(config: RunConfig, rows: list[dict] | str) -> list[Verd
             f"{r['torch_name']} {r['moment']} ({r['detail']})" for r in undecided[:3]
         )
     return [
-        verdict(
+        row(
             check=f"{prefix}: optimizer state codes and scales",
-            kind="optimizer state",
-            compared=compared,
             value=f"{len(failed)}/{len(states)} moments off",
             tolerance="bit-identical, blocks in torch's element order",
             passed=False if failed else (None if undecided or not states else True),
             detail=detail if states else "torchao quantized no moment: nothing to compare",
-            mode="step 0",
             power=0.0,
-            **base,
         ),
-        verdict(
+        row(
             check=f"{prefix}: weights after one optimizer step",
-            kind="optimizer state",
-            compared=compared,
             value=weights["max_abs_diff"],
             tolerance=f"{WEIGHT_ULPS} float32 eps x (|w| + lr) per element",
             passed=weights["passed"],
             detail=f"worst {weights['worst']}: {weights['max_excess']:.3g} over its bound",
-            mode="step 0",
             power=WEIGHT_ULPS * float(np.finfo(np.float32).eps),
-            **base,
         ),
     ]

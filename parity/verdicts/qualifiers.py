@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from parity.verdicts.checks import CHECKS
 from parity.verdicts.rows import EXCEEDED, Row, Verdict, no_power_note
 from parity.verdicts.tolerances import TOLERANCES
 
@@ -65,7 +66,7 @@ WELCH_NOTE = "a difference test that does not reject proves nothing: the equival
 NO_PAIR_NOTE = "informational: no trained torch/JAX pair in this cell to judge"
 
 # Row kinds (`parity.verdicts.checks.CHECKS`) each qualifier looks at.
-_PER_STEP = ("loss", "fp8 loss", "grad norm", "update norm")
+_PER_STEP = tuple(kind for kind, check in CHECKS.items() if check.per_step)
 _LOGITS = ("logit kl", "logit top1")  # one eval point each, past the chaos step or not
 _STRUCTURAL = (*_PER_STEP, "final loss", "welch loss", "equivalence loss")
 _DEPARTURE = ("loss", "grad norm", "final loss")

@@ -217,25 +217,18 @@ class Row:
     def freeze(self, base: Mapping[str, Any]) -> Verdict:
         """The `Verdict` of this row in the cell and pair `base` (model, precision, device,
         compared)."""
-        return Verdict(
-            check=self.check,
-            value=self.value,
-            tolerance=self.tolerance,
-            passed=self.passed,
-            detail=self.detail,
-            mode=self.mode,
-            first_failing_step=self.first_failing_step,
-            worst_step=self.worst_step,
-            step0_gap=self.step0_gap,
-            absolute=self.absolute,
-            unit=self.unit,
-            power=self.stated_power(),
-            kind=self.kind,
-            window=self.window,
-            seeds_needed=self.seeds_needed,
-            qualified_by=self.qualified[-1] if self.qualified else "",
-            **base,
-        )
+        fields = {name: getattr(self, name) for name in _VERDICT_FIELDS}
+        qualified_by = self.qualified[-1] if self.qualified else ""
+        return Verdict(**fields, power=self.stated_power(), qualified_by=qualified_by, **base)
+
+
+# The fields a `Row` hands its `Verdict` as they are (power is stated, qualified_by the last
+# qualifier, the cell and pair come from the judging pass).
+_VERDICT_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(Verdict)
+    if f.name in {f.name for f in dataclasses.fields(Row)} and f.name != "power"
+)
 
 
 def cell_fields(config: Any) -> dict[str, str]:
