@@ -405,16 +405,36 @@ def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(inv, post)` with torch's unscaling `x * float32(1/scale)` equal to `(x * inv) * post`.
 
     torch computes 1/scale in float64 and rounds it to float32 (for a float32 division that is
-    the same number: float64 has more than 2*24+2 bits): 1/scale correctly rounded. Here it is
-    computed from the scale's bits with integer long division (`_reciprocal_quotient`), the same
-    number on every backend. Above 2**126 that reciprocal is a float32 subnormal, which XLA
-    flushes to zero on CPU and TPU, so unscaling would return zeros. There `inv` is the
-    subnormal's significand times 2**64 (a normal number, rounded exactly as torch rounds into
-    the subnormal range) and `post` is 2**-64, so every result torch gets as a normal float32
-    comes out bit-identical. Elsewhere `post` is 1. Scales that are not positive normal floats
-    (0, subnormal, inf, NaN) divide as floats.
+    the same number: float64 has more than 2*24+2 bits): 1/scale correctly rounded. Above 2**126
+    that reciprocal is a float32 subnormal, which XLA flushes to zero on CPU and TPU, so
+    unscaling would return zeros. There `inv` is the subnormal's significand times 2**64 (a
+    normal number, rounded exactly as torch rounds into the subnormal range) and `post` is
+    2**-64, so every result torch gets as a normal float32 comes out bit-identical. Elsewhere
+    `post` is 1. Scales that are not positive normal floats (0, subnormal, NaN) divide as floats.
+
+    The form is chosen when the program is lowered (`lax.platform_dependent`), both giving the
+    same bits for every float32 scale: on CPU, whose float32 division is IEEE (correctly
+    rounded), 1/scale is a float division and the subnormal's significand is rounded from a
+    float quotient, checked against its integer remainder (`_subnormal_reciprocal`); elsewhere
+    (XLA:GPU divides float32 with PTX div.full, up to 2 ulps off) both come from the scale's
+    bits by integer long division (`_reciprocal_quotient`), a program about twice as long to
+    compile.
     """
     scale = jnp.asarray(loss_scale, jnp.float32)
+    big = scale > jnp.float32(2.0**126)
+    inv = jax.lax.platform_dependent(
+        scale, cpu=_reciprocal_by_division, default=_reciprocal_by_integers
+    )
+    post = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+    # With a compile-time constant scale both factors are constants, and XLA would fold
+    # ``(x * inv) * post`` into ``x * (inv * post)``: the subnormal this split avoids, flushed
+    # to 0. The barrier hides their values from the simplifier; the multiplies still fuse.
+    return jax.lax.optimization_barrier((inv, post))
+
+
+def _reciprocal_by_integers(scale: jax.Array) -> jax.Array:
+    """`reciprocal_factors`' `inv` from the scale's bits by integer long division (exact on every
+    backend)."""
     e, q, r = _reciprocal_quotient(scale)
     big = scale > jnp.float32(2.0**126)
     # Normal result: 1/scale = 2**(126 - e) * (q / 2**24), significand rounded from q's 25 bits.
@@ -428,12 +448,38 @@ def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     # Subnormal result (e 253 or 254): torch's value is RN(2**149 / scale) * 2**-149, and
     # 2**149 / scale = (2**48 / m) / 2**(e - 251).
     subnormal = _round_shift(q, r, jnp.clip(e, 252, 254) - np.uint32(251))
-    inv = jnp.where(big, subnormal.astype(jnp.float32) * jnp.float32(2.0**-85), normal_inv)
-    post = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
-    # With a compile-time constant scale both factors are constants, and XLA would fold
-    # ``(x * inv) * post`` into ``x * (inv * post)``: the subnormal this split avoids, flushed
-    # to 0. The barrier hides their values from the simplifier; the multiplies still fuse.
-    return jax.lax.optimization_barrier((inv, post))
+    return jnp.where(big, subnormal.astype(jnp.float32) * jnp.float32(2.0**-85), normal_inv)
+
+
+def _reciprocal_by_division(scale: jax.Array) -> jax.Array:
+    """`reciprocal_factors`' `inv` with float32 divisions, for a backend whose division is IEEE
+    (XLA:CPU): below 2**126 it is 1/scale; above, `_subnormal_reciprocal`."""
+    big = scale > jnp.float32(2.0**126)
+    normal_inv = jnp.float32(1.0) / jnp.where(big, jnp.float32(1.0), scale)
+    return jnp.where(big, _subnormal_reciprocal(scale), normal_inv)
+
+
+def _subnormal_reciprocal(scale: jax.Array) -> jax.Array:
+    """RN(2**149 / scale) * 2**-85 for a scale in (2**126, inf] (inf read as 2**127, as the
+    integer form reads it), with one float division and one integer check.
+
+    2**149 / scale = 2**(299 - e) / m (e the biased exponent, m the 24-bit significand) lies in
+    (2**21, 2**23]: its float32 quotient `x` has 1 or 2 bits below the units. Rounding `x` to
+    the nearest integer is rounding twice, which differs from rounding 2**149 / scale once only
+    where `x` is exactly halfway between two integers (the quotient itself never is: m is not a
+    power of two there). Then the exact remainder 2**(300 - e) - (2n + 1) * m decides; it is
+    below 2**24 in magnitude and 2**(300 - e) is 0 modulo 2**32, so uint32 products (which wrap)
+    give it exactly."""
+    scale = jnp.where(scale == jnp.inf, jnp.float32(2.0**127), scale)
+    x = (jnp.float32(2.0**100) / scale) * jnp.float32(2.0**49)  # exact scaling of a normal
+    n = jnp.floor(x)
+    halfway = (x - n) == jnp.float32(0.5)
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    m = (bits & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    odd = n.astype(jnp.uint32) * np.uint32(2) + np.uint32(1)
+    remainder = jax.lax.bitcast_convert_type(np.uint32(0) - odd * m, jnp.int32)
+    rounded = jnp.where(halfway, n + (remainder > 0).astype(jnp.float32), jnp.round(x))
+    return rounded * jnp.float32(2.0**-85)
 
 
 def unscaler(loss_scale: Any) -> Any:

@@ -306,23 +306,66 @@ def _torch_rule(x: np.ndarray, scale: float) -> np.ndarray:
     return x.astype(np.float32) * inverse
 
 
-def test_unscale_reciprocal_is_torchs_for_every_binade():
-    """The reciprocal unscaling multiplies by is torch's float32(1/float64(scale)), correctly
-    rounded, for random scales in every binade (the subnormal ones too, as inv * post), on any
-    backend: it is computed with integer division, since XLA:GPU's float32 division (PTX
-    div.full) is up to 2 ulps off."""
-    from jaxamp._numerics import reciprocal_factors
+def _bits(x) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.uint32)
 
+
+def _same_bits(a, b) -> bool:
+    return np.array_equal(_bits(a), _bits(b))
+
+
+def test_reciprocal_forms_agree_bit_for_bit_and_with_torch():
+    """The two forms of the reciprocal (`lax.platform_dependent` picks one when the program is
+    lowered: float division on CPU, integer long division elsewhere) give the same bits, and
+    torch's scale.double().reciprocal().float(), for every fifth float32 scale above 2**126 (the
+    two binades whose reciprocal is subnormal, where the CPU form rounds a float quotient and
+    checks its halfway cases with an integer remainder; inf included) and, below, for every
+    61st significand of one binade, the binade edges, random scales of every binade, 0,
+    subnormal, negative and NaN scales: jitted and eagerly. (All 2**31 non-negative float32
+    scales were checked so once, outside the suite.)"""
+    torch = pytest.importorskip("torch")
+    from jaxamp._numerics import (
+        _reciprocal_by_division,
+        _reciprocal_by_integers,
+        reciprocal_factors,
+    )
+
+    tiny = np.finfo(np.float32).tiny
     rng = np.random.default_rng(0)
     exponents = rng.integers(-126, 128, 4096)
-    scales = (rng.uniform(1.0, 2.0, 4096) * np.exp2(exponents.astype(np.float64))).astype(
+    random = (rng.uniform(1.0, 2.0, 4096) * np.exp2(exponents.astype(np.float64))).astype(
         np.float32
     )
-    scales = np.concatenate([scales[np.isfinite(scales)], np.float32([2.0**126, 3.0, F32_MAX])])
-    inv, post = jax.jit(jax.vmap(reciprocal_factors))(jnp.asarray(scales))
-    got = (np.asarray(inv, np.float64) * np.asarray(post, np.float64)).astype(np.float32)
-    want = (1.0 / scales.astype(np.float64)).astype(np.float32)
-    assert got.tobytes() == want.tobytes()
+    edges = np.float32(
+        [0.0, tiny, np.nextafter(tiny, 1), 2.0**126, F32_MAX, np.inf, 1.0, 2.0**-149, 3e-39]
+        + [np.nextafter(np.float32(2.0**126), np.float32(k)) for k in (0, np.inf)]
+    )
+    edges = np.concatenate([edges, -edges, np.float32([np.nan])])
+    binades = np.exp2(np.arange(-126, 128)).astype(np.float32)
+    above = np.arange(0x7E800001, 0x7F800001, 5, dtype=np.uint32).view(np.float32)
+    one_binade = np.arange(0x3F800000, 0x40000000, 61, dtype=np.uint32).view(np.float32)
+    few = np.concatenate([edges, above[:: 1 << 18], one_binade[:: 1 << 14]])
+    scales = np.concatenate([above, one_binade, binades, random[np.isfinite(random)], few])
+
+    forms = jax.jit(lambda s: (_reciprocal_by_division(s), _reciprocal_by_integers(s)))
+    by_division, by_integers = forms(scales)
+    assert _same_bits(by_division, by_integers)
+    inv, post = (np.asarray(f) for f in jax.jit(reciprocal_factors)(scales))
+    assert _same_bits(inv, by_integers)
+    assert (post == np.where(scales > 2.0**126, 2.0**-64, 1.0)).all()
+
+    # torch's value (numpy keeps its subnormals): inv * post, for every positive normal scale.
+    want = torch.from_numpy(scales).double().reciprocal().float().numpy()
+    normal = np.isfinite(scales) & (scales >= tiny)
+    got = (inv.astype(np.float64) * post.astype(np.float64)).astype(np.float32)
+    assert _same_bits(got[normal], want[normal])
+    assert _same_bits(want[normal], 1.0 / scales[normal].astype(np.float64))
+
+    # Eagerly (op by op, each lowered for this backend), one scalar scale at a time, as a
+    # loss scale holds it: the edges and a sample of the others.
+    for i in range(len(scales) - len(few), len(scales)):
+        eager_inv, eager_post = reciprocal_factors(scales[i])
+        assert (_bits(eager_inv), _bits(eager_post)) == (_bits(inv[i]), _bits(post[i])), scales[i]
 
 
 # The scale traced: one compiled program for every scale.
