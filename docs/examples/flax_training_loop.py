@@ -11,7 +11,7 @@ import argparse
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jaxamp
@@ -29,18 +29,20 @@ class Classifier(nn.Module):
         return nn.Dense(self.classes, name="head")(x)
 
 
-def make_batches(key, steps, batch_size, features=16, classes=10):
-    """Synthetic data: labels from a fixed random linear teacher, so the loss can fall."""
-    teacher_key, data_key = jax.random.split(key)
-    teacher = jax.random.normal(teacher_key, (features, classes))
-    x = jax.random.normal(data_key, (steps, batch_size, features))
-    return x, jnp.argmax(x @ teacher, axis=-1)
+def make_batches(seed, steps, batch_size, features=16, classes=10):
+    """Synthetic data (host arrays, as a data loader gives them): labels from a fixed random
+    linear teacher, so the loss can fall."""
+    rng = np.random.default_rng(seed)
+    teacher = rng.normal(size=(features, classes)).astype(np.float32)
+    x = rng.normal(size=(steps, batch_size, features)).astype(np.float32)
+    return x, np.argmax(x @ teacher, axis=-1).astype(np.int32)
 
 
 def create_state(key, x, *, policy, learning_rate, accumulate):
     model = Classifier()
     rules = {"head": "fp32"}  # per-module rules: the output layer computes in float32
-    params = jf.linen.with_policy(model.init, policy, rules)(key, x)["params"]
+    init = jax.jit(jf.linen.with_policy(model.init, policy, rules))  # one program, not op by op
+    params = init(key, x)["params"]
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, 2, 200)
     # Clipping goes inside the loss-scaled optimizer (it must see unscaled gradients), and
     # accumulation outside it: the loss scale stays constant within a window of micro-batches.
@@ -78,7 +80,7 @@ def train(
 ):
     """Trains, logs `amp_info`, checkpoints; returns the log (one dict per logged step)."""
     key = jax.random.key(0)
-    xs, ys = make_batches(key, steps, batch_size)
+    xs, ys = make_batches(0, steps, batch_size)
     state = create_state(
         key, xs[0], policy=policy, learning_rate=learning_rate, accumulate=accumulate
     )
@@ -104,7 +106,7 @@ def train(
 def resume(workdir, *, batch_size=32, policy="fp16-mixed", learning_rate=3e-3, accumulate=2):
     """A fresh state of the same configuration, restored from the newest checkpoint."""
     key = jax.random.key(0)
-    xs, _ = make_batches(key, 1, batch_size)
+    xs, _ = make_batches(0, 1, batch_size)
     template = create_state(
         key, xs[0], policy=policy, learning_rate=learning_rate, accumulate=accumulate
     )
