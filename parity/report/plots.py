@@ -18,13 +18,8 @@ import numpy as np
 
 from parity.core.records import run_label, write_bytes_atomic
 from parity.perf import speed
-from parity.verdicts.rows import (
-    POWER_BOUNDS,
-    TOLERANCES,
-    loss_gaps,
-    self_divergence,
-)
-from parity.verdicts.tolerances import step_tolerances
+from parity.verdicts.gaps import loss_gaps, self_divergence
+from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_tolerances
 
 __all__ = [
     "cell_groups",

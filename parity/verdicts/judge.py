@@ -46,19 +46,11 @@ from parity.core.records import (
 from parity.core.stored_rows import stored_rows
 from parity.verdicts import builders, fp16
 from parity.verdicts.checks import CHECKS
+from parity.verdicts.gaps import loss_floor, loss_gaps, relative_gaps, run_losses, self_divergence
 from parity.verdicts.logits import logit_rows
+from parity.verdicts.outcomes import seeds_to_decide
 from parity.verdicts.qualifiers import qualify, verdict
-from parity.verdicts.rows import (
-    Row,
-    Verdict,
-    fmt_value,
-    loss_floor,
-    loss_gaps,
-    relative_gaps,
-    run_losses,
-    seeds_to_decide,
-    self_divergence,
-)
+from parity.verdicts.rows import Row, Verdict, fmt_value
 from parity.verdicts.tolerances import TOLERANCES, envelope_ratio, step_tolerances
 
 __all__ = ["Pair", "compare_runs"]
