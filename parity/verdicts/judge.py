@@ -203,11 +203,9 @@ def _folded(run) -> list[dict[str, Any]]:
 
 
 def _padding(run) -> Mapping[str, Any] | None:
-    """The step-0 row naming embedding rows torch never trains (kind ``padding rows``)."""
-    for row in (run.get("step0") or {}).get("verdicts") or []:
-        if isinstance(row, Mapping) and row.get("kind") == "padding rows":
-            return row
-    return None
+    """The step-0 row naming embedding rows torch never trains (kind ``padding rows``), read as
+    every stored row is (`parity.core.stored_rows`)."""
+    return next((row for _, row in stored_rows(run) if row["kind"] == "padding rows"), None)
 
 
 class Structural(NamedTuple):
