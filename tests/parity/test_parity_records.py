@@ -240,6 +240,5 @@ def test_a_stored_row_no_version_wrote_is_refused_naming_it(tmp_path):
     with pytest.raises(ResultsFileError) as e:
         load_results(tmp_path)
     assert e.value.run_index == 0 and e.value.field == "step0.verdicts[2]"
-    assert "'step 0 fp32: gradient norms'" in str(e.value) and "'step 0 P: gradients'" in str(
-        e.value
-    )
+    assert "'step 0 fp32: gradient norms'" in str(e.value)
+    assert "closest: 'step 0 P: gradients'" in str(e.value)
