@@ -4,6 +4,8 @@ fp16 warm-up skips as torch, optimizer state float32, an always-overflowing
 model reported, in the Flax setting, linen and NNX, with and without jit.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,9 +48,16 @@ def _xent(logits, y):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
 
+@functools.cache
+def _linen_params(policy):
+    """The linen MLP's initial parameters under `policy`: one jitted init per policy, shared (the
+    arrays are immutable), instead of an eager forward pass compiled op by op per test."""
+    return jax.jit(jf.linen.with_policy(LinenMLP().init, policy))(jax.random.key(0), X)["params"]
+
+
 def make_linen(policy="fp16-mixed", tx=None, **kw):
     model = LinenMLP()
-    params = jf.linen.with_policy(model.init, policy)(jax.random.key(0), X)["params"]
+    params = _linen_params(policy)
     return jf.TrainState.create(
         apply_fn=model.apply,
         params=params,
@@ -66,8 +75,12 @@ def linen_step(state, x, y):
     return state.apply_gradients(grads=grads), loss
 
 
+# The NNX MLP built in one compiled program (its initializers eagerly are one compile per op).
+_new_nnx_mlp = nnx.jit(lambda: NNXMLP(nnx.Rngs(0)))
+
+
 def make_nnx(policy="fp16-mixed", tx=None, **kw):
-    model = NNXMLP(nnx.Rngs(0))
+    model = _new_nnx_mlp()
     jf.nnx.apply_policy(model, policy)
     optimizer = jf.Optimizer(
         model, tx or optax.sgd(0.1, momentum=0.9), wrt=nnx.Param, policy=policy, **kw

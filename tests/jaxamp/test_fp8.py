@@ -423,7 +423,7 @@ def test_delayed_matches_flax_fp8_ops_step_for_step():
     x = jax.random.normal(jax.random.key(1), (16, 12))
     y = jax.random.normal(jax.random.key(2), (16, 8))
     flax_net, net = Net(True), Net(False)
-    vf = flax_net.init(jax.random.key(0), x)
+    vf = jax.jit(flax_net.init)(jax.random.key(0), x)  # one program, not op by op
     rec = _emu("delayed", amax_history_length=1024)
     apply = f8.convert(net.apply, rec)
     state = f8.init_state(net.apply, rec, {"params": vf["params"]}, x)
@@ -442,6 +442,7 @@ def test_delayed_matches_flax_fp8_ops_step_for_step():
         )
     )
     params = vf["params"]
+    descend = jax.jit(lambda p, g: jax.tree.map(lambda p, g: p - 0.5 * g, p, g))
     for _ in range(4):
         gf = grad_flax(vf)
         gp, gs = grad_ours(params, state)
@@ -451,10 +452,10 @@ def test_delayed_matches_flax_fp8_ops_step_for_step():
             assert gs[k].to_flax().keys() == new_flax.keys()
             jax.tree.map(np.testing.assert_array_equal, new_flax, gs[k].to_flax())
         vf = {
-            "params": jax.tree.map(lambda p, g: p - 0.5 * g, vf["params"], gf["params"]),
+            "params": descend(vf["params"], gf["params"]),
             "_overwrite_with_gradient": gf["_overwrite_with_gradient"],
         }
-        params = jax.tree.map(lambda p, g: p - 0.5 * g, params, gp)
+        params = descend(params, gp)
         state = gs
     # the history moved: newest amax first, scales no longer 1
     assert float(state["Net/Dense_0/dot_general"].input_amax_history[0]) > 0
