@@ -5,10 +5,16 @@
 is imported: it runs where torch is not installed, and the other commands import torch.
 """
 
+import os
 import sys
 
-from parity import bisect
-from parity.golden import check as golden
+# Before anything loads torch (libgomp reads it once, when torch loads): torch's idle OpenMP
+# threads sleep instead of spinning on the cores XLA's pool needs (`parity.perf.measure.
+# set_threads` would set it, but `parity.cli.commands` has imported torch by then).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from parity import bisect  # noqa: E402
+from parity.golden import check as golden  # noqa: E402
 
 if sys.argv[1:2] == ["check"]:
     sys.exit(golden.main(sys.argv[2:]))

@@ -51,7 +51,7 @@ from parity.training.user_loop import TrainingLoop, run_config_fields
 from parity.transfer import auto, validate_variables
 from parity.verdicts.calibrate import seed_runs
 from parity.verdicts.judge import compare_runs
-from parity.verdicts.rows import overall_status
+from parity.verdicts.outcomes import overall_status
 
 __all__ = ["ParityResult", "compare_models", "replay_loop"]
 
@@ -63,7 +63,7 @@ class ParityResult:
     Attributes:
       runs: the run records (the ``results.json`` schema), torch first.
       verdicts: `parity.verdicts.rows.Verdict` rows (``passed`` is None for informational rows).
-      passed: no verdict failed and at least one passed (`parity.verdicts.rows.overall_status` is "PASS").
+      passed: no verdict failed and at least one passed (`parity.verdicts.outcomes.overall_status` is "PASS").
       report_path: ``report.md`` when `out_dir` was given, else None.
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` (nothing failed, no check could have:
         the report's bottom line gives what would decide) or ``"NOTHING COMPARED"``.

@@ -40,8 +40,9 @@ from parity.training.blocks import attach_speed_blocks, check_speed_blocks
 from parity.training.trainers import train_framework
 from parity.verdicts.calibrate import noise_runs, seed_runs
 from parity.verdicts.judge import compare_runs
+from parity.verdicts.outcomes import cell_configs, format_verdicts, overall_status
 from parity.verdicts.qualifiers import escalation, verdict
-from parity.verdicts.rows import Verdict, cell_configs, cell_fields, format_verdicts, overall_status
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.step0 import Step0Result, attach_step0, blocked_records, run_step0
 
 __all__ = [
@@ -336,7 +337,7 @@ def write_outputs(
 
     Returns:
       ``(status, verdicts, report path)``; status ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"``
-      or ``"NOTHING COMPARED"`` (`parity.verdicts.rows.overall_status`); the rows are
+      or ``"NOTHING COMPARED"`` (`parity.verdicts.outcomes.overall_status`); the rows are
       `parity.verdicts.judge.compare_runs`'s.
     """
     out = Path(out_dir)

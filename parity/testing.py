@@ -43,7 +43,12 @@ import pytest
 
 from parity.golden.check import GoldenResult, check_golden
 from parity.golden.format import Golden
-from parity.verdicts.rows import cell_bottom_lines, cell_configs, format_verdicts, overall_status
+from parity.verdicts.outcomes import (
+    cell_bottom_lines,
+    cell_configs,
+    format_verdicts,
+    overall_status,
+)
 
 __all__ = ["TrainsLike", "assert_loop_matches", "assert_trains_like", "trains_like"]
 

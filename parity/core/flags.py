@@ -2,7 +2,7 @@
 the ``python -m parity run`` arguments that reproduce a recorded config (`run_arguments`).
 
 `parity.cli.commands` reads options into a `RunConfig` through these names; the verdicts' deciding
-command (`parity.verdicts.rows.deciding_command`) writes a run's config back as arguments, so
+command (`parity.verdicts.outcomes.deciding_command`) writes a run's config back as arguments, so
 the command printed under an inconclusive cell reruns that cell, not another experiment.
 """
 

@@ -10,6 +10,7 @@ files of version 2; a kindless row whose label no version wrote is refused, nami
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -88,10 +89,12 @@ def _upgraded(row: Mapping[str, Any], field: str, mode: str) -> dict[str, Any]:
         label = out.get("check")
         kind = next((k for p, k in _PATTERNS if isinstance(label, str) and p.match(label)), None)
         if kind is None:
+            closest = difflib.get_close_matches(str(label), LEGACY_KINDS, n=1, cutoff=0.0)
             raise StoredRowError(
                 field,
                 f"a row without a kind, labelled {label!r}, which no version of the harness "
-                f"wrote (the labels rows had before kinds: {sorted(LEGACY_KINDS)})",
+                f"wrote (closest: {closest[0]!r}; the labels rows had before kinds, P a "
+                f"precision: {sorted(LEGACY_KINDS)})",
             )
         out["kind"] = kind
     if mode and not out.get("mode"):

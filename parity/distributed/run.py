@@ -40,8 +40,9 @@ from parity.distributed.pairs import make_pair
 from parity.distributed.procs import WorkerError, WorkerGroup, free_port
 from parity.perf import measure
 from parity.report.markdown import speed_ratios
+from parity.verdicts.outcomes import cell_configs, format_verdicts
 from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import Verdict, cell_configs, cell_fields, format_verdicts
+from parity.verdicts.rows import Verdict, cell_fields
 
 __all__ = [
     "JAX_MODES",

@@ -62,15 +62,14 @@ from parity.training.train_jax import train_jax
 from parity.training.user_loop import TrainingLoop
 from parity.twins import TWIN_NAMES, flax_twin
 from parity.verdicts.judge import compare_runs
-from parity.verdicts.qualifiers import verdict
-from parity.verdicts.rows import (
-    Verdict,
+from parity.verdicts.outcomes import (
     cell_bottom_lines,
     cell_configs,
-    cell_fields,
     format_verdicts,
     overall_status,
 )
+from parity.verdicts.qualifiers import verdict
+from parity.verdicts.rows import Verdict, cell_fields
 from parity.verdicts.step0_result import Step0Failure, Step0Result
 from parity.verdicts.tolerance import (
     SAFETY,
@@ -329,7 +328,7 @@ class GoldenResult:
 
     Attributes:
       status: ``"PASS"``, ``"FAIL"``, ``"INCONCLUSIVE"`` or ``"NOTHING COMPARED"``
-        (`parity.verdicts.rows.overall_status`).
+        (`parity.verdicts.outcomes.overall_status`).
       verdicts: the step-0 rows, then `parity.verdicts.judge.compare_runs`'s.
       runs: ``[torch's recorded run, the JAX run]``.
       notes: every recorded-versus-current difference and what it changed.

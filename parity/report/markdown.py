@@ -1,7 +1,7 @@
 """The per-step CSV, PNG plots and the markdown report (every file written atomically).
 
 The report opens with one bottom line per cell (parity pass/fail and why, from
-`parity.verdicts.rows.cell_bottom_lines`; which framework is faster and by how much, from
+`parity.verdicts.outcomes.cell_bottom_lines`; which framework is faster and by how much, from
 `parity.perf.speed.bottom_line`), then the step-0 checks and per-layer diagnosis when the records
 carry them (``run["step0"]``, ``run["diagnosis"]``: `parity.verdicts.step0` / `parity.verdicts.diagnose`), the
 verdict table with every row's explanation, the runs, and the plots: loss curves, the
@@ -46,14 +46,8 @@ from parity.report.plots import (
     plot_step_times,
 )
 from parity.report.timing import phases_section
-from parity.verdicts.rows import (
-    EXCEEDED,
-    cell_bottom_lines,
-    cell_configs,
-    fmt_value,
-    overall_status,
-    verdict_mark,
-)
+from parity.verdicts.outcomes import cell_bottom_lines, cell_configs, overall_status, verdict_mark
+from parity.verdicts.rows import EXCEEDED, fmt_value
 
 __all__ = ["report_sections", "speed_ratios", "write_report", "write_steps_csv"]
 

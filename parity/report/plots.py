@@ -18,13 +18,9 @@ import numpy as np
 
 from parity.core.records import run_label, write_bytes_atomic
 from parity.perf import speed
-from parity.verdicts.rows import (
-    POWER_BOUNDS,
-    TOLERANCES,
-    loss_gaps,
-    self_divergence,
-)
-from parity.verdicts.tolerances import step_tolerances
+from parity.verdicts.gaps import self_divergence
+from parity.verdicts.judge import judged_pairs
+from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES
 
 __all__ = [
     "cell_groups",
@@ -212,16 +208,16 @@ def plot_losses(runs, path: Path) -> list[str]:
 
 
 def _pair_panels(runs, *, with_steps: bool) -> list[tuple]:
-    """``(cell key, torch main run, JAX main run, noise runs)`` of every cell with both main runs
-    (`with_steps`: runs that recorded steps only), in cell order."""
-    panels = []
-    for key, members in sorted(cell_groups(runs).items()):
-        main = [r for r in members if not r.get("variant") and (r["steps"] or not with_steps)]
-        torch_runs = [r for r in main if r["framework"] == "torch"]
-        jax_runs = [r for r in main if r["framework"] == "jax"]
-        if torch_runs and jax_runs:
-            noise = [r for r in members if r.get("variant") == "noise"]
-            panels.append((key, torch_runs[0], jax_runs[0], noise))
+    """``(cell key, torch main run, JAX main run, the judged pair)`` of every cell with a pair
+    the verdicts judged (`parity.verdicts.judge.judged_pairs`: the same runs, gaps, tolerances
+    and calibration runs; its first pair where a cell has several), in cell order
+    (`with_steps`: runs that recorded steps only)."""
+    panels, seen = [], set()
+    for pair in judged_pairs(runs):
+        if pair.cell in seen or with_steps and not (pair.ref["steps"] and pair.cand["steps"]):
+            continue
+        seen.add(pair.cell)
+        panels.append((pair.cell, pair.ref, pair.cand, pair))
     return panels
 
 
@@ -233,12 +229,12 @@ def plot_divergence(runs, path: Path) -> bool:
     """
     import matplotlib.pyplot as plt
 
-    panels = [p for p in _pair_panels(runs, with_steps=False) if p[3]]
+    panels = [p for p in _pair_panels(runs, with_steps=False) if p[3].noise]
     if not panels:
         return False
     fig, axes = _grid(len(panels))
-    for ax, ((model, precision, device), ref, cand, noise) in zip(axes, panels, strict=False):
-        gaps = loss_gaps(ref, cand)
+    for ax, ((model, precision, device), ref, cand, pair) in zip(axes, panels, strict=False):
+        gaps, noise = pair.gaps, pair.noise
         pts = [(i, g) for i, g in enumerate(gaps) if math.isfinite(g) and g > 0]
         if pts:
             xs, ys = decimate(*zip(*pts, strict=True))
@@ -286,8 +282,9 @@ def plot_divergence(runs, path: Path) -> bool:
 def plot_gaps(runs, path: Path) -> bool:
     """Gap per step, one panel per cell with a torch/JAX pair: the relative loss gap, and the
     gradient-norm and update-norm gaps where the records carry them, on a log axis against the
-    loss tolerance of each step (`parity.verdicts.tolerances.step_tolerances`, with the cell's
-    self-divergence where calibration runs exist). Unlike the loss curves, it shows a 1e-4 gap.
+    loss tolerance of each step the verdicts used (`parity.verdicts.judge.Pair.tolerances`: with
+    the pair's self-divergence where calibration runs exist). Unlike the loss curves, it shows a
+    1e-4 gap.
 
     Returns:
       False (no file) when no cell has a torch/JAX pair.
@@ -298,8 +295,8 @@ def plot_gaps(runs, path: Path) -> bool:
     if not panels:
         return False
     fig, axes = _grid(len(panels))
-    for ax, ((model, precision, device), ref, cand, noise) in zip(axes, panels, strict=False):
-        gaps = loss_gaps(ref, cand)
+    for ax, ((model, precision, device), ref, cand, pair) in zip(axes, panels, strict=False):
+        gaps = pair.gaps
         series = [("loss", gaps, "tab:purple")]
         for field, color in (("grad_norm", "tab:green"), ("update_norm", "tab:orange")):
             a = [s.get(field) for s in ref["steps"]]
@@ -319,8 +316,7 @@ def plot_gaps(runs, path: Path) -> bool:
             if pts:
                 xs, ys = decimate(*zip(*pts, strict=True))
                 ax.plot(xs, ys, color=color, lw=1.2, marker=".", ms=3, label=f"{label} gap")
-        envelope = self_divergence(noise, {"torch": ref, "jax": cand})
-        tolerance = step_tolerances(gaps, envelope)
+        tolerance = pair.tolerances
         ax.step(
             *decimate(range(len(tolerance)), tolerance),
             where="mid",

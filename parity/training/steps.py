@@ -185,7 +185,12 @@ def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
         leaves = jax.tree_util.tree_leaves(updates)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
         coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), jnp.float32(1.0))
-        return jax.tree_util.tree_map(lambda x: (x * coef).astype(x.dtype), updates), state
+        # torch multiplies a low-precision gradient by the float32 coefficient in float32 (its
+        # op math for a scalar operand), then rounds back to the gradient's dtype
+        scaled = jax.tree_util.tree_map(
+            lambda x: (x.astype(jnp.float32) * coef).astype(x.dtype), updates
+        )
+        return scaled, state
 
     return optax.GradientTransformation(init, update)
 
@@ -196,6 +201,24 @@ def _sgd(learning_rate, momentum, weight_decay):
         optax.add_decayed_weights(weight_decay),
         optax.sgd(learning_rate, momentum=momentum),
     )
+
+
+def _optax_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` (optax's own transformations) traced under JAX's standard dtype promotion, whatever
+    the caller's ``jax_numpy_dtype_promotion``: optax computes Adam's bias correction as a
+    Python float to the power of its int32 step count, which strict promotion refuses, and a
+    user's training runs optax under the default. The harness's own step around it (clipping,
+    the recipe's loss scaling, the forward pass) keeps the caller's mode."""
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def build_jax_optimizer(
@@ -211,21 +234,25 @@ def build_jax_optimizer(
     arrays they would promote bf16-true optimizer state to float32).
     """
     if config.optimizer == "adamw":
-        inner = optax.inject_hyperparams(
-            optax.adamw,
-            static_args=("b1", "b2", "eps", "weight_decay"),
-            hyperparam_dtype=jnp.float32,
-        )(
-            learning_rate=config.lr,
-            b1=config.betas[0],
-            b2=config.betas[1],
-            eps=config.eps,
-            weight_decay=config.weight_decay,
+        inner = _optax_promotion(
+            optax.inject_hyperparams(
+                optax.adamw,
+                static_args=("b1", "b2", "eps", "weight_decay"),
+                hyperparam_dtype=jnp.float32,
+            )(
+                learning_rate=config.lr,
+                b1=config.betas[0],
+                b2=config.betas[1],
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+            )
         )
     else:
-        inner = optax.inject_hyperparams(
-            _sgd, static_args=("momentum", "weight_decay"), hyperparam_dtype=jnp.float32
-        )(learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        inner = _optax_promotion(
+            optax.inject_hyperparams(
+                _sgd, static_args=("momentum", "weight_decay"), hyperparam_dtype=jnp.float32
+            )(learning_rate=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        )
     if config.clip_norm is not None:
         inner = optax.chain(clip_by_global_norm_torch(config.clip_norm), inner)
     return config.recipe.jax_optimizer(inner, config, axis_name, pair=pair)

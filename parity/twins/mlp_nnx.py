@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from parity.pairs.adapters import FlaxModel, as_flax_model
@@ -28,17 +30,25 @@ class NNXMLP(nnx.Module):
 
 def flax_model(config, dtype=None, param_dtype=jnp.float32) -> FlaxModel:
     """The twin of `config` (the pair's configuration), wrapped with the factory that rebuilds
-    it in another precision."""
+    it in another precision; its parameters are zeros until a pair's mapping sets them."""
     height, width, channels = config["image_shape"]
 
     def factory(dtype=None, param_dtype=jnp.float32):
-        return NNXMLP(
-            height * width * channels,
-            config["hidden"],
-            config["num_classes"],
-            dtype=dtype,
-            param_dtype=param_dtype if param_dtype is not None else jnp.float32,
-            rngs=nnx.Rngs(0),  # overwritten by the torch weights
+        # The pair's weights are torch's (the mapping overwrites every parameter): the module is
+        # built abstractly and filled with zeros on the host. NNX's own initialisers, run eagerly,
+        # would compile a few XLA programs for every new layer shape, only to be overwritten.
+        module = nnx.eval_shape(
+            lambda: NNXMLP(
+                height * width * channels,
+                config["hidden"],
+                config["num_classes"],
+                dtype=dtype,
+                param_dtype=param_dtype if param_dtype is not None else jnp.float32,
+                rngs=nnx.Rngs(0),
+            )
         )
+        zeros = jax.tree.map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)), nnx.state(module))
+        nnx.update(module, zeros)
+        return module
 
     return as_flax_model(factory(dtype, param_dtype), factory=factory)

@@ -24,16 +24,8 @@ import numpy as np
 from scipy import stats
 
 from parity.core.records import run_label
-from parity.verdicts.rows import (
-    LOSS_UNIT,
-    Row,
-    final_mean,
-    fmt_value,
-    power_bound,
-    run_losses,
-    self_divergence,
-    signal_gaps,
-)
+from parity.verdicts.gaps import final_mean, run_losses, self_divergence, signal_gaps
+from parity.verdicts.rows import LOSS_UNIT, Row, fmt_value, power_bound
 from parity.verdicts.tolerances import POWER_BOUNDS, TOLERANCES, step_band, step_tolerances
 
 __all__ = ["equivalence"]

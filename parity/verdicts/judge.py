@@ -46,22 +46,14 @@ from parity.core.records import (
 from parity.core.stored_rows import stored_rows
 from parity.verdicts import builders, fp16
 from parity.verdicts.checks import CHECKS
+from parity.verdicts.gaps import loss_floor, loss_gaps, relative_gaps, run_losses, self_divergence
 from parity.verdicts.logits import logit_rows
+from parity.verdicts.outcomes import seeds_to_decide
 from parity.verdicts.qualifiers import qualify, verdict
-from parity.verdicts.rows import (
-    Row,
-    Verdict,
-    fmt_value,
-    loss_floor,
-    loss_gaps,
-    relative_gaps,
-    run_losses,
-    seeds_to_decide,
-    self_divergence,
-)
+from parity.verdicts.rows import Row, Verdict, fmt_value
 from parity.verdicts.tolerances import TOLERANCES, envelope_ratio, step_tolerances
 
-__all__ = ["Pair", "compare_runs"]
+__all__ = ["Pair", "compare_runs", "judged_pairs"]
 
 # The trajectory checks a recipe may name (`Recipe.verdict_checks`), and what builds their rows.
 TRAJECTORY_BUILDERS = {
@@ -211,11 +203,9 @@ def _folded(run) -> list[dict[str, Any]]:
 
 
 def _padding(run) -> Mapping[str, Any] | None:
-    """The step-0 row naming embedding rows torch never trains (kind ``padding rows``)."""
-    for row in (run.get("step0") or {}).get("verdicts") or []:
-        if isinstance(row, Mapping) and row.get("kind") == "padding rows":
-            return row
-    return None
+    """The step-0 row naming embedding rows torch never trains (kind ``padding rows``), read as
+    every stored row is (`parity.core.stored_rows`)."""
+    return next((row for _, row in stored_rows(run) if row["kind"] == "padding rows"), None)
 
 
 class Structural(NamedTuple):
@@ -369,9 +359,11 @@ def _stored_rows(runs: Iterable[Mapping[str, Any]]) -> list[tuple[dict[str, Any]
     return out
 
 
-def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
-    """The rows of one cell's runs, and whether a trained comparable pair was judged."""
+def _cell_rows(key, members) -> tuple[list[Verdict], bool, list[Pair]]:
+    """The rows of one cell's runs, whether a trained comparable pair was judged, and the
+    pairs whose checks were evaluated."""
     rows: list[Verdict] = []
+    pairs: list[Pair] = []
     for run in members:
         if run_status(run) == "unsupported":
             rows.append(
@@ -469,6 +461,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
         if "skips" in pair.recipe_checks:
             calibration = [(mains[r["framework"]], r) for r in usable_noise]
             pair.skips = fp16.skip_differences(ref, cand, calibration)
+        pairs.append(pair)
         pair_rows = _pair_rows(pair)
         rows += pair_rows[:1] + left_out + pair_rows[1:]
     if not compared_any and usable:
@@ -487,7 +480,7 @@ def _cell_rows(key, members) -> tuple[list[Verdict], bool]:
                 kind="pair",
             )
         )
-    return rows, judged_any
+    return rows, judged_any, pairs
 
 
 def compare_runs(runs: Sequence[dict[str, Any]]) -> list[Verdict]:
@@ -508,9 +501,7 @@ def compare_runs(runs: Sequence[dict[str, Any]]) -> list[Verdict]:
       >>> compare_runs([])
       []
     """
-    groups: dict[tuple, list] = {}
-    for run in runs:
-        groups.setdefault((run["model"], run["precision"], run["device"]), []).append(run)
+    groups = _groups(runs)
     stored = _stored_rows(runs)
 
     def judged(rows, cell_judged):
@@ -518,11 +509,31 @@ def compare_runs(runs: Sequence[dict[str, Any]]) -> list[Verdict]:
 
     verdicts: list[Verdict] = []
     for key in sorted(groups):
-        cell_rows, judged_any = _cell_rows(key, groups[key])
+        cell_rows, judged_any, _ = _cell_rows(key, groups[key])
         here = [(base, row) for base, row in stored if _cell(base) == key]
         verdicts.extend(judged(here, judged_any) + cell_rows)
     verdicts.extend(judged([(b, r) for b, r in stored if _cell(b) not in groups], False))
     return verdicts
+
+
+def judged_pairs(runs: Sequence[dict[str, Any]]) -> list[Pair]:
+    """The trained torch/JAX pairs `compare_runs` judges, in cell order, each with its one
+    context (loss gaps, per-step tolerances, the calibration runs it uses and their envelope):
+    what the report plots.
+
+    Example:
+      >>> judged_pairs([])
+      []
+    """
+    groups = _groups(runs)
+    return [pair for key in sorted(groups) for pair in _cell_rows(key, groups[key])[2]]
+
+
+def _groups(runs) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    groups: dict[tuple, list] = {}
+    for run in runs:
+        groups.setdefault((run["model"], run["precision"], run["device"]), []).append(run)
+    return groups
 
 
 def _cell(base: Mapping[str, Any]) -> tuple[str, str, str]:

@@ -5,7 +5,7 @@ Two outcomes come out of them. A row whose tolerance is above its power bound pa
 power: ``"inconclusive"``. A row that **exceeded** its band with power, and whose failure one
 reason excuses (no band calibrated to the model's own chaos past step 30, a structural
 difference of the two models, a departure from the rounding floor), is ``"exceeded"``: never a
-FAIL, and never inside a PASS either (`parity.verdicts.rows.overall_status`): its cell is
+FAIL, and never inside a PASS either (`parity.verdicts.outcomes.overall_status`): its cell is
 INCONCLUSIVE with the command that would decide it.
 
 A qualifier is a predicate on a `Row` and its pair's context (`Pair`, `parity.verdicts.judge`)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from parity.verdicts.tolerance import examples_within, program_shapes
+from parity.perf.flops import jax_matmul_flops
+from parity.verdicts.tolerance import examples_within, forward_jaxpr, program_shapes
 
 __all__ = ["STEP0_FLOPS", "STEP0_MIN_EXAMPLES", "Step0Batch", "step0_batch", "step0_examples"]
 
@@ -111,14 +112,17 @@ def step0_batch(
       >>> batch.compared == len(inputs)
       True
     """
-    shapes = program_shapes(pair, variables, inputs, targets)
+    # The whole batch's forward pass gives its FLOPs; its gradient is traced only when the
+    # whole batch is compared (the shapes are the compared examples' programs').
+    forward = forward_jaxpr(pair, variables, inputs)
     size = len(inputs)
-    flops = int(shapes["forward flops"])
+    flops = int(sum(jax_matmul_flops(forward).values()))
     if examples is not None:
         compared = min(size, examples)
     else:
         compared = step0_examples(size, flops) if size else size
     if compared < size:
         inputs, targets = inputs[:compared], targets[:compared]
-        shapes = program_shapes(pair, variables, inputs, targets)
+        forward = None
+    shapes = program_shapes(pair, variables, inputs, targets, forward=forward)
     return Step0Batch(inputs, targets, shapes, compared, size, flops)

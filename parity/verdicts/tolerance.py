@@ -50,6 +50,7 @@ __all__ = [
     "SAFETY",
     "examples_within",
     "forward_flops",
+    "forward_jaxpr",
     "gradient_tolerance",
     "group_error",
     "group_errors",
@@ -280,12 +281,20 @@ def examples_within(size: int, flops: float, budget: float, least: int, most: in
     return min(size, most, max(least, fits))
 
 
-def program_shapes(pair, variables, inputs, targets) -> dict[str, Any]:
+def forward_jaxpr(pair, variables, inputs) -> Any:
+    """The jaxpr of the float32 train-mode forward pass on `inputs`, a function of the
+    parameters (what `program_shapes` and `forward_flops` read; pass it to `program_shapes` to
+    read both from one trace)."""
+    return _forward_jaxpr(pair, variables, jnp.asarray(inputs))
+
+
+def program_shapes(pair, variables, inputs, targets, *, forward: Any = None) -> dict[str, Any]:
     """(fan-in, depth) of the float32 forward pass (``"forward"``) and of the gradient
-    computation (``"grad"``); and the forward pass's matmul FLOPs (``"forward flops"``)."""
+    computation (``"grad"``); and the forward pass's matmul FLOPs (``"forward flops"``).
+    `forward`: `forward_jaxpr` of the same pair, variables and inputs, when already traced."""
     params = variables["params"]
     x, y = jnp.asarray(inputs), jnp.asarray(targets)
-    forward_jaxpr = _forward_jaxpr(pair, variables, x)
+    forward_jaxpr = _forward_jaxpr(pair, variables, x) if forward is None else forward
     fwd_fan, fwd_depth = program_shape(forward_jaxpr)
     # The gradient differentiates the traced forward program itself: the model's Python (Flax's
     # module machinery) is traced once, not again under jax.grad.

@@ -12,7 +12,7 @@ from conftest import fake_run
 
 from parity.verdicts.checks import CHECKS
 from parity.verdicts.judge import compare_runs
-from parity.verdicts.rows import overall_status
+from parity.verdicts.outcomes import overall_status
 
 N = 12
 BASE = np.linspace(2.3, 1.0, N)

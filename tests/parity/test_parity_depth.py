@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 
 from test_parity_power import _chaos, _judged, _run  # noqa: E402
 
-from parity.verdicts.rows import cell_bottom_lines, format_verdicts, overall_status  # noqa: E402
+from parity.verdicts.outcomes import cell_bottom_lines, format_verdicts, overall_status  # noqa: E402
 
 
 def test_a_chaotic_pass_states_its_depth():

@@ -32,8 +32,6 @@ from parity.golden.check import check_golden, hardware_allowance
 from parity.golden.format import HEADER_KEY, GoldenFileError, load_golden
 from parity.verdicts.tolerance import SAFETY, gradient_tolerance, tolerance, unit_roundoff
 
-pytestmark = pytest.mark.standard_promotion  # optax/flax internals run inside the checks
-
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 NO_TORCH = ROOT / "tests" / "data" / "no_torch"

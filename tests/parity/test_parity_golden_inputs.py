@@ -19,8 +19,6 @@ from parity import bisect
 from parity.golden import check
 from parity.golden.format import HEADER_KEY, SCHEMA_VERSION, GoldenFileError, load_golden
 
-pytestmark = pytest.mark.standard_promotion
-
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "examples" / "parity_ci" / "port.golden.npz"
 

@@ -25,7 +25,6 @@ from parity.verdicts.optim_step0 import optimizer_state_verdicts  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,  # exports (trains torch) and checks (trains JAX)
-    pytest.mark.standard_promotion,  # optax.adamw's bias correction
     pytest.mark.filterwarnings("ignore::UserWarning"),  # torchao's caching hint
 ]
 

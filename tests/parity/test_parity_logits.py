@@ -39,7 +39,7 @@ from parity.verdicts.logits import (  # noqa: E402
     top1_agrees,
     topk_agreement,
 )
-from parity.verdicts.rows import overall_status  # noqa: E402
+from parity.verdicts.outcomes import overall_status  # noqa: E402
 from parity.verdicts.tolerance import unit_roundoff  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]

@@ -29,14 +29,14 @@ from parity.core.records import run_seed, validate_run  # noqa: E402
 from parity.verdicts.builders import equivalence  # noqa: E402
 from parity.verdicts.fp16 import skip_differences  # noqa: E402
 from parity.verdicts.judge import compare_runs  # noqa: E402
-from parity.verdicts.qualifiers import verdict  # noqa: E402
-from parity.verdicts.rows import (  # noqa: E402
-    Verdict,
+from parity.verdicts.outcomes import (  # noqa: E402
     cell_bottom_lines,
     cell_configs,
     format_verdicts,
     overall_status,
 )
+from parity.verdicts.qualifiers import verdict  # noqa: E402
+from parity.verdicts.rows import Verdict  # noqa: E402
 from parity.verdicts.tolerances import POWER_BOUNDS, step_tolerances  # noqa: E402
 
 CELL = ("m", "fp32", "cpu")

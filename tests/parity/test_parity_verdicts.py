@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 from conftest import fake_run as _run
 
+from parity.verdicts.gaps import self_divergence
 from parity.verdicts.judge import compare_runs
+from parity.verdicts.outcomes import cell_bottom_lines, format_verdicts, overall_status
 from parity.verdicts.qualifiers import NO_PAIR_NOTE
-from parity.verdicts.rows import (
-    Verdict,
-    cell_bottom_lines,
-    format_verdicts,
-    overall_status,
-    self_divergence,
-)
+from parity.verdicts.rows import Verdict
 from parity.verdicts.tolerances import TOLERANCES
 
 
@@ -431,7 +427,8 @@ def test_every_recipe_names_trajectory_checks_the_judge_builds():
 
 def test_what_decides_a_cell_is_read_from_the_check_table_not_the_label():
     from parity.verdicts.checks import CHECKS
-    from parity.verdicts.rows import Verdict, is_decisive, seeds_to_decide
+    from parity.verdicts.outcomes import seeds_to_decide
+    from parity.verdicts.rows import Verdict, is_decisive
 
     def row(kind, check="some label", mode="exact", **fields):
         return Verdict(
