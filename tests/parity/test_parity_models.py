@@ -457,7 +457,8 @@ SMALL = {
     "cnn_bn": {"image_shape": (8, 8, 3)},
     "lstm": {"seq_len": 8},
     "transformer": {"num_layers": 1, "seq_len": 16},
-    "resnet": {"image_shape": (8, 8, 3), "channels": (4, 8, 16)},
+    # every kind of block (identity, strided shortcut, strided widening), narrow convolutions
+    "resnet": {"image_shape": (8, 8, 3), "channels": (4, 4, 8)},
 }
 
 
