@@ -268,7 +268,8 @@ def test_state_bytes_per_parameter():
     params = {"w": jnp.zeros((128, 256))}  # 32768 elements
     n = 128 * 256
     per = {
-        name: optim_precision.state_bytes(tx.init(params)) / n
+        # the state's shapes and dtypes, as init returns them (no program compiled or run)
+        name: optim_precision.state_bytes(jax.eval_shape(tx.init, params)) / n
         for name, tx in {
             "f32": optax.adamw(1e-3),
             "bf16": jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "bf16"),
@@ -327,9 +328,9 @@ def test_documentation_page_snippet_runs():
     namespace = {"jax": jax, "jnp": jnp, "jaxamp": jaxamp, "optax": optax, "opt_state": opt_state}
     exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
     tx = namespace["tx"]  # the last one: loss-scaled SR around 8-bit state
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)  # one program each (eagerly: one compile per operation)
     grads = {"w": jnp.full((64, 64), 65536.0, jnp.bfloat16)}
-    updates, state = tx.update(grads, state, params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
     assert updates["w"].dtype == jnp.bfloat16 and bool(jaxamp.amp_info(state).last_step_applied)
 
 
