@@ -110,8 +110,7 @@ def value_and_grad(
       >>> loss, grads = grad_fn(params, x, loss_scale=opt_state)  # grads of the scaled loss
       >>> loss.dtype, grads["w"].dtype
       (dtype('float32'), dtype('float32'))
-      >>> update = jax.jit(tx.update)  # one program (eagerly: one compile per operation)
-      >>> updates, opt_state = update(grads, opt_state, params)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
       >>> params = jaxamp.apply_updates(params, updates, opt_state)
     """
     if not callable(fun):

@@ -48,11 +48,8 @@ class TrainState(flax_train_state.TrainState):
       >>> def loss_fn(params, x, y):
       ...     logits = state.apply_fn({"params": params}, x)
       ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      >>> @jax.jit
-      ... def train_step(state, x, y):
-      ...     loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # scaled grads
-      ...     return state.apply_gradients(grads=grads)  # skips if non-finite
-      >>> state = train_step(state, x, y)
+      >>> loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # scaled grads
+      >>> state = state.apply_gradients(grads=grads)  # skips if non-finite
       >>> float(state.amp_info().loss_scale), int(state.step)
       (65536.0, 1)
     """
