@@ -39,8 +39,6 @@ from parity.core.recipes import get_recipe
 from parity.golden.format import BatchList, load_golden
 from parity.verdicts.torch_side import torch_stage_side
 
-pytestmark = pytest.mark.standard_promotion
-
 SHIFT = 20.0
 LOGIT_SHIFT = 12.0
 

@@ -195,7 +195,6 @@ def test_the_stochastic_check_reuses_torch_s_train_pass(monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.standard_promotion  # optax/flax internals run inside the check
 def test_a_golden_checks_the_examples_its_export_compared(tmp_path, monkeypatch):
     """A golden exported where step 0 was bounded records torch's step 0 on the batch's first
     examples; its check compares those, whatever the bound is when it runs."""
