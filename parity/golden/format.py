@@ -32,6 +32,7 @@ import numpy as np
 from parity.core.config import RunConfig
 from parity.core.hardware import hardware_info, versions
 from parity.core.records import ResultsFileError, validate_run, write_bytes_atomic
+from parity.core.stored_rows import LEGACY_KINDS
 from parity.golden.step0_data import (
     decode_layers,
     decode_optimizer,
@@ -68,13 +69,17 @@ FORMAT = "parity-golden"
 # `upgrade_header`, which names its rows' kinds.
 SCHEMA_VERSION = 3
 
-# The labels version 2's writer gave the torch-only rows it wrote without a kind, and the kind each
-# is (`parity.verdicts.checks.CHECKS`): the one place a row's kind is read from its label.
+# The labels version 2's writer gave the torch-only rows it wrote without a kind, each with the
+# kind run records' old rows of that label have (`parity.core.stored_rows.LEGACY_KINDS`, where
+# every label's kind is written once).
 _V2_KINDS = {
-    "step 0: deterministic train-mode forward (torch)": "stochastic",
-    "step 0: tensors folded by the mapping": "folded",
-    "step 0: embedding rows torch never trains (padding_idx)": "padding rows",
-    "step 0: dropout rates differ (turned off on both sides)": "dropout",
+    label: LEGACY_KINDS[label]
+    for label in (
+        "step 0: deterministic train-mode forward (torch)",
+        "step 0: tensors folded by the mapping",
+        "step 0: embedding rows torch never trains (padding_idx)",
+        "step 0: dropout rates differ (turned off on both sides)",
+    )
 }
 HEADER_KEY = "header.json"
 
