@@ -252,24 +252,28 @@ def test_dot_general_dtypes_jit_and_layouts(name):
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    eager = [(jnp.float32, lambda f: f)] if name == "tensorwise" else []
-    for dtype, runner in eager + [
-        (jnp.float32, jax.jit),
-        (jnp.bfloat16, jax.jit),
-        (jnp.float16, jax.jit),
-    ]:
-        x, w = jnp.asarray(x32, dtype), jnp.asarray(w32, dtype)
-        (val, y), (gx, gw) = runner(grad)(x, w)
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    inputs = [(jnp.asarray(x32, d), jnp.asarray(w32, d)) for d in dtypes]
+    # Under jit, the three dtypes in one program; eagerly (tensorwise) float32.
+    outs = jax.jit(lambda pairs: [grad(x, w) for x, w in pairs])(inputs)
+    if name == "tensorwise":
+        outs, dtypes = [grad(*inputs[0]), *outs], [jnp.float32, *dtypes]
+    for dtype, ((val, y), (gx, gw)) in zip(dtypes, outs, strict=True):
         assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
         assert y.shape == (2, 6, 8) and np.isfinite(float(val))
+
     # the transposed weight layout and a flattened input give the same numbers (up to the float32
-    # matmul's summation order: identical fp8 operands)
-    x, w = jnp.asarray(x32, jnp.float32), jnp.asarray(w32, jnp.float32)
-    y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
+    # matmul's summation order: identical fp8 operands); the three layouts in one program
+    @jax.jit
+    def layouts(x, w):
+        y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
+        y_t = f8.dot_general(x, w.T, (((2,), (1,)), ((), ())), recipe=rec)
+        y_r = f8.dot_general(x.reshape(12, 16), w, DN_XW, recipe=rec).reshape(2, 6, 8)
+        return y, y_t, y_r
+
+    y, y_t, y_r = layouts(jnp.asarray(x32, jnp.float32), jnp.asarray(w32, jnp.float32))
     band = 2 * 16 * EPS32 * (np.abs(x32).reshape(12, 16) @ np.abs(w32) * 1.1).reshape(2, 6, 8)
-    y_t = f8.dot_general(x, w.T, (((2,), (1,)), ((), ())), recipe=rec)
     np.testing.assert_array_less(np.abs(np.asarray(y_t) - np.asarray(y)), band + 1e-30)
-    y_r = f8.dot_general(x.reshape(12, 16), w, DN_XW, recipe=rec).reshape(2, 6, 8)
     np.testing.assert_array_less(np.abs(np.asarray(y_r) - np.asarray(y)), band + 1e-30)
 
 
