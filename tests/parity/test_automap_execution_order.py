@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flax import nnx  # noqa: E402
+from hf_flax import hf_flax_model  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -581,7 +582,7 @@ def test_bert_pair_maps_by_name_with_no_transfer_code():
     )
     torch.manual_seed(0)
     torch_model = transformers.BertModel(config).eval()
-    flax_model = transformers.FlaxBertModel(config, seed=0)
+    flax_model = hf_flax_model(transformers.FlaxBertModel, config)
     mapping = auto(torch_model, flax_model)
     assert len(mapping.torch_names()) == len(list(torch_model.parameters()))
     assert {row["decided_by"] for row in explain(mapping, torch_model)} == {"name"}

@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hf_flax import hf_flax_model  # noqa: E402
 from test_parity_mutations import BATCH, MUTATIONS, _batch, _pair  # noqa: E402
 
 from parity.core.config import RunConfig  # noqa: E402
@@ -92,7 +93,7 @@ def gpt2_exact_gelu():
     """The wrong port: Flax GPT-2 with ``gelu`` (erf) for GPT-2's ``gelu_new`` (tanh)."""
     import transformers
 
-    return transformers.FlaxGPT2LMHeadModel(_gpt2_config("gelu"), seed=0)
+    return hf_flax_model(transformers.FlaxGPT2LMHeadModel, _gpt2_config("gelu"))
 
 
 @pytest.mark.integration

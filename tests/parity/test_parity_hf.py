@@ -14,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "FlaxGPT2LMHeadModel"):  # transformers 5 dropped Flax
     pytest.skip("this transformers has no Flax models", allow_module_level=True)
 
+from hf_flax import hf_flax_model  # noqa: E402
+
 import parity  # noqa: E402
 from parity import api  # noqa: E402
 from parity.core.config import RunConfig  # noqa: E402
@@ -37,7 +39,9 @@ def _gpt2(dropout: float = 0.0):
         attn_pdrop=dropout,
     )
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config), transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    return transformers.GPT2LMHeadModel(config), hf_flax_model(
+        transformers.FlaxGPT2LMHeadModel, config
+    )
 
 
 def _batches(count=3, batch=4, length=16):
@@ -84,8 +88,9 @@ def test_gpt2_dropout_is_disabled_on_both_sides_or_refused():
     assert torch_model.config.resid_pdrop == 0.1  # the user's model is untouched
     assert dropout_verdict(pair, RunConfig(model="user_model", precision="fp32")) is None
     # a port configured with other rates (Flax 0.3, torch 0.1): turned off, untested, named
-    other = transformers.FlaxGPT2LMHeadModel(
-        transformers.GPT2Config(**{**flax_model.config.to_dict(), "resid_pdrop": 0.3}), seed=0
+    other = hf_flax_model(
+        transformers.FlaxGPT2LMHeadModel,
+        transformers.GPT2Config(**{**flax_model.config.to_dict(), "resid_pdrop": 0.3}),
     )
     pair = api.prepare_pair(
         torch_model, other, None, api._UserBatches(_batches(1), None), task="lm"

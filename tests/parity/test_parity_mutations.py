@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_flax import hf_flax_model
 
 from parity import api
 from parity.core.config import RunConfig
@@ -378,7 +379,7 @@ def _bert_pair(dropout="disable", flax_act="gelu"):
     torch.manual_seed(0)
     torch_model = transformers.BertForSequenceClassification(transformers.BertConfig(**kwargs))
     flax_config = transformers.BertConfig(**kwargs, hidden_act=flax_act)
-    flax_model = transformers.FlaxBertForSequenceClassification(flax_config, seed=0)
+    flax_model = hf_flax_model(transformers.FlaxBertForSequenceClassification, flax_config)
     rng = np.random.default_rng(0)
     # No token 0: torch's BertEmbeddings never trains its padding_idx row (gradient 0), Flax's
     # Embed does: a real difference of the two classes, not of this port.
@@ -441,7 +442,7 @@ def test_gpt2_bf16_true_failure_names_the_compute_dtype_check():
     )
     torch.manual_seed(0)
     torch_model = transformers.GPT2LMHeadModel(config)
-    flax_model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config)
     tokens = np.random.default_rng(0).integers(0, 64, (2, 9)).astype(np.int32)
     batch = (tokens[:, :-1], tokens[:, 1:])
     pair = api.prepare_pair(
