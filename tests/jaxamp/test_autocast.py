@@ -242,9 +242,9 @@ def test_flax_transformer_train_step(device):
 def _train_step(device):
     model = _LM()
     tokens = jnp.arange(16).reshape(2, 8) % 50
-    params = model.init(jax.random.key(0), tokens)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)  # set-up: one program, not op by op
     tx = optax.adam(1e-3)
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)
 
     def loss_fn(params, tokens):
         logits = model.apply(params, tokens)

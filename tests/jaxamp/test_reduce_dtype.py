@@ -331,11 +331,15 @@ def test_nnx_value_and_grad_reduce_dtype_keeps_values_and_state():
 
     import jaxamp.flax as jf
 
-    def build():
+    @nnx.jit  # set-up in one program (its initialisers eagerly are a compile per op)
+    def new_model():
         rngs = nnx.Rngs(0)
-        model = nnx.Sequential(
+        return nnx.Sequential(
             nnx.Linear(4, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
         )
+
+    def build():
+        model = new_model()
         jf.nnx.apply_policy(model, "bf16-mixed")
         return model
 
@@ -344,9 +348,11 @@ def test_nnx_value_and_grad_reduce_dtype_keeps_values_and_state():
     def loss(m, x):
         return jnp.mean(m(x).astype(jnp.float32) ** 2)
 
+    # Each under jit, as a training step runs it (reduce_in has no eager-only path); two programs,
+    # so the equal losses are not one shared forward pass.
     plain, reduced = build(), build()
-    l1, g1 = jf.nnx_value_and_grad(loss)(plain, x)
-    l2, g2 = jf.nnx_value_and_grad(loss, reduce_dtype="float32")(reduced, x)
+    l1, g1 = nnx.jit(jf.nnx_value_and_grad(loss))(plain, x)
+    l2, g2 = nnx.jit(jf.nnx_value_and_grad(loss, reduce_dtype="float32"))(reduced, x)
     assert l1 == l2
     eps = float(jnp.finfo(jnp.bfloat16).eps)
     leaves1, leaves2 = jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)
