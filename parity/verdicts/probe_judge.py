@@ -106,6 +106,13 @@ class LayerProbe:
         return text
 
 
+def _signature(args: Any) -> Any:
+    """The pytree structure, shapes and dtypes of a program's arguments (what selects its
+    compiled form)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((np.shape(v), str(getattr(v, "dtype", type(v)))) for v in leaves)
+
+
 def _ratio(row: dict[str, Any]) -> float:
     threshold = row["threshold"]
     return row["error"] / threshold if threshold > 0 else math.inf
@@ -134,16 +141,13 @@ class _FlaxRunner:
         self.pair = pair
         self.torch_of = {tuple(str(p) for p in path): name for name, path in flax_of.items()}
         self.meta: dict[bool, dict[str, dict[str, Any]]] = {False: {}, True: {}}
-        # One compiled program (eval and train mode) whose arguments are the probe weights and
-        # every layer's substituted input: traced and compiled once, then reused for every probe
-        # scale (same shapes). ``meta`` holds the facts of that one trace.
-        self.program = once_jit(self._both)
-
-    def _both(self, variables, x, substitutes_eval, substitutes_train):
-        return (
-            self._forward(variables, x, substitutes_eval, False),
-            self._forward(variables, x, substitutes_train, True),
-        )
+        # One compiled program per mode whose arguments are the probe weights and every layer's
+        # substituted input: traced and compiled once, then reused for every probe scale (same
+        # shapes). A model whose train mode computes what its eval mode does (no dropout, no
+        # batch statistics: the two modes lower to the same program) compiles it once and runs
+        # it for both. ``meta`` holds the facts of each mode's one trace.
+        self.program = once_jit(self._forward, static_argnums=3)
+        self.compiled: dict[Any, Any] = {}  # (mode, argument signature) -> executable
 
     def _forward(self, variables, x, substitutes, train: bool):
         meta = self.meta[train]  # static facts of the trace (which inputs were substituted)
@@ -195,13 +199,30 @@ class _FlaxRunner:
             logits, stats = self.pair.flax_apply(variables, x, train)
         return output_logits(logits, "flax"), found, stats
 
+    def _executables(self, args: dict[bool, tuple]) -> dict[bool, Any]:
+        """The compiled program of each mode for these arguments' shapes: traced per mode (each
+        mode's ``meta``), compiled once where both modes lower to the same program."""
+        keys = {train: (train, _signature(a)) for train, a in args.items()}
+        if all(key in self.compiled for key in keys.values()):
+            return {train: self.compiled[key] for train, key in keys.items()}
+        lowered = {train: self.program.trace(*a, train).lower() for train, a in args.items()}
+        same = lowered[False].in_tree == lowered[True].in_tree and (
+            lowered[False].as_text() == lowered[True].as_text()
+        )
+        eval_program = lowered[False].compile()
+        self.compiled[keys[False]] = eval_program
+        self.compiled[keys[True]] = eval_program if same else lowered[True].compile()
+        return {train: self.compiled[key] for train, key in keys.items()}
+
     def __call__(self, variables, inputs, substitutes_eval, substitutes_train):
+        x = jnp.asarray(inputs)
+        args = {
+            False: (dict(variables), x, substitutes_eval),
+            True: (dict(variables), x, substitutes_train),
+        }
         with jax.default_matmul_precision("highest"):
-            both = jax.device_get(
-                self.program(
-                    dict(variables), jnp.asarray(inputs), substitutes_eval, substitutes_train
-                )
-            )
+            programs = self._executables(args)
+            both = [jax.device_get(programs[train](*args[train])) for train in (False, True)]
         results = {}
         for train, (logits, found, stats) in zip((False, True), both, strict=True):
             out = {
