@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from parity.cli import gpu_check
+from parity.core.records import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,3 +175,15 @@ def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path):
     assert report["figures"]["matmul"]
     log = (out / "gpu_check.log").read_text()
     assert all(f"== {stage['stage']}: " in log for stage in report["stages"])
+    # the cell is one step of the gpt2-small width (reduced depth and context) through
+    # `python -m parity run --size gpt2-small`: both frameworks, GPT-2 small's width, step 0
+    # passed, no plots drawn
+    cells = out / "gpt2"
+    runs = load_results(cells)["runs"]
+    assert {r["framework"] for r in runs} == {"torch", "jax"}
+    for run in runs:
+        assert run["model_config"]["d_model"] == 768 and run["model_config"]["num_heads"] == 12
+        assert (run["model_config"]["num_layers"], run["model_config"]["seq_len"]) == (1, 8)
+        assert run["step0"]["passed"] and len(run["steps"]) == 1
+    assert "Not drawn (`--no-plots`)" in (cells / "report.md").read_text()
+    assert not list(cells.glob("*.png"))

@@ -1,7 +1,8 @@
 """Named sizes of the built-in models: ``--size gpt2-small`` is GPT-2 small's shape (86.2 M
 parameters with a byte vocabulary), resolved alike by the command line and the matrix, refused
 with the sizes a model has; one training step through the command line at a reduced depth and
-context (the full 12 layers compile for ~40 CPU s: benchmarks/bench_harness_cost.py runs them)."""
+context is the GPU check's dry cell (tests/parity/test_gpu_check.py checks it; the full 12 layers
+compile for ~40 CPU s: benchmarks/bench_harness_cost.py runs them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 pytest.importorskip("torch")
 
 from parity.cli import commands as cli  # noqa: E402
-from parity.core.records import load_results  # noqa: E402
 from parity.models import get_model_pair, model_sizes, size_overrides  # noqa: E402
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
@@ -42,17 +42,7 @@ def test_the_command_line_and_the_matrix_resolve_a_size_and_refuse_a_wrong_one(c
     assert "model 'mlp' has no size of that name (its sizes: none)" in capsys.readouterr().err
 
 
-@pytest.mark.integration
-def test_one_step_of_the_gpt2_small_width_through_the_command_line(tmp_path):
-    out = tmp_path / "gpt2"
-    args = ["run", "--model", "transformer", "--size", "gpt2-small", "--steps", "1"]
-    args += ["--model-override", "seq_len=8", "--model-override", "num_layers=1"]
-    args += ["--batch-size", "2", "--no-eval", "--speed-blocks", "0", "--no-plots"]
-    assert cli.main([*args, "--no-progress", "--out", str(out)]) == 0
-    runs = load_results(out)["runs"]
-    assert {r["framework"] for r in runs} == {"torch", "jax"}
-    for run in runs:
-        assert run["model_config"]["d_model"] == 768 and run["model_config"]["num_heads"] == 12
-        assert run["step0"]["passed"] and len(run["steps"]) == 1
-    assert "Not drawn (`--no-plots`)" in (out / "report.md").read_text()
-    assert not list(out.glob("*.png"))
+# One training step of the gpt2-small width through `python -m parity run` (reduced depth and
+# context): the GPU check's dry mode runs that very cell on CPU, and
+# tests/parity/test_gpu_check.py checks its outputs (both frameworks, GPT-2 small's width, step 0
+# passed, one step, no plots).
