@@ -46,11 +46,11 @@ WORKER = textwrap.dedent(
         return jaxamp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
 
 
-    def batch(i):
-        x = jax.random.normal(jax.random.key(i), (8, 4), jnp.float32)
+    def batch(i):  # made on the host: set-up, no XLA program
+        x = np.random.default_rng(i).standard_normal((8, 4)).astype(np.float32)
         if i in OVERFLOW_STEPS:
-            x = x.at[0, 0].set(jnp.inf)
-        return x, jnp.arange(8) % 3
+            x[0, 0] = np.inf
+        return jnp.asarray(x), jnp.asarray(np.arange(8) % 3)
 
 
     def xent(logits, y):
@@ -64,9 +64,13 @@ WORKER = textwrap.dedent(
             return nn.Dense(3)(nn.relu(nn.LayerNorm()(nn.Dense(8)(x))))
 
 
+    # The initialisers in one program each (eagerly, a compile per op).
+    init_linen = jax.jit(jf.linen.with_policy(LinenMLP().init, POLICY))
+
+
     def make_linen():
         model = LinenMLP()
-        params = jf.linen.with_policy(model.init, POLICY)(jax.random.key(0), batch(0)[0])
+        params = init_linen(jax.random.key(0), batch(0)[0])
         return jf.TrainState.create(apply_fn=model.apply, params=params["params"],
                                     tx=optax.adam(1e-2), policy=POLICY, loss_scale=scale())
 
@@ -88,8 +92,11 @@ WORKER = textwrap.dedent(
             return self.l2(nnx.relu(self.norm(self.l1(x))))
 
 
+    new_nnx_mlp = nnx.jit(lambda: NNXMLP(nnx.Rngs(0)))
+
+
     def make_nnx():
-        model = jf.nnx.apply_policy(NNXMLP(nnx.Rngs(0)), POLICY)
+        model = jf.nnx.apply_policy(new_nnx_mlp(), POLICY)
         return model, jf.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, policy=POLICY,
                                    loss_scale=scale())
 
