@@ -116,12 +116,17 @@ def test_nan_step_skips_completely_linen_and_nnx(policy, maybe_jit):
         apply_fn=model.apply, params=params, tx=optax.adam(1e-2), policy=policy
     )
 
-    def loss_fn(p, x):
-        return state.apply_fn({"params": p}, x).astype(jnp.float32).mean()
+    # The gradients compiled in each form (they have no eager-only path); what jit can change,
+    # the skip decision (eagerly a concrete one), runs as given.
+    @jax.jit
+    def grads_of(state):
+        def loss_fn(p, x):
+            return state.apply_fn({"params": p}, x).astype(jnp.float32).mean()
+
+        return state.value_and_grad(loss_fn)(state.params, X)[1]
 
     def linen_step(state, poison):
-        _, grads = state.value_and_grad(loss_fn)(state.params, X)
-        return state.apply_gradients(grads=_poison(grads, poison))
+        return state.apply_gradients(grads=_poison(grads_of(state), poison))
 
     linen_step = maybe_jit(linen_step)
     state = linen_step(state, jnp.array(False))
@@ -146,10 +151,13 @@ def test_nan_step_skips_completely_linen_and_nnx(policy, maybe_jit):
     jf.nnx.apply_policy(nnx_model, policy)
     optimizer = jf.Optimizer(nnx_model, optax.adam(1e-2), wrt=nnx.Param, policy=policy)
 
-    def nnx_step(model, optimizer, poison):
+    @nnx.jit
+    def nnx_grads_of(model, optimizer):
         grad_fn = jf.nnx_value_and_grad(lambda m, x: m(x).astype(jnp.float32).mean())
-        _, grads = grad_fn(model, X, loss_scale=optimizer)
-        optimizer.update(model, _poison(grads, poison))
+        return grad_fn(model, X, loss_scale=optimizer)[1]
+
+    def nnx_step(model, optimizer, poison):
+        optimizer.update(model, _poison(nnx_grads_of(model, optimizer), poison))
         return optimizer.amp_info()
 
     nnx_step = nnx.jit(nnx_step) if maybe_jit is jax.jit else nnx_step

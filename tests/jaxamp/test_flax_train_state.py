@@ -67,11 +67,18 @@ def make_linen(policy="fp16-mixed", tx=None, **kw):
     )
 
 
-def linen_step(state, x, y):
+# The steps' gradients are compiled in every form (they have no eager-only path); what jit can
+# change, the skip decision (eagerly a concrete one), runs as each test calls the step.
+@jax.jit
+def _linen_grads(state, x, y):
     def loss_fn(params, x, y):
         return _xent(state.apply_fn({"params": params}, x), y)
 
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.value_and_grad(loss_fn)(state.params, x, y)
+
+
+def linen_step(state, x, y):
+    loss, grads = _linen_grads(state, x, y)
     return state.apply_gradients(grads=grads), loss
 
 
@@ -88,11 +95,16 @@ def make_nnx(policy="fp16-mixed", tx=None, **kw):
     return model, optimizer
 
 
-def nnx_step(model, optimizer, x, y):
+@nnx.jit
+def _nnx_grads(model, optimizer, x, y):
     def loss_fn(model, x, y):
         return _xent(model(x), y)
 
-    loss, grads = jf.nnx_value_and_grad(loss_fn)(model, x, y, loss_scale=optimizer)
+    return jf.nnx_value_and_grad(loss_fn)(model, x, y, loss_scale=optimizer)
+
+
+def nnx_step(model, optimizer, x, y):
+    loss, grads = _nnx_grads(model, optimizer, x, y)
     optimizer.update(model, grads)
     return loss
 
