@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -47,6 +48,14 @@ MLP_EXPORT = (
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(NO_TORCH), str(ROOT)])
+    # This process's JAX compilation cache (tests/conftest.py's): the subprocess runs while this
+    # process waits, and compiles what the in-process tests compile for the same goldens (each
+    # writer alone, one at a time: no half-written entry is read).
+    if jax.config.jax_compilation_cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(
+            jax.config.jax_persistent_cache_min_compile_time_secs
+        )
     env.update(extra)
     return env
 
@@ -96,15 +105,15 @@ def test_builtin_model_golden_checks_without_torch_as_a_machine_without_it(tmp_p
 
 
 @pytest.mark.integration
-def test_example_project_tests_pass_without_torch():
-    """The example's passing case and planted bug, through parity.testing, torch unimportable."""
+def test_example_project_tests_and_the_cli_check_pass_without_torch_on_a_narrower_cpu(tmp_path):
+    """The example's passing case and planted bug, through parity.testing, torch unimportable;
+    then ``python -m parity check`` of the example's golden, torch's kernels restricted to AVX2.
+    Both processes check the same golden with the same Flax port: the second reads the first's
+    compiled programs from the compilation cache (`_env`)."""
     done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q", "examples/parity_ci"], _env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
 
-
-@pytest.mark.integration
-def test_cli_check_passes_without_torch_on_a_narrower_cpu(tmp_path):
     out = tmp_path / "verdicts.json"
     done = _run(
         ["-m", "parity", "check", "--golden", str(GOLDEN), "--no-progress", "--json", str(out)],
