@@ -106,6 +106,12 @@ class LayerProbe:
         return text
 
 
+def _same_program(a: Any, b: Any) -> bool:
+    """Whether two lowered programs are the same program taking the same arguments (the same
+    StableHLO text and argument structure): one compiled executable serves both."""
+    return a.in_tree == b.in_tree and a.as_text() == b.as_text()
+
+
 def _signature(args: Any) -> Any:
     """The pytree structure, shapes and dtypes of a program's arguments (what selects its
     compiled form)."""
@@ -206,9 +212,7 @@ class _FlaxRunner:
         if all(key in self.compiled for key in keys.values()):
             return {train: self.compiled[key] for train, key in keys.items()}
         lowered = {train: self.program.trace(*a, train).lower() for train, a in args.items()}
-        same = lowered[False].in_tree == lowered[True].in_tree and (
-            lowered[False].as_text() == lowered[True].as_text()
-        )
+        same = _same_program(lowered[False], lowered[True])
         eval_program = lowered[False].compile()
         self.compiled[keys[False]] = eval_program
         self.compiled[keys[True]] = eval_program if same else lowered[True].compile()

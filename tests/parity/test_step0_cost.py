@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from parity.core.config import RunConfig
 from parity.core.schema import RUN_SCHEMA, check_schema
 from parity.models import get_model_pair
-from parity.verdicts import diagnose, layer_probe, step0_batch
+from parity.verdicts import diagnose, layer_probe, probe_judge, step0_batch
 from parity.verdicts.probe_judge import PROBE_EXAMPLES, PROBE_FLOPS, PROBE_MIN_EXAMPLES
 from parity.verdicts.step0 import check_step0
 from parity.verdicts.tolerance import forward_flops, program_shapes
@@ -85,6 +86,36 @@ def test_train_mode_floors_reuse_the_eval_ones_only_where_the_call_is_the_same(m
     assert floors[:half] == floors[half:]  # the same floors, to the last bit
     assert reused_calls.count(True) < calls.count(True)  # fewer float64 runs in train mode
     assert 0 < reused_calls.count(True)  # the BatchNorms (and what follows them) ran again
+
+
+def test_the_probe_compiles_one_flax_program_where_both_modes_are_the_same(monkeypatch):
+    """The probe's Flax side compiles one program for eval and train mode where the two lower
+    to the same program (the transformer: no dropout, no batch statistics), reused for every
+    probe scale, and one per mode where they differ (a BatchNorm's train mode); the rows are
+    those a program per mode gives, to the last bit."""
+    compiled = []
+    original = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        compiled.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    resnet = _resnet()
+    record = layer_probe.probe_torch(resnet, resnet.make_data(0, 2).batch(0)[0], scales=(1.0,))
+    probe_judge.judge_probe(resnet, record)
+    assert len(compiled) == 2  # eval and train mode differ
+    pair = get_model_pair("transformer", seed=0, **TINY_TRANSFORMER)
+    record = layer_probe.probe_torch(pair, pair.make_data(0, 2).batch(0)[0])
+    assert len(record.scales) == 2
+    compiled.clear()
+    shared = probe_judge.judge_probe(pair, record)
+    assert len(compiled) == 1  # both modes, both scales
+    compiled.clear()
+    monkeypatch.setattr(probe_judge, "_same_program", lambda a, b: False)
+    apart = probe_judge.judge_probe(pair, record)
+    assert len(compiled) == 2
+    assert shared.rows == apart.rows and len(shared.rows) > 4
 
 
 def test_the_probe_examples_follow_the_models_work():
