@@ -422,11 +422,13 @@ def test_accumulation_around_loss_scaled_is_kept_and_skips_the_whole_window():
             apply_fn=model.apply, params=params, tx=tx, policy="fp16-mixed", loss_scale="torch"
         )
 
+    @jax.jit  # the gradients compiled (no eager-only path); the window's decisions run eagerly
+    def grads_of(state, x):
+        loss_fn = lambda p, x: jnp.mean(state.apply_fn({"params": p}, x))  # noqa: E731
+        return state.value_and_grad(loss_fn)(state.params, x)[1]
+
     def step(state, x):
-        loss, grads = state.value_and_grad(lambda p, x: jnp.mean(state.apply_fn({"params": p}, x)))(
-            state.params, x
-        )
-        return state.apply_gradients(grads=grads)
+        return state.apply_gradients(grads=grads_of(state, x))
 
     before = state.params
     state = step(step(state, x), x)  # one window of two finite micro-batches: applied once
