@@ -1,8 +1,6 @@
 """loss_scaled, get_loss_scale, amp_info, value_and_grad: skips, clipping, accumulation, parameter
 groups, sharding, optimizer state dtype, overflow reporting, wrapping and bad arguments."""
 
-import functools
-
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -837,16 +835,28 @@ def test_a_transposed_16_bit_gradient_is_checked_element_by_element(maybe_jit):
     params = {"w": jnp.asarray(rng.normal(size=(32, 48)) * 0.1, jnp.float32)}
     tx = jaxamp.loss_scaled(optax.adam(1e-2))
 
-    def step(params, opt_state, x, dtype):
-        def loss(p, x):
-            y = x.astype(dtype) @ p["w"].astype(dtype)
-            return jnp.mean(y.astype(jnp.float32) ** 2)
+    def grads_of(params, opt_state, x):
+        grads = []
+        for dtype in FLOAT_DTYPES:
 
-        _, grads = jaxamp.value_and_grad(loss)(params, x, loss_scale=opt_state)
-        return jaxamp.apply_gradients(tx, grads, opt_state, params)
+            def loss(p, x, dtype=dtype):
+                y = x.astype(dtype) @ p["w"].astype(dtype)
+                return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    steps = [functools.partial(step, dtype=d) for d in FLOAT_DTYPES]
-    each = maybe_jit(lambda p, s, x: tuple(f(p, s, x) for f in steps))
+            grads.append(jaxamp.value_and_grad(loss)(params, x, loss_scale=opt_state)[1])
+        return grads
+
+    def apply_each(params, opt_state, grads):
+        return tuple(jaxamp.apply_gradients(tx, g, opt_state, params) for g in grads)
+
+    if maybe_jit is jax.jit:  # gradients and check in one program: XLA stores them transposed
+        each = jax.jit(lambda p, s, x: apply_each(p, s, grads_of(p, s, x)))
+    else:  # the decision eagerly; the gradients (no eager-only path) compiled
+        compiled_grads = jax.jit(grads_of)
+
+        def each(p, s, x):
+            return apply_each(p, s, compiled_grads(p, s, x))
+
     for bad in (None, *_NON_FINITE):
         x = rng.normal(size=(8, 32)).astype(np.float32)
         if bad is not None:
