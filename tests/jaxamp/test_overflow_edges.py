@@ -137,20 +137,22 @@ def test_the_issues_step_is_skipped(maybe_jit):
 _REASSOCIATING = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np, optax, jaxamp
+    tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.DynamicLossScale.from_preset("flax"))
+
+    @jax.jit  # the scale is traced (a leaf of the state): one program per length
+    def step(p, st, x):
+        _, g = jaxamp.value_and_grad(lambda p, x: jnp.sum(p * x))(p, x, loss_scale=st)
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
     out = []
     for scale in (2.0**126, 2.0**127, float(np.finfo(np.float32).max)):
         ls = jaxamp.DynamicLossScale.from_preset("flax", init_scale=scale)
-        tx = jaxamp.loss_scaled(optax.sgd(1e-3), ls)
         for n in (4, 64):
             x = np.resize(np.array([-0.3, -0.1, 1.45, -0.2], np.float32), n) * (
                 np.float32(np.finfo(np.float32).max / scale))
             p = jnp.zeros(n)
-            @jax.jit
-            def step(p, st, x):
-                _, g = jaxamp.value_and_grad(lambda p, x: jnp.sum(p * x))(p, x, loss_scale=st)
-                u, st = tx.update(g, st, p)
-                return optax.apply_updates(p, u), st
-            new, st = step(p, tx.init(p), jnp.asarray(x))
+            new, st = step(p, jaxamp.set_loss_scale(tx.init(p), ls), jnp.asarray(x))
             out.append((bool(jnp.isfinite(new).all()), int(st.skipped_steps)))
     print(out)
     """
