@@ -255,7 +255,8 @@ def test_composes_with_low_precision_state_without_retracing():
     state = tx.init(params)
     first = state
     for seed in range(3):
-        grads = {"w": jax.random.normal(jax.random.key(seed), (64, 64), jnp.bfloat16) * 65536}
+        normal = np.random.default_rng(seed).standard_normal((64, 64))  # host data
+        grads = {"w": jnp.asarray(normal, jnp.bfloat16) * 65536}
         params, state = step(params, state, grads)
     assert len(traces) == 1 and params["w"].dtype == jnp.bfloat16
     mu = state.inner_state.inner_state.inner_state[0].mu["w"]
@@ -268,8 +269,8 @@ def test_composes_with_low_precision_state_without_retracing():
 def test_kahan_tracks_the_float32_master_within_one_step():
     """Random small AdamW steps for 50 iterations: Kahan-compensated bf16 weights stay within one
     bf16 spacing of the float32-master weights (round to nearest drifts much further)."""
-    key = jax.random.key(0)
-    params32 = {"w": jax.random.normal(key, (4096,))}
+    rng = np.random.default_rng(0)  # data made on the host: no random-number program
+    params32 = {"w": jnp.asarray(rng.standard_normal(4096), jnp.float32)}
     params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params32)
     params32 = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(jnp.float32), params32)
     master_tx = optax.sgd(1e-3)
@@ -281,8 +282,8 @@ def test_kahan_tracks_the_float32_master_within_one_step():
         nearest_tx.init(params16),
     )
     kahan, nearest = params16, params16
-    for step in range(50):
-        g = jax.random.normal(jax.random.fold_in(key, step), (4096,))
+    for _ in range(50):
+        g = jnp.asarray(rng.standard_normal(4096), jnp.float32)
         u, m_state = master_tx.update({"w": g}, m_state, params32)
         params32 = optax.apply_updates(params32, u)
         u, k_state = jax.jit(kahan_tx.update)({"w": g.astype(jnp.bfloat16)}, k_state, kahan)
@@ -379,8 +380,9 @@ def test_apply_gradients_lands_on_the_same_parameters_as_update(wrapper):
     tx = jaxamp.loss_scaled(
         getattr(jaxamp.optim_precision, wrapper)(optax.adamw(1e-4, weight_decay=0.1))
     )
-    params = {"w": jax.random.normal(jax.random.key(0), (32, 32)).astype(jnp.bfloat16)}
-    grads = {"w": jax.random.normal(jax.random.key(1), (32, 32)).astype(jnp.bfloat16) * 65536}
+    rng = np.random.default_rng(0)  # data made on the host: no random-number program
+    params = {"w": jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16)}
+    grads = {"w": jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16) * 65536}
     state = tx.init(params)
     via_update, _ = jax.jit(tx.update)(grads, state, params)
     via_update = optax.apply_updates(params, via_update)
@@ -396,8 +398,9 @@ def test_applied_parameters_are_a_neighbour_of_the_float32_result():
     around p + u (u: the float32 AdamW update) for stochastic rounding, and on the nearest for
     Kahan's first step (compensation 0): what the wrappers round is what the parameters get."""
     inner = optax.adamw(1e-4, weight_decay=0.1)
-    params = {"w": jax.random.normal(jax.random.key(0), (4096,)).astype(jnp.bfloat16)}
-    grads = {"w": jax.random.normal(jax.random.key(1), (4096,)).astype(jnp.bfloat16)}
+    rng = np.random.default_rng(0)  # data made on the host: no random-number program
+    params = {"w": jnp.asarray(rng.standard_normal(4096), jnp.bfloat16)}
+    grads = {"w": jnp.asarray(rng.standard_normal(4096), jnp.bfloat16)}
     p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     u32, _ = inner.update(
         jax.tree.map(lambda g: g.astype(jnp.float32), grads), inner.init(p32), p32
