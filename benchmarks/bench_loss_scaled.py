@@ -154,7 +154,7 @@ def _problem(name: str, batch_size: int, tiny: bool = False):
         y = jnp.roll(x, -1, axis=1)
     else:
         raise ValueError(f"model must be 'mlp' or 'transformer'; got {name!r}")
-    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]  # one program, not op by op
 
     def loss_fn(params, x, y):
         logits = model.apply({"params": params}, x).astype(jnp.float32)
