@@ -2,7 +2,7 @@
 
 The committed goldens (examples/parity_ci/port.golden.npz, the example's own port at bf16-mixed,
 12 steps; tests/data/mlp.golden.npz, the built-in ``mlp`` at fp32, `MLP_EXPORT`) are checked in
-subprocesses as a machine without torch runs them (tests/data/no_torch hides torch, torchao and
+one subprocess as a machine without torch runs them (tests/data/no_torch hides torch, torchao and
 torchvision from every finder: ``find_spec`` answers None, as where they are not installed):
 through the example project's own pytest tests, through ``python -m parity check`` with torch's
 kernels restricted to AVX2 as on a narrower CPU, and for the built-in model with no
@@ -66,8 +66,13 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
-_PROBE = """
-import importlib.metadata, importlib.util, runpy, sys
+# One torch-free process (tests/data/no_torch) runs, as a machine without torch would, one after
+# the other: the example project's own tests (`pytest examples/parity_ci`), `python -m parity
+# check` of the built-in model's golden, and `python -m parity check` of the example's golden with
+# torch's kernels restricted to AVX2 as on a narrower CPU; then `import torch` fails. One
+# interpreter start for all three; the two example checks share compiled programs.
+_TORCH_FREE = """
+import importlib.metadata, importlib.util, os, runpy, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("torchao") is None
 try:
     importlib.metadata.version("torch")
@@ -77,50 +82,74 @@ except importlib.metadata.PackageNotFoundError:
 import scipy.stats  # probes array libraries
 from transformers import FlaxGPT2LMHeadModel  # probes torch/torchao with find_spec
 import parity.golden.check, parity.twins.resnet, parity.twins.transformer
-# `python -m parity ARGS` in this process (one interpreter start for both checks)
-sys.argv = ["parity", *sys.argv[1:]]
-try:
-    runpy.run_module("parity", run_name="__main__", alter_sys=True)
-except SystemExit as done:
-    print("python -m parity exit code:", done.code)
+import pytest
+
+mlp_golden, mlp_json, golden, golden_json = sys.argv[1:]
+
+
+def section(name):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"\\n=== {name}", file=stream, flush=True)
+
+
+def parity(*args):
+    # `python -m parity ARGS`, in this process
+    sys.argv = ["parity", *args]
+    try:
+        runpy.run_module("parity", run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        print("python -m parity exit code:", done.code, flush=True)
+
+
+section("example tests")
+print("pytest exit code:", int(pytest.main(["-p", "no:cacheprovider", "-q", "examples/parity_ci"])))
+section("built-in check")
+parity("check", "--golden", mlp_golden, "--no-progress", "--json", mlp_json)
+section("narrower cpu check")
+os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+parity("check", "--golden", golden, "--no-progress", "--json", golden_json)
+section("import torch")
 import torch
 """
 
 
+def _sections(text: str) -> dict[str, str]:
+    """`_TORCH_FREE`'s output by section."""
+    parts = text.split("\n=== ")
+    return {p.partition("\n")[0]: p.partition("\n")[2] for p in parts[1:]}
+
+
 @pytest.mark.integration
-def test_builtin_model_golden_checks_without_torch_as_a_machine_without_it(tmp_path):
-    """What libraries probe answers as without torch, transformers' Flax models and the golden
-    check's modules import, and ``import torch`` fails as it does where it is not installed.
-    In that process a built-in model's golden checks PASS, no --flax-model: its twin is built
-    from the recorded configuration, torch-free."""
-    out = tmp_path / "verdicts.json"
-    args = ["check", "--golden", str(MLP_GOLDEN), "--no-progress", "--json", str(out)]
-    done = _run(["-c", _PROBE, *args], _env())
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+def test_goldens_check_without_torch_as_a_machine_without_it_and_on_a_narrower_cpu(tmp_path):
+    """One process as a machine without torch (`_TORCH_FREE`): what libraries probe answers as
+    without torch, transformers' Flax models and the golden check's modules import, and ``import
+    torch`` fails as it does where it is not installed. In it: the example project's passing
+    case and planted bug through parity.testing; a built-in model's golden checks PASS with no
+    --flax-model (its twin is built from the recorded configuration, torch-free); and
+    ``python -m parity check`` of the example's golden, torch's kernels restricted to AVX2,
+    PASSes (it checks the golden the example's tests checked, with the same Flax port)."""
+    mlp_json, example_json = tmp_path / "mlp.json", tmp_path / "example.json"
+    args = [str(MLP_GOLDEN), str(mlp_json), str(GOLDEN), str(example_json)]
+    done = _run(["-c", _TORCH_FREE, *args], _env())
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    out = _sections(done.stdout)
+    assert done.returncode == 1, tail
     assert done.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'torch'"
-    assert "python -m parity exit code: 0" in done.stdout, done.stdout[-3000:]
-    result = json.loads(out.read_text())
+
+    # the example project's own tests
+    assert "pytest exit code: 0" in out["example tests"], tail
+    assert "2 passed, 1 skipped" in out["example tests"], tail
+
+    # the built-in model's golden, no --flax-model
+    assert "python -m parity exit code: 0" in out["built-in check"], tail
+    result = json.loads(mlp_json.read_text())
     assert result["status"] == "PASS"
     assert any(v["check"] == "per-step loss, steps 0-4" and v["passed"] for v in result["verdicts"])
 
-
-@pytest.mark.integration
-def test_example_project_tests_and_the_cli_check_pass_without_torch_on_a_narrower_cpu(tmp_path):
-    """The example's passing case and planted bug, through parity.testing, torch unimportable;
-    then ``python -m parity check`` of the example's golden, torch's kernels restricted to AVX2.
-    Both processes check the same golden with the same Flax port: the second reads the first's
-    compiled programs from the compilation cache (`_env`)."""
-    done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q", "examples/parity_ci"], _env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "2 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
-
-    out = tmp_path / "verdicts.json"
-    done = _run(
-        ["-m", "parity", "check", "--golden", str(GOLDEN), "--no-progress", "--json", str(out)],
-        _env(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2"),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    # the example's golden on a narrower CPU
+    check = out["narrower cpu check"]
+    assert "python -m parity exit code: 0" in check, tail
+    result = json.loads(example_json.read_text())
     assert result["status"] == "PASS"
     checks = {v["check"]: v["passed"] for v in result["verdicts"]}
     assert checks["step 0 fp32: gradients"] and checks["final loss (mean of last 5)"]
@@ -135,7 +164,7 @@ def test_example_project_tests_and_the_cli_check_pass_without_torch_on_a_narrowe
     norms = [v for v in result["verdicts"] if v["check"].startswith("per-step gradient norm")]
     assert norms and all(v["passed"] is not False and v["value"] < v["tolerance"] for v in norms)
     # the restriction is reported (it restricts torch only; the JAX side is unaffected)
-    assert "ATEN_CPU_CAPABILITY=None when recorded, avx2 here" in done.stdout
+    assert "ATEN_CPU_CAPABILITY=None when recorded, avx2 here" in check
 
 
 def _rewrite(tmp_path, change_header=None, drop: str | None = None) -> Path:
