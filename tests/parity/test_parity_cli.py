@@ -197,18 +197,41 @@ def test_non_finite_values_become_null_in_strict_json(tmp_path):
     assert json.loads(text)["runs"][0]["summary"]["final_loss"] is None
 
 
+# Where torch is imported, libgomp reads OMP_WAIT_POLICY once: `python -m parity` must have set
+# it by then, or torch's idle OpenMP threads spin (most of step 0's torch CPU seconds at 512x8).
+# A sitecustomize (run before `-m parity`) records the variable when torch is first looked up.
+_WATCH_TORCH_IMPORT = """
+import atexit, importlib.abc, os, sys
+seen = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+        return None
+sys.meta_path.insert(0, Watch())
+atexit.register(lambda: print("AT_TORCH_IMPORT", seen))
+"""
+
+
 @pytest.mark.integration
-def test_python_dash_m_parity_help():
+def test_python_dash_m_parity_help_and_the_wait_policy_torch_loads_with(tmp_path):
+    """`python -m parity --help` lists the commands; torch, when it loads, sees
+    OMP_WAIT_POLICY=PASSIVE though the caller did not set it."""
+    (tmp_path / "sitecustomize.py").write_text(_WATCH_TORCH_IMPORT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-m", "parity", "--help"],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stderr[-2000:]
     for command in ("run", "compare", "matrix"):
         assert command in result.stdout
+    assert "AT_TORCH_IMPORT ['PASSIVE']" in result.stdout, result.stdout[-500:]
 
 
 def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):

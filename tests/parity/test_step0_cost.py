@@ -1,8 +1,8 @@
 """What step 0 runs once and reuses: torch's passes for the diagnosis (check_step0's diagnosis
 without a second torch pass: test_parity_step0.py's wrong padding), float64 floors and the Flax
 program across the probe's modes, and the probe's and step 0's examples bounded by the model's work
-(parity.verdicts.layer_probe, step0_batch, diagnose, torch_side); and `python -m parity`
-making torch's idle OpenMP threads sleep (its wait policy set before torch loads). Tiny models."""
+(parity.verdicts.layer_probe, step0_batch, diagnose, torch_side). Tiny models. (`python -m
+parity` making torch's idle OpenMP threads sleep: tests/parity/test_parity_cli.py.)"""
 
 from __future__ import annotations
 
@@ -244,40 +244,3 @@ def test_a_golden_checks_the_examples_its_export_compared(tmp_path, monkeypatch)
     assert result.status == "PASS", result.report()
     assert step0["passed"] and step0["examples"] == {"compared": 2, "batch": 4}
     assert "first 2 of 4 examples" in step0["summary"]
-
-
-# Where torch is imported, libgomp reads OMP_WAIT_POLICY once: `python -m parity` must have set
-# it by then, or torch's idle OpenMP threads spin (most of step 0's torch CPU seconds at 512x8).
-_WAIT_POLICY_AT_TORCH_IMPORT = """
-import importlib.abc, os, runpy, sys
-seen = []
-class Watch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" and not seen:
-            seen.append(os.environ.get("OMP_WAIT_POLICY"))
-        return None
-sys.meta_path.insert(0, Watch())
-sys.argv = ["parity", "--help"]
-try:
-    runpy.run_module("parity", run_name="__main__")
-except SystemExit:
-    pass
-print("AT_TORCH_IMPORT", seen)
-"""
-
-
-@pytest.mark.integration
-def test_python_m_parity_sets_the_wait_policy_before_torch_loads():
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run(
-        [sys.executable, "-c", _WAIT_POLICY_AT_TORCH_IMPORT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "AT_TORCH_IMPORT ['PASSIVE']" in done.stdout, (done.stdout[-500:], done.stderr[-2000:])
