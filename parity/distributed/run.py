@@ -265,6 +265,7 @@ def run_distributed(
     pair_factory: str | None = None,
     step0_checks: bool = True,
     echo: bool = False,
+    plots: bool = True,
 ) -> DistributedResult:
     """Runs the torch side and every JAX mode of `plan` on `config` as one cell; returns verdicts.
 
@@ -281,6 +282,8 @@ def run_distributed(
       step0_checks: the step-0 gate of every cell (`parity.verdicts.step0.run_step0`) before any
         worker starts: a port that fails it is not trained (its verdicts are the result).
       echo: print the step-0 outcome to stderr.
+      plots: draw the report's PNG plots (False: ``report.md`` without them; ``parity compare
+        DIR`` draws them later from the same files).
 
     Returns:
       A `DistributedResult`.
@@ -360,7 +363,7 @@ def run_distributed(
         echo=echo,
         train=train,
     )
-    status, verdicts, _ = write_outputs(work, runs)
+    status, verdicts, _ = write_outputs(work, runs, plots=plots)
     result = DistributedResult(config, plan, ranks, runs, verdicts, status, speed_ratios(runs))
     write_json_atomic(work / "distributed.json", result.to_dict())
     return result
@@ -612,6 +615,7 @@ def cli_run(args: Any, config: RunConfig, frameworks: tuple[str, ...]) -> str:
             frameworks=frameworks,
             step0_checks=not args.no_step0,
             echo=True,
+            plots=not args.no_plots,
         )
     except UnsupportedHere as e:
         raise ValueError(f"unsupported here: {e.reason}") from e

@@ -183,7 +183,7 @@ def test_fp16_injected_overflow_skips_on_every_rank_both_sides(tmp_path):
     plan = DistributedPlan(
         devices=4, torch_ranks=2, strategy="ddp", jax_modes=("jit",), inject_overflow=(2, 1)
     )
-    result = run_distributed(config, plan, tmp_path)
+    result = run_distributed(config, plan, tmp_path, plots=False)
     assert result.status == "PASS", _failed(result)
     injected = [v for v in result.verdicts if v.check.startswith("injected overflow")]
     assert {v.compared for v in injected} == {"torch", "jax:jit"}

@@ -63,11 +63,11 @@ def _zombie(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def correct(tmp_path_factory):
     """A correct port through the CLI: bf16-mixed, DDP over 2 ranks against JAX jit on 2 devices
-    and 2 JAX processes."""
+    and 2 JAX processes (no plots: `compare` draws them)."""
     out = tmp_path_factory.mktemp("correct")
     args = ["run", "--model", "mlp", "--precision", "bf16-mixed", "--devices", "2", "--steps"]
     args += ["3", "--batch-size", "4", "--jax-modes", "jit", "multiprocess", "--no-eval"]
-    args += ["--no-progress", "--lr-warmup-steps", "2"]
+    args += ["--no-progress", "--no-plots", "--lr-warmup-steps", "2"]
     args += ["--timeout", "300", "--out", str(out), *TINY_ARGS]
     code = cli.main(args)
     assert live_worker_pids() == []
@@ -106,8 +106,11 @@ def test_a_distributed_run_writes_the_cell_outputs_and_passes_a_correct_port(cor
     assert set(speed) == {"jax:jit ddp vs torch ddp", "jax:multiprocess ddp vs torch ddp"}
     line = next(x for x in report.splitlines() if x.startswith("- **mlp bf16-mixed (cpu)**"))
     assert all(f"{pair}: {text}" in line for pair, text in speed.items()), line
-    # `parity compare` judges the folder again to the same status.
+    # --no-plots: report.md without PNGs; `parity compare` judges the folder again to the same
+    # status and draws them.
+    assert not list(out.glob("*.png"))
     assert cli.main(["compare", str(out)]) == 0
+    assert (out / "loss_curves.png").exists()
 
 
 def test_compare_pairs_each_torch_side_with_the_jax_sides_of_its_arm(correct):
@@ -135,13 +138,13 @@ def test_a_planted_wrong_port_fails_at_step_0_and_in_training(tmp_path, monkeypa
     plan = DistributedPlan(devices=2, strategy="ddp", jax_modes=("jit",), timeout_s=300)
     factory = "test_parity_distributed:transposed_mlp"
     # The gate: a broken port is not trained (no worker starts), and the run fails.
-    gated = run_distributed(config, plan, tmp_path / "gate", pair_factory=factory)
+    gated = run_distributed(config, plan, tmp_path / "gate", pair_factory=factory, plots=False)
     assert gated.status == "FAIL" and gated.ranks == {}
     assert any(v.mode == "step 0" and v.passed is False for v in gated.verdicts)
     assert (tmp_path / "gate" / "report.md").exists()
     # Past the gate, the trained trajectories fail the shared per-step rows.
     trained = run_distributed(
-        config, plan, tmp_path / "trained", pair_factory=factory, step0_checks=False
+        config, plan, tmp_path / "trained", pair_factory=factory, step0_checks=False, plots=False
     )
     assert trained.status == "FAIL"
     failed = {v.check for v in trained.verdicts if v.passed is False}
