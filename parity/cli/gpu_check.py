@@ -26,8 +26,9 @@ cells' phase trace report how far they got), and killed at its cap: no stage run
 
 ``--dry`` (CPU, CI): every stage's command is built and parsed (the command line's own parser,
 a script's ``--help``, pytest's collection), the first cell runs one step of a one-layer
-``gpt2-small``-wide model at context 8 on CPU, and the figures are read back from it, so the plan
-cannot rot where no GPU is lent.
+``gpt2-small``-wide model at context 8 on CPU in its own process, the machine stage and the
+matmul (at n=64) run in the check's own process (it has loaded what they load), and the figures
+are read back, so the plan cannot rot where no GPU is lent.
 
     bash scripts/gpu_checks.sh OUT          # on the GPU machine
     bash scripts/gpu_checks.sh --dry OUT    # anywhere: the plan, checked
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -47,11 +49,13 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 from parity.cli.commands import build_parser
+from parity.cli.commands import main as parity_main
 from parity.core.records import load_results, run_label
 from parity.perf import speed
 
@@ -317,6 +321,53 @@ def run_stage(
     }
 
 
+def _runs_in_process(stage: Stage) -> bool:
+    """Whether the dry mode runs `stage` in this process: a ``python -c CODE`` stage or a
+    ``python -m parity`` command other than a cell (the cell runs in its own process, with its
+    environment: the phase trace and the cells' compilation cache)."""
+    args = stage.command[1:]
+    return args[:1] == ("-c",) or (args[:2] == ("-m", "parity") and args[2:3] != ("run",))
+
+
+def run_in_process(stage: Stage, log) -> dict[str, Any]:
+    """The dry mode's run of a `_runs_in_process` stage here: its code, or the command line's
+    `parity.cli.commands.main` on its arguments, with the stage's environment and its output in
+    `log` (the environment is restored after). Never raises: an exception is rc 1, its
+    traceback in `log`."""
+    log.write(f"\n== {stage.name} (in this process): {' '.join(stage.command)}\n")
+    log.flush()
+    start = time.perf_counter()
+    environ = dict(os.environ)
+    os.environ.update(dict(stage.env))
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            if stage.command[1] == "-c":
+                exec(compile(stage.command[2], f"<{stage.key}>", "exec"), {"__name__": "__main__"})
+                rc = 0
+            else:
+                rc = parity_main(list(stage.command[3:]))
+    except SystemExit as e:  # argparse's refusal, or the code's own exit
+        rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except Exception:
+        traceback.print_exc(file=log)
+        rc = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    seconds = time.perf_counter() - start
+    log.write(f"== {stage.name}: rc={rc} in {seconds:.0f} s\n")
+    log.flush()
+    return {
+        "stage": stage.name,
+        "command": " ".join(stage.command),
+        "cap_s": stage.cap_s,
+        "rc": rc,
+        "timed_out": False,
+        "seconds": round(seconds, 1),
+        "in_process": True,
+    }
+
+
 def _median(run: dict[str, Any]) -> float | None:
     return (run.get("summary") or {}).get("step_time_median_s")
 
@@ -566,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_parsed(stage))
                 log.write(f"\n== {stage.name}: {' '.join(stage.command)}\n")
                 log.write(f"== {stage.name}: parsed, rc={results[-1]['rc']}\n")
+            elif command is stage.command and _runs_in_process(stage):
+                results.append(run_in_process(stage, log) | {"dry": "ran"})
             elif command is stage.command:
                 results.append(run_stage(stage, log, cap_s=DRY_CAP_S) | {"dry": "ran"})
             else:
