@@ -2,47 +2,50 @@
 
 XLA:CPU upcasts bfloat16 all-reduces late in compilation, so the final CPU HLO always shows
 float32: the dtype of a collective is read from the module right after SPMD partitioning, dumped
-by XLA (`--xla_dump_hlo_pass_re=spmd-partitioning`) in a fresh process with 4 host devices.
+by XLA (compiler options ``xla_dump_to`` and ``xla_dump_hlo_pass_re=spmd-partitioning``) on 4
+host devices.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp._reduce import reduce_in
 
-_PROBE = textwrap.dedent(
-    r"""
-    import glob, json, os, re, sys
-    dump = sys.argv[1]
-    # Only the module right after SPMD partitioning is read: the CPU code generated after it
-    # is never run, so LLVM optimises none of it (the same dumps, a third less compile work).
-    os.environ["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=4 "
-        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning "
-        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-        + os.environ.get("PROBE_XLA_FLAGS", "")
-    )
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax, jax.numpy as jnp, numpy as np, optax
+# Compiler options of the probe's programs: each dumps its module right after SPMD partitioning.
+# Only that module is read: the CPU code generated after it is never run, so LLVM optimises none
+# of it (the same dumps, a third less compile work).
+_DUMP_OPTIONS = {
+    "xla_dump_hlo_pass_re": "spmd-partitioning",
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+_COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter)\(")
+
+
+def _probe_collectives(dump, devices) -> dict[str, list]:
+    """Each case's program compiled on a mesh of `devices` with its post-SPMD module dumped to
+    `dump`; returns each case's cross-device reductions as ``[op, [hlo dtypes]]``."""
     import flax.linen as nn
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import jaxamp
+    import optax
+    from flax import nnx
+
     import jaxamp.flax as jf
 
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = Mesh(np.array(devices), ("data",))
     rng = np.random.default_rng(0)
-    put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+
+    def put(x, spec):
+        return jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
+
     params = {
         "emb": rng.normal(size=(10, 16)).astype(np.float32),
         "w": rng.normal(size=(16, 8)).astype(np.float32),
@@ -66,35 +69,58 @@ _PROBE = textwrap.dedent(
         # A module-name marker: each case compiles a function whose name is the case's name.
         def f(*a):
             return build(*a)
+
         f.__name__ = f.__qualname__ = name
         return f
 
-    cases = {}
-    def case(name, fn, args):
-        cases[name] = None
-        jax.jit(marked(name, fn)).lower(*args).compile()
+    cases = []
 
+    def case(name, fn, args):
+        cases.append(name)
+        options = {**_DUMP_OPTIONS, "xla_dump_to": str(dump)}
+        jax.jit(marked(name, fn)).lower(*args).compile(compiler_options=options)
+
+    low = "p=f32,c=bf16,o=f32,r=bf16"
     case("dp_bf16_mixed", jaxamp.value_and_grad(loss, policy="bf16-mixed"), sharded(P()))
     case("dp_fp16_mixed", jaxamp.value_and_grad(loss, policy="fp16-mixed"), sharded(P()))
-    case("dp_reduce_bf16", jaxamp.value_and_grad(loss, policy="p=f32,c=bf16,o=f32,r=bf16"), sharded(P()))
+    case("dp_reduce_bf16", jaxamp.value_and_grad(loss, policy=low), sharded(P()))
     case("fsdp_bf16_mixed", jaxamp.value_and_grad(loss, policy="bf16-mixed"), sharded(P("data")))
-    case("fsdp_reduce_bf16", jaxamp.value_and_grad(loss, policy="p=f32,c=bf16,o=f32,r=bf16"), sharded(P("data")))
-    fwd = jaxamp.autocast(lambda p, x, ids: (x + p["emb"][ids]) @ p["w"] + p["b"], dtype=jnp.bfloat16, device="cpu")
-    auto_loss = lambda p, x, ids: jnp.mean(fwd(p, x, ids).astype(jnp.float32) ** 2)
-    case("autocast_reduce_f32", jaxamp.value_and_grad(auto_loss, reduce_dtype="float32"), sharded(P()))
+    case("fsdp_reduce_bf16", jaxamp.value_and_grad(loss, policy=low), sharded(P("data")))
+
+    def linear(p, x, ids):
+        return (x + p["emb"][ids]) @ p["w"] + p["b"]
+
+    fwd = jaxamp.autocast(linear, dtype=jnp.bfloat16, device="cpu")
+
+    def auto_loss(p, x, ids):
+        return jnp.mean(fwd(p, x, ids).astype(jnp.float32) ** 2)
+
+    case(
+        "autocast_reduce_f32",
+        jaxamp.value_and_grad(auto_loss, reduce_dtype="float32"),
+        sharded(P()),
+    )
     case("autocast_default", jaxamp.value_and_grad(auto_loss), sharded(P()))
-    fwd32 = jaxamp.autocast(lambda p, x, ids: (x + p["emb"][ids]) @ p["w"] + p["b"], dtype=jnp.bfloat16, device="cpu", reduce_dtype="float32")
-    auto_loss32 = lambda p, x, ids: jnp.mean(fwd32(p, x, ids).astype(jnp.float32) ** 2)
+    fwd32 = jaxamp.autocast(linear, dtype=jnp.bfloat16, device="cpu", reduce_dtype="float32")
+
+    def auto_loss32(p, x, ids):
+        return jnp.mean(fwd32(p, x, ids).astype(jnp.float32) ** 2)
+
     case("autocast_kwarg_reduce_f32", jax.value_and_grad(auto_loss32), sharded(P()))
 
     def sm(policy):
         def step(p, x, ids):
-            l, g = jaxamp.value_and_grad(loss, policy=policy)(p, x, ids)
-            return l[None], g
-        return jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P("data"), P()))
+            loss_value, grads = jaxamp.value_and_grad(loss, policy=policy)(p, x, ids)
+            return loss_value[None], grads
+
+        return jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P("data"), P())
+        )
+
     p_rep = {k: put(v, P()) for k, v in params.items()}
-    case("shard_map_bf16_mixed", sm("bf16-mixed"), (p_rep, put(x, P("data")), put(ids, P("data"))))
-    case("shard_map_reduce_bf16", sm("p=f32,c=bf16,o=f32,r=bf16"), (p_rep, put(x, P("data")), put(ids, P("data"))))
+    batch = (put(x, P("data")), put(ids, P("data")))
+    case("shard_map_bf16_mixed", sm("bf16-mixed"), (p_rep, *batch))
+    case("shard_map_reduce_bf16", sm(low), (p_rep, *batch))
 
     class MLP(nn.Module):
         @nn.compact
@@ -103,62 +129,74 @@ _PROBE = textwrap.dedent(
 
     model = MLP()
     variables = model.init(jax.random.key(0), x[:2])
-    state = jf.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy="bf16-mixed")
+    state = jf.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy="bf16-mixed"
+    )
+
     def ts_step(state, x):
         def lf(p, x):
             return jnp.mean(state.apply_fn({"params": p}, x).astype(jnp.float32) ** 2)
+
         _, g = state.value_and_grad(lf)(state.params, x)
         return g
+
     state = jax.device_put(state, NamedSharding(mesh, P()))
     case("flax_train_state_bf16_mixed", ts_step, (state, put(x, P("data"))))
 
-    from flax import nnx
-    nmodel = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), nnx.LayerNorm(16, rngs=nnx.Rngs(1)), nnx.Linear(16, 8, rngs=nnx.Rngs(2)))
+    nmodel = nnx.Sequential(
+        nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+        nnx.LayerNorm(16, rngs=nnx.Rngs(1)),
+        nnx.Linear(16, 8, rngs=nnx.Rngs(2)),
+    )
     jf.nnx.apply_policy(nmodel, "bf16-mixed")
     ngraph, nstate = nnx.split(nmodel)
+    nstate = jax.device_put(nstate, NamedSharding(mesh, P()))
+
     def nnx_case(reduce_dtype):
         def step(state, x):
             m = nnx.merge(ngraph, state)
-            lf = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+            def lf(m, x):
+                return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
             return jf.nnx_value_and_grad(lf, reduce_dtype=reduce_dtype)(m, x)[1]
+
         return step
+
     case("nnx_reduce_f32", nnx_case("float32"), (nstate, put(x, P("data"))))
     case("nnx_default", nnx_case(None), (nstate, put(x, P("data"))))
 
     out = {}
-    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter)\(")
     for name in cases:
-        files = glob.glob(os.path.join(dump, f"*jit_{name}*after_spmd-partitioning*"))
         colls = []
-        for f in files:
-            for line in open(f):
-                m = pattern.search(line)
-                if m:
-                    colls.append([m.group(2), sorted(set(re.findall(r"\b([a-z]+\d+)\[", m.group(1))))])
+        dumped = sorted(dump.glob(f"*jit_{name}*after_spmd-partitioning*"))
+        assert dumped, f"{name}: XLA dumped no module after SPMD partitioning into {dump}"
+        for path in dumped:
+            for line in path.read_text().splitlines():
+                found = _COLLECTIVE.search(line)
+                if found:
+                    dtypes = sorted(set(re.findall(r"\b([a-z]+\d+)\[", found.group(1))))
+                    colls.append([found.group(2), dtypes])
         out[name] = colls
-    print("RESULT " + json.dumps(out))
-    """
-)
+    return out
 
 
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory):
+    """The probe's reductions, compiled in this process on 4 of its CPU devices (conftest forces
+    8). The compilation cache is off while it compiles: its key leaves the dump options out, so
+    a program compiled before would be read back and not dumped."""
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip(f"the probe needs 4 CPU devices; this process has {len(devices)}")
     dump = tmp_path_factory.mktemp("spmd_dump")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # the suite's compile-time flag (conftest) only: the probe sets its own device count and dump
-    env["PROBE_XLA_FLAGS"] = " ".join(
-        f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(dump)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with jax.numpy_dtype_promotion("standard"):  # optax and flax internals
+            return _probe_collectives(dump, devices[:4])
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
 
 
 def _dtypes(colls):
