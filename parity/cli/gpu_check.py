@@ -26,9 +26,9 @@ cells' phase trace report how far they got), and killed at its cap: no stage run
 
 ``--dry`` (CPU, CI): every stage's command is built and parsed (the command line's own parser,
 a script's ``--help``, pytest's collection), the first cell runs one step of a one-layer
-``gpt2-small``-wide model at context 8 on CPU in its own process, the machine stage and the
-matmul (at n=64) run in the check's own process (it has loaded what they load), and the figures
-are read back, so the plan cannot rot where no GPU is lent.
+``gpt2-small``-wide model at context 8 on CPU in its own process, the machine stage, the matmul
+(at n=64) and the benchmark's ``--help`` run in the check's own process (it has loaded what they
+load), and the figures are read back, so the plan cannot rot where no GPU is lent.
 
     bash scripts/gpu_checks.sh OUT          # on the GPU machine
     bash scripts/gpu_checks.sh --dry OUT    # anywhere: the plan, checked
@@ -45,6 +45,7 @@ import difflib
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -321,32 +322,42 @@ def run_stage(
     }
 
 
-def _runs_in_process(stage: Stage) -> bool:
-    """Whether the dry mode runs `stage` in this process: a ``python -c CODE`` stage or a
-    ``python -m parity`` command other than a cell (the cell runs in its own process, with its
-    environment: the phase trace and the cells' compilation cache)."""
-    args = stage.command[1:]
-    return args[:1] == ("-c",) or (args[:2] == ("-m", "parity") and args[2:3] != ("run",))
+def _runs_in_process(command: tuple[str, ...]) -> bool:
+    """Whether the dry mode runs `command` in this process: ``python -c CODE``, a script's
+    ``--help``, or a ``python -m parity`` command other than a cell (the cell runs in its own
+    process, with its environment: the phase trace and the cells' compilation cache)."""
+    args = command[1:]
+    return (
+        args[:1] == ("-c",)
+        or (args[:2] == ("-m", "parity") and args[2:3] != ("run",))
+        or (args[:1] != () and args[0].endswith(".py") and args[1:] == ("--help",))
+    )
 
 
-def run_in_process(stage: Stage, log) -> dict[str, Any]:
-    """The dry mode's run of a `_runs_in_process` stage here: its code, or the command line's
-    `parity.cli.commands.main` on its arguments, with the stage's environment and its output in
-    `log` (the environment is restored after). Never raises: an exception is rc 1, its
-    traceback in `log`."""
-    log.write(f"\n== {stage.name} (in this process): {' '.join(stage.command)}\n")
+def run_in_process(stage: Stage, log, *, command: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The dry mode's run of `command` (default the stage's; a `_runs_in_process` one) here: the
+    code, the script (as ``__main__``, with its arguments in ``sys.argv``), or the command
+    line's `parity.cli.commands.main` on its arguments, with the stage's environment and its
+    output in `log` (the environment and ``sys.argv`` are restored after). Never raises: an
+    exception is rc 1, its traceback in `log`."""
+    command = command or stage.command
+    log.write(f"\n== {stage.name} (in this process): {' '.join(command)}\n")
     log.flush()
     start = time.perf_counter()
-    environ = dict(os.environ)
+    environ, argv = dict(os.environ), sys.argv
     os.environ.update(dict(stage.env))
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            if stage.command[1] == "-c":
-                exec(compile(stage.command[2], f"<{stage.key}>", "exec"), {"__name__": "__main__"})
+            if command[1] == "-c":
+                exec(compile(command[2], f"<{stage.key}>", "exec"), {"__name__": "__main__"})
                 rc = 0
+            elif command[1:3] == ("-m", "parity"):
+                rc = parity_main(list(command[3:]))
             else:
-                rc = parity_main(list(stage.command[3:]))
-    except SystemExit as e:  # argparse's refusal, or the code's own exit
+                sys.argv = list(command[1:])
+                runpy.run_path(command[1], run_name="__main__")
+                rc = 0
+    except SystemExit as e:  # argparse's refusal or --help, or the code's own exit
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     except Exception:
         traceback.print_exc(file=log)
@@ -354,12 +365,13 @@ def run_in_process(stage: Stage, log) -> dict[str, Any]:
     finally:
         os.environ.clear()
         os.environ.update(environ)
+        sys.argv = argv
     seconds = time.perf_counter() - start
     log.write(f"== {stage.name}: rc={rc} in {seconds:.0f} s\n")
     log.flush()
     return {
         "stage": stage.name,
-        "command": " ".join(stage.command),
+        "command": " ".join(command),
         "cap_s": stage.cap_s,
         "rc": rc,
         "timed_out": False,
@@ -617,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_parsed(stage))
                 log.write(f"\n== {stage.name}: {' '.join(stage.command)}\n")
                 log.write(f"== {stage.name}: parsed, rc={results[-1]['rc']}\n")
-            elif command is stage.command and _runs_in_process(stage):
-                results.append(run_in_process(stage, log) | {"dry": "ran"})
+            elif _runs_in_process(command):
+                dry = "ran" if command is stage.command else "parsed"
+                results.append(run_in_process(stage, log, command=command) | {"dry": dry})
             elif command is stage.command:
                 results.append(run_stage(stage, log, cap_s=DRY_CAP_S) | {"dry": "ran"})
             else:

@@ -143,18 +143,25 @@ def test_a_stage_past_its_cap_is_interrupted_with_its_children(tmp_path):
 
 
 def test_a_stage_run_in_process_reports_its_failure_and_leaves_the_environment(tmp_path):
-    """The dry mode's in-process run: the stage's environment while it runs, restored after;
-    an exception is rc 1 with its traceback in the log; argparse's refusal is its exit code."""
+    """The dry mode's in-process run: the stage's environment while it runs, restored after
+    (and ``sys.argv``, a script's); an exception is rc 1 with its traceback in the log; an exit
+    (argparse's refusal, a script's) is its code."""
     code = "import os; print('SEEN', os.environ['GPU_CHECK_PROBE']); raise RuntimeError('boom')"
     stage = gpu_check.Stage("probe", (sys.executable, "-c", code), 5, (("GPU_CHECK_PROBE", "1"),))
     bad = gpu_check.Stage("bad", (sys.executable, "-m", "parity", "matmul", "--nope"), 5)
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\nsys.exit(3)\n")
+    scripted = gpu_check.Stage("script", (sys.executable, str(script), "--help"), 5)
+    argv = list(sys.argv)
     with open(tmp_path / "log", "w") as log:
         failed = gpu_check.run_in_process(stage, log)
         refused = gpu_check.run_in_process(bad, log)
-    assert failed["rc"] == 1 and failed["in_process"] and refused["rc"] == 2
-    assert "GPU_CHECK_PROBE" not in os.environ
+        exited = gpu_check.run_in_process(scripted, log)
+    assert failed["rc"] == 1 and failed["in_process"] and refused["rc"] == 2 and exited["rc"] == 3
+    assert "GPU_CHECK_PROBE" not in os.environ and sys.argv == argv
     text = (tmp_path / "log").read_text()
     assert "SEEN 1" in text and "RuntimeError: boom" in text and "== probe: rc=1" in text
+    assert "ARGV ['--help']" in text
 
 
 def _alive(pid: int) -> bool:
@@ -184,8 +191,10 @@ def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path):
     assert report["dry"] and [s["rc"] for s in report["stages"]] == [0] * len(report["stages"])
     ran = [s["stage"] for s in report["stages"] if s.get("dry") == "ran"]
     assert ran == ["machine", "gpt2-small fp32", "matmul"], ran
-    # the cell in its own process; the machine stage and the matmul in the check's
-    assert [s["stage"] for s in report["stages"] if s.get("in_process")] == ["machine", "matmul"]
+    # the cell in its own process; the machine stage, the matmul and the benchmark's --help in
+    # the check's
+    in_process = [s["stage"] for s in report["stages"] if s.get("in_process")]
+    assert in_process == ["machine", "matmul", "bench_loss_scaled"], in_process
     cell = report["figures"]["gpt2_small"]["cells"]["gpt2 fp32"]
     assert cell["status"] == "PASS" and set(cell["runs"]) == {"torch", "jax"}
     assert all(r["median_step_s"] > 0 for r in cell["runs"].values())
