@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,19 +185,22 @@ def _probe_collectives(dump, devices) -> dict[str, list]:
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory):
     """The probe's reductions, compiled in this process on 4 of its CPU devices (conftest forces
-    8). The compilation cache is off while it compiles: its key leaves the dump options out, so
-    a program compiled before would be read back and not dumped."""
+    8). The compilation cache is off while it compiles (switched off and reset: JAX decides once
+    per process whether it uses the cache): its key leaves the dump options out, so a program
+    compiled before would be read back and not dumped."""
     devices = jax.devices("cpu")
     if len(devices) < 4:
         pytest.skip(f"the probe needs 4 CPU devices; this process has {len(devices)}")
     dump = tmp_path_factory.mktemp("spmd_dump")
-    cache = jax.config.jax_enable_compilation_cache
+    enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         with jax.numpy_dtype_promotion("standard"):  # optax and flax internals
             return _probe_collectives(dump, devices[:4])
     finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()  # set up again, from the same folder, by the next compile
 
 
 def _dtypes(colls):
