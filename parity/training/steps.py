@@ -67,9 +67,10 @@ def scheduled(train_step: Callable, *, signals: bool = False, feed_lr: bool = Tr
     opt_state, loss, metrics)``, metrics ``{"loss_scale", "skipped"}`` as arrays.
 
     With ``signals=True`` the train step's gradient function is `observed` (its loss comes with
-    the gradient signals) and metrics add ``grad_norm``, ``max_scaled_grad`` and
-    ``update_norm`` (`observed_step`). ``feed_lr=False`` leaves the optimizer's own rate (a
-    user's transformation with its own schedule; `learning_rate` is then ignored)."""
+    the gradient signals) and metrics add ``grad_norm``, ``update_norm`` and, where `observed`
+    measures it, ``max_scaled_grad`` (`observed_step`). ``feed_lr=False`` leaves the
+    optimizer's own rate (a user's transformation with its own schedule; `learning_rate` is then
+    ignored)."""
 
     def step(params, opt_state, learning_rate, *batch):
         if feed_lr:
@@ -101,38 +102,63 @@ def _path(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def observed(grad_fn: Callable) -> Callable:
+def _unscaled(grads, opt_state):
+    """`grads` (of the scaled loss) unscaled as the loss-scaled optimizer in `opt_state` unscales
+    them for the optimizer inside it: by jaxamp's loss scale's own ``unscale`` (torch's float32
+    reciprocal; the computation is the optimizer's, so XLA computes it once for both, and a
+    clipping norm of the same values once for both), then float32. A loss scale of another
+    library divides by its scale (the same numbers for every power-of-two scale)."""
+    loss_scale = jaxamp.get_loss_scale(opt_state)
+    if isinstance(loss_scale, jaxamp.NoOpLossScale):
+        unscaled = grads
+    elif isinstance(loss_scale, jaxamp.DynamicLossScale | jaxamp.StaticLossScale):
+        unscaled = loss_scale.unscale(grads)
+    else:
+        scale = jnp.asarray(loss_scale.loss_scale, jnp.float32)
+        unscaled = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / scale, grads)
+    return jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), unscaled)
+
+
+def observed(grad_fn: Callable, *, max_scaled_grad: bool = True) -> Callable:
     """`grad_fn` (``jaxamp.value_and_grad``'s) whose value comes with the gradient signals:
     ``(value, {"grad_norm", "max_scaled_grad"})``, the gradients unchanged.
 
-    ``grad_norm`` is the global norm of the unscaled gradients (before clipping; inf where they
-    overflowed); ``max_scaled_grad`` maps each parameter's path to its largest |scaled gradient|
-    (what float16 had to hold; inf/nan where it did not).
+    ``grad_norm`` is the global norm of the unscaled gradients (as the loss-scaled optimizer
+    hands them to the optimizer inside it: before clipping; inf where they overflowed);
+    ``max_scaled_grad`` maps each parameter's path to its largest |scaled gradient| (what
+    float16 had to hold; inf/nan where it did not). ``max_scaled_grad=False`` leaves it out
+    (one reduction per parameter fewer to compile: a run without loss scaling records none).
     """
 
     def wrapped(params, *batch, loss_scale):
         value, grads = grad_fn(params, *batch, loss_scale=loss_scale)
-        scale = jaxamp.amp_info(loss_scale).loss_scale
-        unscaled = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / scale, grads)
-        maxima = {
-            _path(path): jnp.max(jnp.abs(g.astype(jnp.float32)))
-            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
-            if g.size
-        }
-        return (value, {"grad_norm": _norm(unscaled), "max_scaled_grad": maxima}), grads
+        signals = {"grad_norm": _norm(_unscaled(grads, loss_scale))}
+        if max_scaled_grad:
+            signals["max_scaled_grad"] = {
+                _path(path): jnp.max(jnp.abs(g.astype(jnp.float32)))
+                for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+                if g.size
+            }
+        return (value, signals), grads
 
     return wrapped
 
 
 def observed_step(
-    grad_fn: Callable, tx: optax.GradientTransformation, *, feed_lr: bool = True
+    grad_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    feed_lr: bool = True,
+    max_scaled_grad: bool = True,
 ) -> Callable:
     """`scheduled` `jax_train_step` with the gradient signals: the step of the trainer.
 
     Metrics: ``loss_scale``, ``skipped``, ``grad_norm`` (unscaled, before clipping),
-    ``update_norm`` (``||params after - params before||``), ``max_scaled_grad``.
+    ``update_norm`` (``||params after - params before||``) and, with `max_scaled_grad` (the
+    run's loss is scaled: `step_signals` records it), ``max_scaled_grad``.
     """
-    return scheduled(jax_train_step(observed(grad_fn), tx), signals=True, feed_lr=feed_lr)
+    step = jax_train_step(observed(grad_fn, max_scaled_grad=max_scaled_grad), tx)
+    return scheduled(step, signals=True, feed_lr=feed_lr)
 
 
 def _finite(x) -> float | None:

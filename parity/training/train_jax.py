@@ -142,7 +142,12 @@ def build_jax_step(
             return user_loss(logits, targets).astype(jnp.float32), new_stats
         return loss_jax(task, logits.astype(jnp.float32), targets), new_stats
 
-    step = observed_step(recipe.jax_value_and_grad(loss_fn), tx, feed_lr=not own_optimizer)
+    step = observed_step(
+        recipe.jax_value_and_grad(loss_fn),
+        tx,
+        feed_lr=not own_optimizer,
+        max_scaled_grad=recipe.loss_scaling,
+    )
 
     def train_step(params, batch_stats, opt_state, inputs, targets, learning_rate):
         params, opt_state, (loss, new_stats), metrics = step(
