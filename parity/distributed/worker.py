@@ -379,7 +379,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
             grads = jax.tree_util.tree_map(lambda g: g / world, grads)
             return (jax.lax.psum(loss / world, "data"), aux), grads
 
-        step = observed_step(local_grad_fn, tx)
+        step = observed_step(local_grad_fn, tx, max_scaled_grad=recipe.loss_scaling)
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
             def local(params, opt_state, inputs, targets, factor, learning_rate):
@@ -396,7 +396,7 @@ def _jax_train(spec: dict[str, Any]) -> dict[str, Any]:
             )(params, opt_state, inputs, targets, factor, learning_rate)
 
     else:
-        step = observed_step(grad_fn, tx)
+        step = observed_step(grad_fn, tx, max_scaled_grad=recipe.loss_scaling)
 
         def train_step(params, opt_state, inputs, targets, factor, learning_rate):
             params, opt_state, (loss, _), metrics = step(
