@@ -8,9 +8,6 @@ route of one run are drawn in ``parity/README.md``.
 import importlib
 from typing import Any
 
-from parity.core.config import PRECISIONS as PRECISIONS
-from parity.core.config import RunConfig as RunConfig
-
 __all__ = [
     "PRECISIONS",
     "ParityResult",
@@ -19,8 +16,12 @@ __all__ = [
     "replay_loop",
 ]
 
-# Loaded on first use: `parity.api` imports torch, and `import parity.training.train_jax` must not.
+# Loaded on first use: `parity.api` imports torch, and `import parity.training.train_jax` must not;
+# `parity.core.config` imports jaxamp and JAX, which a process importing only a JAX-free module
+# (`parity.core.hardware` beside torch alone, `parity.distributed.procs`) need not.
 _LAZY = {
+    "PRECISIONS": "parity.core.config",
+    "RunConfig": "parity.core.config",
     "ParityResult": "parity.api",
     "compare_models": "parity.api",
     "replay_loop": "parity.api",
@@ -31,3 +32,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'parity' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
