@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from parity.core.records import run_label
 from parity.verdicts.gaps import final_mean, run_losses, self_divergence, signal_gaps
@@ -478,6 +477,8 @@ def _welch(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, floa
             math.nan,
             1.0 if mean_x == mean_y else 0.0,
         )
+    from scipy import stats  # on first use: scipy.stats takes ~0.5 s to import
+
     result = stats.ttest_ind(xs, ys, equal_var=False)
     df = se2**2 / ((var_x / len(xs)) ** 2 / (len(xs) - 1) + (var_y / len(ys)) ** 2 / (len(ys) - 1))
     return float(result.statistic), float(df), float(result.pvalue)
@@ -564,6 +565,8 @@ def equivalence(
     if x.std() == 0 and y.std() == 0:
         low = high = float(y.mean() - x.mean())
     else:
+        from scipy import stats
+
         interval = stats.ttest_ind(y, x, equal_var=False).confidence_interval(1 - 2 * alpha)
         low, high = float(interval.low), float(interval.high)
     if -margin < low and high < margin:
@@ -577,6 +580,8 @@ def seeds_needed(xs, ys, margin, alpha=0.05) -> int:
     """Seeds per framework at which the observed spread and difference would decide."""
     spread = max(float(np.std(xs, ddof=1)), float(np.std(ys, ddof=1)), 1e-12)
     room = abs(margin - abs(float(np.mean(ys) - np.mean(xs))))
+    from scipy import stats
+
     z = stats.norm.ppf(1 - alpha)
     return max(len(xs) + 1, math.ceil(2 * (z * spread / max(room, 1e-12)) ** 2))
 
