@@ -120,19 +120,55 @@ def test_step0_catches_a_wrong_recipe(monkeypatch):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_short_fp8_run_passes_verdicts(tmp_path):
-    from parity.training.train_jax import train_jax
-    from parity.training.train_torch import train_torch
+def test_cli_fp8_run_passes_judged_by_the_fp8_layer_checks_and_a_wrong_recipe_stops_it(
+    tmp_path, monkeypatch
+):
+    """`parity run` at fp8-tensorwise: step 0's run-precision rows are the per-layer fp8 checks
+    (scales and codes; the generic output/gradient/compute-dtype rows would compare two float32
+    models), a short run of torchao against jaxamp.fp8 passes the trajectory verdicts, and a JAX
+    side that quantizes with another recipe is stopped at step 0. Batch 8 on mlp: the step-0
+    programs are test_step0_scales_and_fp8_codes_match_torchao's."""
+    from parity.cli import commands as cli
+    from parity.core.records import load_results
     from parity.verdicts.judge import compare_runs
 
-    pair = get_model_pair("mlp", seed=0)
-    config = RunConfig(model="mlp", precision="fp8-tensorwise", steps=4, batch_size=8, eval=False)
-    runs = [train_torch(config, pair), train_jax(config, pair)]
-    assert "torchao" in runs[0]["fp8_method"] and runs[0]["fp8_layers"] == ["fc1", "fc2", "fc3"]
-    assert "jaxamp.fp8.convert" in runs[1]["mixed_precision_method"]
+    def run(out):
+        args = ["run", "--model", "mlp", "--precision", "fp8-tensorwise", "--steps", "4"]
+        args += ["--batch-size", "8", "--no-eval", "--out", str(out), "--no-progress"]
+        return cli.main(args)
+
+    assert run(tmp_path / "good") == 0
+    runs = load_results(tmp_path / "good")["runs"]
+    step0 = runs[0]["step0"]
+    assert step0["passed"] is True
+    checks = [v["check"] for v in step0["verdicts"]]
+    fp8_rows = [v for v in step0["verdicts"] if v["check"].startswith("step 0 fp8-tensorwise")]
+    assert {v["check"] for v in fp8_rows} == {
+        f"step 0 fp8-tensorwise: fp8 {t} scales and codes"
+        for t in ("input", "weight", "grad_output")
+    }, checks
+    assert all(v["mode"] == "step 0" and "fc1, fc2, fc3" in v["detail"] for v in fp8_rows)
+    assert any(c.startswith("step 0 fp32") for c in checks)  # the port itself, in float32
+    assert not any(c.startswith("compute dtype") for c in checks)  # generic rows: not for fp8
+    assert all(len(r["steps"]) == 4 for r in runs)
+    # the short run: torchao's Float8Linear against jaxamp.fp8, judged like any cell
+    torch_run, jax_run = sorted(runs, key=lambda r: r["framework"] != "torch")
+    assert "torchao" in torch_run["fp8_method"] and torch_run["fp8_layers"] == ["fc1", "fc2", "fc3"]
+    assert "jaxamp.fp8.convert" in jax_run["mixed_precision_method"]
     losses = [[s["loss"] for s in r["steps"]] for r in runs]
     assert np.all(np.isfinite(losses))
-    verdicts = compare_runs(runs)
-    checks = {v.check: v for v in verdicts}
-    assert any("(fp8)" in c for c in checks), list(checks)
+    verdicts = compare_runs([torch_run, jax_run])
+    assert any("(fp8)" in v.check for v in verdicts), [v.check for v in verdicts]
     assert all(v.passed is not False for v in verdicts), [v for v in verdicts if v.passed is False]
+
+    # the JAX side quantizes with another recipe (rowwise scales): step 0 stops the run
+    monkeypatch.setattr(
+        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.get_recipe("rowwise", emulate=True)
+    )
+    assert run(tmp_path / "wrong") == 1
+    runs = load_results(tmp_path / "wrong")["runs"]
+    for r in runs:
+        assert r["steps"] == [] and r["step0"]["passed"] is False
+        failed = [v for v in r["step0"]["verdicts"] if v["passed"] is False]
+        assert failed and all(v["check"].startswith("step 0 fp8-tensorwise") for v in failed)
+        assert "fc1" in r["summary"]["error"]

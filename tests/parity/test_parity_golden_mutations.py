@@ -24,6 +24,7 @@ from parity.golden.check import check_golden  # noqa: E402
 from parity.golden.export import export_golden  # noqa: E402
 from parity.golden.format import BatchList  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402
+from parity.verdicts.step0_checks import PROBE_CHECK  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.integration]
 
@@ -34,6 +35,12 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# The probe is part of step 0's float32 stage at every precision: a mutation it catches fails a
+# bf16-mixed run in that stage (whose rows are check_step0 at fp32's), and the bf16-mixed stage is
+# not reached. One mutation of the catalogue runs at bf16-mixed to show it.
+AT_BF16_MIXED = ("activation: tanh GELU for erf",)
 
 
 def _step0_failures(verdicts) -> set[str]:
@@ -49,15 +56,25 @@ def test_mutation_through_the_golden_decides_as_compare_models(
 ):
     pair = mutate(monkeypatch, _pair(model))
     batch = _batch(pair)
-    config = RunConfig(model=model, precision="fp32", steps=1, batch_size=BATCH, eval=False)
+    precision = "bf16-mixed" if name in AT_BF16_MIXED else "fp32"
+    config = RunConfig(model=model, precision=precision, steps=1, batch_size=BATCH, eval=False)
     harness = check_step0(pair, config, batch)
     assert not harness.passed, name
     # the catalogue's row: the probe names the layer the mutation changed
     assert caught_by in {f"{r['layer']} {r['kind']}" for r in harness.probe.failed}, name
+    if name in AT_BF16_MIXED:
+        _assert_fails_in_the_float32_stage(harness)
+    if name == "BatchNorm biased running variance":
+        _assert_names_the_norm(harness)
     path = export_golden(tmp_path / "g.npz", config, pair=pair, stream=BatchList([batch]))
     result = check_golden(path, pair.flax_model)
     assert result.status == "FAIL", result.report()
     assert _step0_failures(result.verdicts) == _step0_failures(harness.verdicts), name
+    if name in AT_BF16_MIXED:  # nor does the golden's check reach the bf16-mixed stage
+        assert not any(v.check.startswith("step 0 bf16-mixed") for v in result.verdicts)
+    if name == "BatchNorm biased running variance":  # the golden's train-mode row says why
+        train_row = {v.check: v for v in result.verdicts}["step 0 fp32: train-mode output"]
+        assert train_row.passed is False and "running stats" in train_row.detail
     step0 = result.runs[1]["step0"]
     assert caught_by in {f"{r['layer']} {r['kind']}" for r in step0["probe"]["failed"]}, name
     if harness.diagnosis is None:  # the per-layer table could not be made: nor here
@@ -69,6 +86,35 @@ def test_mutation_through_the_golden_decides_as_compare_models(
     assert diagnosis["first_failing_kind"] == harness.diagnosis.first_failing_kind
     assert diagnosis["first_failing_input"] == harness.diagnosis.first_failing_input
     assert harness.diagnosis.headline() in result.report(), result.report()
+
+
+def _assert_fails_in_the_float32_stage(result) -> None:
+    """The tanh GELU at bf16-mixed: hidden at the model's own init (the output rows pass), caught
+    by the probe in the float32 stage; the bf16-mixed stage is not reached (a broken port is not
+    compared in bf16)."""
+    rows = {v.check: v for v in result.verdicts}
+    assert rows["step 0 fp32: eval-mode output"].passed is True
+    assert rows[PROBE_CHECK].passed is False
+    assert "blocks.0.fc2 input" in rows[PROBE_CHECK].detail
+    assert not any(check.startswith("step 0 bf16-mixed") for check in rows)
+    assert result.diagnosis.first_failing == "blocks.0.fc2"
+    # the GELU between fc1 and fc2 has no weights: fc2 agrees on torch's input, its input not
+    assert "first divergence: the input of blocks.0.fc2" in result.summary()
+
+
+def _assert_names_the_norm(result) -> None:
+    """Flax's biased running variance: the forward pass and its gradient are right, the running
+    statistics a train-mode pass leaves behind are not; the diagnosis and the probe name the
+    first BatchNorm."""
+    eval_row, train_row, grad_row = result.verdicts[:3]
+    assert eval_row.passed and grad_row.passed  # the forward pass itself is right
+    assert not train_row.passed and "running stats" in train_row.detail
+    assert result.diagnosis.first_failing == "stem_bn"
+    assert result.diagnosis.first_failing_kind == "running stats"
+    # the probe sees it layer by layer too: the running variance of the first BatchNorm
+    probe = {v.check: v for v in result.verdicts}["step 0 fp32: each layer on its operating range"]
+    assert probe.passed is False
+    assert "in execution order: stem_bn running stats" in probe.detail
 
 
 # --- Hugging Face GPT-2 with the exact GELU (GPT-2 uses the tanh approximation) ---------------

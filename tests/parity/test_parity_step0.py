@@ -140,19 +140,8 @@ def test_resnet_wrong_padding_fails_step0_naming_the_conv(monkeypatch):
     assert "**FIRST**" in result.diagnosis.to_markdown()
 
 
-@pytest.mark.slow
-def test_resnet_biased_running_variance_fails_step0_naming_the_norm():
-    result = check_step0(_resnet("bn_variance"), _fp32())
-    assert not result.passed
-    eval_row, train_row, grad_row = result.verdicts[:3]
-    assert eval_row.passed and grad_row.passed  # the forward pass itself is right
-    assert not train_row.passed and "running stats" in train_row.detail
-    assert result.diagnosis.first_failing == "stem_bn"
-    assert result.diagnosis.first_failing_kind == "running stats"
-    # The probe sees it layer by layer too: the running variance of the first BatchNorm.
-    probe = {v.check: v for v in result.verdicts}["step 0 fp32: each layer on its operating range"]
-    assert probe.passed is False
-    assert "in execution order: stem_bn running stats" in probe.detail
+# Flax's biased BatchNorm running variance fails step 0 naming the norm (train-mode row, diagnosis,
+# probe): tests/parity/test_parity_golden_mutations.py, on the mutation catalogue's resnet.
 
 
 # --- compute dtype ------------------------------------------------------------------------------
@@ -345,47 +334,8 @@ def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
     assert "first diverging layer: blocks.1.conv1" in capsys.readouterr().err
 
 
-@pytest.mark.integration
-@pytest.mark.standard_promotion  # optax internals
-@pytest.mark.slow
-def test_cli_run_fp8_step0_rows_are_the_fp8_layer_checks(tmp_path, monkeypatch):
-    pytest.importorskip("torchao.float8")
-    import jaxamp.fp8
-    from parity.cli import commands as cli
-    from parity.core import fp8 as pf
-    from parity.core.records import load_results
-
-    def run(out):
-        args = ["run", "--model", "mlp", "--precision", "fp8-tensorwise", "--steps", "2"]
-        args += ["--batch-size", "4", "--no-eval", "--out", str(out), "--no-progress"]
-        return cli.main(args)
-
-    assert run(tmp_path / "good") == 0
-    runs = load_results(tmp_path / "good")["runs"]
-    step0 = runs[0]["step0"]
-    assert step0["passed"] is True
-    checks = [v["check"] for v in step0["verdicts"]]
-    fp8_rows = [v for v in step0["verdicts"] if v["check"].startswith("step 0 fp8-tensorwise")]
-    assert {v["check"] for v in fp8_rows} == {
-        f"step 0 fp8-tensorwise: fp8 {t} scales and codes"
-        for t in ("input", "weight", "grad_output")
-    }, checks
-    assert all(v["mode"] == "step 0" and "fc1, fc2, fc3" in v["detail"] for v in fp8_rows)
-    assert any(c.startswith("step 0 fp32") for c in checks)  # the port itself, in float32
-    assert not any(c.startswith("compute dtype") for c in checks)  # generic rows: not for fp8
-    assert all(len(r["steps"]) == 2 for r in runs)
-
-    # the JAX side quantizes with another recipe (rowwise scales): step 0 stops the run
-    monkeypatch.setattr(
-        pf, "jax_recipe", lambda p, device=None: jaxamp.fp8.get_recipe("rowwise", emulate=True)
-    )
-    assert run(tmp_path / "wrong") == 1
-    runs = load_results(tmp_path / "wrong")["runs"]
-    for r in runs:
-        assert r["steps"] == [] and r["step0"]["passed"] is False
-        failed = [v for v in r["step0"]["verdicts"] if v["passed"] is False]
-        assert failed and all(v["check"].startswith("step 0 fp8-tensorwise") for v in failed)
-        assert "fc1" in r["summary"]["error"]
+# `parity run` at an fp8 precision (step 0's rows are the per-layer fp8 checks; a wrong JAX recipe
+# stops the run): tests/parity/test_fp8_parity.py, on that file's step-0 programs.
 
 
 def test_the_layer_probe_runs_on_the_runs_torch_device(monkeypatch):
