@@ -23,6 +23,10 @@ import optax
 
 import jaxamp
 
+# The loss-scaled optimizer's own per-gradient maximum (its finiteness check): the signal reuses
+# the computation rather than adding a second reduction of every gradient.
+from jaxamp._numerics import largest_magnitude
+
 __all__ = [
     "build_jax_optimizer",
     "build_torch_optimizer",
@@ -119,6 +123,18 @@ def _unscaled(grads, opt_state):
     return jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), unscaled)
 
 
+_IEEE = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+def _largest(g) -> jax.Array:
+    """The largest |element| of one gradient as float32, +inf where one is inf or NaN: for an
+    IEEE float, computed as ``jaxamp.loss_scaled`` checks each gradient's finiteness (its
+    integer maximum of the magnitudes' bits), so the program holds that reduction once."""
+    if g.dtype in _IEEE:
+        return largest_magnitude(g).astype(jnp.float32)
+    return jnp.max(jnp.abs(g.astype(jnp.float32)))
+
+
 def observed(grad_fn: Callable, *, max_scaled_grad: bool = True) -> Callable:
     """`grad_fn` (``jaxamp.value_and_grad``'s) whose value comes with the gradient signals:
     ``(value, {"grad_norm", "max_scaled_grad"})``, the gradients unchanged.
@@ -126,8 +142,10 @@ def observed(grad_fn: Callable, *, max_scaled_grad: bool = True) -> Callable:
     ``grad_norm`` is the global norm of the unscaled gradients (as the loss-scaled optimizer
     hands them to the optimizer inside it: before clipping; inf where they overflowed);
     ``max_scaled_grad`` maps each parameter's path to its largest |scaled gradient| (what
-    float16 had to hold; inf/nan where it did not). ``max_scaled_grad=False`` leaves it out
-    (one reduction per parameter fewer to compile: a run without loss scaling records none).
+    float16 had to hold; inf where it did not, NaN counted as inf): the maximum the
+    loss-scaled optimizer's finiteness check takes of the same gradients (`_largest`), which
+    XLA then computes once for both. ``max_scaled_grad=False`` leaves it out (a run without
+    loss scaling records none).
     """
 
     def wrapped(params, *batch, loss_scale):
@@ -135,7 +153,7 @@ def observed(grad_fn: Callable, *, max_scaled_grad: bool = True) -> Callable:
         signals = {"grad_norm": _norm(_unscaled(grads, loss_scale))}
         if max_scaled_grad:
             signals["max_scaled_grad"] = {
-                _path(path): jnp.max(jnp.abs(g.astype(jnp.float32)))
+                _path(path): _largest(g)
                 for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
                 if g.size
             }
