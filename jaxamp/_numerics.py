@@ -9,6 +9,7 @@ public name, `all_finite`, is exported by `jaxamp`.
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any
 
 import jax
@@ -21,6 +22,14 @@ F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 AxisName = str | tuple[str, ...] | None
+
+
+# Leaf and scalar numerics that jaxamp calls eagerly too (an eager loss-scaled step checks and
+# unscales leaf by leaf): JAX compiles an eager call of a jitted function as ONE program per
+# argument shape and dtype, where op by op it compiles each primitive it meets (a third of the
+# compile time for a leaf's finiteness check). `inline=True`: inside a traced function the
+# body is traced in place, so a jitted step's program is the same as without the decorator.
+eager_as_one_program = functools.partial(jax.jit, inline=True)
 
 
 def is_inexact_array(x: Any) -> bool:
@@ -166,6 +175,7 @@ def _block_width(size: int) -> int:
     return next((w for w in (16, 8, 4, 2) if size % w == 0), 1)
 
 
+@eager_as_one_program
 def largest_magnitude(x: Any) -> jax.Array:
     """The largest magnitude among the elements of one real IEEE float array, +inf where an
     element is inf or NaN: a scalar of `x`'s dtype, decided element by element on the bits.
@@ -383,6 +393,7 @@ def _divide_by_integers(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(simple, quotient, a / b)
 
 
+@eager_as_one_program
 def divide(a: Any, b: Any) -> jax.Array:
     """float32 ``a / b`` correctly rounded, as torch divides, on every backend.
 
@@ -401,6 +412,7 @@ def divide(a: Any, b: Any) -> jax.Array:
     return jax.lax.platform_dependent(a, b, cpu=lambda a, b: a / b, default=_divide_by_integers)
 
 
+@eager_as_one_program
 def reciprocal_factors(loss_scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(inv, post)` with torch's unscaling `x * float32(1/scale)` equal to `(x * inv) * post`.
 
@@ -495,16 +507,20 @@ def unscaler(loss_scale: Any) -> Any:
     inv, post = reciprocal_factors(loss_scale)
 
     def mul(x):
-        if not is_inexact_array(x):
-            return x
-        wide = wide_dtype(x.dtype)
-        if jnp.issubdtype(wide, jnp.complexfloating):
-            real_dtype = jnp.real(jnp.zeros((), wide)).dtype
-            i, p = inv.astype(real_dtype), post.astype(real_dtype)
-            return jax.lax.complex((x.real * i) * p, (x.imag * i) * p).astype(x.dtype)
-        return ((x.astype(wide) * inv.astype(wide)) * post.astype(wide)).astype(x.dtype)
+        return _unscale_leaf(x, inv, post) if is_inexact_array(x) else x
 
     return lambda tree: jax.tree_util.tree_map(mul, tree)
+
+
+@eager_as_one_program
+def _unscale_leaf(x: jax.Array, inv: jax.Array, post: jax.Array) -> jax.Array:
+    """`unscaler`'s product for one inexact leaf, rounded once to its dtype."""
+    wide = wide_dtype(x.dtype)
+    if jnp.issubdtype(wide, jnp.complexfloating):
+        real_dtype = jnp.real(jnp.zeros((), wide)).dtype
+        i, p = inv.astype(real_dtype), post.astype(real_dtype)
+        return jax.lax.complex((x.real * i) * p, (x.imag * i) * p).astype(x.dtype)
+    return ((x.astype(wide) * inv.astype(wide)) * post.astype(wide)).astype(x.dtype)
 
 
 def unscale_tree(tree: Any, loss_scale: Any) -> Any:

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from jaxamp._numerics import divide, widen
+from jaxamp._numerics import divide, eager_as_one_program, widen
 from jaxamp.fp8._recipes import E4M3, E5M2, Cast, Recipe
 from jaxamp.fp8._recipes import get_recipe as _make_recipe
 
@@ -60,6 +60,7 @@ def _half_gap_below_ln2() -> np.ndarray:
 _HALF_GAP_LN2 = _half_gap_below_ln2()
 
 
+@eager_as_one_program
 def _floor_pow2(x: jax.Array) -> jax.Array:
     """torchao's ``exp2(floor(log2(x)))`` with a correctly rounded float32 log2, exactly.
 
@@ -124,6 +125,7 @@ def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return jnp.clip(scaled, -fmax, fmax).astype(dtype)
 
 
+@partial(eager_as_one_program, static_argnames="axis")
 def _amax(x: jax.Array, axis: int | None) -> jax.Array:
     a = jnp.abs(x)
     return jnp.max(a) if axis is None else jnp.max(a, axis=axis, keepdims=True)

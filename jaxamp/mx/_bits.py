@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._numerics import divide
+from jaxamp._numerics import divide, eager_as_one_program
 
 __all__ = [
     "E2M1_VALUES",
@@ -75,6 +75,7 @@ def to_float32(x: jax.Array) -> jax.Array:
     raise TypeError(f"to_float32: expected a float16/bfloat16/float32 array; got {x.dtype}.")
 
 
+@eager_as_one_program
 def mul_pow2(x: jax.Array, p: jax.Array) -> jax.Array:
     """``x * 2.0**p`` rounded once, as IEEE float32 arithmetic gives it, for subnormal `x` too.
 
@@ -110,6 +111,7 @@ def nan_codes(nan_bits: jax.Array, element: str) -> jax.Array:
     return (((nan_bits >> 24) & 0x80) | 0x7F).astype(jnp.uint8)
 
 
+@eager_as_one_program
 def e2m1_codes(x: jax.Array) -> jax.Array:
     """float32 -> float4_e2m1fn codes (uint8, 0..15) as torchao's ``f32_to_f4_unpacked``.
 
@@ -131,6 +133,7 @@ def e2m1_codes(x: jax.Array) -> jax.Array:
     return code.astype(jnp.uint8) | sign
 
 
+@eager_as_one_program
 def e2m1_values(codes: jax.Array) -> jax.Array:
     """float4_e2m1fn codes (uint8, 0..15) -> float32 values."""
     codes = codes.astype(jnp.int32)
@@ -138,6 +141,7 @@ def e2m1_values(codes: jax.Array) -> jax.Array:
     return jnp.where((codes & 8) != 0, -mag, mag)
 
 
+@eager_as_one_program
 def pack_nibbles(codes: jax.Array) -> jax.Array:
     """Two 4-bit codes per byte along the last axis: element 2i low nibble, 2i+1 high nibble."""
     if codes.shape[-1] % 2:
@@ -146,6 +150,7 @@ def pack_nibbles(codes: jax.Array) -> jax.Array:
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
+@eager_as_one_program
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """Inverse of `pack_nibbles`: ``(..., n)`` bytes -> ``(..., 2n)`` codes."""
     packed = packed.astype(jnp.uint8)

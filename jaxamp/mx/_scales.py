@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._numerics import widen
+from jaxamp._numerics import eager_as_one_program, widen
 from jaxamp.mx._bits import divide
 from jaxamp.mx._formats import Format
 
@@ -55,6 +55,7 @@ def rceil_thresholds(max_pos: float) -> np.ndarray:
     return hi.astype(np.uint32)
 
 
+@functools.partial(eager_as_one_program, static_argnames="fmt")
 def e8m0_exponent(max_abs_bits: jax.Array, fmt: Format) -> jax.Array:
     """The biased e8m0 scale code (uint8) of blocks whose ``|amax|`` has bits `max_abs_bits`.
 

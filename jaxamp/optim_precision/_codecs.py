@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from typing import Any
 
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._numerics import divide
+from jaxamp._numerics import divide, eager_as_one_program
 from jaxamp.optim_precision import _qmaps
 
 __all__ = [
@@ -188,6 +189,7 @@ class QuantizedArray:
         return int(self.codes.nbytes) + int(self.scale.nbytes)
 
 
+@functools.partial(eager_as_one_program, static_argnames="bits")
 def _search(x: jax.Array, qmap: jax.Array, bits: int) -> jax.Array:
     """torchao's branchless binary search: the largest code whose map value is <= x (0 below
     the map, and for NaN, as torch's comparisons give), then up one where x is at or past the

@@ -5,6 +5,7 @@ AnyPrecisionAdamW)."""
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._numerics import fresh_buffers, widen
+from jaxamp._numerics import eager_as_one_program, fresh_buffers, widen
 from jaxamp._optim import LossScaledTransformation
 from jaxamp._policy import Policy, get_policy
 from jaxamp.optim_precision._state import _is_float_array, like_stored, to_compute
@@ -32,6 +33,7 @@ _HIGH_16 = np.uint32(0xFFFF0000)
 _BF16_ULP = np.uint32(0x10000)
 
 
+@eager_as_one_program
 def _round_bf16(x32: jax.Array, random16: jax.Array) -> jax.Array:
     """torchao's ``_fp32_to_bf16_sr`` given its 16 random bits: away from zero when the random
     value is below the 16 bits bfloat16 drops (probability: those bits / 2**16)."""
@@ -43,6 +45,7 @@ def _round_bf16(x32: jax.Array, random16: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(x32), x32.astype(jnp.bfloat16), out)
 
 
+@functools.partial(eager_as_one_program, static_argnames="dtype")
 def _round_between_neighbours(x32: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     """Any narrower float: the two neighbours of x, the upper one with probability
     (x - lower) / (upper - lower). Values that overflow round to nearest (inf), as a cast does."""
