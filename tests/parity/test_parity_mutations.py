@@ -6,7 +6,7 @@ attention scale, a causal mask, a position offset, dropout left on, an untranspo
 recurrent gate order...). Each must make step 0 fail: the row that catches it is named in the
 catalogue below (README "What a PASS means" shows the same table), and the probe row is part of
 step 0's float32 stage at every precision, so a mutation it catches fails fp32 and bf16-mixed
-alike. The correct ports pass step 0 at fp32 and bf16-mixed.
+alike. The catalogue's correct ports pass (tests/parity/test_parity_golden_mutations.py).
 
 Tiny shapes, torch on one thread: the whole module stays within a few seconds per pair.
 """
@@ -266,63 +266,10 @@ MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("model", ("mlp", "mlp_nnx", "cnn_bn", "lstm", "transformer", "gru"))
-def test_correct_port_passes_the_layer_probe(model):
-    pair = _pair(model)
-    inputs, _ = _batch(pair)
-    probe = probe_layers(pair, inputs)
-    assert probe.rows and not probe.failed, [probe.describe(r) for r in probe.failed]
-    # every layer was fed torch's input (the GRU cell runs inside a scan: judged at its output)
-    assert set(probe.skipped) <= {"gru"}, probe.skipped
-    worst = probe.worst
-    assert worst["error"] <= worst["threshold"]
-
-
-# Each mutation fails step 0 through `check_step0` and through a golden file, naming the row
-# above: tests/parity/test_parity_golden_mutations.py.
-
-
-# --- the whole step 0: correct ports pass, a mutation fails naming its layer ---------------------
-
-# The full step 0 of a correct pair (its other rows are older than the probe and tested in
-# tests/parity/test_parity_step0.py): the GRU pair, whose mapping folds tensors; the others: probe only.
-CORRECT = ("gru",)
-
-
-@pytest.fixture(scope="module")
-def step0_bf16_mixed():
-    """`check_step0` at bf16-mixed, once per pair (cached). Its float32 stage runs first and is
-    exactly what `check_step0` at fp32 computes (the same rows on the same batch), so one call
-    decides both precisions."""
-    cache = {}
-
-    def run(model, pair=None):
-        if model not in cache:
-            pair = pair if pair is not None else _pair(model)
-            config = RunConfig(model=model, precision="bf16-mixed", batch_size=BATCH)
-            cache[model] = check_step0(pair, config, _batch(pair))
-        return cache[model]
-
-    return run
-
-
-@pytest.mark.parametrize("model", CORRECT)
-def test_correct_port_passes_step0_at_fp32_and_bf16_mixed(step0_bf16_mixed, model):
-    result = step0_bf16_mixed(model)
-    assert result.passed, result.summary()
-    rows = {v.check: v for v in result.verdicts}
-    fp32 = [v for v in result.verdicts if v.check.startswith(("step 0 fp32", "step 0:"))]
-    assert len(fp32) >= 5 and all(v.passed is not False for v in fp32)  # check_step0(fp32)'s rows
-    assert rows[PROBE_CHECK].passed is True and rows[STOCHASTIC_CHECK].passed is True
-    # bf16 step-0 gradient bands may be too wide to decide (INCONCLUSIVE, never a failure)
-    assert rows["step 0 bf16-mixed: gradients"].passed is not False
-    assert rows["step 0 bf16-mixed: eval-mode output"].passed is True
-    # forward-exact, but its mapping folds torch's two biases: said, not failed
-    if model == "gru":
-        folded = rows["step 0: tensors folded by the mapping"]
-        assert folded.passed is None
-        assert "gru.bias_ih_l0 + gru.bias_hh_l0" in folded.detail
-        assert "train differently" in folded.detail or "trajectories part" in folded.detail
+# The correct ports pass the layer probe (and the GRU pair, whose mapping folds tensors, all of
+# step 0 at fp32 and bf16-mixed); each mutation fails step 0 through `check_step0` and through a
+# golden file, naming the row above: tests/parity/test_parity_golden_mutations.py, where the
+# correct and the mutated pairs share their compiled programs.
 
 
 # A mutation the probe catches fails bf16-mixed in its float32 stage, naming the layer, and the
