@@ -25,6 +25,7 @@ from parity.core.config import RunConfig  # noqa: E402
 from parity.golden.check import check_golden  # noqa: E402
 from parity.golden.export import export_golden  # noqa: E402
 from parity.golden.format import BatchList  # noqa: E402
+from parity.verdicts import diagnose  # noqa: E402
 from parity.verdicts.layer_probe import probe_layers  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402
 from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK  # noqa: E402
@@ -46,6 +47,15 @@ def _one_torch_thread():
 AT_BF16_MIXED = ("activation: tanh GELU for erf",)
 
 
+# Flax "SAME" padding of a stride-2 3x3 conv: the first layer whose output leaves its band is
+# named, every layer upstream of it agrees, and torch's step-0 passes run once.
+NAMES_THE_CONV = ("padding (0, 1) for (1, 1)",)
+
+
+def _ran_twice(*args, **kwargs):
+    raise AssertionError("torch's step-0 passes ran twice")
+
+
 def _step0_failures(verdicts) -> set[str]:
     return {v.check for v in verdicts if v.check.startswith("step 0") and v.passed is False}
 
@@ -61,8 +71,13 @@ def test_mutation_through_the_golden_decides_as_compare_models(
     batch = _batch(pair)
     precision = "bf16-mixed" if name in AT_BF16_MIXED else "fp32"
     config = RunConfig(model=model, precision=precision, steps=1, batch_size=BATCH, eval=False)
-    harness = check_step0(pair, config, batch)
+    with monkeypatch.context() as patch:
+        if name in NAMES_THE_CONV:  # the diagnosis reads torch's layers from step 0's passes
+            patch.setattr(diagnose, "torch_layer_outputs", _ran_twice)
+        harness = check_step0(pair, config, batch)
     assert not harness.passed, name
+    if name in NAMES_THE_CONV:
+        _assert_names_the_conv(harness)
     # the catalogue's row: the probe names the layer the mutation changed
     assert caught_by in {f"{r['layer']} {r['kind']}" for r in harness.probe.failed}, name
     if name in AT_BF16_MIXED:
@@ -89,6 +104,45 @@ def test_mutation_through_the_golden_decides_as_compare_models(
     assert diagnosis["first_failing_kind"] == harness.diagnosis.first_failing_kind
     assert diagnosis["first_failing_input"] == harness.diagnosis.first_failing_input
     assert harness.diagnosis.headline() in result.report(), result.report()
+
+
+def _assert_names_the_conv(result) -> None:
+    assert result.diagnosis_error is None
+    failed = {v.check for v in result.verdicts if v.passed is False}
+    assert "step 0 fp32: eval-mode output" in failed
+    assert "step 0 fp32: gradients" in failed
+    assert result.worst_output is not None and result.worst_parameter is not None
+    # the stride-2 3x3 conv is the first layer whose output leaves its band
+    assert result.diagnosis.first_failing == "blocks.1.conv1"
+    assert result.diagnosis.first_failing_kind in ("eval output", "train output")
+    assert "blocks.1.conv1" in result.summary()
+    rows = {r["layer"]: r for r in result.diagnosis.rows}
+    for layer in ("stem_conv", "stem_bn", "blocks.0.conv1", "blocks.0.conv2"):
+        assert rows[layer]["eval output"] < rows[layer]["band"], layer  # upstream of the bug
+    assert rows["blocks.1.conv1"]["eval output"] > 1e-2
+    assert "**FIRST**" in result.diagnosis.to_markdown()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cli_run_stops_a_wrong_port_at_step0(tmp_path, capsys):
+    """`parity run` of the catalogue's wrongly padded resnet (its programs: the mutation's above)
+    stops both frameworks at step 0, untrained, naming the conv."""
+    from parity.cli import commands as cli
+    from parity.core.records import load_results
+
+    out = tmp_path / "wrong"
+    args = ["run", "--model", "resnet", "--steps", "2", "--batch-size", str(BATCH), "--no-eval"]
+    args += ["--model-override", 'wrong_port="padding"', "--model-override", "image_shape=[8,8,3]"]
+    args += ["--model-override", "channels=[4,8,8]", "--out", str(out), "--no-progress"]
+    assert cli.main(args) == 1
+    runs = load_results(out)["runs"]
+    assert {r["framework"] for r in runs} == {"torch", "jax"}
+    for run in runs:
+        assert run["steps"] == []  # not trained
+        assert "blocks.1.conv1" in run["summary"]["error"]
+        assert run["step0"]["diagnosis"]["first_failing"] == "blocks.1.conv1"
+    assert "first diverging layer: blocks.1.conv1" in capsys.readouterr().err
 
 
 def _assert_fails_in_the_float32_stage(result) -> None:
