@@ -126,8 +126,8 @@ def test_cli_fp8_run_passes_judged_by_the_fp8_layer_checks_and_a_wrong_recipe_st
     """`parity run` at fp8-tensorwise: step 0's run-precision rows are the per-layer fp8 checks
     (scales and codes; the generic output/gradient/compute-dtype rows would compare two float32
     models), a short run of torchao against jaxamp.fp8 passes the trajectory verdicts, and a JAX
-    side that quantizes with another recipe is stopped at step 0. Batch 8 on mlp: the step-0
-    programs are test_step0_scales_and_fp8_codes_match_torchao's."""
+    side that quantizes with another recipe is stopped at step 0. One run on mlp, batch 8, 4 steps,
+    checks both the CLI's step 0 and the short run (its train step compiled once)."""
     from parity.cli import commands as cli
     from parity.core.records import load_results
     from parity.verdicts.judge import compare_runs

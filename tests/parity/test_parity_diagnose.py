@@ -1,6 +1,6 @@
 """Per-layer diagnosis (parity.verdicts.diagnose): layers matched through the mapping, first diverging layer.
 
-Tiny MLPs (fp32); the resnet's wrongly padded conv is named in tests/parity/test_parity_step0.py.
+Tiny MLPs (fp32); the resnet's wrongly padded conv is named in tests/parity/test_parity_golden_mutations.py.
 """
 
 from __future__ import annotations
