@@ -1,5 +1,5 @@
 """What step 0 runs once and reuses: torch's passes for the diagnosis (check_step0's diagnosis
-without a second torch pass: test_parity_step0.py's wrong padding), float64 floors and the Flax
+without a second torch pass: test_parity_golden_mutations.py's wrong padding), float64 floors and the Flax
 program across the probe's modes, and the probe's and step 0's examples bounded by the model's work
 (parity.verdicts.layer_probe, step0_batch, diagnose, torch_side). Tiny models. (`python -m
 parity` making torch's idle OpenMP threads sleep: tests/parity/test_parity_cli.py.)"""
