@@ -166,7 +166,7 @@ def _torch_mx_bf16(xb, fmt):
 
 
 def test_mx_quantize_eager():
-    # op by op (each primitive its own program): subnormal, threshold and special blocks
+    # eagerly (op by op; jaxamp's bit helpers a program each): subnormal, threshold and special blocks
     fmt = mx.get_format("mxfp8", scale_mode="rceil")
     x = _X32[-40:]
     _assert_same(_jax_bits(*mx.to_block_scaled(x, fmt)), _torch_mx(x, fmt), f"{fmt} eager")

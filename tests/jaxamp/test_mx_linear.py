@@ -122,7 +122,7 @@ def test_linear_forward_and_gradients_match_torchao(name):
 
 
 def test_linear_eager_equals_compiled():
-    # op by op (each primitive its own program): the forward matmul
+    # eagerly (op by op; jaxamp's bit helpers a program each): the forward matmul
     rec = _emu("mxfp8_floor")
     x, w, _ = _data(m=32, k=32, n=32, seed=1)
     f = lambda a, b: mx.dot_general(a, b, DN_XW, recipe=rec)  # noqa: E731

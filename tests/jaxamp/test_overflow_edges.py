@@ -363,8 +363,8 @@ def test_reciprocal_forms_agree_bit_for_bit_and_with_torch():
     assert _same_bits(got[normal], want[normal])
     assert _same_bits(want[normal], 1.0 / scales[normal].astype(np.float64))
 
-    # Eagerly (op by op, each lowered for this backend), one scalar scale at a time, as a
-    # loss scale holds it: the edges and a sample of the others.
+    # Eagerly (outside jit: a program of its own, lowered for this backend), one scalar scale at
+    # a time, as a loss scale holds it: the edges and a sample of the others.
     for i in range(len(scales) - len(few), len(scales)):
         eager_inv, eager_post = reciprocal_factors(scales[i])
         assert (_bits(eager_inv), _bits(eager_post)) == (_bits(inv[i]), _bits(post[i])), scales[i]
