@@ -222,7 +222,8 @@ def test_dot_general_matches_torchao_float8_linear(name):
         np.abs(g).reshape(15, 24) * 1.01,
     )
     # Under jit, as a training step runs it; eagerly (op by op but for jaxamp's small numerics
-    # helpers, a program each: several times the compile work) for one recipe: dot_general has no eager-only code path.
+    # helpers, a program each: several times the compile work) for one recipe: dot_general has
+    # no eager-only code path.
     runners = [jax.jit] + ([lambda fn: fn] if name == "tensorwise" else [])
     for runner in runners:
         y, gx, gw = runner(forward_and_backward)(*map(jnp.asarray, (x, w, b, g)))

@@ -166,7 +166,8 @@ def _torch_mx_bf16(xb, fmt):
 
 
 def test_mx_quantize_eager():
-    # eagerly (op by op; jaxamp's bit helpers a program each): subnormal, threshold and special blocks
+    # eagerly (op by op; jaxamp's bit helpers a program each): subnormal, threshold and special
+    # blocks
     fmt = mx.get_format("mxfp8", scale_mode="rceil")
     x = _X32[-40:]
     _assert_same(_jax_bits(*mx.to_block_scaled(x, fmt)), _torch_mx(x, fmt), f"{fmt} eager")
