@@ -307,6 +307,14 @@ def run_stage(
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
         rc = 124
+    return _finished(stage, command, log, rc=rc, timed_out=timed_out, start=start)
+
+
+def _finished(
+    stage: Stage, command, log, *, rc: int, timed_out: bool, start: float
+) -> dict[str, Any]:
+    """A stage's result (its last log line written): its name, command, cap, exit status, whether
+    the cap stopped it, and its seconds since `start`."""
     seconds = time.perf_counter() - start
     log.write(
         f"== {stage.name}: rc={rc}{' (cap reached)' if timed_out else ''} in {seconds:.0f} s\n"
@@ -366,17 +374,8 @@ def run_in_process(stage: Stage, log, *, command: tuple[str, ...] | None = None)
         os.environ.clear()
         os.environ.update(environ)
         sys.argv = argv
-    seconds = time.perf_counter() - start
-    log.write(f"== {stage.name}: rc={rc} in {seconds:.0f} s\n")
-    log.flush()
-    return {
-        "stage": stage.name,
-        "command": " ".join(command),
-        "cap_s": stage.cap_s,
-        "rc": rc,
-        "timed_out": False,
-        "seconds": round(seconds, 1),
-        "in_process": True,
+    return _finished(stage, command, log, rc=rc, timed_out=False, start=start) | {
+        "in_process": True
     }
 
 
