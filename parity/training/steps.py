@@ -113,9 +113,8 @@ def _unscaled(grads, opt_state):
     clipping norm of the same values once for both), then float32. A loss scale of another
     library divides by its scale (the same numbers for every power-of-two scale)."""
     loss_scale = jaxamp.get_loss_scale(opt_state)
-    if isinstance(loss_scale, jaxamp.NoOpLossScale):
-        unscaled = grads
-    elif isinstance(loss_scale, jaxamp.DynamicLossScale | jaxamp.StaticLossScale):
+    own = jaxamp.NoOpLossScale | jaxamp.DynamicLossScale | jaxamp.StaticLossScale
+    if isinstance(loss_scale, own):  # NoOpLossScale's unscale returns the gradients as they are
         unscaled = loss_scale.unscale(grads)
     else:
         scale = jnp.asarray(loss_scale.loss_scale, jnp.float32)
