@@ -1,6 +1,8 @@
 """loss_scaled, get_loss_scale, amp_info, value_and_grad: skips, clipping, accumulation, parameter
 groups, sharding, optimizer state dtype, overflow reporting, wrapping and bad arguments."""
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -85,17 +87,43 @@ def _each(fn, maybe_jit):
     return maybe_jit(lambda variants: tuple(fn(*args) for args in variants))
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_skipped_step_is_noop(name, maybe_jit):
-    # Gradients in each float dtype (the three in one program under jit), -inf and then NaN.
+@functools.cache
+def _skipped_step_runs(names, jitted):
+    """For each optimizer in `names`: one real step on gradients in each float dtype, then a step
+    on them with -inf and one with NaN injected: {name: (states after the real step, [(bad value,
+    outputs per dtype)])}. Under jit every optimizer and dtype in one program, shared by the
+    tests (one XLA compile instead of one per optimizer)."""
+    maybe_jit = jax.jit if jitted else (lambda f: f)
     params = _params()
-    tx = jaxamp.loss_scaled(OPTIMIZERS[name]())
-    update = _each(tx.update, maybe_jit)
+    txs = {n: jaxamp.loss_scaled(OPTIMIZERS[n]()) for n in names}
+    update = maybe_jit(
+        lambda variants: {n: tuple(txs[n].update(*args) for args in v) for n, v in variants.items()}
+    )
     grads = [jax.tree.map(lambda p, d=d: jnp.ones_like(p, d), params) for d in FLOAT_DTYPES]
     # one real step so the state is non-trivial
-    states = [s for _, s in update([(g, tx.init(params), params) for g in grads])]
+    first = update({n: [(g, txs[n].init(params), params) for g in grads] for n in names})
+    states = {n: [s for _, s in first[n]] for n in names}
+    runs = {n: (states[n], []) for n in names}
     for bad in (-jnp.inf, jnp.nan):
-        stepped = update([(_inject(g, bad), s, params) for g, s in zip(grads, states, strict=True)])
+        stepped = update(
+            {
+                n: [(_inject(g, bad), s, params) for g, s in zip(grads, states[n], strict=True)]
+                for n in names
+            }
+        )
+        for n in names:
+            runs[n][1].append((bad, stepped[n]))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_skipped_step_is_noop(name, maybe_jit):
+    # Gradients in each float dtype (under jit the three, and every optimizer, in one program),
+    # -inf and then NaN.
+    params = _params()
+    jitted = maybe_jit is jax.jit
+    states, runs = _skipped_step_runs(tuple(OPTIMIZERS) if jitted else (name,), jitted)[name]
+    for bad, stepped in runs:
         for dtype, state, (updates, new_state) in zip(FLOAT_DTYPES, states, stepped, strict=True):
             case = f"{jnp.dtype(dtype).name} gradients, {bad}"
             for u in jax.tree.leaves(updates):
@@ -504,38 +532,74 @@ def test_get_loss_scale_finds_nested_states():
     assert jaxamp.get_loss_scale(scale) is scale
 
 
+def _other_loss_scales():
+    return {
+        "jmp-dynamic": jmp.DynamicLossScale(jnp.float32(2.0**15)),
+        "jmp-static": jmp.StaticLossScale(jnp.float32(128.0)),
+        "jaxamp-static": jaxamp.StaticLossScale(128.0),
+        "megatron": "megatron",
+    }
+
+
+@functools.cache
+def _other_loss_scale_steps(names, jitted):
+    """{name: (updates, state)} after an overflowing sgd step under each loss scale in `names`:
+    under jit every one in one program, shared by the tests."""
+    params = _params()
+    scales = _other_loss_scales()
+    txs = {n: jaxamp.loss_scaled(optax.sgd(1e-2), scales[n]) for n in names}
+    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.inf)
+
+    def step(grads, states, params):
+        return {n: txs[n].update(grads, states[n], params) for n in names}
+
+    states = {n: txs[n].init(params) for n in names}
+    return (jax.jit(step) if jitted else step)(grads, states, params)
+
+
 @pytest.mark.parametrize(
     "loss_scale, expected_after_overflow",
     [
-        (jmp.DynamicLossScale(jnp.float32(2.0**15)), 2.0**14),
-        (jmp.StaticLossScale(jnp.float32(128.0)), 128.0),
-        (jaxamp.StaticLossScale(128.0), 128.0),
+        ("jmp-dynamic", 2.0**14),
+        ("jmp-static", 128.0),
+        ("jaxamp-static", 128.0),
         ("megatron", 2.0**32),  # hysteresis 2: the first overflow does not back off
     ],
 )
 def test_other_loss_scales_are_accepted(loss_scale, expected_after_overflow, maybe_jit):
-    params = _params()
-    tx = jaxamp.loss_scaled(optax.sgd(1e-2), loss_scale)
-    state = tx.init(params)
-    grads = _inject(jax.tree.map(jnp.ones_like, params), jnp.inf)
-    updates, state = maybe_jit(tx.update)(grads, state, params)
+    jitted = maybe_jit is jax.jit
+    names = tuple(_other_loss_scales()) if jitted else (loss_scale,)
+    updates, state = _other_loss_scale_steps(names, jitted)[loss_scale]
     assert float(jaxamp.amp_info(state).loss_scale) == expected_after_overflow
     assert not np.any(np.asarray(updates["w"]))
 
 
-@pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-def test_unscaled_grads_reach_inner_exactly(grad_dtype, maybe_jit):
+@functools.cache
+def _identity_updates(dtypes, jitted):
+    """{dtype: the updates an identity inner transformation receives} from loss_scaled, for
+    gradients of 3 * 2**10 at the default scale of 2**16 in each of `dtypes`: under jit the
+    dtypes in one program, shared by the tests."""
     params = _params()
-    seen = {}
-
-    def spy_update(updates, state, params=None):
-        seen.update(updates)
-        return updates, state
-
-    tx = jaxamp.loss_scaled(optax.GradientTransformation(lambda p: optax.EmptyState(), spy_update))
+    identity = optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+    )
+    tx = jaxamp.loss_scaled(identity)
     state = tx.init(params)
-    grads = jax.tree.map(lambda p: jnp.full(p.shape, 3.0 * 2.0**10, grad_dtype), params)
-    updates, _ = maybe_jit(tx.update)(grads, state, params)
+
+    def each(grads, state, params):  # a tuple: dtypes do not sort as a dict's keys must
+        return tuple(tx.update(g, state, params)[0] for g in grads)
+
+    grads = [
+        jax.tree.map(lambda p, d=d: jnp.full(p.shape, 3.0 * 2.0**10, d), params) for d in dtypes
+    ]
+    updates = (jax.jit(each) if jitted else each)(grads, state, params)
+    return dict(zip(dtypes, updates, strict=True))
+
+
+@pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES)
+def test_unscaled_grads_reach_inner_exactly(grad_dtype, maybe_jit):
+    jitted = maybe_jit is jax.jit
+    updates = _identity_updates(FLOAT_DTYPES if jitted else (grad_dtype,), jitted)[grad_dtype]
     for leaf in jax.tree.leaves(updates):
         assert leaf.dtype == grad_dtype  # unscale keeps each leaf's dtype
         np.testing.assert_array_equal(np.asarray(leaf, np.float32), 3.0 * 2.0**-6)
@@ -553,15 +617,31 @@ def test_amp_info_fields_and_types():
 # --- value_and_grad -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", None])
+VALUE_AND_GRAD_POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", None)
+
+
+@functools.cache
+def _value_and_grads(policies, jitted):
+    """{policy: (loss, grads)} of jaxamp.value_and_grad under each of `policies` at a static
+    scale of 2**10: under jit every policy in one program, shared by the tests."""
+    scale = jaxamp.StaticLossScale(2.0**10)
+
+    def each(p, x, y):  # a tuple: None and the names do not sort as a dict's keys must
+        return tuple(
+            jaxamp.value_and_grad(_loss, policy=policy)(p, x, y, loss_scale=scale)
+            for policy in policies
+        )
+
+    out = (jax.jit(each) if jitted else each)(_params(), *_batches(1)[0])
+    return dict(zip(policies, out, strict=True))
+
+
+@pytest.mark.parametrize("policy", VALUE_AND_GRAD_POLICIES)
 def test_value_and_grad_dtypes_and_scaling(policy, maybe_jit):
     params = _params()
     x, y = _batches(1)[0]
-    scale = jaxamp.StaticLossScale(2.0**10)
-    fn = maybe_jit(
-        lambda p, x, y: jaxamp.value_and_grad(_loss, policy=policy)(p, x, y, loss_scale=scale)
-    )
-    loss, grads = fn(params, x, y)
+    jitted = maybe_jit is jax.jit
+    loss, grads = _value_and_grads(VALUE_AND_GRAD_POLICIES if jitted else (policy,), jitted)[policy]
     assert loss.dtype == jnp.float32
     ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x, y)
     compute = jaxamp.get_policy(policy).compute_dtype if policy else jnp.float32
@@ -632,42 +712,78 @@ def test_jitted_train_step_does_not_retrace():
 # --- apply_gradients: update + apply as one decision (issue 13 item 8) ----------------------------
 
 
-def _fused_and_split(tx, maybe_jit):
+def _fused_and_split(txs, maybe_jit):
     """(apply_gradients, update + apply_updates) as two steps, each wrapped (jitted) once and
-    taking a sequence of (grads, state, params), one per variant (see `_each`)."""
+    taking {name: a sequence of (grads, state, params)}, one per variant, for the optimizers
+    `txs` ({name: transformation}): each variant's result its own (see `_each`)."""
 
-    def fused(grads, state, params):
-        return jaxamp.apply_gradients(tx, grads, state, params)
+    def fused(variants):
+        return {
+            n: tuple(jaxamp.apply_gradients(txs[n], g, s, p) for g, s, p in v)
+            for n, v in variants.items()
+        }
 
-    def split(grads, state, params):
-        updates, new_state = tx.update(grads, state, params)
-        return jaxamp.apply_updates(params, updates, new_state), new_state
+    def split(variants):
+        out = {}
+        for n, v in variants.items():
+            out[n] = []
+            for g, s, p in v:
+                updates, new_state = txs[n].update(g, s, p)
+                out[n].append((jaxamp.apply_updates(p, updates, new_state), new_state))
+            out[n] = tuple(out[n])
+        return out
 
-    return _each(fused, maybe_jit), _each(split, maybe_jit)
+    return maybe_jit(fused), maybe_jit(split)
+
+
+@functools.cache
+def _fused_and_split_runs(names, jitted):
+    """Three steps of apply_gradients and of update + apply_updates for each optimizer in `names`,
+    parameters in each float dtype: {name: [(fused outputs, split outputs) per step]}, each a
+    tuple over FLOAT_DTYPES. Under jit every optimizer and dtype in one program per form (one XLA
+    compile for all, not one per optimizer; each variant's result its own), shared by the tests."""
+    maybe_jit = jax.jit if jitted else (lambda f: f)
+    # A scale at which the float16 loss stays finite: every step here is applied.
+    txs = {
+        n: jaxamp.loss_scaled(OPTIMIZERS[n](), jaxamp.DynamicLossScale.create(init_scale=1024.0))
+        for n in names
+    }
+    fused, split = _fused_and_split(txs, maybe_jit)
+    params = {
+        n: [jax.tree.map(lambda p, d=d: p.astype(d), _params()) for d in FLOAT_DTYPES]
+        for n in names
+    }
+    states = {n: [txs[n].init(p) for p in params[n]] for n in names}
+    scale = jaxamp.get_loss_scale(states[names[0]][0])
+    batches = [_batches(3, d) for d in FLOAT_DTYPES]
+    runs = {n: [] for n in names}
+    for step in range(3):
+        # Gradients of the scaled loss, in the parameters' dtype (as autodiff returns them).
+        variants = {}
+        for n in names:
+            variants[n] = []
+            for dtype, p, s, b in zip(FLOAT_DTYPES, params[n], states[n], batches, strict=True):
+                x, y = b[step]
+                g = jax.grad(lambda p, x=x, y=y, d=dtype: scale.scale(_loss(p, x, y)).astype(d))(p)
+                variants[n].append((g, s, p))
+        fused_out, split_out = fused(variants), split(variants)
+        for n in names:
+            runs[n].append((fused_out[n], split_out[n]))
+            params[n] = [p for p, _ in fused_out[n]]
+            states[n] = [s for _, s in fused_out[n]]
+    return runs
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_apply_gradients_equals_update_then_apply(name, maybe_jit):
-    # Parameters in each float dtype, the three in one program under jit.
-    params = [jax.tree.map(lambda p, d=d: p.astype(d), _params()) for d in FLOAT_DTYPES]
-    # A scale at which the float16 loss stays finite: every step here is applied.
-    tx = jaxamp.loss_scaled(OPTIMIZERS[name](), jaxamp.DynamicLossScale.create(init_scale=1024.0))
-    states = [tx.init(p) for p in params]
-    scale = jaxamp.get_loss_scale(states[0])
-    fused, split = _fused_and_split(tx, maybe_jit)
-    batches = [_batches(3, d) for d in FLOAT_DTYPES]
-    for step in range(3):
-        # Gradients of the scaled loss, in the parameters' dtype (as autodiff returns them).
-        variants = []
-        for dtype, p, s, b in zip(FLOAT_DTYPES, params, states, batches, strict=True):
-            x, y = b[step]
-            g = jax.grad(lambda p, x=x, y=y, d=dtype: scale.scale(_loss(p, x, y)).astype(d))(p)
-            variants.append((g, s, p))
-        fused_out, split_out = fused(variants), split(variants)
+    # Parameters in each float dtype; under jit the three, and every optimizer, in one program.
+    jitted = maybe_jit is jax.jit
+    runs = _fused_and_split_runs(tuple(OPTIMIZERS) if jitted else (name,), jitted)[name]
+    for fused_out, split_out in runs:
         for dtype, (fused_params, fused_state), (split_params, split_state) in zip(
             FLOAT_DTYPES, fused_out, split_out, strict=True
         ):
-            if maybe_jit is jax.jit:
+            if jitted:
                 # Two XLA programs may contract a*b+c into an FMA differently.
                 _leaves_ulp_close(fused_params, split_params)
                 _leaves_ulp_close(fused_state.inner_state, split_state.inner_state)
@@ -677,8 +793,6 @@ def test_apply_gradients_equals_update_then_apply(name, maybe_jit):
                 assert p.dtype == dtype
             assert bool(fused_state.last_step_finite), jnp.dtype(dtype).name
             _leaves_equal(fused_state.loss_scale, split_state.loss_scale)
-        params = [p for p, _ in fused_out]
-        states = [s for _, s in fused_out]
 
 
 def test_apply_gradients_skip_keeps_params_and_state_bitwise(maybe_jit):
