@@ -4,6 +4,10 @@ Every worker is started in its own session (process group), its PID recorded in 
 `WorkerGroup`. The group ends its workers (SIGTERM to each worker's process group, then SIGKILL
 after a grace period) when the run finishes, fails, times out, on Ctrl-C (SIGINT) and SIGTERM to
 the harness, and at interpreter exit (atexit). Ports are picked free on 127.0.0.1 only.
+
+A worker is a process of its own (`WorkerGroup.start`: a command) or forked by a zygote that
+imported its modules once (`forking`, `WorkerGroup.start_forked`: see
+`parity.distributed.zygote`); the group owns and ends both alike.
 """
 
 from __future__ import annotations
@@ -17,15 +21,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["WorkerGroup", "WorkerResult", "WorkerError", "free_port", "live_worker_pids"]
+if TYPE_CHECKING:  # the zygote's module runs as a script: imported where it is used
+    from parity.distributed.zygote import ForkedWorker, Zygote
+
+
+__all__ = [
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerResult",
+    "forking",
+    "free_port",
+    "live_worker_pids",
+]
 
 _GRACE_S = 5.0
-# Every group alive in this process (ended by the signal handlers and at exit).
-_GROUPS: set[WorkerGroup] = set()
+# Every group (and zygote) alive in this process (ended by the signal handlers and at exit).
+_GROUPS: set[WorkerGroup | Zygote] = set()
 _LOCK = threading.Lock()
 _HANDLERS_INSTALLED = False
 
@@ -66,7 +82,8 @@ def live_worker_pids() -> list[int]:
 def _end_all(*_: object) -> None:
     with _LOCK:
         groups = list(_GROUPS)
-    for group in groups:
+    # Workers first, then the zygotes that forked them (their parents, reaping them).
+    for group in sorted(groups, key=lambda g: not isinstance(g, WorkerGroup)):
         group.terminate()
 
 
@@ -93,6 +110,29 @@ def _install_handlers() -> None:
         signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def forking(preload: Sequence[str], env: dict[str, str], log: str | os.PathLike) -> Iterator:
+    """A `parity.distributed.zygote.Zygote` for the block: `preload` imported once in a process
+    with environment `env` (its output in `log`), forking the workers that
+    `WorkerGroup.start_forked` starts. Ended at the block's end, on Ctrl-C (SIGINT), SIGTERM and
+    at exit as every worker; None where workers cannot be forked (they start as processes)."""
+    from parity.distributed.zygote import Zygote, can_fork
+
+    if not can_fork():
+        yield None
+        return
+    _install_handlers()
+    zygote = Zygote(preload, env, log)
+    with _LOCK:
+        _GROUPS.add(zygote)
+    try:
+        yield zygote
+    finally:
+        zygote.close(_GRACE_S)
+        with _LOCK:
+            _GROUPS.discard(zygote)
+
+
 class WorkerGroup:
     """Starts worker commands, waits for all of them under one timeout, ends them all by PID.
 
@@ -111,7 +151,7 @@ class WorkerGroup:
             raise ValueError(f"WorkerGroup: `timeout_s` must be a number > 0; got {timeout_s!r}.")
         self.timeout_s = float(timeout_s)
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | ForkedWorker] = []
         self._names: list[str] = []
         self._logs: list[Path] = []
         self._files: list = []
@@ -139,16 +179,7 @@ class WorkerGroup:
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
         """Starts one worker in its own process group; returns its PID."""
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log = self.log_dir / f"{name}.log"
-        else:
-            import tempfile
-
-            fd, path = tempfile.mkstemp(prefix=f"parity-{name}-", suffix=".log")
-            os.close(fd)
-            log = Path(path)
-            self._temp_logs.append(log)
+        log = self._new_log(name)
         handle = open(log, "w")  # noqa: SIM115 - closed in terminate()
         stdin = open(os.devnull)  # noqa: SIM115 - read-only, closed right after the start
         try:
@@ -167,6 +198,45 @@ class WorkerGroup:
         self._logs.append(log)
         self._files.append(handle)
         return proc.pid
+
+    def start_forked(
+        self,
+        name: str,
+        zygote: Zygote | None,
+        module: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+    ) -> int:
+        """Starts one worker running ``module.main(args)``, forked by `zygote` (which has
+        imported `module`), in its own process group; returns its PID. Without a zygote, or
+        when it refuses, the worker starts as ``python -m module ARGS`` with `env` (`start`)."""
+        if zygote is not None:
+            log = self._new_log(name)
+            left = self.timeout_s - (time.monotonic() - self._started)
+            proc = zygote.fork(module, args, log, timeout_s=max(left, 1.0))
+            if proc is not None:
+                handle = open(log)  # noqa: SIM115 - kept (closed) for `_tail`'s bookkeeping
+                handle.close()
+                self._procs.append(proc)
+                self._names.append(name)
+                self._logs.append(log)
+                self._files.append(handle)
+                return proc.pid
+        return self.start(name, [sys.executable, "-m", module, *map(str, args)], env=env)
+
+    def _new_log(self, name: str) -> Path:
+        """An empty log file for worker `name` (in `log_dir`, else a temporary one)."""
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = self.log_dir / f"{name}.log"
+            log.write_text("")
+            return log
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix=f"parity-{name}-", suffix=".log")
+        os.close(fd)
+        self._temp_logs.append(Path(path))
+        return Path(path)
 
     def _tail(self, i: int, chars: int = 4000) -> str:
         if not self._files[i].closed:

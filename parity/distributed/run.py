@@ -37,7 +37,7 @@ from parity.core.config import RunConfig
 from parity.core.hardware import UnsupportedHere
 from parity.core.records import build_error_record, build_run_record, write_json_atomic
 from parity.distributed.pairs import make_pair
-from parity.distributed.procs import WorkerError, WorkerGroup, free_port
+from parity.distributed.procs import WorkerError, WorkerGroup, forking, free_port
 from parity.perf import measure
 from parity.report.markdown import speed_ratios
 from parity.verdicts.outcomes import cell_configs, format_verdicts
@@ -210,17 +210,25 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+def _preload(frameworks, strategy: str) -> tuple[str, ...]:
+    """What the run's zygote imports once for all its workers: the worker (torch, JAX, the
+    harness), and what torch's DDP (``torch._dynamo``, at its construction) or FSDP2 loads."""
+    torch_side = ("torch._dynamo",) if strategy == "ddp" else ("torch.distributed.fsdp",)
+    return ("parity.distributed.worker", *(torch_side if "torch" in frameworks else ()))
+
+
 def _run_group(
-    name: str, specs: list[dict[str, Any]], timeout_s: float, work: Path
+    name: str, specs: list[dict[str, Any]], timeout_s: float, work: Path, env, zygote
 ) -> list[dict[str, Any]]:
-    env = _worker_env()
     with WorkerGroup(timeout_s, log_dir=work / "logs") as group:
         for spec in specs:
             path = work / f"{name}-{spec['rank']}.spec.json"
             path.write_text(json.dumps(spec))
-            group.start(
+            group.start_forked(
                 f"{name.replace(':', '-')}-rank{spec['rank']}",
-                [sys.executable, "-m", "parity.distributed.worker", str(path)],
+                zygote,
+                "parity.distributed.worker",
+                [str(path)],
                 env=env,
             )
         group.wait()
@@ -421,15 +429,21 @@ def _train_sides(frameworks, config, plan, pair, stream, work, pair_factory, ref
                 for r in range(n_proc)
             ]
     records = []
-    for side, specs in groups.items():
-        try:
-            ranks[side] = _run_group(side.replace(":", "-"), specs, plan.timeout_s, work)
-        except WorkerError as e:  # recorded and failed by compare, as a trainer's exception is
-            print(f"error: {side} {config.model} {config.precision}: {e}", file=sys.stderr)
-            record = build_error_record("torch" if side == "torch" else "jax", config, e)
-            records.append(dict(record, **_labels(side, plan)))
-            continue
-        records.append(_record(side, config, plan, pair, stream, ranks[side][0]))
+    env = _worker_env()
+    # Every worker is forked by one process that imported the workers' modules once.
+    preload = _preload(frameworks, plan.strategy)
+    with forking(preload, env, work / "logs" / "zygote.log") as zygote:
+        for side, specs in groups.items():
+            try:
+                ranks[side] = _run_group(
+                    side.replace(":", "-"), specs, plan.timeout_s, work, env, zygote
+                )
+            except WorkerError as e:  # recorded and failed by compare, as a trainer's exception
+                print(f"error: {side} {config.model} {config.precision}: {e}", file=sys.stderr)
+                record = build_error_record("torch" if side == "torch" else "jax", config, e)
+                records.append(dict(record, **_labels(side, plan)))
+                continue
+            records.append(_record(side, config, plan, pair, stream, ranks[side][0]))
     rows = _rank_rows(config, plan, ranks, refused if "jax" in frameworks else {})
     for record in records:
         side = record["distributed"].rsplit(" ", 1)[0]

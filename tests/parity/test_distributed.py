@@ -27,7 +27,7 @@ from parity.distributed import (  # noqa: E402
     run_distributed,
 )
 from parity.distributed.hlo import reduction_collectives, reduction_dtypes  # noqa: E402
-from parity.distributed.procs import live_worker_pids  # noqa: E402
+from parity.distributed.procs import forking, live_worker_pids  # noqa: E402
 
 
 def _alive(pid: int) -> bool:
@@ -80,17 +80,67 @@ def test_worker_group_success_and_validation():
         WorkerGroup(timeout_s=0)
 
 
+# `timeit.main(args)`: a module with a main a zygote can fork (stdlib, imports in milliseconds)
+FORKED_SLEEPER = ["-n", "1", "-r", "1", "import time; time.sleep(60)"]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(")")[-1].split()[1])
+
+
+@pytest.mark.integration
+def test_forked_workers_are_owned_as_started_ones(tmp_path):
+    """Workers forked by a zygote (`forking`, `WorkerGroup.start_forked`): each a child of the
+    zygote in its own session, its output in its log, its exit status relayed; a failure ends
+    the others; the zygote ends with its block. A zygote running threads refuses to fork: the
+    worker starts as a process of its own, which runs as the forked one would."""
+    env = dict(os.environ)
+    with forking(["timeit"], env, tmp_path / "zygote.log") as zygote:
+        with WorkerGroup(timeout_s=60, log_dir=tmp_path) as group:
+            group.start_forked("ok", zygote, "timeit", ["-n", "1", "-r", "1", "pass"])
+            (ok,) = group.wait()
+        assert ok.returncode == 0 and "1 loop, best of 1" in ok.output
+        with WorkerGroup(timeout_s=60, log_dir=tmp_path) as group:
+            sleeper = group.start_forked("sleeper", zygote, "timeit", FORKED_SLEEPER)
+            assert _parent(sleeper) == zygote.pid and os.getsid(sleeper) == sleeper
+            assert sorted(live_worker_pids()) == sorted([zygote.pid, sleeper])
+            boom = ["-n", "1", "-r", "1", "raise ValueError('boom')"]
+            group.start_forked("failer", zygote, "timeit", boom)
+            with pytest.raises(WorkerError, match=r"failer.*code 1(.|\n)*ValueError: boom"):
+                group.wait()
+        assert not _alive(sleeper)
+    assert not _alive(zygote.pid) and live_worker_pids() == []
+    # A thread at import: the zygote refuses, and the worker starts as `python -m spin ARGS`.
+    (tmp_path / "spin.py").write_text(
+        "import sys, threading, time, timeit\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "main = timeit.main\n"
+        "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n"
+    )
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    with forking(["spin"], env, tmp_path / "spin-zygote.log") as zygote:
+        with WorkerGroup(timeout_s=60, log_dir=tmp_path) as group:
+            pid = group.start_forked("spun", zygote, "spin", FORKED_SLEEPER, env=env)
+            assert _parent(pid) == os.getpid() and os.getsid(pid) == pid
+            group.terminate()
+        assert not _alive(pid)
+
+
 @pytest.mark.integration
 def test_ctrl_c_ends_workers(tmp_path):
-    # A harness process with a worker; SIGINT to the harness must end the worker too.
+    # A harness process with a worker and a forked one; SIGINT to the harness must end both,
+    # and the zygote.
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(
         f"""
-        import sys, time
-        from parity.distributed.procs import WorkerGroup
-        with WorkerGroup(timeout_s=60) as g:
+        import os, sys, time
+        from parity.distributed.procs import WorkerGroup, forking
+        log = {str(tmp_path / "zygote.log")!r}
+        with forking(["timeit"], dict(os.environ), log) as z, WorkerGroup(timeout_s=60) as g:
             pid = g.start("sleeper", {SLEEPER!r})
-            open({str(pid_file)!r}, "w").write(str(pid))
+            forked = g.start_forked("forked", z, "timeit", {FORKED_SLEEPER!r})
+            open({str(pid_file)!r}, "w").write(f"{{pid}} {{forked}} {{z.pid}}")
             g.wait()
         """
     )
@@ -102,14 +152,14 @@ def test_ctrl_c_ends_workers(tmp_path):
         while not pid_file.exists() or not pid_file.read_text():
             assert time.monotonic() < deadline, "worker never started"
             time.sleep(0.05)
-        worker = int(pid_file.read_text())
-        assert _alive(worker)
+        workers = [int(p) for p in pid_file.read_text().split()]
+        assert len(workers) == 3 and all(_alive(p) for p in workers)
         harness.send_signal(signal.SIGINT)
         harness.wait(timeout=20)
         deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(worker)
+        assert not any(_alive(p) for p in workers)
     finally:
         if harness.poll() is None:
             harness.kill()
