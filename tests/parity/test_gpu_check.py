@@ -172,21 +172,49 @@ def _alive(pid: int) -> bool:
     return "State:\tZ" not in state
 
 
+def test_the_script_runs_the_check_with_its_arguments(tmp_path):
+    """scripts/gpu_checks.sh: ``$PY -m parity.cli.gpu_check --out OUT [--dry] ARGS`` from the
+    checkout's root, the checkout on PYTHONPATH, JAX's GPU memory not preallocated, its exit
+    status the script's (a stand-in for $PY prints what it was given and exits 3)."""
+    fake = tmp_path / "py"
+    fake.write_text(
+        '#!/bin/sh\necho "ARGS $*"\necho "CWD $(pwd)"\necho "PYTHONPATH $PYTHONPATH"\n'
+        'echo "PREALLOCATE $XLA_PYTHON_CLIENT_PREALLOCATE"\nexit 3\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "PYTHONPATH": "/elsewhere"}
+    for args, expected in (
+        (["--dry", "OUT"], "ARGS -m parity.cli.gpu_check --out OUT --dry"),
+        (["OUT", "--only", "gpt2-fp32"], "ARGS -m parity.cli.gpu_check --out OUT --only gpt2-fp32"),
+    ):
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts/gpu_checks.sh"), *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 3, done.stderr  # the check's exit status is the script's
+        lines = done.stdout.splitlines()
+        assert expected in lines, lines
+        assert f"CWD {ROOT}" in lines and f"PYTHONPATH {ROOT}:/elsewhere" in lines, lines
+        assert "PREALLOCATE false" in lines, lines
+
+
 @pytest.mark.integration
 @pytest.mark.torch
-def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path):
+@pytest.mark.standard_promotion  # the matmul and the benchmark run here, as in the check's process
+def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path, capsys):
+    """The script's command (`test_the_script_runs_the_check_with_its_arguments`), run in this
+    process: the stages it runs in its own process run here (this process has loaded what they
+    load), the cell and the tests' collection in processes of their own."""
     pytest.importorskip("torch")
     out = tmp_path / "check"
-    env = {**os.environ, "PY": sys.executable}
-    done = subprocess.run(
-        ["bash", "scripts/gpu_checks.sh", "--dry", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    code = gpu_check.main(["--out", str(out), "--dry"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-2000:] + (out / "gpu_check.log").read_text()[-3000:]
+    assert "gpu check (dry): 8/8 stages ok" in printed
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry"] and [s["rc"] for s in report["stages"]] == [0] * len(report["stages"])
     ran = [s["stage"] for s in report["stages"] if s.get("dry") == "ran"]
