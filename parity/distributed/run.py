@@ -1,8 +1,9 @@
 """Multi-device parity runs: torch DDP/FSDP2 ranks vs JAX jit / shard_map / multi-process.
 
 `run_distributed` is one cell (`parity.cell.run_cell`: the step-0 gate, then training) whose
-training starts every worker (`parity.distributed.worker`) as a subprocess it owns
-(`WorkerGroup`: bounded by a timeout, ended by PID on success, failure and Ctrl-C). Each side
+training starts every worker (`parity.distributed.worker`) as a process it owns (`WorkerGroup`:
+bounded by a timeout, ended by PID on success, failure and Ctrl-C), forked by one process per run
+that imported the workers' modules once (`parity.distributed.zygote`). Each side
 (torch, each JAX mode) is one run record, labelled ``"torch ddp"``, ``"jax:jit ddp"``...; the one
 writer (`parity.cell.write_outputs`) judges them as every cell is judged (`compare_runs` pairs
 torch with each JAX mode of the arm, `parity.verdicts.judge` judges them: PASS, FAIL or
