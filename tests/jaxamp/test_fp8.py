@@ -3,6 +3,7 @@ Float8Linear (emulate=True); convert's selection, report and refusals; delayed s
 Flax's Fp8DirectDotGeneralOp."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -193,17 +194,20 @@ def _f32_band(a_abs, b_abs, k):
     return 2 * k * EPS32 * (a_abs @ b_abs) + 1e-30
 
 
-@pytest.mark.torch
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_dot_general_matches_torchao_float8_linear(name):
+LINEAR_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _linear_case():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 5, 48)).astype(np.float32)
     w = (rng.standard_normal((24, 48)) * 0.2).astype(np.float32)
     b = rng.standard_normal(24).astype(np.float32)
     g = rng.standard_normal((3, 5, 24)).astype(np.float32)
-    y_t, gx_t, gw_t = _torchao_linear(name, x, w, b, g)
+    return x, w, b, g
 
+
+def _forward_and_backward(name):
+    """y, dL/dx and dL/dw of the fp8 linear under recipe `name` (emulated) for output cotangent g."""
     rec = _emu(name)
 
     def f(x, w, b):  # torch layout: x @ w.T, as flax's Dense would see w.T
@@ -212,6 +216,25 @@ def test_dot_general_matches_torchao_float8_linear(name):
     def forward_and_backward(x, w, b, g):
         y, vjp = jax.vjp(f, x, w, b)
         return y, *vjp(g)[:2]
+
+    return forward_and_backward
+
+
+@functools.cache
+def _torchao_linear_case(names):
+    """{name: (y, dx, dw)} of `_forward_and_backward` on `_linear_case()`, every recipe in
+    `names` in one jitted program."""
+    fns = {n: _forward_and_backward(n) for n in names}
+    args = tuple(map(jnp.asarray, _linear_case()))
+    return jax.jit(lambda *a: {n: fn(*a) for n, fn in fns.items()})(*args)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LINEAR_RECIPES)
+def test_dot_general_matches_torchao_float8_linear(name):
+    x, w, b, g = _linear_case()
+    y_t, gx_t, gw_t = _torchao_linear(name, x, w, b, g)
 
     k_fwd, k_gi, k_gw = 48, 24, 15
     # bands: the dequantized operands are bit-identical (tested above), so differences come only
@@ -224,9 +247,11 @@ def test_dot_general_matches_torchao_float8_linear(name):
     # Under jit, as a training step runs it; eagerly (op by op but for jaxamp's small numerics
     # helpers, a program each: several times the compile work) for one recipe: dot_general has
     # no eager-only code path.
-    runners = [jax.jit] + ([lambda fn: fn] if name == "tensorwise" else [])
-    for runner in runners:
-        y, gx, gw = runner(forward_and_backward)(*map(jnp.asarray, (x, w, b, g)))
+    # Under jit the three recipes in one program (one compile), shared by the three tests.
+    runs = [_torchao_linear_case(LINEAR_RECIPES)[name]]
+    if name == "tensorwise":
+        runs.append(_forward_and_backward(name)(*map(jnp.asarray, (x, w, b, g))))
+    for y, gx, gw in runs:
         np.testing.assert_array_less(
             np.abs(np.asarray(y) - y_t).reshape(15, 24),
             _f32_band(xa, wa.T, k_fwd) + EPS32 * 4 * np.abs(b),
@@ -240,39 +265,70 @@ def test_dot_general_matches_torchao_float8_linear(name):
         assert np.abs(np.asarray(y).reshape(15, 24) - y32).max() > 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_dot_general_dtypes_jit_and_layouts(name):
-    rec = _emu(name)
+def _dtypes_case():
     rng = np.random.default_rng(3)
-    x32 = rng.standard_normal((2, 6, 16))
-    w32 = rng.standard_normal((16, 8)) * 0.3
+    return rng.standard_normal((2, 6, 16)), rng.standard_normal((16, 8)) * 0.3
+
+
+def _grad_and_layouts(name):
+    """(value_and_grad of a loss through the fp8 dot_general under recipe `name`, the three
+    layouts' outputs of one product: x @ w, x @ (w.T).T contracted on w's axis 1, and x
+    flattened to rows)."""
+    rec = _emu(name)
 
     def loss(x, w):
         y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
-    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
-    inputs = [(jnp.asarray(x32, d), jnp.asarray(w32, d)) for d in dtypes]
-    # Under jit, the three dtypes in one program; eagerly (tensorwise) float32.
-    outs = jax.jit(lambda pairs: [grad(x, w) for x, w in pairs])(inputs)
-    if name == "tensorwise":
-        outs, dtypes = [grad(*inputs[0]), *outs], [jnp.float32, *dtypes]
-    for dtype, ((val, y), (gx, gw)) in zip(dtypes, outs, strict=True):
-        assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
-        assert y.shape == (2, 6, 8) and np.isfinite(float(val))
-
-    # the transposed weight layout and a flattened input give the same numbers (up to the float32
-    # matmul's summation order: identical fp8 operands); the three layouts in one program
-    @jax.jit
     def layouts(x, w):
         y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
         y_t = f8.dot_general(x, w.T, (((2,), (1,)), ((), ())), recipe=rec)
         y_r = f8.dot_general(x.reshape(12, 16), w, DN_XW, recipe=rec).reshape(2, 6, 8)
         return y, y_t, y_r
 
-    y, y_t, y_r = layouts(jnp.asarray(x32, jnp.float32), jnp.asarray(w32, jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), layouts
+
+
+DTYPES_3 = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@functools.cache
+def _dtypes_and_layouts(names):
+    """{name: (the gradients for float32, bfloat16 and float16 operands, the three layouts'
+    float32 outputs)}: every recipe in `names`, dtype and layout in one jitted program."""
+    x32, w32 = _dtypes_case()
+    inputs = [(jnp.asarray(x32, d), jnp.asarray(w32, d)) for d in DTYPES_3]
+    fns = {n: _grad_and_layouts(n) for n in names}
+
+    def each(pairs):
+        return {
+            n: ([grad(x, w) for x, w in pairs], layouts(*pairs[0]))
+            for n, (grad, layouts) in fns.items()
+        }
+
+    return jax.jit(each)(inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LINEAR_RECIPES)
+def test_dot_general_dtypes_jit_and_layouts(name):
+    x32, w32 = _dtypes_case()
+    dtypes = list(DTYPES_3)
+    # Under jit the three dtypes (and the three recipes, and the layouts below) in one program;
+    # eagerly (tensorwise) float32.
+    outs, (y, y_t, y_r) = _dtypes_and_layouts(LINEAR_RECIPES)[name]
+    if name == "tensorwise":
+        grad = _grad_and_layouts(name)[0]
+        outs, dtypes = (
+            [grad(jnp.asarray(x32, jnp.float32), jnp.asarray(w32, jnp.float32)), *outs],
+            [jnp.float32, *dtypes],
+        )
+    for dtype, ((val, y_d), (gx, gw)) in zip(dtypes, outs, strict=True):
+        assert y_d.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
+        assert y_d.shape == (2, 6, 8) and np.isfinite(float(val))
+
+    # the transposed weight layout and a flattened input give the same numbers (up to the float32
+    # matmul's summation order: identical fp8 operands)
     band = 2 * 16 * EPS32 * (np.abs(x32).reshape(12, 16) @ np.abs(w32) * 1.1).reshape(2, 6, 8)
     np.testing.assert_array_less(np.abs(np.asarray(y_t) - np.asarray(y)), band + 1e-30)
     np.testing.assert_array_less(np.abs(np.asarray(y_r) - np.asarray(y)), band + 1e-30)
