@@ -121,17 +121,31 @@ def _same(a, b):
     )
 
 
+@functools.cache
+def _linen_skip_runs(flags, jitted):
+    """{count_skipped_steps: the linen states after a finite, an overflowing and a finite step}
+    for each flag in `flags`: under jit the flags' steps in one program, shared by the tests."""
+    states = {flag: make_linen(count_skipped_steps=flag) for flag in flags}
+
+    def step(states, x, y):
+        return {flag: linen_step(state, x, y)[0] for flag, state in states.items()}
+
+    step = jax.jit(step) if jitted else step
+    runs = [step(states, X, Y)]
+    runs.append(step(runs[-1], X_BAD, Y))
+    runs.append(step(runs[-1], X, Y))
+    return {flag: [r[flag] for r in runs] for flag in flags}
+
+
 @pytest.mark.parametrize(
     "maybe_jit, count_skipped_steps",
     [(jax.jit, False), (jax.jit, True), (lambda f: f, False)],
     ids=["jit", "jit-count-skipped", "eager"],
 )
 def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
-    state = make_linen(count_skipped_steps=count_skipped_steps)
-    step = maybe_jit(linen_step)
-    state, _ = step(state, X, Y)
-    before = state
-    state, _ = step(state, X_BAD, Y)
+    jitted = maybe_jit is jax.jit
+    flags = (False, True) if jitted else (count_skipped_steps,)
+    before, state, after = _linen_skip_runs(flags, jitted)[count_skipped_steps]
     info = state.amp_info()
     assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
     assert _same(state.params, before.params)
@@ -139,10 +153,38 @@ def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     assert _same(jaxamp.loss_scaled_states(state.opt_state)[""].inner_state, inner_before)
     assert float(state.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
     assert int(state.step) == (2 if count_skipped_steps else 1)
-    state, _ = step(state, X, Y)
+    state = after
     assert bool(state.amp_info().last_step_finite)
     assert int(state.step) == (3 if count_skipped_steps else 2)
     assert state.step.dtype == jnp.int32
+
+
+@functools.cache
+def _nnx_skip_runs(flags, jitted):
+    """{count_skipped_steps: (parameters and optimizer state after a finite step, the
+    optimizer's amp_info, parameters, state, scale and step after an overflowing one)} for each
+    flag in `flags`: under jit the flags' steps in one program, shared by the tests."""
+    pairs = {flag: make_nnx(count_skipped_steps=flag) for flag in flags}
+
+    def step(pairs, x, y):
+        for model, optimizer in pairs.values():
+            nnx_step(model, optimizer, x, y)
+
+    step = nnx.jit(step) if jitted else step
+
+    def snapshot(model, optimizer):
+        return (
+            jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param))),
+            jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state)),
+            float(optimizer.loss_scale.loss_scale),
+            int(optimizer.step[...]),
+            optimizer.amp_info(),
+        )
+
+    step(pairs, X, Y)
+    first = {flag: snapshot(*pair) for flag, pair in pairs.items()}
+    step(pairs, X_BAD, Y)
+    return {flag: (first[flag], snapshot(*pair)) for flag, pair in pairs.items()}
 
 
 @pytest.mark.parametrize(
@@ -151,20 +193,17 @@ def test_linen_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     ids=["jit", "jit-count-skipped", "eager"],
 )
 def test_nnx_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
-    model, optimizer = make_nnx(count_skipped_steps=count_skipped_steps)
-    step = _nnx_maybe_jit(maybe_jit)
-    step(model, optimizer, X, Y)
-    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))
-    opt_state = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state))
-    scale = float(optimizer.loss_scale.loss_scale)
-    step(model, optimizer, X_BAD, Y)
-    info = optimizer.amp_info()
+    jitted = maybe_jit is jax.jit
+    flags = (False, True) if jitted else (count_skipped_steps,)
+    first, second = _nnx_skip_runs(flags, jitted)[count_skipped_steps]
+    params, opt_state, scale, _, _ = first
+    new_params, new_opt_state, new_scale, step, info = second
     assert not bool(info.last_step_finite) and int(info.skipped_steps) == 1
-    assert _same(nnx.as_pure(nnx.state(model, nnx.Param)), params)
-    inner = jaxamp.loss_scaled_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    assert _same(new_params, params)
+    inner = jaxamp.loss_scaled_states(new_opt_state)[""].inner_state
     assert _same(inner, jaxamp.loss_scaled_states(opt_state)[""].inner_state)
-    assert float(optimizer.loss_scale.loss_scale) == scale / 2
-    assert int(optimizer.step[...]) == (2 if count_skipped_steps else 1)
+    assert new_scale == scale / 2
+    assert step == (2 if count_skipped_steps else 1)
 
 
 @pytest.mark.standard_promotion  # optax's adam computes float ** int32
@@ -192,35 +231,69 @@ def test_no_retrace():
     assert len(traces) == 1
 
 
-@pytest.mark.standard_promotion  # optax's adam computes float ** int32
-@pytest.mark.parametrize("compute", ["float16", "bfloat16"])
-def test_optimizer_state_float32_under_mixed_policy(compute):
-    """adam's moments stay float32; a zero-gradient step gives no NaN."""
-    policy = f"p=f32,c={compute},o=f32"
-    state = make_linen(policy, tx=optax.adam(1e-3))
-    zero = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.zeros_like, s.params)))
-    state = zero(zero(state))
-    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
-    assert {leaf.dtype for leaf in jax.tree.leaves((inner[0].mu, inner[0].nu))} == {F32}
-    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(state.params))
-    state, loss = jax.jit(linen_step)(state, X, Y)
-    assert bool(jnp.isfinite(loss)) and bool(state.amp_info().last_step_finite)
+MIXED_COMPUTE = ("float16", "bfloat16")
 
-    model, optimizer = make_nnx(policy, tx=optax.adam(1e-3))
 
-    @nnx.jit
+@functools.cache
+def _mixed_policy_runs():
+    """adam under p=f32,c=<compute>,o=f32 for each compute dtype: two zero-gradient steps, then a
+    real one, linen and NNX. {compute: (linen state after the zero steps, (linen state, loss)
+    after the real one, NNX adam state and parameters after the zero steps, NNX parameters and
+    loss after the real one)}. Each framework's steps, for both compute dtypes, are one jitted
+    program (one XLA compile instead of four), shared by the tests."""
+    policies = {c: f"p=f32,c={c},o=f32" for c in MIXED_COMPUTE}
+
+    def zero(state):
+        return state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params))
+
+    zeros = jax.jit(lambda states: {c: zero(state) for c, state in states.items()})
+    zeroed = zeros(zeros({c: make_linen(p, tx=optax.adam(1e-3)) for c, p in policies.items()}))
+    stepped = jax.jit(lambda states: {c: linen_step(s, X, Y) for c, s in states.items()})(zeroed)
+    linen = {c: (zeroed[c], stepped[c]) for c in MIXED_COMPUTE}
+
     def zero_step(model, optimizer):
         grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
         optimizer.update(model, grads)
 
-    zero_step(model, optimizer)
-    zero_step(model, optimizer)
-    opt = jaxamp.loss_scaled_states(nnx.as_pure(optimizer.opt_state))[""].inner_state
+    @nnx.jit
+    def zero_steps(pairs):
+        for model, optimizer in pairs.values():
+            zero_step(model, optimizer)
+
+    @nnx.jit
+    def real_steps(pairs):
+        return {c: nnx_step(model, optimizer, X, Y) for c, (model, optimizer) in pairs.items()}
+
+    pairs = {c: make_nnx(p, tx=optax.adam(1e-3)) for c, p in policies.items()}
+    zero_steps(pairs)
+    zero_steps(pairs)
+    nnx_out = {
+        c: (nnx.as_pure(optimizer.opt_state), nnx.as_pure(nnx.state(model, nnx.Param)))
+        for c, (model, optimizer) in pairs.items()
+    }
+    losses = real_steps(pairs)
+    nnx_out = {
+        c: (*nnx_out[c], nnx.as_pure(nnx.state(pairs[c][0], nnx.Param)), losses[c])
+        for c in MIXED_COMPUTE
+    }
+    return {c: (*linen[c], *nnx_out[c]) for c in MIXED_COMPUTE}
+
+
+@pytest.mark.standard_promotion  # optax's adam computes float ** int32
+@pytest.mark.parametrize("compute", MIXED_COMPUTE)
+def test_optimizer_state_float32_under_mixed_policy(compute):
+    """adam's moments stay float32; a zero-gradient step gives no NaN."""
+    state, (stepped, loss), opt, params, nnx_params, nnx_loss = _mixed_policy_runs()[compute]
+    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
+    assert {leaf.dtype for leaf in jax.tree.leaves((inner[0].mu, inner[0].nu))} == {F32}
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(state.params))
+    assert bool(jnp.isfinite(loss)) and bool(stepped.amp_info().last_step_finite)
+
+    opt = jaxamp.loss_scaled_states(opt)[""].inner_state
     assert {leaf.dtype for leaf in jax.tree.leaves((opt[0].mu, opt[0].nu))} == {F32}
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
     assert {p.dtype for p in jax.tree.leaves(params)} == {F32}
     assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
-    assert bool(jnp.isfinite(nnx.jit(nnx_step)(model, optimizer, X, Y)))
+    assert bool(jnp.isfinite(nnx_loss)) and {p.dtype for p in jax.tree.leaves(nnx_params)} == {F32}
 
 
 class LinenBoom(nn.Module):
