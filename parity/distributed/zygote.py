@@ -228,7 +228,10 @@ class Zygote:
         self, module: str, args: Sequence[str], log: str | os.PathLike, timeout_s: float
     ) -> ForkedWorker | None:
         """Forks a child running ``module.main(args)`` with its output in `log`; None when the
-        zygote refused or is gone (the caller then starts the worker as a process)."""
+        zygote refused, is gone, or did not answer within `timeout_s` (it is then ended): the
+        caller starts the worker as a process."""
+        if self._proc.poll() is not None:
+            return None
         command = {"module": module, "args": [str(a) for a in args], "log": str(log)}
         try:
             self._proc.stdin.write((json.dumps(command) + "\n").encode())
@@ -240,11 +243,20 @@ class Zygote:
             while not self._answers and not self._ended:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    break
                 self._changed.wait(min(left, 0.5))
-            if not self._answers:
-                return None
-            answer = self._answers.pop(0)
+            answer = self._answers.pop(0) if self._answers else None
+        if answer is None:
+            # No answer in time (still importing?): the command would be run later, by nobody's
+            # worker. The zygote is ended, and a child it started meanwhile with it.
+            self.terminate()
+            self._reader.join(timeout=5.0)
+            for late in self._answers:
+                if "started" in late:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(late["started"], signal.SIGKILL)
+            self._answers.clear()
+            return None
         if "started" not in answer:
             print(
                 f"parity: {answer.get('refused')}; the worker starts as a process", file=sys.stderr

@@ -93,8 +93,8 @@ def _parent(pid: int) -> int:
 def test_forked_workers_are_owned_as_started_ones(tmp_path):
     """Workers forked by a zygote (`forking`, `WorkerGroup.start_forked`): each a child of the
     zygote in its own session, its output in its log, its exit status relayed; a failure ends
-    the others; the zygote ends with its block. A zygote running threads refuses to fork: the
-    worker starts as a process of its own, which runs as the forked one would."""
+    the others; the zygote ends with its block. A zygote running threads refuses to fork, and
+    one that does not answer in time is ended: the worker starts as a process of its own."""
     env = dict(os.environ)
     with forking(["timeit"], env, tmp_path / "zygote.log") as zygote:
         with WorkerGroup(timeout_s=60, log_dir=tmp_path) as group:
@@ -125,6 +125,17 @@ def test_forked_workers_are_owned_as_started_ones(tmp_path):
             assert _parent(pid) == os.getpid() and os.getsid(pid) == pid
             group.terminate()
         assert not _alive(pid)
+    # No answer in time (still importing): the zygote is ended, so that it never runs the
+    # command for nobody, and later workers start as processes.
+    (tmp_path / "slow.py").write_text("import time, timeit\ntime.sleep(60)\nmain = timeit.main\n")
+    with forking(["slow"], env, tmp_path / "slow-zygote.log") as zygote:
+        assert zygote.fork("slow", ["pass"], tmp_path / "late.log", timeout_s=0.5) is None
+        assert not _alive(zygote.pid)
+        with WorkerGroup(timeout_s=60, log_dir=tmp_path) as group:
+            pid = group.start_forked("after", zygote, "timeit", ["-n", "1", "-r", "1", "pass"])
+            assert _parent(pid) == os.getpid()
+            (after,) = group.wait()
+        assert after.returncode == 0 and "1 loop, best of 1" in after.output
 
 
 @pytest.mark.integration
