@@ -278,6 +278,8 @@ def test_the_matrix_calibrates_both_batchnorm_models(tmp_path, monkeypatch):
 @pytest.mark.torch
 @pytest.mark.standard_promotion  # optax/flax internals
 def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
+    import jax
+
     from parity.core.config import RunConfig
     from parity.models import get_model_pair
     from parity.training.train_jax import train_jax
@@ -309,8 +311,12 @@ def test_resnet_correct_port_passes_calibrated_and_wrong_port_fails_at_step_0():
         or True
     )
 
-    wrong = get_model_pair("resnet", seed=0, wrong_port="padding", **_RESNET)
-    wrong_run = train_jax(config, wrong, variables=wrong.torch_to_flax(pair.torch_model))
+    # a port that flips a stride-2 conv's kernel (torch's conv is a cross-correlation): a wrong
+    # port in the weights, so its train step is the correct port's program, compiled once
+    variables = jax.tree.map(np.array, pair.torch_to_flax())
+    conv = variables["params"]["blocks_1"]["conv1"]
+    conv["kernel"] = np.ascontiguousarray(conv["kernel"][::-1, ::-1])
+    wrong_run = train_jax(config, pair, variables=variables)
     verdicts = compare_runs([torch_run, wrong_run, *noise])
     first = _rows(verdicts, "per-step loss")[0]
     assert first.passed is False and first.first_failing_step == 0
