@@ -7,6 +7,7 @@ emulated on AVX2-only CPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -19,9 +20,11 @@ import torch
 import jaxamp
 import parity
 from parity.core.config import RunConfig
+from parity.core.schema import RUN_SCHEMA, check_schema
 from parity.models import ModelPair, get_model_pair
 from parity.perf.flops import jax_matmul_flops, requested_fraction
 from parity.training.dtype_trace import diff_dtype_traces, torch_dtype_trace, torch_matmul_flops
+from parity.verdicts import step0_batch
 from parity.verdicts.step0 import check_step0
 from parity.verdicts.tolerance import (
     SAFETY,
@@ -113,6 +116,38 @@ def test_resnet_correct_port_passes_step0_fp32():
     assert probe.detail.startswith("worst: ") and "19 layers" in probe.detail
     assert result.diagnosis is None
     assert result.to_dict()["passed"] is True
+
+
+def _flipped_conv(pair):
+    """The pair ported with blocks.1.conv1's kernel flipped (torch's conv is a cross-correlation):
+    a wrong port in the weight transfer, so its programs are the correct port's."""
+    original = pair.to_flax
+
+    def to_flax(model):
+        variables = jax.tree.map(np.array, original(model))
+        conv = variables["params"]["blocks_1"]["conv1"]
+        conv["kernel"] = np.ascontiguousarray(conv["kernel"][::-1, ::-1])
+        return variables
+
+    return dataclasses.replace(pair, to_flax=to_flax)
+
+
+def test_a_bounded_step0_says_so_and_still_names_a_wrong_port(monkeypatch):
+    """Past its bound step 0 compares the batch's first examples: its summary and record say
+    how many, and a wrong port fails there with its first diverging layer named. (The first 2 of
+    4 examples: the correct port's programs above, compiled once.)"""
+    monkeypatch.setattr(step0_batch, "STEP0_FLOPS", 1)
+    pair = _flipped_conv(_resnet())
+    config = RunConfig(model="resnet", precision="fp32", batch_size=4)
+    result = check_step0(pair, config, pair.make_data(0, 4).batch(0))
+    assert not result.passed and result.examples == {"compared": 2, "batch": 4}
+    assert "(on the batch's first 2 of 4 examples: bounded by work)" in result.summary()
+    assert result.diagnosis.first_failing == "blocks.1.conv1"
+    record = result.to_dict()
+    assert record["examples"] == {"compared": 2, "batch": 4}
+    problems = []
+    check_schema(record, RUN_SCHEMA["step0"], "step0", lambda f, m: problems.append((f, m)))
+    assert not problems
 
 
 # The resnet's wrong ports fail step 0 naming the layer: Flax's "SAME" padding of a stride-2 conv
