@@ -270,7 +270,8 @@ def test_bisect_finds_the_unguarded_exp_and_only_it():
 
 @pytest.mark.integration
 def test_bisect_of_an_nnx_port_runs_the_primitives_stage_alone():
-    result, variables, batch, pair = _bisected(TorchSoftmaxPair, NnxSoftmaxPair(), "fp16-mixed", 8)
+    port = nnx.jit(NnxSoftmaxPair)()  # its initialisers one program (the weights are torch's)
+    result, variables, batch, pair = _bisected(TorchSoftmaxPair, port, "fp16-mixed", 8)
     assert (result.outcome, result.keep, result.candidates) == (NOT_SEARCHED, [], [])
     stage = result.primitives
     assert stage.outcome == "found" and stage.minimal, result.report()
