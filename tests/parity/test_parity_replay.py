@@ -479,18 +479,15 @@ def test_replay_loop_and_assert_loop_matches():
         parity.replay_loop(TorchNet(), FlaxNet(), batches=batches)
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_gpt2_with_the_users_loop():
-    """Hugging Face GPT-2 (tiny, random init): the nanoGPT-style loop (AdamW decaying 2-D
-    tensors only, warm-up and cosine, clipping, label smoothing) and its optax port run a full
-    cell and pass."""
+def _gpt2_transformers():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
         pytest.skip("this transformers has no Flax models")
-    import parity
+    return transformers
 
-    config = transformers.GPT2Config(
+
+def _gpt2_config(transformers):
+    return transformers.GPT2Config(
         vocab_size=64,
         n_positions=16,
         n_embd=32,
@@ -500,12 +497,28 @@ def test_gpt2_with_the_users_loop():
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
+
+
+def _gpt2_batches(count):
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, 64, (4, 17)).astype(np.int32) for _ in range(count)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_gpt2_with_the_users_loop():
+    """Hugging Face GPT-2 (tiny, random init): the nanoGPT-style loop (AdamW decaying 2-D
+    tensors only, warm-up and cosine, clipping, label smoothing) and its optax port run a full
+    cell and pass."""
+    transformers = _gpt2_transformers()
+    import parity
+
+    config = _gpt2_config(transformers)
     torch.manual_seed(0)
     torch_model = transformers.GPT2LMHeadModel(config)
     flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config)
-    rng = np.random.default_rng(0)
-    tokens = [rng.integers(0, 64, (4, 17)).astype(np.int32) for _ in range(TOTAL)]
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    batches = _gpt2_batches(TOTAL)
 
     def adamw(model):
         matrices = [p for p in model.parameters() if p.dim() >= 2]
@@ -541,6 +554,26 @@ def test_gpt2_with_the_users_loop():
         (v.check, v.detail) for v in result.verdicts if v.passed is False
     ]
     assert result.replay["optimizer"]["findings"] == {"real": None, "tiny": None, "extremes": None}
+
+
+@pytest.mark.slow
+def test_gpt2_bf16_true_failure_names_the_compute_dtype_check():
+    """The same GPT-2 and step-0 batch as above (its float32 stage's programs are that cell's
+    step 0's) at bf16-true: Hugging Face's Flax GPT-2 computes in float32 whatever its
+    parameters, so step 0 fails and the cause is named, not a layer."""
+    from parity.verdicts.step0 import check_step0
+
+    transformers = _gpt2_transformers()
+    config = _gpt2_config(transformers)
+    torch.manual_seed(0)
+    torch_model = transformers.GPT2LMHeadModel(config)
+    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config)
+    batch = _gpt2_batches(1)[0]
+    pair = prepare_pair(torch_model, flax_model, None, _UserBatches([batch], None), task="lm")
+    result = check_step0(pair, RunConfig(model="gpt2", precision="bf16-true", batch_size=4), batch)
+    assert not result.passed
+    assert result.diagnosis.summary().startswith("cause: compute dtype (jax)")
+    assert "cause: compute dtype (jax)" in result.summary()
 
 
 @pytest.mark.integration
