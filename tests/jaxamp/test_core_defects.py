@@ -3,6 +3,8 @@ the fix. Parity claims run torch's GradScaler("cpu") and flax's
 DynamicScale themselves.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -174,17 +176,44 @@ def test_nan_step_skips_completely_linen_and_nnx(policy, maybe_jit):
     assert int(optimizer.step[...]) == 2
 
 
-@pytest.mark.parametrize(
-    "loss_scale",
-    [jaxamp.NoOpLossScale(), jaxamp.StaticLossScale(4.0), jaxamp.DynamicLossScale.create()],
-    ids=["noop", "static", "dynamic"],
-)
+def _loss_scales():
+    return {
+        "noop": jaxamp.NoOpLossScale(),
+        "static": jaxamp.StaticLossScale(4.0),
+        "dynamic": jaxamp.DynamicLossScale.create(),
+    }
+
+
+_FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32")
+
+
+@functools.cache
+def _nan_steps(cases, jitted):
+    """{(loss scale name, gradient dtype name): (state, updates, new state)} of one adam step on
+    gradients with a NaN, for each case in `cases`: under jit every case in one program (nine
+    near-identical updates: one XLA compile), shared by the tests."""
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    txs = {case: jaxamp.loss_scaled(optax.adam(1e-2), _loss_scales()[case[0]]) for case in cases}
+    states = {case: tx.init(params) for case, tx in txs.items()}
+    grads = {case: {"w": jnp.array([1.0, jnp.nan, 1.0], case[1])} for case in cases}
+
+    def update(grads, states, params):
+        return {case: txs[case].update(grads[case], states[case], params) for case in cases}
+
+    out = (jax.jit(update) if jitted else update)(grads, states, params)
+    return {case: (states[case], *out[case]) for case in cases}
+
+
+@pytest.mark.parametrize("loss_scale", ["noop", "static", "dynamic"])
 def test_every_loss_scale_type_skips_a_nan_step(loss_scale, float_dtype, maybe_jit):
     params = {"w": jnp.ones((3,), jnp.float32)}
-    tx = jaxamp.loss_scaled(optax.adam(1e-2), loss_scale)
-    state = tx.init(params)
-    grads = {"w": jnp.array([1.0, jnp.nan, 1.0], float_dtype)}
-    updates, new_state = maybe_jit(tx.update)(grads, state, params)
+    jitted = maybe_jit is jax.jit
+    cases = (
+        tuple((n, d) for n in _loss_scales() for d in _FLOAT_DTYPE_NAMES)
+        if jitted
+        else ((loss_scale, float_dtype.name),)
+    )
+    state, updates, new_state = _nan_steps(cases, jitted)[loss_scale, float_dtype.name]
     _bytes_equal(new_state.inner_state, state.inner_state)
     new_params = apply_updates(params, updates, new_state)
     _bytes_equal(new_params, params)

@@ -798,8 +798,9 @@ def test_apply_gradients_equals_update_then_apply(name, maybe_jit):
 def test_apply_gradients_skip_keeps_params_and_state_bitwise(maybe_jit):
     # -0.0, a float32 subnormal and normal values: a skipped step must not touch any of them.
     # Each float dtype (the three in one program under jit); inf, -inf and NaN.
-    w = jnp.asarray([-0.0, 0.0, 1e-40, -2.5], jnp.float32)
-    params = [{"w": w.astype(d), "b": jnp.ones((2,), d)} for d in FLOAT_DTYPES]
+    # The leaves have `_params`' shapes: the eager form reuses the other tests' compiled ops.
+    w = jnp.tile(jnp.asarray([-0.0, 0.0, 1e-40, -2.5], jnp.float32)[:, None], (1, 3))
+    params = [{"w": w.astype(d), "b": jnp.ones((3,), d)} for d in FLOAT_DTYPES]
     tx = jaxamp.loss_scaled(optax.adam(1e-2))
     step = _each(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p), maybe_jit)
     good = [jax.tree.map(lambda p: jnp.full(p.shape, 1024.0, p.dtype), p) for p in params]
