@@ -82,14 +82,15 @@ def forward_check(
     """Max |logits difference| between torch and Flax, in float32 and under `policy`."""
     with torch.no_grad():
         reference = torch_model(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
-    ported = np.asarray(flax_model.apply(variables, jnp.asarray(images)))
+    # jitted, as the train step runs the model: one compile each, not one per op
+    ported = np.asarray(jax.jit(flax_model.apply)(variables, jnp.asarray(images)))
     fp32_diff = float(np.max(np.abs(reference - ported)))
     scale = max(1.0, float(np.max(np.abs(reference))))
 
     side = torch_side(copy.deepcopy(torch_model), policy)
     with torch.no_grad():
         torch_logits = side.forward(images).float().numpy()
-    apply = jf.linen.with_policy(flax_model.apply, policy)
+    apply = jax.jit(jf.linen.with_policy(flax_model.apply, policy))
     jax_logits = np.asarray(
         apply(policy.cast_to_param(variables), jnp.asarray(images)).astype(jnp.float32)
     )

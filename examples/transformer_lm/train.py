@@ -75,7 +75,8 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def create_model_and_optimizer(config: Config) -> tuple[TransformerLM, jf.Optimizer]:
     policy = jaxamp.get_policy(config.precision)
-    model = TransformerLM(config, nnx.Rngs(config.seed))
+    # built under nnx.jit: its initialisers run as one compiled program, not one per op
+    model = nnx.jit(lambda: TransformerLM(config, nnx.Rngs(config.seed)))()
     jf.nnx.apply_policy(model, policy)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
