@@ -57,9 +57,7 @@ def test_hardware_info_never_imports_torch():
         "assert 'torch' not in sys.modules, 'imported torch'; assert info['torch'] is None; "
         "assert info['jax']['backend'] == 'cpu'; print('ok')"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}
-    )
+    out = _run(code)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -145,9 +143,15 @@ def test_torch_bf16_emulation_follows_capability():
         assert hardware.torch_bf16_is_emulated() is True
 
 
+# Appended to each child's code: its last garbage collection at exit would walk every object
+# torch and JAX made (about half a CPU second); frozen, it is skipped (the test's checks are
+# printed before it).
+_FREEZE_AT_EXIT = "\nimport gc; gc.freeze()"
+
+
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code + _FREEZE_AT_EXIT],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
