@@ -1,6 +1,7 @@
 """Precision recipes (parity.core.recipes) and the one step per framework
 (parity.training.steps): names as jaxamp reads them, the README's step, every recipe through
-every arm run as itself or refused, and a new precision added with one class and one line."""
+every arm run as itself or refused (its single-device runs are mlp's and mlp_nnx's cells of every
+model x precision), and a new precision added with one class and one line."""
 
 import ast
 import dataclasses
@@ -18,6 +19,7 @@ pytest.importorskip("torch")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from test_parity_train import check_records  # noqa: E402
 
 import jaxamp  # noqa: E402
 from parity.cli import commands as cli  # noqa: E402
@@ -189,6 +191,28 @@ def _config(precision):
     )
 
 
+# Big enough for one quantized state leaf (48 x 128 = 6144 >= torchao's 4096-element minimum).
+QUANTIZED = {"image_shape": (4, 4, 3), "hidden": 128}
+# The recipes whose NNX twin of mlp (the same program) is run beside mlp's, as every model is.
+NNX_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+
+
+def _single_config(precision, model="mlp"):
+    """A single-device cell: 3 steps and the held-out metric, as every model x precision runs
+    (`check_records`); a recipe of the optimizer's state only on an mlp whose state it quantizes,
+    one step past its first distinct one."""
+    recipe = get_recipe(precision)
+    return RunConfig(
+        model=model,
+        precision=precision,
+        steps=max(3, recipe.first_distinct_step + 1),
+        batch_size=4,
+        timing_warmup=1,
+        eval=True,
+        model_overrides=QUANTIZED if recipe.first_distinct_step else TINY,
+    )
+
+
 def _spec(precision, **fields):
     return {"config": _config(precision).to_dict(), "pair_factory": None, "inject": None, **fields}
 
@@ -210,15 +234,26 @@ def _jax_mesh(precision, strategy, mode):
     return worker._jax_train(spec)
 
 
+def _train_both(config):
+    pair = get_model_pair(config.model, seed=0, **config.model_overrides)
+    return train_torch(config, pair), train_jax(config, pair)
+
+
 @pytest.fixture(scope="module")
 def fp32_losses():
-    pair = get_model_pair("mlp", seed=0, **TINY)
-    config = _config("fp32")
+    """float32's step-0 losses, torch and JAX: the same weights and first batch as every
+    single-device and distributed cell of a recipe of the model's precision."""
     with jax.numpy_dtype_promotion("standard"):  # module scope: outside the per-test marker
-        return {
-            "torch": train_torch(config, pair)["steps"][0]["loss"],
-            "jax": train_jax(config, pair)["steps"][0]["loss"],
-        }
+        torch_run, jax_run = _train_both(_single_config("fp32"))
+    return {"torch": torch_run["steps"][0]["loss"], "jax": jax_run["steps"][0]["loss"]}
+
+
+@pytest.fixture(scope="module")
+def fp32_optimizer_runs():
+    """float32's single-device runs on the mlp whose state the optimizer's recipes quantize."""
+    config = dataclasses.replace(_single_config("adamw-8bit"), precision="fp32")
+    with jax.numpy_dtype_promotion("standard"):
+        return _train_both(config)
 
 
 def _runs_as_itself(recipe, loss, reference):
@@ -230,35 +265,31 @@ def _runs_as_itself(recipe, loss, reference):
         assert loss != reference
 
 
-# Big enough for one quantized state leaf (48 x 128 = 6144 >= torchao's 4096-element minimum).
-QUANTIZED = {"image_shape": (4, 4, 3), "hidden": 128}
-
-
-def _optimizer_recipe_runs_as_itself(recipe):
+def _optimizer_recipe_runs_as_itself(recipe, runs, fp32_runs):
     """A recipe of the optimizer's state only: until `first_distinct_step` each side's losses are
     float32's to rounding (the first update comes from exact moments); from it they are not."""
-    pair = get_model_pair("mlp", seed=0, **QUANTIZED)
-    steps = recipe.first_distinct_step + 1
-    config = RunConfig(
-        model="mlp",
-        precision=recipe.name,
-        steps=steps,
-        batch_size=4,
-        eval=False,
-        model_overrides=QUANTIZED,
-    )
-    reference = dataclasses.replace(config, precision="fp32")
-    for train in (train_torch, train_jax):
-        run, fp32 = train(config, pair), train(reference, pair)
+    distinct = recipe.first_distinct_step
+    for run, fp32 in zip(runs, fp32_runs, strict=True):
+        assert fp32["config"]["steps"] == run["config"]["steps"] == distinct + 1
         assert run["mixed_precision_method"] == (
-            recipe.torch_method() if train is train_torch else recipe.jax_method("cpu")
+            recipe.torch_method() if run["framework"] == "torch" else recipe.jax_method("cpu")
         )
         losses = [step["loss"] for step in run["steps"]]
         exact = [step["loss"] for step in fp32["steps"]]
         # torchao's update is arranged differently from torch.optim.AdamW's: float32 rounding
-        assert losses[:-1] == pytest.approx(exact[:-1], rel=1e-6)
-        assert math.isfinite(losses[-1])
-        assert abs(losses[-1] - exact[-1]) > 1e-5 * abs(exact[-1])
+        assert losses[:distinct] == pytest.approx(exact[:distinct], rel=1e-6)
+        assert math.isfinite(losses[distinct])
+        assert abs(losses[distinct] - exact[distinct]) > 1e-5 * abs(exact[distinct])
+
+
+def _same_training(nnx_run, run):
+    """The NNX twin of mlp trains as the linen one, bit for bit: same losses, norms, metric."""
+    assert nnx_run["framework"] == run["framework"] and nnx_run["model"] == "mlp_nnx"
+    signals = ("loss", "loss_scale", "skipped", "grad_norm", "update_norm")
+    assert [[s.get(k) for k in signals] for s in nnx_run["steps"]] == [
+        [s.get(k) for k in signals] for s in run["steps"]
+    ]
+    assert nnx_run["summary"]["eval_metric"] == run["summary"]["eval_metric"]
 
 
 @pytest.mark.integration
@@ -266,7 +297,7 @@ def _optimizer_recipe_runs_as_itself(recipe):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch.distributed / autocast on CPU
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
-    precision, fp32_losses, monkeypatch
+    precision, fp32_losses, monkeypatch, request
 ):
     if precision.startswith("mx"):
         pytest.skip(
@@ -274,17 +305,24 @@ def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
             "the tiny mlp lacks: tests/parity/test_mx_parity.py runs them on a single device"
         )
     recipe = get_recipe(precision)
-    # single device
+    # single device: mlp's cell of every model x precision (and mlp_nnx's, the same program)
+    config = _single_config(precision)
+    torch_run, jax_run = _train_both(config)
+    check_records(config, torch_run, jax_run)
     if recipe.first_distinct_step:
-        _optimizer_recipe_runs_as_itself(recipe)
+        fp32 = request.getfixturevalue("fp32_optimizer_runs")
+        _optimizer_recipe_runs_as_itself(recipe, (torch_run, jax_run), fp32)
     else:
-        pair = get_model_pair("mlp", seed=0, **TINY)
-        config = _config(precision)
-        torch_run, jax_run = train_torch(config, pair), train_jax(config, pair)
         assert torch_run["mixed_precision_method"] == recipe.torch_method()
         assert jax_run["mixed_precision_method"] == recipe.jax_method("cpu")
         _runs_as_itself(recipe, torch_run["steps"][0]["loss"], fp32_losses["torch"])
         _runs_as_itself(recipe, jax_run["steps"][0]["loss"], fp32_losses["jax"])
+    if precision in NNX_PRECISIONS:
+        nnx_config = _single_config(precision, "mlp_nnx")
+        nnx_runs = _train_both(nnx_config)
+        check_records(nnx_config, *nnx_runs)
+        _same_training(nnx_runs[0], torch_run)
+        _same_training(nnx_runs[1], jax_run)
     # torch DDP / FSDP2 ranks, and their JAX twins on a mesh of 2 devices (jit and shard_map)
     for strategy in ("ddp", "fsdp"):
         reason = recipe.unsupported(strategy)

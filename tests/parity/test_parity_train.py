@@ -35,7 +35,6 @@ pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 # (4, 8, 16)'s CPU seconds.
 TINY = {
     "mlp": {"image_shape": (8, 8, 3), "hidden": 16},
-    "mlp_nnx": {"image_shape": (8, 8, 3), "hidden": 16},
     "cnn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "cnn_bn": {"image_shape": (8, 8, 3), "channels": (4, 8)},
     "resnet": {"image_shape": (8, 8, 3), "channels": (4, 4, 8)},
@@ -180,45 +179,19 @@ def test_fp16_loss_scale_trajectory_identical():
 # Recipes whose torch face replaces the optimizer (torchao's) and change nothing else of bf16-true
 # or fp32.
 OPTIMIZER_PRECISIONS = ("adamw-8bit", "adamw-4bit", "adamw-fp8", "bf16-true-sr")
+# mlp and mlp_nnx (the same program) run every recipe in tests/parity/test_parity_recipes.py's
+# every-recipe test, whose single-device runs are checked with `check_records` too.
+RECIPE_MODELS = ("mlp", "mlp_nnx")
 
 
-@pytest.mark.integration
-@pytest.mark.filterwarnings("ignore::UserWarning:torch.*")
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("model", MODEL_NAMES)
-def test_every_model_and_precision_runs(model, precision):
-    skip_if_unsupported("torch", precision, model, "cpu")  # bf16 LSTM needs AVX-512 (oneDNN)
-    if precision.startswith("fp8-") and (model not in ("mlp", "cnn") or precision != "fp8-rowwise"):
-        pytest.skip(
-            "fp8: one recipe on mlp and cnn here; tests/parity/test_fp8_parity.py covers the rest"
-        )
-    if precision.startswith("mx"):
-        pytest.skip(
-            "block-scaled formats need linear layers with features in multiples of 32, which "
-            "these tiny models lack: tests/parity/test_mx_parity.py runs them on such models "
-            "and checks that the models without one are refused"
-        )
-    if precision in OPTIMIZER_PRECISIONS and model != "mlp":
-        pytest.skip(
-            "the optimizer's own precisions change no model code (bf16-true-sr is bf16-true, "
-            "run on every model, with torchao's optimizer): mlp here; "
-            "tests/parity/test_parity_recipes.py and tests/parity/test_parity_optim_state.py cover the rest"
-        )
-    config = RunConfig(
-        model=model,
-        precision=precision,
-        steps=3,
-        batch_size=2 if precision == "fp16-mixed" else 4,
-        timing_warmup=1,
-        eval=model in ("mlp", "transformer"),
-        model_overrides=TINY[model],
-    )
-    torch_run, jax_run = _both(config)
+def check_records(config: RunConfig, torch_run: dict, jax_run: dict) -> None:
+    """The two records of a cell: complete, finite, the config's, and starting from one loss."""
+    model, precision = config.model, config.precision
     for run in (torch_run, jax_run):
         assert run["precision"] == precision and run["model"] == model
         assert run["config"]["policy"] == str(config.policy)
         assert RunConfig.from_dict(run["config"]) == config
-        assert len(run["steps"]) == 3
+        assert len(run["steps"]) == config.steps
         for step in run["steps"]:
             assert set(step) >= {"step", "loss", "loss_scale", "skipped", "time_s"}
             assert step["loss"] is not None and math.isfinite(step["loss"])
@@ -231,13 +204,54 @@ def test_every_model_and_precision_runs(model, precision):
             "torch_profiler_cpu_allocations",
         )
         assert summary["peak_memory_bytes"] > 0
-        assert (summary["eval_metric"] is not None) == (model in ("mlp", "transformer"))
+        assert (summary["eval_metric"] is not None) == config.eval
     assert jax_run["summary"]["compile_time_s"] > 0
+    # The loss scale (fp16-mixed; None elsewhere) moves, and skips, identically on both sides.
+    assert [s["loss_scale"] for s in torch_run["steps"]] == [
+        s["loss_scale"] for s in jax_run["steps"]
+    ]
+    assert [s["skipped"] for s in torch_run["steps"]] == [s["skipped"] for s in jax_run["steps"]]
     # Same weights, same first batch: the first losses agree closely at any precision.
     assert _rel(torch_run["steps"][0]["loss"], jax_run["steps"][0]["loss"]) < 0.02
     if model == "transformer":  # a correct port passes the eval-logit KL and top-1 rows
         rows = [v for v in compare_runs([torch_run, jax_run]) if v.check.startswith("eval logits")]
         assert len(rows) == 4 and all(v.passed is True for v in rows), rows
+
+
+@pytest.mark.integration
+@pytest.mark.filterwarnings("ignore::UserWarning:torch.*")
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model", [m for m in MODEL_NAMES if m not in RECIPE_MODELS])
+def test_every_model_and_precision_runs(model, precision):
+    skip_if_unsupported("torch", precision, model, "cpu")  # bf16 LSTM needs AVX-512 (oneDNN)
+    if precision.startswith("fp8-") and (model != "cnn" or precision != "fp8-rowwise"):
+        pytest.skip(
+            "fp8: one recipe on cnn here, every recipe on mlp in "
+            "tests/parity/test_parity_recipes.py; tests/parity/test_fp8_parity.py covers the rest"
+        )
+    if precision.startswith("mx"):
+        pytest.skip(
+            "block-scaled formats need linear layers with features in multiples of 32, which "
+            "these tiny models lack: tests/parity/test_mx_parity.py runs them on such models "
+            "and checks that the models without one are refused"
+        )
+    if precision in OPTIMIZER_PRECISIONS:
+        pytest.skip(
+            "the optimizer's own precisions change no model code (bf16-true-sr is bf16-true, "
+            "run on every model, with torchao's optimizer): tests/parity/test_parity_recipes.py "
+            "runs them on mlp; tests/parity/test_parity_optim_state.py checks their state on "
+            "cnn and transformer"
+        )
+    config = RunConfig(
+        model=model,
+        precision=precision,
+        steps=3,
+        batch_size=2 if precision == "fp16-mixed" else 4,
+        timing_warmup=1,
+        eval=model == "transformer",
+        model_overrides=TINY[model],
+    )
+    check_records(config, *_both(config))
 
 
 # --- robustness -----------------------------------------------------------------------------
