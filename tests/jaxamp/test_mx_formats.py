@@ -2,6 +2,8 @@
 ``nvfp4_quantize`` for every format and scale mode, on random, adversarial and special inputs,
 compiled and eager; dequantization against torchao's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,19 +145,35 @@ def _assert_same(jax_pair, torch_pair, what: str):
 # --- bit-exact against torchao -----------------------------------------------------------------
 
 
+def _bf16_input():
+    xb = torch.from_numpy(_X32[:200]).to(torch.bfloat16)
+    return xb, jnp.asarray(xb.view(torch.int16).numpy()).view(jnp.bfloat16)
+
+
+@functools.cache
+def _quantized_every_format():
+    """{(format name, scale mode): (codes and scales of _X32, of its first 200 rows in
+    bfloat16)}: every format and mode in one jitted program (one XLA compile for the 24
+    quantizations instead of one each), shared by the tests."""
+    fmts = {(n, m): mx.get_format(n, scale_mode=m) for n in MX_FORMATS for m in MODES}
+
+    def quantize(x, xb):
+        return {
+            case: (mx.to_block_scaled(x, fmt), mx.to_block_scaled(xb, fmt))
+            for case, fmt in fmts.items()
+        }
+
+    return jax.jit(quantize)(jnp.asarray(_X32), _bf16_input()[1])
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", MX_FORMATS)
 def test_mx_quantize_bit_exact_to_torchao(name, mode):
     fmt = mx.get_format(name, scale_mode=mode)
-    quantize = jax.jit(lambda x: mx.to_block_scaled(x, fmt))
-    _assert_same(_jax_bits(*quantize(_X32)), _torch_mx(_X32, fmt), f"{fmt} float32")
-    xb = torch.from_numpy(_X32[:200]).to(torch.bfloat16)
-    jb = jnp.asarray(xb.view(torch.int16).numpy()).view(jnp.bfloat16)
-    _assert_same(
-        _jax_bits(*jax.jit(lambda x: mx.to_block_scaled(x, fmt))(jb)),
-        _torch_mx_bf16(xb, fmt),
-        f"{fmt} bfloat16",
-    )
+    quantized, quantized_bf16 = _quantized_every_format()[name, mode]
+    _assert_same(_jax_bits(*quantized), _torch_mx(_X32, fmt), f"{fmt} float32")
+    xb, _ = _bf16_input()
+    _assert_same(_jax_bits(*quantized_bf16), _torch_mx_bf16(xb, fmt), f"{fmt} bfloat16")
 
 
 def _torch_mx_bf16(xb, fmt):
