@@ -320,6 +320,7 @@ def compare_models(
     steps: int | None = None,
     eval_batches: Sequence[tuple[Any, Any]] | None = None,
     out_dir: str | Path | None = None,
+    plots: bool = True,
     name: str = "user_model",
     torch_channels_first: bool | None = None,
     rules: dict[str, Any] | None = None,
@@ -368,6 +369,8 @@ def compare_models(
         a BatchStream brings its own). Evaluation runs when there are some; ``eval=False``
         turns it off, ``eval=True`` without them is refused (`resolve_eval`).
       out_dir: if given, ``results.json``, ``steps.csv``, ``report.md`` and plots go there.
+      plots: False writes ``report.md`` without its PNG plots (as the CLI's ``--no-plots``;
+        ``python -m parity compare OUT_DIR`` draws them later from the same files).
       name: the model name in records and the report.
       torch_channels_first: permute 4-D NHWC inputs to NCHW for the torch module; None
         (default) detects it from the first ``Conv2d`` (`parity.pairs.adapters.check_image_layout`).
@@ -491,7 +494,7 @@ def compare_models(
         runs += seed_runs(run_config, pair, done + 1, first=done, progress=progress)
         done += 1
         verdicts = compare_runs(runs)
-    report_path = write_outputs(out_dir, runs)[2] if out_dir is not None else None
+    report_path = write_outputs(out_dir, runs, plots=plots)[2] if out_dir is not None else None
     status = overall_status(verdicts)
     return ParityResult(
         runs=runs,

@@ -186,12 +186,15 @@ def test_compare_models_library_entry(tmp_path, precision):
         precision=precision,
         eval_batches=batches[:2],
         out_dir=tmp_path,
+        plots=False,  # the report without its PNGs (the noise test below draws them)
         lr=1e-2,
     )
     assert result.passed, [v for v in result.verdicts if v.passed is False]
     assert [r["framework"] for r in result.runs] == ["torch", "jax"]
     assert len(result.runs[0]["steps"]) == 12
     assert result.report_path is not None and result.report_path.exists()
+    assert "Not drawn (`--no-plots`)" in result.report_path.read_text()
+    assert not list(tmp_path.glob("*.png"))
     with pytest.raises(ValueError, match="steps"):
         parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, batches, steps=20)
     with pytest.raises(TypeError, match="batches"):
@@ -253,6 +256,7 @@ def test_compare_models_survives_nan_batches(tmp_path, precision, case):
         batches,
         precision=precision,
         out_dir=tmp_path,
+        plots=False,
         timing_warmup=0,
         init_scale=2.0**4,
         growth_interval=1,
