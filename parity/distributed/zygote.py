@@ -14,6 +14,11 @@ The zygote reports each child's PID and exit status to its owner (a `WorkerGroup
 children by PID as it ends the processes it starts). A zygote that is not single-threaded when
 asked to fork refuses, and the owner starts that worker as a process of its own.
 
+Not the standard library's ``multiprocessing`` fork server: there is one per launching process,
+started with the launcher's environment, while a run's workers need the run's own (the host
+device count and platform that JAX reads when it loads), and its children are
+``multiprocessing`` processes, not sessions of their own that a `WorkerGroup` ends by group.
+
 Protocol, one JSON object a line: owner to zygote ``{"module", "args", "log"}``; zygote to owner
 ``{"started": PID}`` or ``{"refused": REASON}`` in answer, and ``{"exited": PID, "code": CODE}``
 when a child ends (CODE as `subprocess.Popen.returncode`: negative for a signal). The zygote
