@@ -95,11 +95,39 @@ def _no_overflow(overflow) -> None:
 # --- the planted overflow is named, with every leaf's headroom --------------------------------------
 
 
+_PLANTED_STEPS = ({}, {"nan_in_bias1": True}, {"inf_at": None})
+
+
+@functools.cache
+def _planted_steps(dtype_names, jitted):
+    """{dtype name: [(params, state) after each step]}: apply_gradients with provenance on the
+    planted gradients of `_scaled_grads(dtype, **kw)` for each kw of `_PLANTED_STEPS` in turn,
+    for each of `dtype_names`: under jit the dtypes in one program, shared by the tests."""
+    params = _params()
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2), provenance=True)
+
+    def each(grads, states, params):
+        return {d: jaxamp.apply_gradients(tx, grads[d], states[d], params) for d in dtype_names}
+
+    each = jax.jit(each) if jitted else each
+    states = {d: tx.init(params) for d in dtype_names}
+    runs = {d: [] for d in dtype_names}
+    for kw in _PLANTED_STEPS:
+        out = each({d: _scaled_grads(jnp.dtype(d), **kw) for d in dtype_names}, states, params)
+        states = {d: out[d][1] for d in dtype_names}
+        for d in dtype_names:
+            runs[d].append(out[d])
+    return runs
+
+
 @pytest.mark.standard_promotion  # optax.apply_updates adds 16-bit updates to float32 params
 def test_planted_overflow_names_the_layer(float_dtype, maybe_jit):
     params = _params()
     tx = jaxamp.loss_scaled(optax.sgd(1e-2), provenance=True)
     state = tx.init(params)
+    jitted = maybe_jit is jax.jit
+    names = ("float16", "bfloat16", "float32") if jitted else (float_dtype.name,)
+    runs = iter(_planted_steps(names, jitted)[float_dtype.name])
     assert jaxamp.amp_info(state).overflow.paths == (
         "['dense0']['bias']",
         "['dense0']['kernel']",
@@ -107,10 +135,9 @@ def test_planted_overflow_names_the_layer(float_dtype, maybe_jit):
         PLANTED,
     )
     _no_overflow(jaxamp.amp_info(state).overflow)
-    step = maybe_jit(functools.partial(jaxamp.apply_gradients, tx))
 
     grads = _scaled_grads(float_dtype)
-    new_params, state = step(grads, state, params)
+    new_params, state = next(runs)
     info = jaxamp.amp_info(state)
     assert not bool(info.last_step_applied)
     for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True):
@@ -128,13 +155,13 @@ def test_planted_overflow_names_the_layer(float_dtype, maybe_jit):
 
     # A NaN in an earlier leaf as well: that leaf is the first.
     grads = _scaled_grads(float_dtype, nan_in_bias1=True)
-    new_params, state = step(grads, state, params)
+    new_params, state = next(runs)
     overflow = jaxamp.amp_info(state).overflow
     assert overflow.leaf_path() == "['dense1']['bias']" and int(overflow.overflow_leaf) == 2
     _assert_headroom(overflow.headroom, _reference_headroom(grads))
 
     grads = _scaled_grads(float_dtype, inf_at=None)
-    new_params, state = step(grads, state, params)
+    new_params, state = next(runs)
     assert bool(jaxamp.amp_info(state).last_step_applied)
     _no_overflow(jaxamp.amp_info(state).overflow)  # a finite step reports nothing
 
