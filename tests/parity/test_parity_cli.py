@@ -204,7 +204,10 @@ def test_non_finite_values_become_null_in_strict_json(tmp_path):
 # it by then, or torch's idle OpenMP threads spin (most of step 0's torch CPU seconds at 512x8).
 # A sitecustomize (run before `-m parity`) records the variable when torch is first looked up.
 _WATCH_TORCH_IMPORT = """
-import atexit, importlib.abc, os, sys
+import atexit, gc, importlib.abc, os, sys
+# the last exit handler: no final garbage collection over what torch made (--help exits in
+# argparse, before python -m parity's own freeze)
+atexit.register(gc.freeze)
 seen = []
 class Watch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):

@@ -486,9 +486,10 @@ def test_cli_runs_on_real_digits(tmp_path):
 
     code = main(
         ["run", "--model", "mlp", "--data", "digits", "--steps", "3", "--batch-size", "8",
-         "--framework", "both", "--out", str(tmp_path)]
+         "--framework", "both", "--out", str(tmp_path), "--no-plots"]
     )  # fmt: skip
     assert code == 0
+    assert "Not drawn (`--no-plots`)" in (tmp_path / "report.md").read_text()  # the data is checked
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert {run["config"]["data"] for run in runs} == {"digits"}
     assert all(run["model_config"]["image_shape"] == [8, 8, 1] for run in runs)
