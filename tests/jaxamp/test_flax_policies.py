@@ -1,5 +1,6 @@
 """Per-module policies for linen and NNX: dtypes, precedence, defaults, attention, errors."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -101,28 +102,51 @@ def test_linen_bf16_mixed_dtypes(maybe_jit):
     assert apply(variables, x).dtype == F32
 
 
+_DTYPE_NAMES = ("float16", "bfloat16", "float32")
+
+
+@functools.cache
+def _true_policy_runs():
+    """{dtype name: (variables, output)} of LinenModel initialized and applied under the "true"
+    policy of each float dtype: every dtype's init and apply in one jitted program, shared."""
+    model, x = LinenModel(), jnp.ones((2, 4), jnp.float32)
+
+    def run(key, x):
+        out = {}
+        for policy in _DTYPE_NAMES:  # "float16" etc.: params, compute and output all in it
+            variables = jf.linen.with_policy(model.init, policy)(key, x)
+            out[policy] = (variables, jf.linen.with_policy(model.apply, policy)(variables, x))
+        return out
+
+    return jax.jit(run)(jax.random.key(0), x)
+
+
 def test_linen_true_policy_creates_params_in_param_dtype(float_dtype):
-    model = LinenModel()
-    x = jnp.ones((2, 4), jnp.float32)
-    policy = float_dtype.name  # "float16" etc.: params, compute and output all in it
-    variables = jax.jit(jf.linen.with_policy(model.init, policy))(jax.random.key(0), x)
+    variables, out = _true_policy_runs()[float_dtype.name]
     assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {float_dtype}
-    out = jf.linen.with_policy(model.apply, policy)(variables, x)
     assert out.dtype == float_dtype
 
 
+@functools.cache
+def _mixed_grads():
+    """{compute dtype name: gradients of LinenModel's summed output} under p=f32,c=<dtype>,o=f32
+    for each float dtype, initialized in the same program: one jitted program, shared."""
+    model, x = LinenModel(), jnp.ones((2, 4), jnp.float32)
+
+    def run(key, x):
+        grads = {}
+        for name in _DTYPE_NAMES:
+            policy = f"p=f32,c={name},o=f32"
+            params = jf.linen.with_policy(model.init, policy)(key, x)["params"]
+            apply = jf.linen.with_policy(model.apply, policy)
+            grads[name] = jax.grad(lambda p, apply=apply: apply({"params": p}, x).sum())(params)
+        return grads
+
+    return jax.jit(run)(jax.random.key(0), x)
+
+
 def test_linen_mixed_grads_are_float32(float_dtype):
-    model = LinenModel()
-    x = jnp.ones((2, 4), jnp.float32)
-    policy = f"p=f32,c={float_dtype.name},o=f32"
-    variables = jf.linen.with_policy(model.init, policy)(jax.random.key(0), x)
-    apply = jf.linen.with_policy(model.apply, policy)
-
-    @jax.jit
-    def grads(params):
-        return jax.grad(lambda p: apply({"params": p}, x).sum())(params)
-
-    g = grads(variables["params"])
+    g = _mixed_grads()[float_dtype.name]
     assert {leaf.dtype for leaf in jax.tree.leaves(g)} == {F32}
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
 
