@@ -585,7 +585,7 @@ def test_bert_pair_maps_by_name_with_no_transfer_code():
     )
     torch.manual_seed(0)
     torch_model = transformers.BertModel(config).eval()
-    flax_model = hf_flax_model(transformers.FlaxBertModel, config)
+    flax_model = hf_flax_model(transformers.FlaxBertModel, config, weights="zeros")
     mapping = auto(torch_model, flax_model)
     assert len(mapping.torch_names()) == len(list(torch_model.parameters()))
     assert {row["decided_by"] for row in explain(mapping, torch_model)} == {"name"}

@@ -235,7 +235,7 @@ def gpt2_exact_gelu():
     """The wrong port: Flax GPT-2 with ``gelu`` (erf) for GPT-2's ``gelu_new`` (tanh)."""
     import transformers
 
-    return hf_flax_model(transformers.FlaxGPT2LMHeadModel, _gpt2_config("gelu"))
+    return hf_flax_model(transformers.FlaxGPT2LMHeadModel, _gpt2_config("gelu"), weights="zeros")
 
 
 @pytest.mark.integration

@@ -314,7 +314,9 @@ def _bert_pair(dropout="disable", flax_act="gelu"):
     torch.manual_seed(0)
     torch_model = transformers.BertForSequenceClassification(transformers.BertConfig(**kwargs))
     flax_config = transformers.BertConfig(**kwargs, hidden_act=flax_act)
-    flax_model = hf_flax_model(transformers.FlaxBertForSequenceClassification, flax_config)
+    flax_model = hf_flax_model(
+        transformers.FlaxBertForSequenceClassification, flax_config, weights="zeros"
+    )
     rng = np.random.default_rng(0)
     # No token 0: torch's BertEmbeddings never trains its padding_idx row (gradient 0), Flax's
     # Embed does: a real difference of the two classes, not of this port.

@@ -517,7 +517,7 @@ def test_gpt2_with_the_users_loop():
     config = _gpt2_config(transformers)
     torch.manual_seed(0)
     torch_model = transformers.GPT2LMHeadModel(config)
-    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config)
+    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config, weights="zeros")
     batches = _gpt2_batches(TOTAL)
 
     def adamw(model):
@@ -567,7 +567,7 @@ def test_gpt2_bf16_true_failure_names_the_compute_dtype_check():
     config = _gpt2_config(transformers)
     torch.manual_seed(0)
     torch_model = transformers.GPT2LMHeadModel(config)
-    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config)
+    flax_model = hf_flax_model(transformers.FlaxGPT2LMHeadModel, config, weights="zeros")
     batch = _gpt2_batches(1)[0]
     pair = prepare_pair(torch_model, flax_model, None, _UserBatches([batch], None), task="lm")
     result = check_step0(pair, RunConfig(model="gpt2", precision="bf16-true", batch_size=4), batch)
