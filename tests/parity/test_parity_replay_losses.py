@@ -139,7 +139,9 @@ def test_correct_losses_pass(batches, name, jit):
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_loss_mutation_named(batches, name):
     torch_loss, jax_loss, quantity, words = MUTATIONS[name]
-    finding, _ = compare_losses("lm", torch_loss, jax_loss, *batches, jit=False)
+    # every other mutation jitted (the unstabilised softmax among them): eager and jitted alike
+    jit = list(MUTATIONS).index(name) % 2 == 0
+    finding, _ = compare_losses("lm", torch_loss, jax_loss, *batches, jit=jit)
     assert finding is not None, f"{name}: not caught"
     assert finding.quantity == quantity, finding.message
     assert words in finding.message, finding.message
