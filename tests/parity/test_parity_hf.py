@@ -39,8 +39,9 @@ def _gpt2(dropout: float = 0.0):
         attn_pdrop=dropout,
     )
     torch.manual_seed(0)
+    # every pair takes the torch model's weights: the Flax model's own are never read
     return transformers.GPT2LMHeadModel(config), hf_flax_model(
-        transformers.FlaxGPT2LMHeadModel, config
+        transformers.FlaxGPT2LMHeadModel, config, weights="zeros"
     )
 
 
@@ -91,6 +92,7 @@ def test_gpt2_dropout_is_disabled_on_both_sides_or_refused():
     other = hf_flax_model(
         transformers.FlaxGPT2LMHeadModel,
         transformers.GPT2Config(**{**flax_model.config.to_dict(), "resid_pdrop": 0.3}),
+        weights="zeros",
     )
     pair = api.prepare_pair(
         torch_model, other, None, api._UserBatches(_batches(1), None), task="lm"
