@@ -456,9 +456,9 @@ SMALL = {
     "cnn": {"image_shape": (8, 8, 3)},
     "cnn_bn": {"image_shape": (8, 8, 3)},
     "lstm": {"seq_len": 8},
-    "transformer": {"num_layers": 1, "seq_len": 8, "d_model": 16, "vocab_size": 32},
+    "transformer": {"num_layers": 1, "seq_len": 16},
     # every kind of block (identity, strided shortcut, strided widening), narrow convolutions
-    "resnet": {"image_shape": (4, 4, 3), "channels": (2, 2, 4)},
+    "resnet": {"image_shape": (8, 8, 3), "channels": (4, 4, 8)},
 }
 
 
