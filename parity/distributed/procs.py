@@ -193,11 +193,7 @@ class WorkerGroup:
             )
         finally:
             stdin.close()
-        self._procs.append(proc)
-        self._names.append(name)
-        self._logs.append(log)
-        self._files.append(handle)
-        return proc.pid
+        return self._own(name, proc, log, handle)
 
     def start_forked(
         self,
@@ -217,12 +213,16 @@ class WorkerGroup:
             if proc is not None:
                 handle = open(log)  # noqa: SIM115 - kept (closed) for `_tail`'s bookkeeping
                 handle.close()
-                self._procs.append(proc)
-                self._names.append(name)
-                self._logs.append(log)
-                self._files.append(handle)
-                return proc.pid
+                return self._own(name, proc, log, handle)
         return self.start(name, [sys.executable, "-m", module, *map(str, args)], env=env)
+
+    def _own(self, name: str, proc: subprocess.Popen | ForkedWorker, log: Path, handle) -> int:
+        """Keeps a started worker (its name, log and log handle) to wait for and end; its PID."""
+        self._procs.append(proc)
+        self._names.append(name)
+        self._logs.append(log)
+        self._files.append(handle)
+        return proc.pid
 
     def _new_log(self, name: str) -> Path:
         """An empty log file for worker `name` (in `log_dir`, else a temporary one)."""
