@@ -24,11 +24,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the zygote's module runs as a script: imported where it is used
-    from parity.distributed.zygote import ForkedWorker, Zygote
-
+from parity.distributed.zygote import ForkedWorker, Zygote, can_fork
 
 __all__ = [
     "WorkerError",
@@ -116,8 +113,6 @@ def forking(preload: Sequence[str], env: dict[str, str], log: str | os.PathLike)
     with environment `env` (its output in `log`), forking the workers that
     `WorkerGroup.start_forked` starts. Ended at the block's end, on Ctrl-C (SIGINT), SIGTERM and
     at exit as every worker; None where workers cannot be forked (they start as processes)."""
-    from parity.distributed.zygote import Zygote, can_fork
-
     if not can_fork():
         yield None
         return
