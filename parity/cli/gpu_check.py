@@ -25,10 +25,11 @@ cells' phase trace report how far they got), and killed at its cap: no stage run
 ``PARITY_PHASE_TRACE=1``: the log says which phase each was in.
 
 ``--dry`` (CPU, CI): every stage's command is built and parsed (the command line's own parser,
-a script's ``--help``, pytest's collection), the first cell runs one step of a one-layer
-``gpt2-small``-wide model at context 8 on CPU in its own process, the machine stage, the matmul
-(at n=64) and the benchmark's ``--help`` run in the check's own process (it has loaded what they
-load), and the figures are read back, so the plan cannot rot where no GPU is lent.
+a script's ``--help``, pytest's collection), the first cell runs one step of ``gpt2-small``
+shrunk to one layer 24 wide (its 12 heads, 2 wide each) at context 8 on CPU in its own process:
+the cell's script paths, at the cost of its compile and not of GPT-2's width. The machine stage,
+the matmul (at n=64) and the benchmark's ``--help`` run in the check's own process (it has loaded
+what they load), and the figures are read back, so the plan cannot rot where no GPU is lent.
 
     bash scripts/gpu_checks.sh OUT          # on the GPU machine
     bash scripts/gpu_checks.sh --dry OUT    # anywhere: the plan, checked
@@ -114,7 +115,9 @@ def _cell(out: Path, precision: str, *, dry: bool, compiled: bool = False) -> tu
 
     if dry:
         cmd += ["--device", "cpu", "--steps", "1", "--batch-size", "2", "--speed-blocks", "0"]
-        cmd += ["--model-override", "seq_len=8", "--model-override", "num_layers=1"]
+        # the size's heads and vocabulary; its width, depth and context shrunk
+        for override in ("seq_len=8", "num_layers=1", "d_model=24"):
+            cmd += ["--model-override", override]
     else:
         cmd += ["--device", "gpu", "--steps", "30", "--batch-size", "8", "--speed-blocks", "4"]
     if compiled:

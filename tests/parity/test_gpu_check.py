@@ -229,14 +229,13 @@ def test_the_dry_mode_runs_the_plan_on_cpu_and_reads_the_figures_back(tmp_path, 
     assert report["figures"]["matmul"]
     log = (out / "gpu_check.log").read_text()
     assert all(f"== {stage['stage']}: " in log for stage in report["stages"])
-    # the cell is one step of the gpt2-small width (reduced depth and context) through
-    # `python -m parity run --size gpt2-small`: both frameworks, GPT-2 small's width, step 0
-    # passed, no plots drawn
+    # the cell is one step of gpt2-small (its 12 heads; width, depth and context reduced) through
+    # `python -m parity run --size gpt2-small`: both frameworks, step 0 passed, no plots drawn
     cells = out / "gpt2"
     runs = load_results(cells)["runs"]
     assert {r["framework"] for r in runs} == {"torch", "jax"}
     for run in runs:
-        assert run["model_config"]["d_model"] == 768 and run["model_config"]["num_heads"] == 12
+        assert run["model_config"]["d_model"] == 24 and run["model_config"]["num_heads"] == 12
         assert (run["model_config"]["num_layers"], run["model_config"]["seq_len"]) == (1, 8)
         assert run["step0"]["passed"] and len(run["steps"]) == 1
     assert "Not drawn (`--no-plots`)" in (cells / "report.md").read_text()
