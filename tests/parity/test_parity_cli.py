@@ -20,7 +20,6 @@ from parity.core.records import load_results, merge_runs, write_json_atomic  # n
 
 pytestmark = [pytest.mark.standard_promotion, pytest.mark.torch]
 
-TINY_MLP = ["--model-override", "image_shape=[8,8,3]", "--model-override", "hidden=16"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,11 +43,13 @@ def _fake_run(framework, precision="fp32", losses=(2.0, 1.5, 1.0), scales=None, 
     )
 
 
+# The runs here are the default mlp at batch 4 (the matrix's, which takes no overrides): one
+# fp32 and one bf16-mixed program of each kind for the whole file.
 @pytest.mark.integration
 def test_run_both_writes_results_and_report(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["run", "--model", "mlp", "--precision", "fp32", "--framework", "both"]
-    args += ["--steps", "12", "--batch-size", "8", "--out", str(out), "--no-progress", *TINY_MLP]
+    args += ["--steps", "12", "--batch-size", "4", "--out", str(out), "--no-progress"]
     assert cli.main(args) == 0
     data = load_results(out)
     assert sorted(r["framework"] for r in data["runs"]) == ["jax", "torch"]
@@ -85,8 +86,8 @@ def test_run_both_writes_results_and_report(tmp_path, capsys):
     assert len(line) == 1 and "step 0 " in line[0] and "total " in line[0], captured.err
     assert "## Where the time went" in (out / "report.md").read_text()
     # Running one framework again replaces its run instead of appending a duplicate.
-    args = ["run", "--model", "mlp", "--framework", "jax", "--steps", "4", "--batch-size", "8"]
-    assert cli.main([*args, "--out", str(out), "--no-progress", "--no-eval", *TINY_MLP]) == 0
+    args = ["run", "--model", "mlp", "--framework", "jax", "--steps", "4", "--batch-size", "4"]
+    assert cli.main([*args, "--out", str(out), "--no-progress", "--no-eval"]) == 0
     runs = load_results(out)["runs"]
     assert len(runs) == 2
     assert len(next(r for r in runs if r["framework"] == "jax")["steps"]) == 4
@@ -249,7 +250,7 @@ def test_a_run_that_raises_is_recorded_and_fails_compare(tmp_path, monkeypatch):
     monkeypatch.setattr(parity.training.train_jax, "train_jax", broken)
     out = tmp_path / "err"
     args = ["run", "--model", "mlp", "--steps", "3", "--batch-size", "4", "--no-eval"]
-    assert cli.main([*args, "--out", str(out), "--no-progress", *TINY_MLP]) == 1
+    assert cli.main([*args, "--out", str(out), "--no-progress"]) == 1
     runs = load_results(out)["runs"]
     error = next(r for r in runs if r["framework"] == "jax")
     assert "no kernel for this" in error["summary"]["error"]
