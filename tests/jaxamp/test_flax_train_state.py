@@ -49,15 +49,18 @@ def _xent(logits, y):
 
 
 @functools.cache
-def _linen_params(policy):
-    """The linen MLP's initial parameters under `policy`: one jitted init per policy, shared (the
-    arrays are immutable), instead of an eager forward pass compiled op by op per test."""
-    return jax.jit(jf.linen.with_policy(LinenMLP().init, policy))(jax.random.key(0), X)["params"]
+def _linen_params():
+    """The linen MLP's initial parameters: one jitted init, shared (the arrays are immutable),
+    instead of an eager forward pass compiled op by op per test. Every policy these tests use
+    keeps parameters in float32, so its own init would make these same arrays."""
+    return jax.jit(jf.linen.with_policy(LinenMLP().init, "fp16-mixed"))(jax.random.key(0), X)[
+        "params"
+    ]
 
 
 def make_linen(policy="fp16-mixed", tx=None, **kw):
     model = LinenMLP()
-    params = _linen_params(policy)
+    params = _linen_params()
     return jf.TrainState.create(
         apply_fn=model.apply,
         params=params,
@@ -206,18 +209,12 @@ def test_nnx_skipped_step_is_a_noop(maybe_jit, count_skipped_steps):
     assert step == (2 if count_skipped_steps else 1)
 
 
-@pytest.mark.standard_promotion  # optax's adam computes float ** int32
-def test_schedule_inside_optimizer_does_not_advance_on_skips():
+@functools.cache
+def _schedule_run():
+    """A jitted linen step with a schedule inside the optimizer over finite, overflowing,
+    overflowing and finite batches: (final state, one entry per trace of the step)."""
     schedule = optax.linear_schedule(1.0, 0.0, 10)
     state = make_linen(tx=optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
-    step = jax.jit(linen_step)
-    for x in (X, X_BAD, X_BAD, X):
-        state, _ = step(state, x, Y)
-    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
-    assert int(inner.count) == 2 == int(state.step)
-
-
-def test_no_retrace():
     traces = []
 
     def counted(state, x, y):
@@ -225,9 +222,21 @@ def test_no_retrace():
         return linen_step(state, x, y)
 
     step = jax.jit(counted)
-    state = make_linen()
-    for x in (X, X_BAD, X, X):
-        state, _ = step(state, x, Y)
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedule computes float ** int32
+        for x in (X, X_BAD, X_BAD, X):
+            state, _ = step(state, x, Y)
+    return state, traces
+
+
+def test_schedule_inside_optimizer_does_not_advance_on_skips():
+    state, _ = _schedule_run()
+    inner = jaxamp.loss_scaled_states(state.opt_state)[""].inner_state
+    assert int(inner.count) == 2 == int(state.step)
+
+
+def test_no_retrace():
+    # Finite and skipped steps alternate: one trace serves them all.
+    _, traces = _schedule_run()
     assert len(traces) == 1
 
 
@@ -239,44 +248,45 @@ def _mixed_policy_runs():
     """adam under p=f32,c=<compute>,o=f32 for each compute dtype: two zero-gradient steps, then a
     real one, linen and NNX. {compute: (linen state after the zero steps, (linen state, loss)
     after the real one, NNX adam state and parameters after the zero steps, NNX parameters and
-    loss after the real one)}. Each framework's steps, for both compute dtypes, are one jitted
-    program (one XLA compile instead of four), shared by the tests."""
+    loss after the real one)}. One jitted program runs both frameworks' steps for both compute
+    dtypes (one XLA compile instead of eight); `zero` replaces the step's gradients by zeros."""
     policies = {c: f"p=f32,c={c},o=f32" for c in MIXED_COMPUTE}
 
-    def zero(state):
-        return state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params))
-
-    zeros = jax.jit(lambda states: {c: zero(state) for c, state in states.items()})
-    zeroed = zeros(zeros({c: make_linen(p, tx=optax.adam(1e-3)) for c, p in policies.items()}))
-    stepped = jax.jit(lambda states: {c: linen_step(s, X, Y) for c, s in states.items()})(zeroed)
-    linen = {c: (zeroed[c], stepped[c]) for c in MIXED_COMPUTE}
-
-    def zero_step(model, optimizer):
-        grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
-        optimizer.update(model, grads)
+    def zeroed(grads, zero):
+        return jax.tree.map(lambda g: jnp.where(zero, jnp.zeros_like(g), g), grads)
 
     @nnx.jit
-    def zero_steps(pairs):
-        for model, optimizer in pairs.values():
-            zero_step(model, optimizer)
+    def steps(states, pairs, zero):
+        linen = {}
+        for c, state in states.items():
+            loss, grads = _linen_grads(state, X, Y)
+            linen[c] = (state.apply_gradients(grads=zeroed(grads, zero)), loss)
+        losses = {}
+        for c, (model, optimizer) in pairs.items():
+            losses[c], grads = _nnx_grads(model, optimizer, X, Y)
+            optimizer.update(model, zeroed(grads, zero))
+        return linen, losses
 
-    @nnx.jit
-    def real_steps(pairs):
-        return {c: nnx_step(model, optimizer, X, Y) for c, (model, optimizer) in pairs.items()}
-
+    states = {c: make_linen(p, tx=optax.adam(1e-3)) for c, p in policies.items()}
     pairs = {c: make_nnx(p, tx=optax.adam(1e-3)) for c, p in policies.items()}
-    zero_steps(pairs)
-    zero_steps(pairs)
+    for _ in range(2):
+        linen, _ = steps(states, pairs, True)
+        states = {c: state for c, (state, _) in linen.items()}
     nnx_out = {
         c: (nnx.as_pure(optimizer.opt_state), nnx.as_pure(nnx.state(model, nnx.Param)))
         for c, (model, optimizer) in pairs.items()
     }
-    losses = real_steps(pairs)
-    nnx_out = {
-        c: (*nnx_out[c], nnx.as_pure(nnx.state(pairs[c][0], nnx.Param)), losses[c])
+    stepped, losses = steps(states, pairs, False)
+    return {
+        c: (
+            states[c],
+            stepped[c],
+            *nnx_out[c],
+            nnx.as_pure(nnx.state(pairs[c][0], nnx.Param)),
+            losses[c],
+        )
         for c in MIXED_COMPUTE
     }
-    return {c: (*linen[c], *nnx_out[c]) for c in MIXED_COMPUTE}
 
 
 @pytest.mark.standard_promotion  # optax's adam computes float ** int32
