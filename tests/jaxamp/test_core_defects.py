@@ -594,12 +594,12 @@ def test_non_power_of_two_factors_within_one_ulp_of_torch(factor_kind, maybe_jit
         assert abs(ours - want) <= np.spacing(np.float32(want)), case
 
 
-def test_skip_forms_agree(float_dtype):
-    """The select form (the default; on GPU always: XLA:GPU syncs the host on a branch)
-    equals the branch form (``in_place=True`` on CPU), bit for bit, on applied and on skipped
-    steps."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("the branch form is XLA:CPU's")
+@functools.cache
+def _skip_form_runs():
+    """{form: {dtype name: (params1, state1, params2, state2)}}: an applied adam step on
+    gradients in each float dtype, then one with an inf, in the branch form (``in_place=True``
+    on CPU) and the select form. Per form one program for the three dtypes (each variant its
+    own), shared by the tests; the two forms are two programs."""
     results = {}
     for form in ("branch", "select"):
         params = {"w": jnp.asarray([1.0, -0.0, 1e-40, 2.0], jnp.float32)}
@@ -607,13 +607,37 @@ def test_skip_forms_agree(float_dtype):
         state = tx.init(params)
 
         @jax.jit
-        def step(params, state, grads, tx=tx):
-            updates, state = tx.update(grads, state, params)
-            return apply_updates(params, updates, state), state
+        def steps(variants, tx=tx):
+            out = []
+            for params, state, grads in variants:
+                updates, state = tx.update(grads, state, params)
+                out.append((apply_updates(params, updates, state), state))
+            return tuple(out)
 
-        good = {"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], float_dtype) * 1024}
-        params1, state1 = step(params, state, good)
-        params2, state2 = step(params1, state1, {"w": good["w"].at[1].set(jnp.inf)})
+        goods = [{"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], d) * 1024} for d in _FLOAT_DTYPE_NAMES]
+        first = steps([(params, state, g) for g in goods])
+        second = steps(
+            [
+                (p1, s1, {"w": g["w"].at[1].set(jnp.inf)})
+                for g, (p1, s1) in zip(goods, first, strict=True)
+            ]
+        )
+        results[form] = {
+            d: (params, *one, *two)
+            for d, one, two in zip(_FLOAT_DTYPE_NAMES, first, second, strict=True)
+        }
+    return results
+
+
+def test_skip_forms_agree(float_dtype):
+    """The select form (the default; on GPU always: XLA:GPU syncs the host on a branch)
+    equals the branch form (``in_place=True`` on CPU), bit for bit, on applied and on skipped
+    steps."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the branch form is XLA:CPU's")
+    results = {}
+    for form, runs in _skip_form_runs().items():
+        params, params1, state1, params2, state2 = runs[float_dtype.name]
         _bytes_equal(params2, params1)
         _bytes_equal(state2.inner_state, state1.inner_state)
         assert int(state2.skipped_steps) == 1 and bool(state1.last_step_finite)

@@ -266,24 +266,28 @@ def test_dot_general_matches_torchao_float8_linear(name):
 
 
 def _dtypes_case():
+    # `_linear_case`'s shapes and torch's weight layout (N, K): the eager float32 run below reuses
+    # the operations the eager linear above compiled (the same quantizations and products).
     rng = np.random.default_rng(3)
-    return rng.standard_normal((2, 6, 16)), rng.standard_normal((16, 8)) * 0.3
+    return rng.standard_normal((3, 5, 48)), rng.standard_normal((24, 48)) * 0.3
 
 
 def _grad_and_layouts(name):
     """(value_and_grad of a loss through the fp8 dot_general under recipe `name`, the three
-    layouts' outputs of one product: x @ w, x @ (w.T).T contracted on w's axis 1, and x
-    flattened to rows)."""
+    layouts' outputs of one product: x @ w.T contracted on w's axis 1 (torch's layout), x @ w.T
+    with the weight stored (K, N), and x flattened to rows)."""
     rec = _emu(name)
+    dn = (((2,), (1,)), ((), ()))
 
     def loss(x, w):
-        y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
+        y = f8.dot_general(x, w, dn, recipe=rec)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     def layouts(x, w):
-        y = f8.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=rec)
-        y_t = f8.dot_general(x, w.T, (((2,), (1,)), ((), ())), recipe=rec)
-        y_r = f8.dot_general(x.reshape(12, 16), w, DN_XW, recipe=rec).reshape(2, 6, 8)
+        y = f8.dot_general(x, w, dn, recipe=rec)
+        y_t = f8.dot_general(x, w.T, (((2,), (0,)), ((), ())), recipe=rec)
+        rows = (((1,), (1,)), ((), ()))
+        y_r = f8.dot_general(x.reshape(15, 48), w, rows, recipe=rec).reshape(3, 5, 24)
         return y, y_t, y_r
 
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), layouts
@@ -325,11 +329,11 @@ def test_dot_general_dtypes_jit_and_layouts(name):
         )
     for dtype, ((val, y_d), (gx, gw)) in zip(dtypes, outs, strict=True):
         assert y_d.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
-        assert y_d.shape == (2, 6, 8) and np.isfinite(float(val))
+        assert y_d.shape == (3, 5, 24) and np.isfinite(float(val))
 
     # the transposed weight layout and a flattened input give the same numbers (up to the float32
     # matmul's summation order: identical fp8 operands)
-    band = 2 * 16 * EPS32 * (np.abs(x32).reshape(12, 16) @ np.abs(w32) * 1.1).reshape(2, 6, 8)
+    band = 2 * 48 * EPS32 * (np.abs(x32).reshape(15, 48) @ np.abs(w32).T * 1.1).reshape(3, 5, 24)
     np.testing.assert_array_less(np.abs(np.asarray(y_t) - np.asarray(y)), band + 1e-30)
     np.testing.assert_array_less(np.abs(np.asarray(y_r) - np.asarray(y)), band + 1e-30)
 
@@ -342,10 +346,19 @@ def test_dot_general_native_formula_agrees_with_emulated():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-    for name in ("tensorwise", "rowwise"):
-        run = jax.jit(_linear_dynamic, static_argnums=(2, 3))
-        emu = run(x, w, _emu(name), np.dtype(np.float32))
-        nat = run(x, w, f8.get_recipe(name), np.dtype(np.float32))
+    names = ("tensorwise", "rowwise")
+    # The four products in one program (each its own computation).
+    runs = jax.jit(
+        lambda x, w: {
+            name: tuple(
+                _linear_dynamic(x, w, recipe, np.dtype(np.float32))
+                for recipe in (_emu(name), f8.get_recipe(name))
+            )
+            for name in names
+        }
+    )(x, w)
+    for name in names:
+        emu, nat = runs[name]
         band = 4 * 64 * EPS32 * (np.abs(np.asarray(x)) * 1.1) @ (np.abs(np.asarray(w)) * 1.1)
         np.testing.assert_array_less(np.abs(np.asarray(emu) - np.asarray(nat)), band)
 

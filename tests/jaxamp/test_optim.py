@@ -713,9 +713,11 @@ def test_jitted_train_step_does_not_retrace():
 
 
 def _fused_and_split(txs, maybe_jit):
-    """(apply_gradients, update + apply_updates) as two steps, each wrapped (jitted) once and
+    """apply_gradients and update + apply_updates, both in one step (jitted: one program),
     taking {name: a sequence of (grads, state, params)}, one per variant, for the optimizers
-    `txs` ({name: transformation}): each variant's result its own (see `_each`)."""
+    `txs` ({name: transformation}): (fused outputs, split outputs), each variant's result its own
+    (see `_each`). The two forms are separate computations of one program: a difference between
+    them is a difference in their values, whatever XLA shares between them."""
 
     def fused(variants):
         return {
@@ -733,22 +735,22 @@ def _fused_and_split(txs, maybe_jit):
             out[n] = tuple(out[n])
         return out
 
-    return maybe_jit(fused), maybe_jit(split)
+    return maybe_jit(lambda variants: (fused(variants), split(variants)))
 
 
 @functools.cache
 def _fused_and_split_runs(names, jitted):
     """Three steps of apply_gradients and of update + apply_updates for each optimizer in `names`,
     parameters in each float dtype: {name: [(fused outputs, split outputs) per step]}, each a
-    tuple over FLOAT_DTYPES. Under jit every optimizer and dtype in one program per form (one XLA
-    compile for all, not one per optimizer; each variant's result its own), shared by the tests."""
+    tuple over FLOAT_DTYPES. Under jit every optimizer, dtype and both forms in one program (one
+    XLA compile for all; each variant's result its own), shared by the tests."""
     maybe_jit = jax.jit if jitted else (lambda f: f)
     # A scale at which the float16 loss stays finite: every step here is applied.
     txs = {
         n: jaxamp.loss_scaled(OPTIMIZERS[n](), jaxamp.DynamicLossScale.create(init_scale=1024.0))
         for n in names
     }
-    fused, split = _fused_and_split(txs, maybe_jit)
+    both = _fused_and_split(txs, maybe_jit)
     params = {
         n: [jax.tree.map(lambda p, d=d: p.astype(d), _params()) for d in FLOAT_DTYPES]
         for n in names
@@ -766,7 +768,7 @@ def _fused_and_split_runs(names, jitted):
                 x, y = b[step]
                 g = jax.grad(lambda p, x=x, y=y, d=dtype: scale.scale(_loss(p, x, y)).astype(d))(p)
                 variants[n].append((g, s, p))
-        fused_out, split_out = fused(variants), split(variants)
+        fused_out, split_out = both(variants)
         for n in names:
             runs[n].append((fused_out[n], split_out[n]))
             params[n] = [p for p, _ in fused_out[n]]
@@ -819,20 +821,41 @@ def test_apply_gradients_skip_keeps_params_and_state_bitwise(maybe_jit):
             assert float(state2.loss_scale.loss_scale) == float(state1.loss_scale.loss_scale) / 2
 
 
+@functools.cache
+def _select_and_branch_runs():
+    """{form: {dtype name: (params1, state1, params2, state2)}}: an applied apply_gradients step
+    on gradients in each float dtype, then one with a NaN, in the branch form (``in_place=True``
+    on CPU) and the select form. Per form one program for the three dtypes (each variant its
+    own), shared by the tests; the two forms are two programs."""
+    results = {}
+    for form in ("branch", "select"):
+        params = {"w": jnp.asarray([1.0, -0.0, 1e-40, 2.0], jnp.float32)}
+        tx = jaxamp.loss_scaled(optax.adamw(1e-2, weight_decay=0.1), in_place=form == "branch")
+        state = tx.init(params)
+        step = _each(lambda g, s, p, tx=tx: jaxamp.apply_gradients(tx, g, s, p), jax.jit)
+        goods = [{"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], d) * 1024} for d in FLOAT_DTYPES]
+        first = step([(g, state, params) for g in goods])
+        second = step(
+            [
+                ({"w": g["w"].at[1].set(jnp.nan)}, s1, p1)
+                for g, (p1, s1) in zip(goods, first, strict=True)
+            ]
+        )
+        results[form] = {
+            jnp.dtype(d).name: (*one, *two)
+            for d, one, two in zip(FLOAT_DTYPES, first, second, strict=True)
+        }
+    return results
+
+
 def test_apply_gradients_select_form_agrees_with_branch(float_dtype):
     """The select form (the default, and GPU's) gives the branch form's (``in_place=True`` on
     CPU) values bit for bit."""
     if jax.default_backend() != "cpu":
         pytest.skip("the branch form is XLA:CPU's")
     results = {}
-    for form in ("branch", "select"):
-        params = {"w": jnp.asarray([1.0, -0.0, 1e-40, 2.0], jnp.float32)}
-        tx = jaxamp.loss_scaled(optax.adamw(1e-2, weight_decay=0.1), in_place=form == "branch")
-        state = tx.init(params)
-        step = jax.jit(lambda g, s, p, tx=tx: jaxamp.apply_gradients(tx, g, s, p))
-        good = {"w": jnp.asarray([1.0, 2.0, 3.0, 4.0], float_dtype) * 1024}
-        params1, state1 = step(good, state, params)
-        params2, state2 = step({"w": good["w"].at[1].set(jnp.nan)}, state1, params1)
+    for form, runs in _select_and_branch_runs().items():
+        params1, state1, params2, state2 = runs[float_dtype.name]
         assert np.asarray(params2["w"]).tobytes() == np.asarray(params1["w"]).tobytes()
         results[form] = (params1, state1, params2, state2)
     _leaves_equal(results["branch"], results["select"])
