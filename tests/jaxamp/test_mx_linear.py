@@ -2,6 +2,7 @@
 emulated ``mx_mm`` (the op behind ``MXFP8Linear`` / ``MXFP8TrainingOpConfig``), refusals, and the
 library flow (convert, module filters, report, autocast, loss_scaled skips, checkpoints)."""
 
+import functools
 import pickle
 
 import jax
@@ -97,6 +98,29 @@ def _jax_mm(x, w_torch, gy, rec, jit=True):
     return [np.asarray(y, np.float32), np.asarray(gx, np.float32), np.asarray(gw, np.float32).T]
 
 
+def _mm_and_grads(x, w_torch, gy, rec):
+    """Output and the gradients of input and weight (torch layout) of the mx matmul, traced."""
+    y, vjp = jax.vjp(lambda a, b: mx.dot_general(a, b, DN_XW, recipe=rec), x, w_torch.T)
+    gx, gw = vjp(gy)
+    return y, gx, gw.T
+
+
+@functools.cache
+def _every_recipe_on_data():
+    """{recipe name: [output, grad_input, grad_weight]} (float32 numpy, torch layout) on
+    `_data()` for every recipe, and under "bfloat16" mxfp8's on `_data(seed=2)` in bfloat16: one
+    jitted program for all (each its own computation; one XLA compile instead of two per
+    recipe), shared by the tests."""
+    bf16 = tuple(jnp.asarray(a, jnp.bfloat16) for a in _data(seed=2))
+
+    def each(data, bf16):
+        runs = {n: _mm_and_grads(*data, _emu(n)) for n in mx.RECIPE_NAMES}
+        return {**runs, "bfloat16": _mm_and_grads(*bf16, _emu("mxfp8"))}
+
+    runs = jax.jit(each)(_data(), bf16)
+    return {n: [np.asarray(a, np.float32) for a in out] for n, out in runs.items()}
+
+
 def _rel(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
@@ -114,7 +138,7 @@ def _data(m=64, k=96, n=32, seed=0):
 def test_linear_forward_and_gradients_match_torchao(name):
     rec = _emu(name)
     x, w, gy = _data()
-    ours = _jax_mm(x, w, gy, rec)
+    ours = _every_recipe_on_data()[name]  # under jit, as a training step runs it
     theirs = _torchao_mm(x, w, gy, rec)
     for what, a, b in zip(("output", "grad_input", "grad_weight"), ours, theirs, strict=True):
         # identical quantized operands; float32 matmuls summed in another order
@@ -132,23 +156,32 @@ def test_linear_eager_equals_compiled():
 def test_linear_bfloat16_matches_torchao():
     rec = _emu("mxfp8")
     x, w, gy = _data(seed=2)
-    xb, wb, gb = (np.asarray(jnp.asarray(a, jnp.bfloat16)) for a in (x, w, gy))
-    ours = _jax_mm(jnp.asarray(xb), np.asarray(wb), jnp.asarray(gb), rec)
+    ours = _every_recipe_on_data()["bfloat16"]  # mxfp8 on these operands rounded to bfloat16
     theirs = _torchao_mm(x, w, gy, rec, torch.bfloat16)
     for a, b in zip(ours, theirs, strict=True):
         assert _rel(a, b) <= 2.0**-8  # one bfloat16 rounding of the float32 sums
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+LINEAR_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+@functools.cache
+def _linear_dtypes_runs():
+    """{dtype: (output, grad_input, grad_weight in torch layout)} of the mxfp8 matmul on operands
+    in each float dtype: one jitted program for the three (each its own computation)."""
+    rec = _emu("mxfp8")
+    x, w, gy = _data(m=32, k=32, n=32, seed=3)
+    inputs = [tuple(jnp.asarray(a, d) for a in (x, w, gy)) for d in LINEAR_DTYPES]
+    runs = jax.jit(lambda inputs: [_mm_and_grads(*a, rec) for a in inputs])(inputs)
+    return dict(zip(LINEAR_DTYPES, runs, strict=True))
+
+
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES)
 def test_linear_dtypes(dtype):
     rec = _emu("mxfp8")
     x, w, gy = _data(m=32, k=32, n=32, seed=3)
-    y, vjp = jax.vjp(
-        jax.jit(lambda a, b: mx.dot_general(a, b, DN_XW, recipe=rec)),
-        jnp.asarray(x, dtype),
-        jnp.asarray(w.T, dtype),
-    )
-    gx, gw = vjp(jnp.asarray(gy, dtype))
+    y, gx, gw_torch = _linear_dtypes_runs()[dtype]
+    gw = gw_torch.T
     assert y.dtype == gx.dtype == gw.dtype == dtype
     ref = _jax_mm(
         np.asarray(jnp.asarray(x, dtype), np.float32), np.asarray(jnp.asarray(w, dtype), np.float32),
@@ -165,7 +198,9 @@ def test_planted_wrong_block_axis_or_mode_is_caught():
     rec = _emu("mxfp8")
     x, w, gy = _data()
     theirs = _torchao_mm(x, w, gy, rec)[0]
-    wrong_mode = _jax_mm(x, w, gy, rec.with_scale_mode("floor"))[0]
+    # FLOOR scales: the mxfp8_floor recipe's operands (its output from the shared program)
+    assert rec.with_scale_mode("floor").operands() == _emu("mxfp8_floor").operands()
+    wrong_mode = _every_recipe_on_data()["mxfp8_floor"][0]
     # blocks along N: the wrong axis
     wrong_axis = x @ np.asarray(
         jax.jit(

@@ -3,6 +3,8 @@ and `kahan_summation`. Unbiasedness is tested statistically (scipy, fixed seeds,
 the bf16 rounding is torchao's (same random bits, same result: test_opt_state_torchao.py), and a
 run of torchao's ``_AdamW(bf16_stochastic_round=True)`` drifts as ours does."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,13 +83,37 @@ def _neighbours_array(x, dtype):
     return lo64, hi64, (x.astype(np.float64) - lo64) / (hi64 - lo64)
 
 
+_TARGETS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _specials(float_dtype):
+    return jnp.asarray([0.0, -0.0, 1.0, -2.5, jnp.inf, -jnp.inf, jnp.nan, 3.0e38]).astype(
+        float_dtype
+    )
+
+
+@functools.cache
+def _jitted_specials_rounded():
+    """{(input dtype, target dtype): `_specials` of each float dtype stochastically rounded to
+    each target}, under jit: the nine in one program, shared by the tests."""
+    cases = [(jnp.dtype(d), jnp.dtype(t)) for d in (jnp.float16, jnp.bfloat16, jnp.float32)
+             for t in _TARGETS]  # fmt: skip
+    out = jax.jit(
+        lambda xs: [
+            optim_precision.stochastic_round(x, jax.random.key(1), t)
+            for x, (_, t) in zip(xs, cases, strict=True)
+        ]
+    )([_specials(d) for d, _ in cases])
+    return dict(zip(cases, out, strict=True))
+
+
 def test_stochastic_round_dtypes_specials_and_jit(float_dtype, maybe_jit):
-    x = jnp.asarray([0.0, -0.0, 1.0, -2.5, jnp.inf, -jnp.inf, jnp.nan, 3.0e38]).astype(float_dtype)
-    for target in (jnp.bfloat16, jnp.float16, jnp.float32):
-        fn = maybe_jit(
-            lambda v, t=target: optim_precision.stochastic_round(v, jax.random.key(1), t)
-        )
-        out = fn(x)
+    x = _specials(float_dtype)
+    for target in _TARGETS:
+        if maybe_jit is jax.jit:  # the nine dtype pairs in one program
+            out = _jitted_specials_rounded()[jnp.dtype(float_dtype), jnp.dtype(target)]
+        else:
+            out = optim_precision.stochastic_round(x, jax.random.key(1), target)
         assert out.dtype == jnp.dtype(target)
         got = np.asarray(out.astype(jnp.float32))
         want = np.asarray(x.astype(jnp.float32))
@@ -198,14 +224,38 @@ def test_stochastic_rounding_is_reproducible_and_jit_equals_eager():
     np.testing.assert_array_equal(typed.key, jax.random.key_data(jax.random.key(3)))
 
 
-@pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
-def test_dtypes_and_float32_parameters(wrapper, float_dtype, maybe_jit):
-    make = getattr(jaxamp.optim_precision, wrapper)
+_WRAPPERS = ("stochastic_rounding", "kahan_summation")
+
+
+def _adam_case(wrapper, float_dtype):
+    tx = getattr(jaxamp.optim_precision, wrapper)(optax.adam(1e-3))
     params = {"w": jnp.ones((8, 8), float_dtype)}
-    grads = {"w": jnp.full((8, 8), 0.5, float_dtype)}
-    tx = make(optax.adam(1e-3))
-    state = tx.init(params)
-    updates, new_state = maybe_jit(tx.update)(grads, state, params)
+    return tx, (jnp.full((8, 8), 0.5, float_dtype), params)
+
+
+@functools.cache
+def _jitted_adam_steps():
+    """{(wrapper, dtype): (state, updates, new state)} of one step of each wrapper around Adam on
+    parameters of each float dtype, under jit: the six in one program, shared by the tests."""
+    cases = [(w, jnp.dtype(d)) for w in _WRAPPERS for d in (jnp.float16, jnp.bfloat16, jnp.float32)]
+    txs, args = {}, []
+    for case in cases:
+        tx, (g, params) = _adam_case(*case)
+        txs[case] = tx
+        args.append(({"w": g}, tx.init(params), params))
+    out = jax.jit(lambda args: [txs[c].update(*a) for c, a in zip(cases, args, strict=True)])(args)
+    return {c: (a[1], *o) for c, a, o in zip(cases, args, out, strict=True)}
+
+
+@pytest.mark.parametrize("wrapper", _WRAPPERS)
+def test_dtypes_and_float32_parameters(wrapper, float_dtype, maybe_jit):
+    tx, (g, params) = _adam_case(wrapper, float_dtype)
+    grads = {"w": g}
+    if maybe_jit is jax.jit:  # the two wrappers and three dtypes in one program
+        state, updates, new_state = _jitted_adam_steps()[wrapper, jnp.dtype(float_dtype)]
+    else:
+        state = tx.init(params)
+        updates, new_state = tx.update(grads, state, params)
     assert updates["w"].dtype == float_dtype
     assert jax.tree.map(lambda x: x.dtype, new_state) == jax.tree.map(lambda x: x.dtype, state)
     if float_dtype == jnp.float32:
@@ -217,16 +267,32 @@ def test_dtypes_and_float32_parameters(wrapper, float_dtype, maybe_jit):
         )
 
 
-@pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
-def test_skipped_step_keeps_key_compensation_and_parameters(wrapper, maybe_jit):
-    make = getattr(jaxamp.optim_precision, wrapper)
-    tx = jaxamp.loss_scaled(make(optax.adamw(1e-3)))
+@functools.cache
+def _skipped_steps(wrappers, jitted):
+    """{wrapper: (state after an applied step, params after it, updates and state of a step on
+    inf gradients)} for loss_scaled around each wrapper (AdamW, bf16 parameters): under jit the
+    wrappers in one program, shared by the tests."""
+    txs = {
+        w: jaxamp.loss_scaled(getattr(jaxamp.optim_precision, w)(optax.adamw(1e-3)))
+        for w in wrappers
+    }
+    update = (jax.jit if jitted else (lambda f: f))(
+        lambda args: {w: txs[w].update(*a) for w, a in args.items()}
+    )
     params = {"w": jnp.ones((8, 8), jnp.bfloat16)}
-    state = tx.init(params)
-    update = maybe_jit(tx.update)
-    updates, state = update({"w": jnp.full((8, 8), 2.0**15, jnp.bfloat16)}, state, params)
-    params = optax.apply_updates(params, updates)
-    updates, skipped = update({"w": jnp.full((8, 8), jnp.inf, jnp.bfloat16)}, state, params)
+    good, bad = ({"w": jnp.full((8, 8), v, jnp.bfloat16)} for v in (2.0**15, jnp.inf))
+    first = update({w: (good, txs[w].init(params), params) for w in wrappers})
+    stepped = {w: optax.apply_updates(params, first[w][0]) for w in wrappers}
+    second = update({w: (bad, first[w][1], stepped[w]) for w in wrappers})
+    return {w: (first[w][1], stepped[w], *second[w]) for w in wrappers}
+
+
+@pytest.mark.parametrize("wrapper", _WRAPPERS)
+def test_skipped_step_keeps_key_compensation_and_parameters(wrapper, maybe_jit):
+    jitted = maybe_jit is jax.jit
+    state, params, updates, skipped = _skipped_steps(_WRAPPERS if jitted else (wrapper,), jitted)[
+        wrapper
+    ]
     assert not bool(jaxamp.amp_info(skipped).last_step_applied)
     # The key (or the compensation) and Adam's moments: bit for bit.
     for a, b in zip(
@@ -373,22 +439,42 @@ def test_presets_give_bf16_true_and_the_wrapper(name, state_type):
         optim_precision.preset("bf16-true-sd", optax.adamw(1e-4))
 
 
-@pytest.mark.parametrize("wrapper", ["stochastic_rounding", "kahan_summation"])
-def test_apply_gradients_lands_on_the_same_parameters_as_update(wrapper):
-    """`jaxamp.apply_gradients` (the update inside loss_scaled's decision) gives the parameters
-    `update` + `optax.apply_updates` give: the bf16 update `new_p - p` lands exactly."""
-    tx = jaxamp.loss_scaled(
-        getattr(jaxamp.optim_precision, wrapper)(optax.adamw(1e-4, weight_decay=0.1))
-    )
+@functools.cache
+def _update_and_apply_gradients():
+    """(params, {wrapper: (update's updates, apply_gradients' params)}) of one step of loss_scaled
+    around each wrapper (AdamW, bf16 parameters): both forms of both wrappers in one program
+    (each its own computation), shared by the tests."""
+    txs = {
+        w: jaxamp.loss_scaled(
+            getattr(jaxamp.optim_precision, w)(optax.adamw(1e-4, weight_decay=0.1))
+        )
+        for w in _WRAPPERS
+    }
     rng = np.random.default_rng(0)  # data made on the host: no random-number program
     params = {"w": jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16)}
     grads = {"w": jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16) * 65536}
-    state = tx.init(params)
-    via_update, _ = jax.jit(tx.update)(grads, state, params)
+    states = {w: tx.init(params) for w, tx in txs.items()}
+
+    @jax.jit
+    def both(grads, states, params):
+        return {
+            w: (
+                tx.update(grads, states[w], params)[0],
+                jaxamp.apply_gradients(tx, grads, states[w], params)[0],
+            )
+            for w, tx in txs.items()
+        }
+
+    return params, both(grads, states, params)
+
+
+@pytest.mark.parametrize("wrapper", _WRAPPERS)
+def test_apply_gradients_lands_on_the_same_parameters_as_update(wrapper):
+    """`jaxamp.apply_gradients` (the update inside loss_scaled's decision) gives the parameters
+    `update` + `optax.apply_updates` give: the bf16 update `new_p - p` lands exactly."""
+    params, runs = _update_and_apply_gradients()
+    via_update, via_apply = runs[wrapper]
     via_update = optax.apply_updates(params, via_update)
-    via_apply, _ = jax.jit(lambda g, s, p: jaxamp.apply_gradients(tx, g, s, p))(
-        grads, state, params
-    )
     np.testing.assert_array_equal(np.asarray(via_apply["w"]), np.asarray(via_update["w"]))
     assert bool((via_apply["w"] != params["w"]).any())
 
