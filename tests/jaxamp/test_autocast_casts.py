@@ -114,7 +114,7 @@ def test_flax_batchnorm_stats_match_torch():
             return nn.BatchNorm(use_running_average=False, momentum=0.0)(h)
 
     net = Net()
-    variables = net.init(jax.random.key(0), jnp.asarray(x))
+    variables = jax.jit(net.init)(jax.random.key(0), jnp.asarray(x))  # set-up: one program
     params = jax.tree.map(lambda a: a, variables["params"])
     params["Dense_0"] = {"kernel": jnp.asarray(w), "bias": jnp.asarray(b)}
     variables = {"params": params, "batch_stats": variables["batch_stats"]}
@@ -169,13 +169,15 @@ def test_prng_keys_in_scan(maybe_jit):
 def test_linen_rnn_lstm_forward_and_grad():
     model = nn.RNN(nn.OptimizedLSTMCell(16))
     x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)  # set-up: one program, not op by op
 
     def loss(p, x):
         return jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
 
-    ref = loss(params, x)
-    val, grads = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, device="cpu")))(params, x)
+    # The autocast step and its float32 reference loss: one program.
+    ref, (val, grads) = jax.jit(
+        lambda p, x: (loss(p, x), jax.value_and_grad(jaxamp.autocast(loss, device="cpu"))(p, x))
+    )(params, x)
     assert val.dtype == jnp.float32
     np.testing.assert_allclose(float(val), float(ref), rtol=5e-2)
     for g in jax.tree.leaves(grads):
@@ -191,7 +193,8 @@ def test_linen_dropout_with_rngs():
 
     net = Net()
     x = jnp.ones((4, 8))
-    params = net.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    params = jax.jit(net.init)(rngs, x)  # set-up: one program, not op by op
     f = jaxamp.autocast(lambda p, x, k: net.apply(p, x, rngs={"dropout": k}), device="cpu")
     out = f(params, x, jax.random.key(2))
     ref = net.apply(params, x, rngs={"dropout": jax.random.key(2)})
