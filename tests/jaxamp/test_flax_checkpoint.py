@@ -150,6 +150,8 @@ WORKER = textwrap.dedent(
         nnx_records = run_nnx(model, optimizer, start, stop)
         print(json.dumps({"linen": linen_records, "linen_digest": digest(state),
                           "nnx": nnx_records, "nnx_digest": nnx_digest(model, optimizer)}))
+        import gc
+        gc.freeze()  # exit without the final collection's walk over every JAX/flax object
     """
 )
 

@@ -155,6 +155,8 @@ _REASSOCIATING = textwrap.dedent(
             new, st = step(p, jaxamp.set_loss_scale(tx.init(p), ls), jnp.asarray(x))
             out.append((bool(jnp.isfinite(new).all()), int(st.skipped_steps)))
     print(out)
+    import gc
+    gc.freeze()  # exit without the final collection's walk over every JAX object
     """
 )
 
