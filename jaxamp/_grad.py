@@ -107,11 +107,14 @@ def value_and_grad(
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
       >>> opt_state = tx.init(params)
       >>> grad_fn = jaxamp.value_and_grad(loss_fn, policy="fp16-mixed")
-      >>> loss, grads = grad_fn(params, x, loss_scale=opt_state)  # grads of the scaled loss
+      >>> @jax.jit
+      ... def train_step(params, opt_state, x):
+      ...     loss, grads = grad_fn(params, x, loss_scale=opt_state)  # grads of the scaled loss
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return jaxamp.apply_updates(params, updates, opt_state), opt_state, loss, grads
+      >>> params, opt_state, loss, grads = train_step(params, opt_state, x)
       >>> loss.dtype, grads["w"].dtype
       (dtype('float32'), dtype('float32'))
-      >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = jaxamp.apply_updates(params, updates, opt_state)
     """
     if not callable(fun):
         raise TypeError(f"value_and_grad(fun=...) takes a callable; got {type(fun).__name__}.")

@@ -45,11 +45,14 @@ class TrainState(flax_train_state.TrainState):
       >>> state = jf.TrainState.create(
       ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3), policy="fp16-mixed"
       ... )
-      >>> def loss_fn(params, x, y):
-      ...     logits = state.apply_fn({"params": params}, x)
-      ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      >>> loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # scaled grads
-      >>> state = state.apply_gradients(grads=grads)  # skips if non-finite
+      >>> @jax.jit
+      ... def train_step(state, x, y):
+      ...     def loss_fn(params, x, y):
+      ...         logits = state.apply_fn({"params": params}, x)
+      ...         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      ...     loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # scaled grads
+      ...     return state.apply_gradients(grads=grads), loss  # skips if non-finite
+      >>> state, loss = train_step(state, x, y)
       >>> float(state.amp_info().loss_scale), int(state.step)
       (65536.0, 1)
     """

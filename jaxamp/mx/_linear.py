@@ -222,8 +222,10 @@ def dot_general(
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp.mx
       >>> r = jaxamp.mx.get_recipe("mxfp8", emulate=True)
-      >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
-      >>> jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=r).shape
+      >>> @jax.jit
+      ... def matmul(x, w):
+      ...     return jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=r)
+      >>> matmul(jnp.ones((32, 64)), jnp.ones((64, 32))).shape
       (32, 32)
     """
     del precision

@@ -214,9 +214,12 @@ def stochastic_rounding(
       >>> tx = jaxamp.optim_precision.stochastic_rounding(optax.sgd(2.0**-12), seed=0)  # 1/32 of a bf16 step
       >>> state = tx.init(params)
       >>> grads = {"w": jnp.full(4096, -1.0, jnp.bfloat16)}
-      >>> for _ in range(32):
+      >>> @jax.jit
+      ... def step(params, state):
       ...     updates, state = tx.update(grads, state, params)
-      ...     params = optax.apply_updates(params, updates)
+      ...     return optax.apply_updates(params, updates), state
+      >>> for _ in range(32):
+      ...     params, state = step(params, state)
       >>> round(float(params["w"].astype(jnp.float32).mean()), 2)  # 1 + 32 * 2**-12
       1.01
       >>> nearest = optax.apply_updates(
