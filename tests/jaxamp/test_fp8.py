@@ -467,8 +467,14 @@ def test_convert_reaches_into_scan_and_jit():
             lambda h, wi: (jnp.tanh(f8.dot_general(h, wi, DN_XW, recipe=rec)), None), x, w
         )[0]
 
-    out, grads = jax.value_and_grad(lambda w: jnp.sum(f8.convert(net, rec)(w, x)))(w)
-    ref, ref_grads = jax.value_and_grad(lambda w: jnp.sum(net_fp8(w, x)))(w)
+    # Both under jit, in one program (each its own computation): convert is tested eagerly
+    # above; here what it reaches.
+    (out, grads), (ref, ref_grads) = jax.jit(
+        lambda w: (
+            jax.value_and_grad(lambda w: jnp.sum(f8.convert(net, rec)(w, x)))(w),
+            jax.value_and_grad(lambda w: jnp.sum(net_fp8(w, x)))(w),
+        )
+    )(w)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(grads), np.asarray(ref_grads))
     rows = f8.report(net, w, x, recipe=rec)
@@ -561,14 +567,18 @@ def test_autocast_fp8_runs_selected_matmuls_on_autocast_operands():
 
     p, x = _params(), jnp.ones((8, 16), jnp.float32)
     rec = _emu("tensorwise")
-    amp = jax.jit(jaxamp.autocast(_attention_mlp, device="cpu", dtype=jnp.bfloat16, fp8=rec))
-    out = amp(p, x)
+    amp = jaxamp.autocast(_attention_mlp, device="cpu", dtype=jnp.bfloat16, fp8=rec)
+
+    @jax.jit  # one program (each its own computation)
+    def run(p, x):
+        # the same as fp8 matmuls on bfloat16 operands, the rest in bfloat16 (CPU autocast lists)
+        bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (p, x))
+        grads = jax.grad(lambda p: jnp.sum(amp(p, x).astype(jnp.float32)))(p)
+        return amp(p, x), _attention_mlp_fp8(*bf16, rec), grads
+
+    out, want, grads = run(p, x)
     assert out.dtype == jnp.bfloat16
-    # the same as fp8 matmuls on bfloat16 operands, the rest in bfloat16 (CPU autocast lists)
-    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (p, x))
-    want = jax.jit(lambda p, x: _attention_mlp_fp8(p, x, rec))(*bf16)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    grads = jax.grad(lambda p: jnp.sum(amp(p, x).astype(jnp.float32)))(p)
     assert grads["w_in"].dtype == jnp.float32
     with pytest.raises(ValueError, match="batch dimensions"):
         jaxamp.autocast(_attention_mlp, device="cpu", fp8=rec, fp8_filter="*")(p, x)
