@@ -2,6 +2,7 @@
 recipe options, filters that select nothing refused, the operand capture, the documentation page's snippet."""
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -215,10 +216,13 @@ class _Net(nn.Module):
         return _MLP(name="mlp")(nn.Dense(8, name="embed")(x))
 
 
+@functools.cache
 def _model_problem():
+    """(loss, params, x, y) of a small Flax net, shared by the tests (its initialisation one
+    compiled program, not op by op)."""
     model = _Net()
     x, y = jnp.ones((8, 12)), jnp.arange(8) % 4
-    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
 
     def loss_fn(params, x, y):
         logits = model.apply({"params": params}, x)

@@ -1,7 +1,9 @@
 """`jaxamp.optim_precision.low_precision_state` and its codecs: dtypes and shapes, errors, error bounds, and the
 compositions it promises (loss_scaled skips, multi_steps, optax.MultiSteps, sharding, jit)."""
 
+import collections
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -169,14 +171,30 @@ def test_updates_follow_float32_adamw_within_the_formats_error(state_format):
         np.testing.assert_allclose(u_narrow["b"], u_exact["b"], rtol=2.0**-20, atol=0)
 
 
-@pytest.mark.parametrize("state_format", BLOCK)
-def test_skipped_step_keeps_codes_bit_for_bit(state_format, maybe_jit):
+_TRACES = collections.Counter()
+
+
+@functools.cache
+def _loss_scaled_and_jitted_update(state_format):
+    """(loss_scaled AdamW with `state_format` state, its update jitted): one compiled program
+    per format, shared by the tests; `_TRACES[state_format]` counts its traces."""
     tx = jaxamp.loss_scaled(
         jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), state_format)
     )
+
+    def update(grads, state, params):
+        _TRACES[state_format] += 1
+        return tx.update(grads, state, params)
+
+    return tx, jax.jit(update)
+
+
+@pytest.mark.parametrize("state_format", BLOCK)
+def test_skipped_step_keeps_codes_bit_for_bit(state_format, maybe_jit):
+    tx, jitted = _loss_scaled_and_jitted_update(state_format)
     params = _params()
     state = tx.init(params)
-    update = maybe_jit(tx.update)
+    update = jitted if maybe_jit is jax.jit else tx.update
     _, state = update(jax.tree.map(lambda g: g * 65536.0, _grads(0)), state, params)
     bad = _grads(1)
     bad["w"] = bad["w"].at[3, 5].set(jnp.inf)
@@ -248,20 +266,15 @@ def test_sharded_update_gives_the_unsharded_codes(state_format):
 
 
 def test_second_jitted_call_does_not_retrace():
-    traces = []
-    tx = jaxamp.loss_scaled(jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "4bit"))
-
-    @jax.jit
-    def step(params, state, grads):
-        traces.append(1)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    # The skipped-step test's jitted update (one program): traced once in this process, by
+    # that test or here, however often either calls it.
+    tx, update = _loss_scaled_and_jitted_update("4bit")
     params = _params()
     state = tx.init(params)
     for seed in range(3):
-        params, state = step(params, state, _grads(seed))
-    assert len(traces) == 1
+        updates, state = update(_grads(seed), state, params)
+        params = optax.apply_updates(params, updates)
+    assert _TRACES["4bit"] == 1
 
 
 def test_state_bytes_per_parameter():

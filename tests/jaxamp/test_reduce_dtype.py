@@ -342,11 +342,12 @@ def test_bad_reduce_dtype():
 @pytest.mark.slow
 @pytest.mark.standard_promotion
 def test_pmap_grads_in_param_dtype_psum_in_float32(replica_devices):
+    # 16 rows per device: the full batch has the eager test's shapes (its operations reused).
     n = 2
     p = _params()
     rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.normal(size=(n, 8, 16)), jnp.float32)
-    ids = jnp.asarray((np.arange(n * 8) % 10).reshape(n, 8), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(n, 16, 16)), jnp.float32)
+    ids = jnp.asarray((np.arange(n * 16) % 10).reshape(n, 16), jnp.int32)
 
     def step(p, x, ids):
         _, g = jaxamp.value_and_grad(_loss, policy="bf16-mixed")(p, x, ids)
