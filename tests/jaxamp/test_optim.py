@@ -162,38 +162,69 @@ def test_adam_count_does_not_advance_on_skip():
 # --- an injected overflow equals leaving the step out ---------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "clip_adam"])
-def test_overflow_at_step_k_equals_run_without_step_k(name):
+_OVERFLOW_K = 3
+
+
+@functools.cache
+def _overflow_runs(names):
+    """For each optimizer in `names`: (params, skipped steps, loss scales) of a loss-scaled run of
+    6 steps whose step k overflows, and the parameters of the unwrapped run without step k. Each
+    kind of step (scaled, reference) one jitted program for every optimizer, shared by the
+    tests."""
     batches = _batches(6)
-    k = 3
-    tx = jaxamp.loss_scaled(OPTIMIZERS[name](), jaxamp.DynamicLossScale.create(growth_interval=2))
-    reference_tx = OPTIMIZERS[name]()
+    txs = {
+        n: jaxamp.loss_scaled(OPTIMIZERS[n](), jaxamp.DynamicLossScale.create(growth_interval=2))
+        for n in names
+    }
+    reference_txs = {n: OPTIMIZERS[n]() for n in names}
 
     grad_fn = jax.jit(jax.grad(_loss))  # one gradient program for both runs: same reductions
 
     @jax.jit
-    def scaled_step(params, state, grads, poison):
-        scale = jaxamp.get_loss_scale(state).loss_scale
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g * scale), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    def scaled_step(params, states, grads, poison):
+        out = {}
+        for n, tx in txs.items():
+            scale = jaxamp.get_loss_scale(states[n]).loss_scale
+            g = jax.tree.map(lambda g, s=scale: jnp.where(poison, jnp.inf, g * s), grads[n])
+            updates, state = tx.update(g, states[n], params[n])
+            out[n] = (optax.apply_updates(params[n], updates), state)
+        return out
 
     @jax.jit
-    def reference_step(params, state, grads):
-        updates, state = reference_tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    def reference_step(params, states, grads):
+        out = {}
+        for n, tx in reference_txs.items():
+            updates, state = tx.update(grads[n], states[n], params[n])
+            out[n] = (optax.apply_updates(params[n], updates), state)
+        return out
 
-    params, state = _params(), tx.init(_params())
-    ref_params, ref_state = _params(), reference_tx.init(_params())
-    scales = []
+    params = {n: _params() for n in names}
+    states = {n: txs[n].init(_params()) for n in names}
+    ref_params = {n: _params() for n in names}
+    ref_states = {n: reference_txs[n].init(_params()) for n in names}
+    scales = {n: [] for n in names}
     for i, (x, y) in enumerate(batches):
-        params, state = scaled_step(params, state, grad_fn(params, x, y), jnp.array(i == k))
-        scales.append(float(state.loss_scale.loss_scale))
-        if i != k:
-            ref_params, ref_state = reference_step(ref_params, ref_state, grad_fn(ref_params, x, y))
+        grads = {n: grad_fn(params[n], x, y) for n in names}
+        out = scaled_step(params, states, grads, jnp.array(i == _OVERFLOW_K))
+        params, states = {n: o[0] for n, o in out.items()}, {n: o[1] for n, o in out.items()}
+        for n in names:
+            scales[n].append(float(states[n].loss_scale.loss_scale))
+        if i != _OVERFLOW_K:
+            ref_grads = {n: grad_fn(ref_params[n], x, y) for n in names}
+            out = reference_step(ref_params, ref_states, ref_grads)
+            ref_params = {n: o[0] for n, o in out.items()}
+            ref_states = {n: o[1] for n, o in out.items()}
+    return {n: (params[n], int(states[n].skipped_steps), scales[n], ref_params[n]) for n in names}
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "clip_adam"])
+def test_overflow_at_step_k_equals_run_without_step_k(name):
+    params, skipped, scales, ref_params = _overflow_runs(("adam", "sgd_momentum", "clip_adam"))[
+        name
+    ]
     # Power-of-two scales make the scaling itself exact; the rest is FMA contraction.
     _leaves_ulp_close(params, ref_params)
-    assert int(state.skipped_steps) == 1
+    assert skipped == 1
     assert scales == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
 
 
