@@ -242,8 +242,10 @@ class _Rewrite:
         state: dict | None,
         records: list | None,
         capture: dict | None = None,
+        taps: dict | None = None,
     ):
         self.capture = capture
+        self.taps = taps
         self.recipe = rec
         self.select = select
         self.state = state
@@ -395,7 +397,7 @@ class _Rewrite:
             rec, lhs, rhs, eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype, state
         )
         if self.capture is not None:
-            out = self._capture(info.name, lhs, rhs, eqn.params["dimension_numbers"], out)
+            out = self._capture(info.name, lhs, rhs, eqn.params["dimension_numbers"], out, loop)
         how = (
             rec.how
             if _own_matmul(rec)
@@ -404,12 +406,26 @@ class _Rewrite:
         self._record(info, True, how + (f", inside {loop}" if loop else ""))
         return out
 
-    def _capture(self, name: str, lhs, rhs, dn, out):
-        """Keeps the matmul's 2-D operands and, via the VJP, its grad_output (host callbacks)."""
+    def _capture(self, name: str, lhs, rhs, dn, out, loop: str):
+        """Keeps the matmul's 2-D operands and its grad_output (`capture_operands`).
+
+        With ``taps`` None (the abstract pass) it notes the output's shape; else the operands
+        stay in the program (outputs of `capture_operands`'s program) and the output passes
+        through `_tap`, whose zero second argument's gradient is the grad_output. A matmul
+        inside a loop (its values belong to the loop body) leaves through host callbacks, the
+        last iteration's kept.
+        """
         entry = self.capture.setdefault(name, {})
         (lc, _), _ = dn
         rows = int(np.prod([d for i, d in enumerate(lhs.shape) if i not in tuple(lc)]))
         x2, w2, _ = to_2d(lhs, rhs, dn)
+        if self.taps is None:
+            entry.update(out=jax.ShapeDtypeStruct(out.shape, out.dtype), loop=bool(loop))
+            return out
+        entry["rows"] = rows
+        if name in self.taps:
+            entry["lhs2d"], entry["rhs2d"] = x2, w2
+            return _tap(out, self.taps[name])
 
         def keep(key: str):
             def store(*values):
@@ -448,12 +464,21 @@ def _bind(eqn: Any, vals: Sequence[Any], params: dict) -> list:
 _COLLECT: Any = object()  # state sentinel: collect the fp8 matmuls' names only
 
 
+@jax.custom_vjp
+def _tap(y: Any, zero: Any) -> Any:
+    """`y` unchanged; the gradient of `zero` (zeros shaped as `y`) is `y`'s grad_output."""
+    return y
+
+
+_tap.defvjp(lambda y, zero: (y, None), lambda _, g: (g, g))
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic) or hasattr(x, "aval")
 
 
-def _run(fn, rec, fp8_filter, args, kwargs, state, records, capture=None):
-    rewrite = _Rewrite(rec, _selector(fp8_filter), state, records, capture)
+def _run(fn, rec, fp8_filter, args, kwargs, state, records, capture=None, taps=None):
+    rewrite = _Rewrite(rec, _selector(fp8_filter), state, records, capture, taps)
     flat_fn, dyn_vals = over_array_leaves(fn, args, kwargs, is_leaf_array=_is_array)
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
     outs = rewrite.eval(closed.jaxpr, closed.consts, dyn_vals, "", "")
@@ -591,7 +616,7 @@ def capture_operands(
     """The operands every fp8 matmul of ``fn(*args, **kwargs)`` receives, forward and backward.
 
     Runs ``fn`` (a scalar loss) converted per `recipe` and its gradient with respect to
-    ``args[argnums]`` (compiled once; the operands leave through host callbacks) and keeps each
+    ``args[argnums]`` (one compiled program whose outputs are the operands) and keeps each
     selected matmul's input, weight and grad_output as 2-D arrays, before quantization: what a comparison of scales and fp8 codes against
     another framework (torchao's ``Float8Linear``) needs. Quantize them with
     `jaxamp.fp8.to_fp8_dynamic` and the recipe's casts.
@@ -636,30 +661,57 @@ def capture_operands(
     if rec.scaling == "delayed" and fp8_state is None:
         fp8_state = init_state(fn, rec, *args, fp8_filter=fp8_filter, **kwargs)
     index = argnums % len(args)
-    captured: dict[str, dict] = {}
-    records: list[MatmulRecord] = []
     flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [_is_array(x) for x in flat]
+    dyn = [x for x, d in zip(flat, dynamic, strict=True) if d]
 
-    def grad_of_loss(dyn_vals):
+    def loss_of(dyn_vals, diff_arg, captured, taps, records):
         it = iter(dyn_vals)
         a, k = jax.tree_util.tree_unflatten(
             treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
         )
+        full = list(a)
+        full[index] = a[index] if diff_arg is None else diff_arg
+        return _run(fn, rec, fp8_filter, tuple(full), k, fp8_state, records, captured, taps)
 
-        def loss(diff_arg):
-            full = list(a)
-            full[index] = diff_arg
-            return _run(fn, rec, fp8_filter, tuple(full), k, fp8_state, records, captured)
+    # Which matmuls run in fp8 and their outputs' shapes: an abstract pass, nothing compiled.
+    shapes: dict[str, dict] = {}
+    jax.eval_shape(lambda v: loss_of(v, None, shapes, None, []), dyn)
+    taps = {
+        name: jnp.zeros(e["out"].shape, e["out"].dtype)
+        for name, e in shapes.items()
+        if not e["loop"]
+    }
+    captured: dict[str, dict] = {}
+    records: list[MatmulRecord] = []
 
-        return jax.grad(loss)(a[index])
+    def grad_of_loss(dyn_vals, taps):
+        def loss(diff_arg, taps):
+            value = loss_of(dyn_vals, diff_arg, captured, taps, records)
+            return value, {n: (captured[n]["lhs2d"], captured[n]["rhs2d"]) for n in taps}
 
-    # One compiled program (operands leave through host callbacks), not one per primitive.
-    jax.block_until_ready(
-        jax.jit(grad_of_loss)([x for x, d in zip(flat, dynamic, strict=True) if d])
-    )
+        it = iter(dyn_vals)
+        a, _ = jax.tree_util.tree_unflatten(
+            treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
+        )
+        (grads, grad_outputs), operands = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            a[index], taps
+        )
+        # the gradient stays an output: without it XLA fuses the forward pass otherwise (a
+        # LayerNorm's output moves by an ulp), and the operands are the gradient program's
+        return operands, grad_outputs, grads
+
+    # One compiled program whose outputs are the operands (cached as any program); only a
+    # matmul inside a loop leaves through host callbacks.
+    operands, grad_outputs, _ = jax.jit(grad_of_loss)(dyn, taps)
+    operands, grad_outputs = jax.device_get((operands, grad_outputs))
     jax.effects_barrier()
     _check_selected(records, fp8_filter, "jaxamp.fp8.capture_operands")
+    for name, (x2, w2) in operands.items():
+        rows = captured[name]["rows"]
+        captured[name].update(
+            lhs2d=x2, rhs2d=w2, grad_output2d=np.asarray(grad_outputs[name]).reshape(rows, -1)
+        )
     return {
         name: MatmulOperands(ops["lhs2d"], ops["rhs2d"], ops["grad_output2d"])
         for name, ops in captured.items()
