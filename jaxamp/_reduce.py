@@ -382,7 +382,7 @@ def reduce_in(fn: Callable, reduce_dtype: Any) -> Callable:
       >>> def loss(w, x):
       ...     return jnp.sum(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
       >>> w, x = jnp.ones((4, 2)), jnp.ones((8, 4))
-      >>> g = jax.grad(reduce_in(loss, jnp.float32))(w, x)  # w's gradient accumulated in f32
+      >>> g = jax.jit(jax.grad(reduce_in(loss, jnp.float32)))(w, x)  # w's gradient in f32
       >>> g.dtype, float(g[0, 0])
       (dtype('float32'), 8.0)
     """

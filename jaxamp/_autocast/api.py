@@ -230,7 +230,7 @@ def full_precision(fn: Callable) -> Callable:
       ...     lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       ... )
       >>> w, x, y = jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.array([0, 2])
-      >>> loss = jaxamp.autocast(lambda w, x, y: stable_loss(x @ w, y), device="cpu")
+      >>> loss = jax.jit(jaxamp.autocast(lambda w, x, y: stable_loss(x @ w, y), device="cpu"))
       >>> loss(w, x, y).dtype  # the matmul ran in bfloat16, the loss in float32
       dtype('float32')
     """

@@ -139,7 +139,7 @@ def nnx_value_and_grad(
 
     Examples:
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> grad_fn = jf.nnx_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
+      >>> grad_fn = nnx.jit(jf.nnx_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2)))
       >>> loss, grads = grad_fn(model, jnp.ones((3, 2)), loss_scale=jaxamp.StaticLossScale(8.0))
       >>> loss.dtype, grads["kernel"][...].dtype
       (dtype('float32'), dtype('float32'))

@@ -73,7 +73,7 @@ class MatmulInfo:
       ...     seen.append((info.name, info.lhs_shape, info.rhs_shape, info.linear))
       ...     return True
       >>> loss = f8.convert(lambda x, w: x @ w, f8.get_recipe("tensorwise", emulate=True), fp8_filter=fp8_filter)
-      >>> _ = loss(jnp.ones((4, 8)), jnp.ones((8, 2)))
+      >>> _ = jax.jit(loss)(jnp.ones((4, 8)), jnp.ones((8, 2)))
       >>> seen
       [('dot_general', (4, 8), (8, 2), None)]
     """

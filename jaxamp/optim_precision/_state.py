@@ -168,7 +168,8 @@ def low_precision_state(
       >>> tx = jaxamp.loss_scaled(jaxamp.optim_precision.low_precision_state(optax.adamw(1e-3), "8bit"))
       >>> params = {"w": jnp.ones((64, 64))}
       >>> opt_state = tx.init(params)
-      >>> updates, opt_state = tx.update({"w": jnp.full((64, 64), 65536.0)}, opt_state, params)
+      >>> update = jax.jit(tx.update)
+      >>> updates, opt_state = update({"w": jnp.full((64, 64), 65536.0)}, opt_state, params)
       >>> round(float(updates["w"][0, 0]), 6)  # Adam's first step: -lr * sign(grad)
       -0.001
       >>> jaxamp.optim_precision.state_bytes(opt_state) / 4096  # bytes per parameter
