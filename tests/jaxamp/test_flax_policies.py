@@ -97,7 +97,7 @@ def test_linen_bf16_mixed_dtypes(maybe_jit):
     # LayerNorm computes in float32 (default rule) and hands bf16 back to its caller.
     assert calls["block/LayerNorm_0"] == ("LayerNorm", F32, BF16)
     assert calls[""] == ("LinenModel", BF16, F32)
-    variables = jf.linen.with_policy(model.init, "bf16-mixed")(jax.random.key(0), x)
+    variables = _linen_runs()["float32"][0]  # float32 parameters, as bf16-mixed's init makes
     apply = maybe_jit(jf.linen.with_policy(model.apply, "bf16-mixed"))
     assert apply(variables, x).dtype == F32
 
@@ -106,9 +106,11 @@ _DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 
 @functools.cache
-def _true_policy_runs():
-    """{dtype name: (variables, output)} of LinenModel initialized and applied under the "true"
-    policy of each float dtype: every dtype's init and apply in one jitted program, shared."""
+def _linen_runs():
+    """{dtype name: (variables, output, gradients)} of LinenModel: initialized and applied under
+    the "true" policy of each float dtype, and the gradients of its summed output under
+    p=f32,c=<dtype>,o=f32 (from the float32 parameters, which every p=f32 policy's init makes).
+    One jitted program, shared by the tests."""
     model, x = LinenModel(), jnp.ones((2, 4), jnp.float32)
 
     def run(key, x):
@@ -116,37 +118,24 @@ def _true_policy_runs():
         for policy in _DTYPE_NAMES:  # "float16" etc.: params, compute and output all in it
             variables = jf.linen.with_policy(model.init, policy)(key, x)
             out[policy] = (variables, jf.linen.with_policy(model.apply, policy)(variables, x))
+        params = out["float32"][0]["params"]
+        for name in _DTYPE_NAMES:
+            apply = jf.linen.with_policy(model.apply, f"p=f32,c={name},o=f32")
+            grads = jax.grad(lambda p, apply=apply: apply({"params": p}, x).sum())(params)
+            out[name] = (*out[name], grads)
         return out
 
     return jax.jit(run)(jax.random.key(0), x)
 
 
 def test_linen_true_policy_creates_params_in_param_dtype(float_dtype):
-    variables, out = _true_policy_runs()[float_dtype.name]
+    variables, out, _ = _linen_runs()[float_dtype.name]
     assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {float_dtype}
     assert out.dtype == float_dtype
 
 
-@functools.cache
-def _mixed_grads():
-    """{compute dtype name: gradients of LinenModel's summed output} under p=f32,c=<dtype>,o=f32
-    for each float dtype, initialized in the same program: one jitted program, shared."""
-    model, x = LinenModel(), jnp.ones((2, 4), jnp.float32)
-
-    def run(key, x):
-        grads = {}
-        for name in _DTYPE_NAMES:
-            policy = f"p=f32,c={name},o=f32"
-            params = jf.linen.with_policy(model.init, policy)(key, x)["params"]
-            apply = jf.linen.with_policy(model.apply, policy)
-            grads[name] = jax.grad(lambda p, apply=apply: apply({"params": p}, x).sum())(params)
-        return grads
-
-    return jax.jit(run)(jax.random.key(0), x)
-
-
 def test_linen_mixed_grads_are_float32(float_dtype):
-    g = _mixed_grads()[float_dtype.name]
+    g = _linen_runs()[float_dtype.name][2]
     assert {leaf.dtype for leaf in jax.tree.leaves(g)} == {F32}
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
 
@@ -237,7 +226,7 @@ def _exp_dtypes(fn, *args):
 def test_linen_attention_softmax_float32():
     model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
     x = jnp.ones((1, 3, 8), jnp.float32)
-    variables = jf.linen.with_policy(model.init, "bf16-mixed")(jax.random.key(0), x)
+    variables = jax.jit(jf.linen.with_policy(model.init, "bf16-mixed"))(jax.random.key(0), x)
     apply = jf.linen.with_policy(model.apply, "bf16-mixed")
     assert _exp_dtypes(apply, variables, x) == [F32]
     assert apply(variables, x).dtype == F32
@@ -280,6 +269,11 @@ class NNXModel(nnx.Module):
         return self.head(self.block(self.embed(x)))
 
 
+# The NNX model built in one compiled program (its initializers eagerly are one compile per op);
+# each call makes a new model with the same parameters.
+_new_nnx_model = nnx.jit(lambda: NNXModel(nnx.Rngs(0)))
+
+
 def _nnx_in_out(model, x):
     """Runs model(x); per path: (input dtype the module's own __call__ sees, its raw output)."""
     seen, paths, bases = {}, {}, {}
@@ -310,7 +304,7 @@ def _nnx_in_out(model, x):
 
 
 def test_nnx_bf16_mixed_dtypes(maybe_jit):
-    model = NNXModel(nnx.Rngs(0))
+    model = _new_nnx_model()
     jf.nnx.apply_policy(model, "bf16-mixed")
     x = jnp.ones((2, 4), jnp.float32)
     out, seen = _nnx_in_out(model, x)
@@ -335,7 +329,7 @@ def test_nnx_bf16_mixed_dtypes(maybe_jit):
 
 
 def test_nnx_true_policy_casts_params(float_dtype):
-    model = NNXModel(nnx.Rngs(0))
+    model = _new_nnx_model()
     jf.nnx.apply_policy(model, float_dtype.name)
     params = nnx.state(model, nnx.Param)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {float_dtype}
@@ -345,7 +339,7 @@ def test_nnx_true_policy_casts_params(float_dtype):
 
 def test_nnx_precedence_and_inheritance():
     x = jnp.ones((2, 4), jnp.float32)
-    model = NNXModel(nnx.Rngs(0))
+    model = _new_nnx_model()
     rules = {
         nnx.Linear: jf.override(compute="f32"),
         "head": jf.override(compute="bf16"),
@@ -361,7 +355,7 @@ def test_nnx_precedence_and_inheritance():
     out, seen = _nnx_in_out(model, x)
     assert out.dtype == F32 and seen["block"] == (F16, F16)  # raw, before the o=bf16 cast
     # Regex and predicate rules; the last instance rule wins.
-    model = NNXModel(nnx.Rngs(0))
+    model = _new_nnx_model()
     rules = [
         (re.compile(r"block/.*"), jf.override(compute="f16")),
         (lambda m, path: path == "block/dense", jf.override(compute="f32")),
@@ -390,7 +384,7 @@ def test_nnx_attention_softmax_float32():
 
 
 def test_nnx_remove_policy():
-    model = NNXModel(nnx.Rngs(0))
+    model = _new_nnx_model()
     jf.nnx.apply_policy(model, "bf16-mixed")
     jf.nnx.remove_policy(model)
     assert type(model.head) is nnx.Linear
@@ -413,7 +407,7 @@ def test_bad_rules(rules, error):
     with pytest.raises(error, match="rules|policy|spec"):
         jf.linen.policy_interceptor("bf16-mixed", rules)
     with pytest.raises(error, match="rules|policy|spec"):
-        jf.nnx.apply_policy(NNXModel(nnx.Rngs(0)), "bf16-mixed", rules)
+        jf.nnx.apply_policy(_new_nnx_model(), "bf16-mixed", rules)
 
 
 def test_bad_override_and_policy():
@@ -459,8 +453,8 @@ def test_linen_rules_that_match_do_not_warn():
 
 def test_nnx_rule_matching_no_module_warns():
     with pytest.warns(jf.UnmatchedRuleWarning, match=r"rules\['blok/dense'\].*'block/dense'"):
-        jf.nnx.apply_policy(NNXModel(nnx.Rngs(0)), "bf16-mixed", {"blok/dense": "fp32"})
-    jf.nnx.apply_policy(NNXModel(nnx.Rngs(0)), "bf16-mixed", {"block/dense": "fp32"})
+        jf.nnx.apply_policy(_new_nnx_model(), "bf16-mixed", {"blok/dense": "fp32"})
+    jf.nnx.apply_policy(_new_nnx_model(), "bf16-mixed", {"block/dense": "fp32"})
 
 
 def test_override_uses_get_policy_dtype_grammar():
