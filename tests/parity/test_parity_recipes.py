@@ -240,11 +240,17 @@ def _train_both(config):
 
 
 @pytest.fixture(scope="module")
-def fp32_losses():
-    """float32's step-0 losses, torch and JAX: the same weights and first batch as every
-    single-device and distributed cell of a recipe of the model's precision."""
+def fp32_runs():
+    """float32's single-device runs, torch and JAX (fp32's cell of the every-recipe test): their
+    step-0 losses have the same weights and first batch as every single-device and distributed
+    cell of a recipe of the model's precision."""
     with jax.numpy_dtype_promotion("standard"):  # module scope: outside the per-test marker
-        torch_run, jax_run = _train_both(_single_config("fp32"))
+        return _train_both(_single_config("fp32"))
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(fp32_runs):
+    torch_run, jax_run = fp32_runs
     return {"torch": torch_run["steps"][0]["loss"], "jax": jax_run["steps"][0]["loss"]}
 
 
@@ -307,7 +313,10 @@ def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
     recipe = get_recipe(precision)
     # single device: mlp's cell of every model x precision (and mlp_nnx's, the same program)
     config = _single_config(precision)
-    torch_run, jax_run = _train_both(config)
+    if precision == "fp32":  # the reference runs are this cell's
+        torch_run, jax_run = request.getfixturevalue("fp32_runs")
+    else:
+        torch_run, jax_run = _train_both(config)
     check_records(config, torch_run, jax_run)
     if recipe.first_distinct_step:
         fp32 = request.getfixturevalue("fp32_optimizer_runs")
