@@ -21,7 +21,7 @@ Examples:
   >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
   >>> apply = jf.linen.with_policy(model.apply, "bf16-mixed")
   >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
-  >>> apply(variables, jnp.ones((1, 3))).dtype
+  >>> jax.jit(apply)(variables, jnp.ones((1, 3))).dtype
   dtype('float32')
   >>> nn.LayerNorm in jf.linen.DEFAULT_RULES  # normalisation layers compute in float32
   True

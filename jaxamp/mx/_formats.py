@@ -87,9 +87,9 @@ class Format:
       >>> fmt = jaxamp.mx.Format("e5m2_ceil", element="e5m2", scale_mode="ceil")
       >>> str(fmt), fmt.max, fmt.emax
       ('e5m2_ceil(e5m2, 32x e8m0 scale, ceil)', 57344.0, 15)
-      >>> codes, scales = jaxamp.mx.to_block_scaled(jnp.full((1, 32), 3.0), fmt)
+      >>> codes, scales = jaxamp.mx.to_block_scaled(jnp.full((2, 32), 3.0), fmt)
       >>> codes.dtype, scales.tolist()  # ceil: log2(3.0) rounded up is 2; 2 - emax + 127
-      (dtype(float8_e5m2), [[114]])
+      (dtype(float8_e5m2), [[114], [114]])
       >>> jaxamp.mx.from_block_scaled(codes, scales, fmt)[0, :2].tolist()
       [3.0, 3.0]
     """
