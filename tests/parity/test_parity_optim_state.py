@@ -208,8 +208,10 @@ def test_step0_optimizer_state_row_joins_a_torch_tensor_split_into_jax_leaves(mo
     """Attention's fused in_proj_weight (192 x 64) maps to three Flax kernels: their states,
     joined in torch's element order, are torchao's blocks bit for bit (each piece is 32 whole
     blocks); joined in another order they are not (the row fails)."""
-    # one block: its attention is what the row joins (jaxamp's update compiles per leaf)
-    overrides = {"num_layers": 1}
+    # one block: its attention is what the row joins (jaxamp's update compiles per leaf); a
+    # 16-token vocabulary and 8 positions: the embeddings and the head stay under torchao's
+    # 4096-element minimum (unquantized), the block's 64-wide layers are quantized
+    overrides = {"num_layers": 1, "vocab_size": 16, "seq_len": 8}
     config = RunConfig(
         model="transformer", precision="adamw-8bit", batch_size=2, model_overrides=overrides
     )
