@@ -62,8 +62,10 @@ class Recipe:
       >>> mine = jaxamp.mx.Recipe("e5m2_grads", e4m3, e4m3, e5m2, emulate=True)
       >>> print(mine.describe())
       e5m2_grads: output=mxfp8/rceil x mxfp8/rceil (blocks along K), grad_input=mxfp8_e5m2/rceil x mxfp8/rceil (along N), grad_weight=mxfp8/rceil x mxfp8_e5m2/rceil (along M), emulated
-      >>> x, w = jnp.full((32, 64), 0.5), jnp.ones((64, 32))
-      >>> y = jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=mine)
+      >>> @jax.jit
+      ... def matmul(x, w):
+      ...     return jaxamp.mx.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=mine)
+      >>> y = matmul(jnp.full((32, 64), 0.5), jnp.ones((64, 32)))
       >>> y.shape, y[0, 0].item()  # 0.5 and 1.0 are exact in every format
       ((32, 32), 32.0)
     """
