@@ -288,9 +288,10 @@ def decode_blockwise(q: QuantizedArray) -> jax.Array:
       torchao's: a block's most negative value comes back smaller in magnitude.
 
       >>> from jaxamp.optim_precision import decode_blockwise, encode_blockwise
-      >>> decode_blockwise(encode_blockwise(jnp.full(128, -2.0), "4bit", signed=True))[:3]
+      >>> round_trip = jax.jit(lambda x: decode_blockwise(encode_blockwise(x, "4bit", signed=True)))
+      >>> round_trip(jnp.full(128, -2.0))[:3]
       Array([-1.775, -1.775, -1.775], dtype=float32)
-      >>> decode_blockwise(encode_blockwise(jnp.full(128, 2.0), "4bit", signed=True))[:3]
+      >>> round_trip(jnp.full(128, 2.0))[:3]
       Array([2., 2., 2.], dtype=float32)
     """
     if not isinstance(q, QuantizedArray):
