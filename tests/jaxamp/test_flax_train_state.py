@@ -59,6 +59,9 @@ def _linen_params():
 
 
 def make_linen(policy="fp16-mixed", tx=None, **kw):
+    # The shared float32 parameters stand for this policy's own init only where it keeps them
+    # in float32.
+    assert jaxamp.get_policy(policy).param_dtype == jnp.float32, policy
     model = LinenMLP()
     params = _linen_params()
     return jf.TrainState.create(
