@@ -665,11 +665,15 @@ def capture_operands(
     dynamic = [_is_array(x) for x in flat]
     dyn = [x for x, d in zip(flat, dynamic, strict=True) if d]
 
-    def loss_of(dyn_vals, diff_arg, captured, taps, records):
+    def arguments(dyn_vals):
+        """``(args, kwargs)`` with `dyn_vals` in the array leaves' places."""
         it = iter(dyn_vals)
-        a, k = jax.tree_util.tree_unflatten(
+        return jax.tree_util.tree_unflatten(
             treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
         )
+
+    def loss_of(dyn_vals, diff_arg, captured, taps, records):
+        a, k = arguments(dyn_vals)
         full = list(a)
         full[index] = a[index] if diff_arg is None else diff_arg
         return _run(fn, rec, fp8_filter, tuple(full), k, fp8_state, records, captured, taps)
@@ -690,12 +694,8 @@ def capture_operands(
             value = loss_of(dyn_vals, diff_arg, captured, taps, records)
             return value, {n: (captured[n]["lhs2d"], captured[n]["rhs2d"]) for n in taps}
 
-        it = iter(dyn_vals)
-        a, _ = jax.tree_util.tree_unflatten(
-            treedef, [next(it) if d else x for x, d in zip(flat, dynamic, strict=True)]
-        )
         (grads, grad_outputs), operands = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-            a[index], taps
+            arguments(dyn_vals)[0][index], taps
         )
         # the gradient stays an output: without it XLA fuses the forward pass otherwise (a
         # LayerNorm's output moves by an ulp), and the operands are the gradient program's
