@@ -465,10 +465,17 @@ def _reciprocal_by_integers(scale: jax.Array) -> jax.Array:
 
 def _reciprocal_by_division(scale: jax.Array) -> jax.Array:
     """`reciprocal_factors`' `inv` with float32 divisions, for a backend whose division is IEEE
-    (XLA:CPU): below 2**126 it is 1/scale; above, `_subnormal_reciprocal`."""
+    (XLA:CPU): below 2**126 it is 1/scale; above, `_subnormal_reciprocal`.
+
+    The result is divided by a 1.0 the compiler cannot see (exact: IEEE division by 1): XLA's
+    fusion copies a chain of cheap scalar operations into every fusion that reads it, but
+    never a division, so every consumer reads one computed reciprocal. Without it the
+    subnormal form's 30-odd operations were copied into about two fusions per gradient leaf,
+    each compiled again (BENCHMARKS.md, "Loss scaling: what XLA:CPU compiles")."""
     big = scale > jnp.float32(2.0**126)
     normal_inv = jnp.float32(1.0) / jnp.where(big, jnp.float32(1.0), scale)
-    return jnp.where(big, _subnormal_reciprocal(scale), normal_inv)
+    inv = jnp.where(big, _subnormal_reciprocal(scale), normal_inv)
+    return inv / jax.lax.optimization_barrier(jnp.ones_like(inv))
 
 
 def _subnormal_reciprocal(scale: jax.Array) -> jax.Array:

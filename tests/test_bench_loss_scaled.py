@@ -167,3 +167,37 @@ def test_hlo_analysis_reads_gpus_program(bench):
     cpu = got["loss_scaled_in_place", True, "cpu"]
     assert cpu["extra_reductions"] > 7 and cpu["extra_partial_bytes"] > 0
     assert cpu["conditionals"] == 1
+
+
+def test_compile_benchmark_reads_what_xla_cpu_compiles(tmp_path, capsys):
+    """`benchmarks/compile_loss_scaled.py` on the tiny MLP: a row per (policy, variant) with the
+    compiled program's instruction and fusion counts and a compile time per repeat, printed and
+    written as JSON; the loss-scaled step's program holds more than the plain one's (its
+    check, skip and scale update)."""
+    path = _PATH.parent / "compile_loss_scaled.py"
+    spec = importlib.util.spec_from_file_location("compile_loss_scaled", path)
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(_PATH.parent))
+        spec.loader.exec_module(module)
+    out = tmp_path / "compile.json"
+    module.main(
+        [
+            "--tiny",
+            "--models",
+            "mlp",
+            "--policies",
+            "fp16-mixed",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert "compile CPU s" in capsys.readouterr().out
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "loss_scaled"}
+    for r in rows.values():
+        assert len(r["compile_cpu_s"]) == 2 and all(t > 0 for t in r["compile_cpu_s"])
+        assert r["fusions"] > 0
+    assert rows["loss_scaled"]["instructions"] > rows["plain"]["instructions"] > 0

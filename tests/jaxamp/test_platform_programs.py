@@ -64,6 +64,22 @@ def test_skip_form(platform, in_place):
     assert _runtime_conditionals(hlo) == (1 if branch else 0)
 
 
+@pytest.mark.standard_promotion
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="reads XLA:CPU's optimised program")
+def test_reciprocal_computed_once_per_step():
+    """The loss scale's reciprocal on XLA:CPU is computed once per step: after optimisation
+    its subnormal form's rounding (one `floor`) appears once whether the step has 2 or 12
+    gradient leaves. (As a chain of cheap scalar operations, XLA's fusion copied it into every
+    fusion that reads the reciprocal, about two per leaf.)"""
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    for leaves in (2, 12):
+        params = {f"w{i}": jnp.ones((16, 8 + i)) for i in range(leaves)}
+        grads = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
+        compiled = jax.jit(_step(tx)).lower(grads, tx.init(params), params).compile().as_text()
+        floors = len(re.findall(r" floor\(", compiled))
+        assert floors == 1, (leaves, floors)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize(
     ("shape", "blocks"),
