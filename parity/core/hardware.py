@@ -16,9 +16,11 @@ hardware it came from, so:
 - `skip_if_unsupported` / `requires_torch_cpu` turn the same reason into a pytest skip.
 
 Restricting a wider CPU to AVX2 (what ``.ci/run`` does for its second pass; both take effect,
-checked in ``tests/parity/test_parity_hardware.py``):
+checked in ``tests/parity/test_parity_hardware.py``), with torch.compile's kernels compiled in a
+cache of their own (`inductor_cache_hazard`):
 
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -m torch tests
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \
+        python -m pytest -m torch tests
 
 This module never imports torch or JAX itself: it describes whichever is already imported (the JAX
 trainer must run without torch).
@@ -40,6 +42,7 @@ __all__ = [
     "cpu_model_name",
     "hardware_info",
     "hardware_summary",
+    "inductor_cache_hazard",
     "PROBE_MATMUL_N",
     "requires_torch_cpu",
     "skip_if_unsupported",
@@ -215,12 +218,53 @@ def hardware_info() -> dict[str, Any]:
                 "OMP_WAIT_POLICY",
                 "MKL_NUM_THREADS",
                 "XLA_PYTHON_CLIENT_PREALLOCATE",
+                "TORCHINDUCTOR_CACHE_DIR",
             )
         },
         "torch": torch_info,
         "jax": _jax_info(),
         "torch_bf16_emulated": torch_bf16_is_emulated(torch_info),
     }
+
+
+def inductor_cache_hazard(environ: Any = None, default_dir: str | None = None) -> str | None:
+    """Why torch.compile's CPU kernels may not be those ``ATEN_CPU_CAPABILITY`` asks for, or None.
+
+    Inductor picks the vector width of the kernels it generates from ``ATEN_CPU_CAPABILITY``, but
+    its on-disk cache does not key them on it: on a CPU wider than the setting, a kernel compiled
+    without the setting (the same machine, the default cache) is reused under it. torchao's
+    compiled AdamW8bit step then gave other 8-bit codes and block scales than its own eager step
+    under ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 machine; in a fresh cache it gave the same.
+    A cache of its own (``TORCHINDUCTOR_CACHE_DIR``) for the restricted runs removes the hazard.
+
+    Args:
+      environ: the environment to read (default: ``os.environ``).
+      default_dir: inductor's default cache folder, which torch writes into
+        ``TORCHINDUCTOR_CACHE_DIR`` once it has used it (the caller, which imports torch, reads
+        it: this module imports neither framework); that value counts as unset.
+
+    Example:
+      >>> inductor_cache_hazard({}) is None
+      True
+      >>> "TORCHINDUCTOR_CACHE_DIR" in inductor_cache_hazard({"ATEN_CPU_CAPABILITY": "avx2"})
+      True
+      >>> inductor_cache_hazard({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/own"})
+    """
+    env = os.environ if environ is None else environ
+    capability = env.get("ATEN_CPU_CAPABILITY")
+    cache = env.get("TORCHINDUCTOR_CACHE_DIR")
+    own_cache = bool(cache) and (
+        default_dir is None or os.path.abspath(cache) != os.path.abspath(default_dir)
+    )
+    if not capability or own_cache:
+        return None
+    return (
+        f"ATEN_CPU_CAPABILITY={capability} with torch.compile and inductor's default kernel cache: "
+        "inductor does not key its cached kernels on ATEN_CPU_CAPABILITY, so kernels compiled "
+        "on this machine without the setting may be reused under it and compute other values. "
+        "Give the restricted runs a cache of their own, e.g. "
+        "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)."
+    )
 
 
 def torch_bf16_is_emulated(torch_info: dict[str, Any] | None = None) -> bool | None:

@@ -16,6 +16,7 @@ before the step (what ``LambdaLR`` does, without its warning when GradScaler ski
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ import torch
 
 from parity.core.config import RunConfig, torch_device_type
 from parity.core.eval_logits import eval_logit_point
-from parity.core.hardware import UnsupportedHere, unsupported_reason
+from parity.core.hardware import UnsupportedHere, inductor_cache_hazard, unsupported_reason
 from parity.core.losses import eval_metric_torch, loss_torch
 from parity.core.progress import progress as progress_lines
 from parity.core.records import build_run_record
@@ -65,6 +66,15 @@ class TorchStep(NamedTuple):
         )
 
 
+def _inductor_default_cache() -> str | None:
+    """Inductor's default kernel cache folder (None where this torch does not say)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return default_cache_dir()
+
+
 def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
     """The recipe's torch model (a copy of `pair.torch_model`), optimizer, scaler and step.
 
@@ -96,6 +106,11 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
         optimizer = build_torch_optimizer(config, model.parameters())
     loss = getattr(getattr(pair, "loop", None), "torch_loss", None)
     scaler = recipe.torch_grad_scaler(config, device_type)
+    hazard = None
+    if config.torch_compile and device_type == "cpu":
+        hazard = inductor_cache_hazard(default_dir=_inductor_default_cache())
+    if hazard is not None:
+        warnings.warn(hazard, RuntimeWarning, stacklevel=2)
     forward_model = torch.compile(model) if config.torch_compile else model
     params = [p for p in model.parameters() if p.requires_grad]
 

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -172,6 +173,53 @@ def test_aten_cpu_capability_takes_effect():
     out = _run(code, ATEN_CPU_CAPABILITY=capability)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [capability.upper(), "True"]
+
+
+def test_torch_compile_under_a_capability_setting_warns_without_its_own_kernel_cache(
+    monkeypatch, tmp_path
+):
+    """torch.compile on CPU with ``ATEN_CPU_CAPABILITY`` set and inductor's default kernel cache
+    (unset, or the folder torch writes into the variable once it has used it) warns, naming
+    TORCHINDUCTOR_CACHE_DIR: that cache does not key kernels on the setting. With a cache of
+    its own, without the setting, or eager, the trainer is silent. The run records the
+    variable."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from parity.core.config import RunConfig
+    from parity.models import get_model_pair
+    from parity.training.train_torch import build_torch_step
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # no compile needed
+    pair = get_model_pair("mlp", seed=0, image_shape=(4, 4, 3), hidden=8)
+    compiled = RunConfig(model="mlp", precision="fp32", steps=1, torch_compile=True)
+    eager = RunConfig(model="mlp", precision="fp32", steps=1)
+    own = str(tmp_path / "inductor-avx2")
+
+    def environment(capability, cache):
+        for name, value in (
+            ("ATEN_CPU_CAPABILITY", capability),
+            ("TORCHINDUCTOR_CACHE_DIR", cache),
+        ):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+
+    for cache in (None, default_cache_dir()):
+        environment("avx2", cache)
+        with pytest.warns(RuntimeWarning, match="TORCHINDUCTOR_CACHE_DIR"):
+            build_torch_step(compiled, pair)
+    for config, capability, cache in (
+        (compiled, "avx2", own),
+        (compiled, None, None),
+        (eager, "avx2", None),
+    ):
+        environment(capability, cache)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build_torch_step(config, pair)
+    environment("avx2", own)
+    assert hardware.hardware_info()["env"]["TORCHINDUCTOR_CACHE_DIR"] == own
 
 
 @pytest.mark.integration
