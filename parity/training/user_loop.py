@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import optax
 
+import jaxamp
+
 __all__ = [
     "LOOP_CONFIG_FIELDS",
     "SIDES",
@@ -235,11 +237,7 @@ def _name(fn: Any) -> str:
 
 def contains_loss_scaled(tx: optax.GradientTransformation, params: Any) -> bool:
     """Whether `tx`'s state holds a ``jaxamp.loss_scaled`` state (the user scaled it already)."""
-    from jaxamp._loss_scaled_state import LossScaledState
-
-    state = jax.eval_shape(tx.init, params)
-    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScaledState))
-    return any(isinstance(x, LossScaledState) for x in leaves)
+    return bool(jaxamp.loss_scaled_states(jax.eval_shape(tx.init, params)))
 
 
 def loop_optimizer(loop: TrainingLoop, config: Any, params: Any, pair: Any = None, axis_name=None):
