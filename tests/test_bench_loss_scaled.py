@@ -27,6 +27,15 @@ def bench():
         yield module
 
 
+def _sibling(name: str):
+    """Another script of `benchmarks/` as a module; with the `bench` fixture active, its
+    ``import bench_loss_scaled`` takes the fixture's module."""
+    spec = importlib.util.spec_from_file_location(name, _PATH.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # XLA:CPU's code generation for the value check: its legacy fusion emitters, without LLVM's
 # optimisations. Each variant's program (its HLO, donation included) is the benchmark's; only
 # the machine code XLA makes of it differs: a fifth of the compile time (0.9 against 4.0 CPU s
@@ -151,11 +160,7 @@ def test_hlo_analysis_reads_gpus_program(bench):
     """`benchmarks/hlo_loss_scaled.py` on the MLP, lowered for GPU here: jaxamp's check adds one
     reduction per gradient leaf (Flax's count), one pass, nothing written between passes, and
     no conditional; lowered for CPU, the block form and (donated) the branch."""
-    path = _PATH.parent / "hlo_loss_scaled.py"
-    spec = importlib.util.spec_from_file_location("hlo_loss_scaled", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.analyse(
+    rows = _sibling("hlo_loss_scaled").analyse(
         ["mlp"], ["fp32"], ["plain", "loss_scaled_in_place", "flax"], ["cpu", "cuda"]
     )
     got = {(r["variant"], r["donated"], r["platform"]): r for r in rows}
@@ -169,19 +174,13 @@ def test_hlo_analysis_reads_gpus_program(bench):
     assert cpu["conditionals"] == 1
 
 
-def test_compile_benchmark_reads_what_xla_cpu_compiles(tmp_path, capsys):
+def test_compile_benchmark_reads_what_xla_cpu_compiles(bench, tmp_path, capsys):
     """`benchmarks/compile_loss_scaled.py` on the tiny MLP: a row per (policy, variant) with the
     compiled program's instruction and fusion counts and a compile time per repeat, printed and
     written as JSON; the loss-scaled step's program holds more than the plain one's (its
     check, skip and scale update)."""
-    path = _PATH.parent / "compile_loss_scaled.py"
-    spec = importlib.util.spec_from_file_location("compile_loss_scaled", path)
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(_PATH.parent))
-        spec.loader.exec_module(module)
     out = tmp_path / "compile.json"
-    module.main(
+    _sibling("compile_loss_scaled").main(
         [
             "--tiny",
             "--models",

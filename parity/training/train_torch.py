@@ -106,11 +106,10 @@ def build_torch_step(config: RunConfig, pair: Any) -> TorchStep:
         optimizer = build_torch_optimizer(config, model.parameters())
     loss = getattr(getattr(pair, "loop", None), "torch_loss", None)
     scaler = recipe.torch_grad_scaler(config, device_type)
-    hazard = None
     if config.torch_compile and device_type == "cpu":
         hazard = inductor_cache_hazard(default_dir=_inductor_default_cache())
-    if hazard is not None:
-        warnings.warn(hazard, RuntimeWarning, stacklevel=2)
+        if hazard is not None:
+            warnings.warn(hazard, RuntimeWarning, stacklevel=2)
     forward_model = torch.compile(model) if config.torch_compile else model
     params = [p for p in model.parameters() if p.requires_grad]
 
