@@ -1,0 +1,271 @@
+"""Where a pytest run's CPU seconds go: XLA compiling, JAX tracing and lowering, and the rest.
+
+Runs pytest (by default the README's test command, `-n 2 tests`) with this file loaded as a
+plugin in every test process, pytest-xdist's workers included, and prints per test file: the CPU
+seconds of its tests (their own process's and the subprocesses they waited for), the CPU seconds
+XLA spent compiling, the number of compiles and of distinct programs among them, the compile CPU
+seconds spent on a program the same process had compiled before (what a cache could still save),
+and the seconds of tracing and lowering. Then the whole run, with the programs compiled in more
+than one process. Table on stdout, JSON in `--out`.
+
+    .venv/bin/python benchmarks/suite_compile.py --out benchmarks/results/suite_compile.json
+    .venv/bin/python benchmarks/suite_compile.py -- -p no:xdist tests/jaxamp/test_optim.py
+
+A program is the lowered StableHLO module without its source locations, with its device count:
+two tests that build fresh closures over the same computation compile one program twice. A
+compile is XLA's (``jax._src.compiler.compile_or_get_cached``, a JAX internal this file wraps;
+a hit in JAX's compilation cache is counted as a compile of little CPU). Compile seconds are the
+compiling thread's process CPU seconds over the call (XLA:CPU compiles on more than one thread);
+tracing and lowering are JAX's own wall-clock events. Runs of one commit at different minutes
+differ by several percent: compare two commits side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+_OUT_VAR = "SUITE_COMPILE_OUT"
+_TRACE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+)
+
+
+# --- the plugin: loaded by pytest (`-p suite_compile`) in every test process ---------------------
+
+
+class _Recorder:
+    """Per test: CPU seconds, and each compile's (program, CPU seconds); tracing seconds."""
+
+    def __init__(self):
+        self.test = "<outside any test>"
+        self.tests: dict[str, dict] = {}
+        self.compiles: list[tuple[str, str, str, float]] = []  # test, name, program, CPU s
+        self.trace_s: collections.Counter = collections.Counter()
+
+    def install(self) -> None:
+        import jax.monitoring
+        from jax._src import compiler
+
+        original = getattr(compiler, "compile_or_get_cached", None)
+        if original is None:
+            raise RuntimeError(
+                "suite_compile: jax._src.compiler.compile_or_get_cached is gone in this JAX "
+                f"({_jax_version()}): the compile hook needs updating"
+            )
+
+        def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+            start = time.process_time()
+            executable = original(backend, computation, devices, *args, **kwargs)
+            seconds = time.process_time() - start
+            self.compiles.append((self.test, *_program(computation, devices), seconds))
+            return executable
+
+        compiler.compile_or_get_cached = compile_or_get_cached
+
+        def on_duration(event: str, duration: float, **_) -> None:
+            if event in _TRACE_EVENTS:
+                self.trace_s[self.test] += duration
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.test = item.nodeid
+        before = os.times()
+        yield
+        after = os.times()
+        self.tests[item.nodeid] = {
+            "cpu_s": after.user + after.system - before.user - before.system,
+            "children_cpu_s": after.children_user
+            + after.children_system
+            - before.children_user
+            - before.children_system,
+        }
+
+    def pytest_sessionfinish(self, session):
+        folder = os.environ.get(_OUT_VAR)
+        if not folder:
+            return
+        process = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        payload = {
+            "tests": self.tests,
+            "trace_s": dict(self.trace_s),
+            "compiles": self.compiles,
+        }
+        _write_json_atomic(pathlib.Path(folder) / f"{process}.json", payload)
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
+def _program(computation, devices) -> tuple[str, str]:
+    """(module name, fingerprint of the module without locations, and its device count)."""
+    operation = computation.operation
+    text = operation.get_asm(enable_debug_info=False)
+    name = (
+        str(operation.attributes["sym_name"]).strip('"')
+        if "sym_name" in operation.attributes
+        else "?"
+    )
+    count = getattr(devices, "size", None) or len(devices)
+    digest = hashlib.sha256(f"{count}\n{text}".encode()).hexdigest()[:20]
+    return name, digest
+
+
+def pytest_configure(config):
+    """Registered as a plugin: record this process's tests and compiles."""
+    if os.environ.get(_OUT_VAR):
+        recorder = _Recorder()
+        recorder.install()
+        config.pluginmanager.register(recorder, "suite_compile_recorder")
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+
+def summarize(records: dict[str, dict]) -> dict:
+    """Per file and in all, from each process's record ({process: payload})."""
+    files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    totals: collections.Counter = collections.Counter()
+    for payload in records.values():
+        for test, row in payload["tests"].items():
+            file = test.split("::")[0]
+            files[file]["tests"] += 1
+            files[file]["cpu_s"] += row["cpu_s"]
+            files[file]["children_cpu_s"] += row["children_cpu_s"]
+        for test, seconds in payload["trace_s"].items():
+            files[test.split("::")[0]]["trace_lower_s"] += seconds
+        seen: set[str] = set()
+        for test, _name, program, seconds in payload["compiles"]:
+            file = files[test.split("::")[0]]
+            file["compiles"] += 1
+            file["compile_cpu_s"] += seconds
+            if program in seen:
+                file["repeat_compiles"] += 1
+                file["repeat_compile_cpu_s"] += seconds
+            else:
+                file["programs"] += 1
+                seen.add(program)
+    for row in files.values():
+        totals.update(row)
+    # Each program's first compile in each process; beyond the cheapest of those, what one
+    # cache shared by the processes could save.
+    firsts: dict[str, list[float]] = collections.defaultdict(list)
+    for payload in records.values():
+        first: dict[str, float] = {}
+        for _test, _name, program, seconds in payload["compiles"]:
+            first.setdefault(program, seconds)
+        for program, seconds in first.items():
+            firsts[program].append(seconds)
+    shared = {p: s for p, s in firsts.items() if len(s) > 1}
+    return {
+        "files": {f: dict(row) for f, row in sorted(files.items(), key=lambda kv: -_cost(kv[1]))},
+        "total": dict(totals),
+        "processes": len(records),
+        "programs_in_more_than_one_process": len(shared),
+        "their_compile_cpu_s_beyond_one_process": sum(sum(s) - min(s) for s in shared.values()),
+    }
+
+
+def _cost(row) -> float:
+    return row["cpu_s"] + row["children_cpu_s"]
+
+
+def print_table(summary: dict, top: int) -> None:
+    head = (
+        f"{'file':58s} {'tests':>5s} {'CPU s':>7s} {'subproc':>7s} {'XLA CPU s':>9s} "
+        f"{'compiles':>8s} {'programs':>8s} {'again s':>7s} {'trace s':>7s}"
+    )
+    print(head)
+    print("-" * len(head))
+
+    def line(name: str, row: dict) -> str:
+        return (
+            f"{name:58s} {row.get('tests', 0):5d} {row.get('cpu_s', 0):7.1f} "
+            f"{row.get('children_cpu_s', 0):7.1f} {row.get('compile_cpu_s', 0):9.1f} "
+            f"{row.get('compiles', 0):8d} {row.get('programs', 0):8d} "
+            f"{row.get('repeat_compile_cpu_s', 0):7.1f} {row.get('trace_lower_s', 0):7.1f}"
+        )
+
+    for name, row in list(summary["files"].items())[:top]:
+        print(line(name, row))
+    rest = len(summary["files"]) - top
+    if rest > 0:
+        print(f"... {rest} more files (all in the JSON)")
+    print("-" * len(head))
+    print(line(f"all, {summary['processes']} process(es)", summary["total"]))
+    print(
+        f"programs compiled in more than one process: {summary['programs_in_more_than_one_process']}, "
+        f"{summary['their_compile_cpu_s_beyond_one_process']:.1f} compile CPU s beyond one "
+        "process's"
+    )
+
+
+def _write_json_atomic(path: pathlib.Path, payload: dict) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after `--` go to pytest (default: -n 2 tests).",
+    )
+    parser.add_argument("--out", default="benchmarks/results/suite_compile.json")
+    parser.add_argument("--top", type=int, default=25, help="files in the printed table")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args = ["-n", "2", "tests"]
+    if "--" in argv:
+        at = argv.index("--")
+        argv, pytest_args = argv[:at], argv[at + 1 :]
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top must be 1 or more, got {args.top}")
+    here = pathlib.Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory(prefix="suite-compile-") as folder:
+        env = dict(os.environ)
+        env[_OUT_VAR] = folder
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", "pytest", "-p", "suite_compile", *pytest_args]
+        print("running:", " ".join(command), flush=True)
+        result = subprocess.run(command, env=env)
+        records = {
+            p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(folder).glob("*.json"))
+        }
+    records = {p: r for p, r in records.items() if r["tests"] or r["compiles"]}
+    if not records:
+        print(
+            f"pytest (exit {result.returncode}) ran no test: nothing to summarize", file=sys.stderr
+        )
+        return result.returncode or 1
+    summary = summarize(records)
+    summary["pytest_args"] = pytest_args
+    summary["pytest_exit"] = result.returncode
+    print()
+    print_table(summary, args.top)
+    _write_json_atomic(pathlib.Path(args.out), summary)
+    print(f"wrote {args.out}")
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The suite-cost benchmark counts what it says: a program compiled again by the same process
+is one program and one repeat, programs compiled in several processes are summed beyond the
+cheapest, and a run that ran no test is reported as such (the whole suite is profiled by hand,
+never in a test)."""
+
+import importlib.util
+import json
+import pathlib
+import textwrap
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "suite_compile.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("suite_compile", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(tests, compiles, trace=None):
+    return {"tests": tests, "compiles": compiles, "trace_s": trace or {}}
+
+
+def test_the_summary_counts_repeats_per_process_and_programs_shared_between_processes(bench):
+    one = {"cpu_s": 1.0, "children_cpu_s": 0.5}
+    records = {
+        "gw0": _record(
+            {"t/a.py::x": one, "t/a.py::y": one},
+            [
+                ("t/a.py::x", "jit_f", "P", 0.4),
+                ("t/a.py::y", "jit_f", "P", 0.3),  # the same program again, this process
+                ("t/a.py::y", "jit_g", "Q", 0.2),
+            ],
+            {"t/a.py::x": 0.25},
+        ),
+        "gw1": _record(
+            {"t/b.py::z": one},
+            [("t/b.py::z", "jit_f", "P", 0.1), ("t/b.py::z", "jit_h", "R", 0.7)],
+        ),
+    }
+    summary = bench.summarize(records)
+    a, b = summary["files"]["t/a.py"], summary["files"]["t/b.py"]
+    assert list(summary["files"]) == ["t/a.py", "t/b.py"]  # costliest first
+    assert (a["tests"], a["cpu_s"], a["children_cpu_s"], a["trace_lower_s"]) == (2, 2.0, 1.0, 0.25)
+    assert (a["compiles"], a["programs"], a["repeat_compiles"]) == (3, 2, 1)
+    assert a["compile_cpu_s"] == pytest.approx(0.9)
+    assert a["repeat_compile_cpu_s"] == pytest.approx(0.3)
+    assert (b["compiles"], b["programs"], b.get("repeat_compiles", 0)) == (2, 2, 0)
+    total = summary["total"]
+    assert (total["tests"], total["compiles"], total["programs"]) == (3, 5, 4)
+    # P: first compiled at 0.4 s in gw0 and 0.1 s in gw1; one shared cache pays the 0.1
+    assert summary["programs_in_more_than_one_process"] == 1
+    assert summary["their_compile_cpu_s_beyond_one_process"] == pytest.approx(0.4)
+
+
+@pytest.mark.integration
+def test_a_run_of_pytest_is_profiled_and_written(bench, tmp_path, capsys):
+    """The benchmark runs pytest with itself as a plugin on a file of two tests: one jits a
+    computation, the other jits a fresh closure over the same computation (one program, compiled
+    again) and a second one."""
+    test_file = tmp_path / "test_two.py"
+    test_file.write_text(
+        textwrap.dedent(
+            """
+            import jax
+            import jax.numpy as jnp
+
+            def test_first():
+                assert jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).shape == (8,)
+
+            def test_again_and_another():
+                assert jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).shape == (8,)
+                assert jax.jit(lambda x: jnp.cos(x) + 1)(jnp.ones(8)).shape == (8,)
+            """
+        )
+    )
+    out = tmp_path / "suite.json"
+    pytest_args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)]
+    code = bench.main(["--out", str(out), "--", *pytest_args, str(test_file)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "XLA CPU s" in printed and "test_two.py" in printed
+    summary = json.loads(out.read_text())
+    (name,) = [f for f in summary["files"] if f.endswith("test_two.py")]
+    row = summary["files"][name]
+    assert row["tests"] == 2 and row["cpu_s"] > 0
+    # the two tests' programs: sin*2 twice (one repeat) and cos+1; inputs made eagerly may add
+    # programs of their own, each compiled once
+    assert row["repeat_compiles"] == 1 and row["repeat_compile_cpu_s"] > 0
+    assert row["compiles"] == row["programs"] + 1 >= 3
+    assert summary["pytest_exit"] == 0 and summary["processes"] == 1
+
+
+@pytest.mark.integration
+def test_a_run_without_tests_says_so_and_fails(bench, tmp_path, capsys):
+    empty = tmp_path / "test_none.py"
+    empty.write_text("")
+    out = tmp_path / "suite.json"
+    code = bench.main(["--out", str(out), "--", "-p", "no:xdist", "-q", str(empty)])
+    assert code == 5  # pytest's own "no tests ran"
+    assert "ran no test" in capsys.readouterr().err
+    assert not out.exists()
