@@ -88,10 +88,13 @@ class _Recorder:
         after = os.times()
         self.tests[item.nodeid] = {
             "cpu_s": after.user + after.system - before.user - before.system,
-            "children_cpu_s": after.children_user
-            + after.children_system
-            - before.children_user
-            - before.children_system,
+            "children_cpu_s": max(  # never -0.0 from rounding
+                0.0,
+                after.children_user
+                + after.children_system
+                - before.children_user
+                - before.children_system,
+            ),
         }
 
     def pytest_sessionfinish(self, session):
