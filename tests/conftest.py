@@ -1,8 +1,11 @@
 """Test configuration: 8 host devices, strict dtype promotion, warnings as errors (pyproject)."""
 
 import copy
+import importlib.util
 import math
 import os
+import pathlib
+import sys
 from typing import Any
 
 # Must happen before jax is imported anywhere: multi-device tests run on 8 virtual CPU devices.
@@ -86,6 +89,30 @@ def float_dtype(request):
 def maybe_jit(request):
     """Run a function as is, then under jax.jit."""
     return jax.jit if request.param else (lambda f, **kw: f)
+
+
+_BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def benchmark_script():
+    """Loads a script of `benchmarks/` as a module: ``benchmark_script("bench_loss_scaled")``,
+    once per test module. Until the test module ends it is also ``sys.modules[name]``:
+    dataclasses look their module up there, and a script's ``import <sibling>`` gets the one
+    loaded here."""
+    loaded = {}
+    with pytest.MonkeyPatch.context() as patch:
+
+        def load(name: str):
+            if name not in loaded:
+                spec = importlib.util.spec_from_file_location(name, _BENCHMARKS / f"{name}.py")
+                module = importlib.util.module_from_spec(spec)
+                patch.setitem(sys.modules, name, module)
+                spec.loader.exec_module(module)
+                loaded[name] = module
+            return loaded[name]
+
+        yield load
 
 
 def pytest_unconfigure(config):

@@ -2,20 +2,12 @@
 (or are refused by name), the ratios are the documented ones, the table renders (the benchmark
 itself runs by hand, never in a test)."""
 
-import importlib.util
-import pathlib
-
 import pytest
-
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_harness_cost.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_harness_cost", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(benchmark_script):
+    return benchmark_script("bench_harness_cost")
 
 
 def test_sizes_parse_or_are_refused_by_name(bench):

@@ -1,10 +1,7 @@
 """The loss-scaling benchmark compares like with like: every variant trains the same model to
 the same parameters (the benchmark itself is timed by hand, never in a test)."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,26 +11,10 @@ import pytest
 # optax's own arithmetic is not strict-promotion clean (float ** int32 in bias correction).
 pytestmark = pytest.mark.standard_promotion
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss_scaled.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_loss_scaled", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, "bench_loss_scaled", module)  # dataclasses look it up
-        spec.loader.exec_module(module)
-        yield module
-
-
-def _sibling(name: str):
-    """Another script of `benchmarks/` as a module; with the `bench` fixture active, its
-    ``import bench_loss_scaled`` takes the fixture's module."""
-    spec = importlib.util.spec_from_file_location(name, _PATH.parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(benchmark_script):
+    return benchmark_script("bench_loss_scaled")
 
 
 # XLA:CPU's code generation for the value check: its legacy fusion emitters, without LLVM's
@@ -156,11 +137,11 @@ def test_variants_option_times_plain_and_the_chosen_ones(bench, tmp_path):
         bench.bench("mlp", "fp32", 2, 1, 8, variants=("plain",), clock="gpu")
 
 
-def test_hlo_analysis_reads_gpus_program(bench):
+def test_hlo_analysis_reads_gpus_program(bench, benchmark_script):
     """`benchmarks/hlo_loss_scaled.py` on the MLP, lowered for GPU here: jaxamp's check adds one
     reduction per gradient leaf (Flax's count), one pass, nothing written between passes, and
     no conditional; lowered for CPU, the block form and (donated) the branch."""
-    rows = _sibling("hlo_loss_scaled").analyse(
+    rows = benchmark_script("hlo_loss_scaled").analyse(
         ["mlp"], ["fp32"], ["plain", "loss_scaled_in_place", "flax"], ["cpu", "cuda"]
     )
     got = {(r["variant"], r["donated"], r["platform"]): r for r in rows}
@@ -174,13 +155,13 @@ def test_hlo_analysis_reads_gpus_program(bench):
     assert cpu["conditionals"] == 1
 
 
-def test_compile_benchmark_reads_what_xla_cpu_compiles(bench, tmp_path, capsys):
+def test_compile_benchmark_reads_what_xla_cpu_compiles(bench, benchmark_script, tmp_path, capsys):
     """`benchmarks/compile_loss_scaled.py` on the tiny MLP: a row per (policy, variant) with the
     compiled program's instruction and fusion counts and a compile time per repeat, printed and
     written as JSON; the loss-scaled step's program holds more than the plain one's (its
     check, skip and scale update)."""
     out = tmp_path / "compile.json"
-    _sibling("compile_loss_scaled").main(
+    benchmark_script("compile_loss_scaled").main(
         [
             "--tiny",
             "--models",

@@ -3,22 +3,15 @@ is one program and one repeat, programs compiled in several processes are summed
 cheapest, and a run that ran no test is reported as such (the whole suite is profiled by hand,
 never in a test)."""
 
-import importlib.util
 import json
-import pathlib
 import textwrap
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "suite_compile.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("suite_compile", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(benchmark_script):
+    return benchmark_script("suite_compile")
 
 
 def _record(tests, compiles, trace=None):

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.util
-import pathlib
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -473,16 +470,11 @@ def test_state_and_optimizer_must_agree_on_provenance():
 
 # --- the benchmark's provenance variant ------------------------------------------------------------
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_loss_scaled.py"
 
-
-def test_benchmark_provenance_variant_is_loss_scaled_with_provenance(monkeypatch):
+def test_benchmark_provenance_variant_is_loss_scaled_with_provenance(benchmark_script):
     """The variant times `loss_scaled` with provenance on (its values equal the default's:
     `test_provenance_changes_no_value_of_the_step`); built, not compiled, to stay cheap."""
-    spec = importlib.util.spec_from_file_location("bench_loss_scaled", _BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_loss_scaled", bench)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("bench_loss_scaled")
     params = {"w": jnp.ones((2, 2))}
     states = {}
     for variant in ("loss_scaled", "loss_scaled_provenance"):

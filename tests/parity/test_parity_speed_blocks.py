@@ -286,14 +286,8 @@ def test_speed_section_tabulates_the_rounds_with_threads_and_load():
     assert "| not reproducible |" in text
 
 
-def test_the_reproduction_benchmark_concludes_from_words_and_intervals():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_speed_repro.py"
-    spec = importlib.util.spec_from_file_location("bench_speed_repro", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_the_reproduction_benchmark_concludes_from_words_and_intervals(benchmark_script):
+    bench = benchmark_script("bench_speed_repro")
     fast = {"status": "ratio", "ratio": 0.8, "low": 0.75, "high": 0.85, "reason": None}
     assert bench.conclusion([fast, {**fast, "low": 0.8, "high": 0.9}])[0] == "REPRODUCED"
     # the three "JAX faster" runs of the issue: one word, disjoint intervals
