@@ -146,6 +146,9 @@ def summarize(records: dict[str, dict]) -> dict:
     """Per file and in all, from each process's record ({process: payload})."""
     files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     totals: collections.Counter = collections.Counter()
+    # each program's first compile in each process: beyond the cheapest of those, what one
+    # cache shared by the processes could save
+    firsts: dict[str, list[float]] = collections.defaultdict(list)
     for payload in records.values():
         for test, row in payload["tests"].items():
             file = test.split("::")[0]
@@ -165,17 +168,9 @@ def summarize(records: dict[str, dict]) -> dict:
             else:
                 file["programs"] += 1
                 seen.add(program)
+                firsts[program].append(seconds)
     for row in files.values():
         totals.update(row)
-    # Each program's first compile in each process; beyond the cheapest of those, what one
-    # cache shared by the processes could save.
-    firsts: dict[str, list[float]] = collections.defaultdict(list)
-    for payload in records.values():
-        first: dict[str, float] = {}
-        for _test, _name, program, seconds in payload["compiles"]:
-            first.setdefault(program, seconds)
-        for program, seconds in first.items():
-            firsts[program].append(seconds)
     shared = {p: s for p, s in firsts.items() if len(s) > 1}
     return {
         "files": {f: dict(row) for f, row in sorted(files.items(), key=lambda kv: -_cost(kv[1]))},
