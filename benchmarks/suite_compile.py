@@ -6,7 +6,10 @@ seconds of its tests (their own process's and the subprocesses they waited for),
 XLA spent compiling, the number of compiles and of distinct programs among them, the compile CPU
 seconds spent on a program the same process had compiled before (what a cache could still save),
 and the seconds of tracing and lowering. Then the whole run, with the programs compiled in more
-than one process. Table on stdout, JSON in `--out`.
+than one process and the compiles of under 50 ms (one operation run eagerly compiles in about
+that), and a second table by the program's name (``jit_<function>``: which computations the
+compile seconds go to, in how many distinct programs and files). Tables on stdout, JSON in
+`--out`.
 
     .venv/bin/python benchmarks/suite_compile.py --out benchmarks/results/suite_compile.json
     .venv/bin/python benchmarks/suite_compile.py -- -p no:xdist tests/jaxamp/test_optim.py
@@ -36,6 +39,7 @@ import time
 import pytest
 
 _OUT_VAR = "SUITE_COMPILE_OUT"
+_SMALL_S = 0.05  # a compile under this is counted as small: one eager operation's, typically
 _TRACE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -149,6 +153,14 @@ def summarize(records: dict[str, dict]) -> dict:
     # each program's first compile in each process: beyond the cheapest of those, what one
     # cache shared by the processes could save
     firsts: dict[str, list[float]] = collections.defaultdict(list)
+    names: dict[str, dict] = collections.defaultdict(
+        lambda: {
+            "compiles": 0,
+            "compile_cpu_s": 0.0,
+            "programs": set(),
+            "files": collections.Counter(),
+        }
+    )
     for payload in records.values():
         for test, row in payload["tests"].items():
             file = test.split("::")[0]
@@ -158,10 +170,18 @@ def summarize(records: dict[str, dict]) -> dict:
         for test, seconds in payload["trace_s"].items():
             files[test.split("::")[0]]["trace_lower_s"] += seconds
         seen: set[str] = set()
-        for test, _name, program, seconds in payload["compiles"]:
+        for test, name, program, seconds in payload["compiles"]:
             file = files[test.split("::")[0]]
             file["compiles"] += 1
             file["compile_cpu_s"] += seconds
+            if seconds < _SMALL_S:
+                file["small_compiles"] += 1
+                file["small_compile_cpu_s"] += seconds
+            by_name = names[name]
+            by_name["compiles"] += 1
+            by_name["compile_cpu_s"] += seconds
+            by_name["programs"].add(program)
+            by_name["files"][test.split("::")[0]] += seconds
             if program in seen:
                 file["repeat_compiles"] += 1
                 file["repeat_compile_cpu_s"] += seconds
@@ -178,6 +198,16 @@ def summarize(records: dict[str, dict]) -> dict:
         "processes": len(records),
         "programs_in_more_than_one_process": len(shared),
         "their_compile_cpu_s_beyond_one_process": sum(sum(s) - min(s) for s in shared.values()),
+        "names": {
+            name: {
+                "compiles": row["compiles"],
+                "programs": len(row["programs"]),
+                "compile_cpu_s": row["compile_cpu_s"],
+                "files": len(row["files"]),
+                "costliest_file": row["files"].most_common(1)[0][0],
+            }
+            for name, row in sorted(names.items(), key=lambda kv: -kv[1]["compile_cpu_s"])
+        },
     }
 
 
@@ -213,6 +243,34 @@ def print_table(summary: dict, top: int) -> None:
         f"{summary['their_compile_cpu_s_beyond_one_process']:.1f} compile CPU s beyond one "
         "process's"
     )
+    total = summary["total"]
+    print(
+        f"compiles under {_SMALL_S * 1000:.0f} ms: {total.get('small_compiles', 0)} of "
+        f"{total.get('compiles', 0)}, {total.get('small_compile_cpu_s', 0):.1f} of "
+        f"{total.get('compile_cpu_s', 0):.1f} compile CPU s"
+    )
+    print()
+    print_names(summary, top)
+
+
+def print_names(summary: dict, top: int) -> None:
+    """The compile CPU seconds by program name, costliest first."""
+    all_s = summary["total"].get("compile_cpu_s", 0.0) or 1.0
+    head = (
+        f"{'program name':32s} {'compiles':>8s} {'programs':>8s} {'XLA CPU s':>9s} {'share':>6s} "
+        f"{'files':>5s}  costliest file"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, row in list(summary["names"].items())[:top]:
+        print(
+            f"{name[:32]:32s} {row['compiles']:8d} {row['programs']:8d} "
+            f"{row['compile_cpu_s']:9.1f} {row['compile_cpu_s'] / all_s:6.1%} {row['files']:5d}  "
+            f"{row['costliest_file']}"
+        )
+    rest = len(summary["names"]) - top
+    if rest > 0:
+        print(f"... {rest} more names (all in the JSON)")
 
 
 def _write_json_atomic(path: pathlib.Path, payload: dict) -> None:
@@ -230,7 +288,9 @@ def main(argv=None) -> int:
         epilog="Arguments after `--` go to pytest (default: -n 2 tests).",
     )
     parser.add_argument("--out", default="benchmarks/results/suite_compile.json")
-    parser.add_argument("--top", type=int, default=25, help="files in the printed table")
+    parser.add_argument(
+        "--top", type=int, default=25, help="rows of each printed table (files, program names)"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     pytest_args = ["-n", "2", "tests"]
     if "--" in argv:

@@ -1,6 +1,7 @@
 """The suite-cost benchmark counts what it says: a program compiled again by the same process
 is one program and one repeat, programs compiled in several processes are summed beyond the
-cheapest, and a run that ran no test is reported as such (the whole suite is profiled by hand,
+cheapest, compiles are summed by program name and the small ones counted apart, and a run that
+ran no test is reported as such (the whole suite is profiled by hand,
 never in a test)."""
 
 import json
@@ -48,6 +49,37 @@ def test_the_summary_counts_repeats_per_process_and_programs_shared_between_proc
     # P: first compiled at 0.4 s in gw0 and 0.1 s in gw1; one shared cache pays the 0.1
     assert summary["programs_in_more_than_one_process"] == 1
     assert summary["their_compile_cpu_s_beyond_one_process"] == pytest.approx(0.4)
+    # by name, costliest first: jit_f is one program compiled three times in two files
+    assert list(summary["names"]) == ["jit_f", "jit_h", "jit_g"]
+    f = summary["names"]["jit_f"]
+    assert (f["compiles"], f["programs"], f["files"], f["costliest_file"]) == (3, 1, 2, "t/a.py")
+    assert f["compile_cpu_s"] == pytest.approx(0.8)
+    assert summary["names"]["jit_h"]["costliest_file"] == "t/b.py"
+    assert "small_compiles" not in total  # none under 50 ms here
+
+
+def test_small_compiles_are_counted_apart_and_names_printed(bench, capsys):
+    records = {
+        "main": _record(
+            {"t/a.py::x": {"cpu_s": 1.0, "children_cpu_s": 0.0}},
+            [
+                ("t/a.py::x", "jit_add", "A", 0.01),  # small: an eager operation
+                ("t/a.py::x", "jit_add", "B", 0.049),  # another shape, still small
+                ("t/a.py::x", "jit_train_step", "T", 1.5),
+            ],
+        )
+    }
+    summary = bench.summarize(records)
+    total = summary["total"]
+    assert (total["small_compiles"], total["compiles"]) == (2, 3)
+    assert total["small_compile_cpu_s"] == pytest.approx(0.059)
+    assert summary["names"]["jit_add"]["programs"] == 2
+    bench.print_table(summary, top=1)
+    printed = capsys.readouterr().out
+    assert "compiles under 50 ms: 2 of 3, 0.1 of 1.6 compile CPU s" in printed
+    assert "jit_train_step" in printed and "96.2%" in printed  # 1.5 of 1.559
+    assert "jit_add" not in printed.split("program name")[1].split("... 1 more")[0]
+    assert "... 1 more names" in printed
 
 
 @pytest.mark.integration
@@ -86,6 +118,9 @@ def test_a_run_of_pytest_is_profiled_and_written(bench, tmp_path, capsys):
     assert row["repeat_compiles"] == 1 and row["repeat_compile_cpu_s"] > 0
     assert row["compiles"] == row["programs"] + 1 >= 3
     assert summary["pytest_exit"] == 0 and summary["processes"] == 1
+    lambdas = summary["names"]["jit__lambda"]  # both closures are named after `lambda`
+    assert (lambdas["compiles"], lambdas["programs"]) == (3, 2)
+    assert lambdas["costliest_file"] == name
 
 
 @pytest.mark.integration
