@@ -1,4 +1,4 @@
-"""autocast(overrides=...) applies wherever the op runs, Flax layers included (issue 13 item 3)."""
+"""autocast(overrides=...) applies wherever the op runs, Flax layers included."""
 
 import flax.linen as nn
 import jax
@@ -131,7 +131,7 @@ def test_unknown_category_names_closest():
         jaxamp.autocast(lambda a: a, overrides={"not_a_key": "fp32"})
 
 
-# --- the op-hook extension point (used by jaxamp.fp8) ---------------------------------------
+# --- the op-hook extension point (used by jaxamp.fp8) ---------------------------------------------
 
 
 def test_op_hooks_see_autocast_operands_and_can_replace_the_op(maybe_jit):

@@ -1,6 +1,8 @@
-"""Issue 13 defects in the loss-scaling core (items 1, 2, 4, 5, 6, 9): each test failed before
-the fix. Parity claims run torch's GradScaler("cpu") and flax's
-DynamicScale themselves.
+"""Defects once found in the loss-scaling core, each test failing before its fix: unscaling at
+the largest scales, one skip mechanism for linen and NNX, float16 master weights refused, float16
+overflow when unscaling, several optimizers under one scaler, and adversarial configurations,
+states and gradients. Parity claims run torch's GradScaler("cpu") and flax's DynamicScale
+themselves.
 """
 
 import functools
@@ -390,7 +392,7 @@ def test_per_group_skip_matches_torch_grad_scaling_multiple(maybe_jit):
             )
 
 
-# --- item 9: the adversarial cases ----------------------------------------------------------------
+# --- adversarial configurations, state dicts, gradients and meshes --------------------------------
 
 
 @pytest.mark.parametrize(

@@ -322,7 +322,7 @@ def _delete_manifest(step_dir):
     ids=["bad-json", "wrong-json", "truncated-data", "no-manifest"],
 )
 def test_corrupted_checkpoint_is_a_value_error_naming_the_file(tmp_path, corrupt, item):
-    """Issue 13 item 9: damaged files give the documented ValueError, not raw orbax errors."""
+    """Damaged checkpoint files give the documented ValueError, not raw orbax errors."""
     state = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
     ckpt.save(tmp_path, state, 3)
     corrupt(tmp_path / "3")

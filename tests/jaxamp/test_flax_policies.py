@@ -421,7 +421,7 @@ def test_bad_override_and_policy():
         jf.nnx.apply_policy(nn.Dense(2), "fp32")
 
 
-# ------------------------------------------- rules matching no module warn (issue 13 item 7)
+# ------------------------------------------- rules matching no module warn
 
 
 def test_linen_rule_matching_no_module_warns():

@@ -74,7 +74,7 @@ def test_nnx_report():
 
 
 def test_report_names_use_the_policy_grammar():
-    # One dtype grammar (issue 13 item 7): every dtype and policy the report prints parses back.
+    # One dtype grammar: every dtype and policy the report prints parses back.
     from jaxamp._policy import get_policy, parse_dtype
 
     rules = {"Dense_2": jf.override(compute="full"), "LayerNorm_0": "p=f32,c=f32,o=bf16"}
@@ -89,8 +89,9 @@ def test_report_names_use_the_policy_grammar():
 
 
 def test_report_reads_only_public_queries_of_the_flax_glue():
-    """The seam (issue 23): report.py asks linen.py / nnx.py through their exported queries
-    (current_policy, module_policy, own_params, has_own_call), never their private names."""
+    """The seam between the report and the Flax glue: report.py asks linen.py / nnx.py through
+    their exported queries (current_policy, module_policy, own_params, has_own_call), never
+    their private names."""
     import ast
     import inspect
 

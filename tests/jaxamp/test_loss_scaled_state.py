@@ -1,6 +1,6 @@
-"""Loss scales and loss-scaled states as users build, map and misuse them (issue 23 items 3, 4,
-8, 9): validation where the user builds, never when JAX rebuilds; jmp's idiom; errors
-that name the parameter, the value and the closest valid name; misplaced loss scaling refused."""
+"""Loss scales and loss-scaled states as users build, map and misuse them: validation where the
+user builds, never when JAX rebuilds; jmp's idiom; errors that name the parameter, the value and
+the closest valid name; misplaced loss scaling refused; no buffer copied on every step."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_static_scale_validates_the_users_value_only():
     assert jax.eval_shape(lambda s: s, scale).loss_scale.shape == ()
 
 
-# --- item 4: concrete 0-d arrays accepted (jmp's idiom), tracers/strings/bools refused ------------
+# --- concrete 0-d arrays accepted (jmp's idiom), tracers/strings/bools refused --------------------
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_tracers_are_refused_with_the_fix():
         )
 
 
-# --- item 8: messages that name the parameter, the value and the closest valid name ---------------
+# --- messages that name the parameter, the value and the closest valid name -----------------------
 
 
 def test_unknown_axis_name_is_named_with_the_axes_in_scope():
@@ -217,7 +217,7 @@ def test_preset_name_errors_name_the_valid_names():
         jaxamp.loss_scaled(optax.sgd(0.1), "megatorn")
 
 
-# --- item 9: misplaced or missing loss scaling is refused, naming the fix -------------------------
+# --- misplaced or missing loss scaling is refused, naming the fix ---------------------------------
 
 
 @pytest.mark.parametrize(
@@ -344,7 +344,7 @@ def test_set_loss_scale_names_itself_when_refusing_a_value():
         jaxamp.loss_scaled(optax.sgd(0.1), 2.0)
 
 
-# --- item 10: no parameter or state buffer copied on every step, donated or not -------------------
+# --- no parameter or state buffer copied on every step, donated or not ----------------------------
 
 
 def _big_copies(tx, donate: bool) -> list[str]:

@@ -450,7 +450,7 @@ def test_shard_map_axis_name_makes_every_replica_skip(replica_devices):
     np.testing.assert_array_equal(np.asarray(new_params), 1.0)  # every replica skipped
     np.testing.assert_array_equal(np.asarray(scales), 2.0**15)  # and agrees on the scale
     # Independent decisions (axis_name=(), the explicit opt-out; leaving axis_name out here
-    # now raises, issue 13 item 9): the replicas disagree, the finite ones step.
+    # raises): the replicas disagree, the finite ones step.
     tx_local = jaxamp.loss_scaled(optax.sgd(0.5), axis_name=())
 
     def local_step(p, g):
@@ -740,7 +740,7 @@ def test_jitted_train_step_does_not_retrace():
     assert len(traces) == 1
 
 
-# --- apply_gradients: update + apply as one decision (issue 13 item 8) ----------------------------
+# --- apply_gradients: update + apply as one decision ----------------------------------------------
 
 
 def _fused_and_split(txs, maybe_jit):
@@ -917,7 +917,7 @@ def test_apply_gradients_on_other_transformations(maybe_jit):
     )
     np.testing.assert_array_equal(new["w"], params["w"])
     assert int(jaxamp.amp_info(state).skipped_steps) == 1
-    # A plain optimizer, or loss_scaled beside others in a chain: refused (issue 23 item 9).
+    # A plain optimizer, or loss_scaled beside others in a chain: refused.
     plain = optax.sgd(0.5)
     with pytest.raises(TypeError, match="not loss-scaled"):
         maybe_jit(lambda g, s, p: jaxamp.apply_gradients(plain, g, s, p))(

@@ -1,4 +1,4 @@
-"""Overflow at the top of float32's range (issue 23 items 1 and 2).
+"""Overflow at the top of float32's range: the check sees it, and unscaling stays exact.
 
 * The inf/NaN check must see a gradient that overflows only once scaled, at every loss scale up
   to float32's maximum, eagerly and under `jit`, whatever the compiler may reassociate: a row
@@ -75,7 +75,7 @@ def _expected_skip(x: np.ndarray, scale: float) -> bool:
         return not bool(np.isfinite(x.astype(np.float32) * np.float32(scale)).all())
 
 
-# --- item 1: a gradient that overflows only when scaled is skipped --------------------------------
+# --- a gradient that overflows only when scaled is skipped ----------------------------------------
 
 
 @settings(max_examples=40, deadline=None)
@@ -300,7 +300,7 @@ def test_all_finite_at_every_binade_edge_at_xla_default_optimisation(tmp_path):
     assert not wrong, wrong
 
 
-# --- item 2: exact unscaling with the scale a compile-time constant -------------------------------
+# --- exact unscaling with the scale a compile-time constant ---------------------------------------
 
 
 def _torch_rule(x: np.ndarray, scale: float) -> np.ndarray:

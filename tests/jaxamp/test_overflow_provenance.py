@@ -1,4 +1,4 @@
-"""Overflow provenance (issue 24 item 4): ``loss_scaled(..., provenance=True)`` names the first
+"""Overflow provenance: ``loss_scaled(..., provenance=True)`` names the first
 gradient leaf that held inf or NaN on a skipped step and gives each leaf's headroom below
 float16's maximum, eagerly and under `jit`, sharded and across replicas; finite steps report
 nothing and cost nothing; ``provenance=False`` leaves the state and its checkpoints as they were.
@@ -89,7 +89,7 @@ def _no_overflow(overflow) -> None:
     assert np.all(np.asarray(overflow.headroom) == np.inf)
 
 
-# --- the planted overflow is named, with every leaf's headroom --------------------------------------
+# --- the planted overflow is named, with every leaf's headroom ------------------------------------
 
 
 _PLANTED_STEPS = ({}, {"nan_in_bias1": True}, {"inf_at": None})
@@ -305,7 +305,7 @@ def test_flax_checkpoints_restore_with_provenance_switched(tmp_path):
             _no_overflow(restored.overflow)
 
 
-# --- replicas and sharding -------------------------------------------------------------------------
+# --- replicas and sharding ------------------------------------------------------------------------
 
 
 def _replica_grads(n: int) -> tuple[dict, list[dict]]:
@@ -384,7 +384,7 @@ def test_sharded_gradients_name_the_leaf():
     _assert_headroom(overflow.headroom, [np.log2(F16_MAX) - np.log2(3.0), -np.inf])
 
 
-# --- a finite step does no extra work ------------------------------------------------------------
+# --- a finite step does no extra work -------------------------------------------------------------
 
 
 def _primitives(jaxpr, inside_cond: bool, found: dict) -> None:
@@ -445,7 +445,7 @@ def test_select_form_where_a_branch_syncs_with_the_host(monkeypatch):
     assert _logs(found[False]) > 0  # computed outside any branch, as on GPU
 
 
-# --- bad input -------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, jnp.array(True)], ids=repr)
@@ -468,7 +468,7 @@ def test_state_and_optimizer_must_agree_on_provenance():
         with_it.update({"w": jnp.ones(2)}, with_it.init(params), params)
 
 
-# --- the benchmark's provenance variant ------------------------------------------------------------
+# --- the benchmark's provenance variant -----------------------------------------------------------
 
 
 def test_benchmark_provenance_variant_is_loss_scaled_with_provenance(benchmark_script):

@@ -531,7 +531,7 @@ def test_reduce_dtype_validated():
         get_policy("r=f32,reduce=bf16")
 
 
-# --- short errors with the closest name (issue 13 item 7) -----------------------------------------
+# --- short errors with the closest name -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(

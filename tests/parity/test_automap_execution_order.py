@@ -1,6 +1,6 @@
-"""parity.automap: layers paired by execution order and function, never by how names sort (issue 22).
+"""parity.automap: layers paired by execution order and function, never by how names sort.
 
-Every case of the issue: two same-shape layers whose names sort the other way round on the
+Every case found: two same-shape layers whose names sort the other way round on the
 Flax side map right or raise; the error's hint names real paths; a ResNet-style twin with
 mixed naming and BatchNorm passes step 0 with no rules; a property test over random stacks.
 """
@@ -49,7 +49,7 @@ def _same_output(torch_model, flax_module, mapping, x=X):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-# --- enc/dec against encoder/decoder (linen and NNX) ---------------------------------------
+# --- enc/dec against encoder/decoder (linen and NNX) ----------------------------------------------
 
 
 class EncDec(torch.nn.Module):
@@ -117,7 +117,7 @@ def test_enc_dec_without_a_forward_pass_raises_with_a_rule_that_settles_it():
     _same_output(model, FlaxEncDec(), mapping)
 
 
-# --- query/key against q/k: siblings decided by function ------------------------------------
+# --- query/key against q/k: siblings decided by function ------------------------------------------
 
 
 class QueryKey(torch.nn.Module):
@@ -187,7 +187,7 @@ def test_siblings_that_no_function_separates_raise_with_both_pairings():
     assert "rules={'left.weight'" in message
 
 
-# --- fc_a/fc_b against second_stage/first_stage ----------------------------------------------
+# --- fc_a/fc_b against second_stage/first_stage ---------------------------------------------------
 
 
 class Stages(torch.nn.Module):
@@ -218,7 +218,7 @@ def test_fc_a_fc_b_against_second_stage_first_stage():
     _same_output(model, FlaxStages(), mapping)
 
 
-# --- a.1 and a_1 in one torch model ----------------------------------------------------------
+# --- a.1 and a_1 in one torch model ---------------------------------------------------------------
 
 
 class Collide(torch.nn.Module):
@@ -250,7 +250,7 @@ def test_a_dot_1_and_a_underscore_1_do_not_share_a_name():
     _same_output(model, FlaxCollide(), mapping)
 
 
-# --- Sequential(Linear, Tanh, Linear) against one compact expression -------------------------
+# --- Sequential(Linear, Tanh, Linear) against one compact expression ------------------------------
 
 
 class Nested(fnn.Module):
@@ -270,7 +270,7 @@ def test_sequential_against_nested_compact_calls():
     assert "0.weight -> params/Dense_1/kernel  [linear; execution order]" in text
 
 
-# --- a layer run twice is one layer ---------------------------------------------------------
+# --- a layer run twice is one layer ---------------------------------------------------------------
 
 
 class Reused(torch.nn.Module):
@@ -327,7 +327,7 @@ def test_the_layers_of_one_stacked_lstm_pair_in_layer_order():
     _same_output(model, FlaxStackedLSTM(), mapping, x)
 
 
-# --- hints name real paths; folds are said -------------------------------------------------
+# --- hints name real paths; folds are said --------------------------------------------------------
 
 
 class FlaxTwo(fnn.Module):
@@ -382,7 +382,7 @@ def test_a_folded_gru_bias_is_warned_and_explained():
     assert "split into" in notes["gru.weight_ih_l0"]
 
 
-# --- a ResNet-style twin with mixed naming and BatchNorm -------------------------------------
+# --- a ResNet-style twin with mixed naming and BatchNorm ------------------------------------------
 
 
 class Block(torch.nn.Module):
@@ -476,7 +476,7 @@ def test_resnet_twin_with_mixed_naming_passes_step0_with_no_rules():
     assert result.passed, result.summary()
 
 
-# --- property: random stacks with unrelated names: right or raises -------------------------
+# --- property: random stacks with unrelated names: right or raises --------------------------------
 
 
 class FlaxStack(fnn.Module):
@@ -564,7 +564,7 @@ def test_random_stacks_map_right_or_raise(stack):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-# --- Hugging Face pairs still need no transfer code ------------------------------------------
+# --- Hugging Face pairs still need no transfer code -----------------------------------------------
 
 
 @pytest.mark.slow

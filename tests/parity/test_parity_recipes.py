@@ -109,7 +109,7 @@ def test_cli_defaults_are_runconfigs():
     assert cell.init_scale == 2.0**20 and cell.lr_warmup_steps == 10
 
 
-# --- the README's step ------------------------------------------------------------------------------
+# --- the README's step ----------------------------------------------------------------------------
 
 
 def _readme_train_step_source() -> str:
@@ -182,7 +182,7 @@ def test_train_jax_runs_the_step_through_apply_gradients(monkeypatch):
     assert len(calls) == 1 and len(run["steps"]) == 2  # traced once, in the compiled step
 
 
-# --- every recipe through every arm -----------------------------------------------------------------
+# --- every recipe through every arm ---------------------------------------------------------------
 
 
 def _config(precision):
@@ -357,7 +357,7 @@ def test_every_recipe_runs_as_itself_or_is_refused_on_every_arm(
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fp8_on_two_devices_trains_fp8_on_both_sides(tmp_path):
-    """The false PASS of issue 20: fp8 on --devices 2 trained float32 on both sides."""
+    """A false PASS once seen: fp8 on --devices 2 trained float32 on both sides."""
     out = tmp_path / "d"
     args = ["run", "--model", "mlp", "--precision", "fp8-tensorwise", "--devices", "2"]
     args += ["--steps", "3", "--batch-size", "8", "--out", str(out), "--timeout", "300"]
@@ -379,7 +379,7 @@ def test_fp8_on_two_devices_trains_fp8_on_both_sides(tmp_path):
     assert cli.main([*args, "--strategy", "fsdp"]) == 2
 
 
-# --- adding a precision ------------------------------------------------------------------------------
+# --- adding a precision ---------------------------------------------------------------------------
 
 
 class Fp32Again(recipes.Fp32):

@@ -201,7 +201,7 @@ def test_compare_models_library_entry(tmp_path, precision):
         parity.compare_models(_TorchNet(), _FlaxNet(), _transfer, 42)
 
 
-# --- issue 14: reports that cope with anything a run can record -----------------------------------
+# --- reports that cope with anything a run can record ---------------------------------------------
 
 
 def _report_cases():

@@ -1,4 +1,5 @@
-"""parity.pairs.adapters + compare_models without a transfer: every raw error of issue 9 has a message.
+"""parity.pairs.adapters + compare_models without a transfer: every raw error a user hit has a
+message.
 
 Each test reproduces one failure a user hit when bringing their own pair (the raw error in the
 docstring) and checks the harness now names the problem and the fix, or simply works.
