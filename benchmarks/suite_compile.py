@@ -153,13 +153,9 @@ def summarize(records: dict[str, dict]) -> dict:
     # each program's first compile in each process: beyond the cheapest of those, what one
     # cache shared by the processes could save
     firsts: dict[str, list[float]] = collections.defaultdict(list)
+    # per program name: compiles, distinct programs, compile CPU s per file
     names: dict[str, dict] = collections.defaultdict(
-        lambda: {
-            "compiles": 0,
-            "compile_cpu_s": 0.0,
-            "programs": set(),
-            "files": collections.Counter(),
-        }
+        lambda: {"compiles": 0, "programs": set(), "files": collections.Counter()}
     )
     for payload in records.values():
         for test, row in payload["tests"].items():
@@ -171,7 +167,8 @@ def summarize(records: dict[str, dict]) -> dict:
             files[test.split("::")[0]]["trace_lower_s"] += seconds
         seen: set[str] = set()
         for test, name, program, seconds in payload["compiles"]:
-            file = files[test.split("::")[0]]
+            path = test.split("::")[0]
+            file = files[path]
             file["compiles"] += 1
             file["compile_cpu_s"] += seconds
             if seconds < _SMALL_S:
@@ -179,9 +176,8 @@ def summarize(records: dict[str, dict]) -> dict:
                 file["small_compile_cpu_s"] += seconds
             by_name = names[name]
             by_name["compiles"] += 1
-            by_name["compile_cpu_s"] += seconds
             by_name["programs"].add(program)
-            by_name["files"][test.split("::")[0]] += seconds
+            by_name["files"][path] += seconds
             if program in seen:
                 file["repeat_compiles"] += 1
                 file["repeat_compile_cpu_s"] += seconds
@@ -192,22 +188,23 @@ def summarize(records: dict[str, dict]) -> dict:
     for row in files.values():
         totals.update(row)
     shared = {p: s for p, s in firsts.items() if len(s) > 1}
+    by_names = {
+        name: {
+            "compiles": row["compiles"],
+            "programs": len(row["programs"]),
+            "compile_cpu_s": sum(row["files"].values()),
+            "files": len(row["files"]),
+            "costliest_file": row["files"].most_common(1)[0][0],
+        }
+        for name, row in names.items()
+    }
     return {
         "files": {f: dict(row) for f, row in sorted(files.items(), key=lambda kv: -_cost(kv[1]))},
         "total": dict(totals),
         "processes": len(records),
         "programs_in_more_than_one_process": len(shared),
         "their_compile_cpu_s_beyond_one_process": sum(sum(s) - min(s) for s in shared.values()),
-        "names": {
-            name: {
-                "compiles": row["compiles"],
-                "programs": len(row["programs"]),
-                "compile_cpu_s": row["compile_cpu_s"],
-                "files": len(row["files"]),
-                "costliest_file": row["files"].most_common(1)[0][0],
-            }
-            for name, row in sorted(names.items(), key=lambda kv: -kv[1]["compile_cpu_s"])
-        },
+        "names": dict(sorted(by_names.items(), key=lambda kv: -kv[1]["compile_cpu_s"])),
     }
 
 

@@ -1,8 +1,7 @@
 """The suite-cost benchmark counts what it says: a program compiled again by the same process
 is one program and one repeat, programs compiled in several processes are summed beyond the
 cheapest, compiles are summed by program name and the small ones counted apart, and a run that
-ran no test is reported as such (the whole suite is profiled by hand,
-never in a test)."""
+ran no test is reported as such (the whole suite is profiled by hand, never in a test)."""
 
 import json
 import textwrap
