@@ -45,7 +45,7 @@ Calibration = Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
 _UNTESTED = (
     "no scale event (no skip, no growth) in {n} steps: the scaler was not exercised, so this is "
     "informational, not a pass; use the fp16 stress setting (init scale 2**20, growth interval "
-    "5: `--fp16-stress`)"
+    "5: `--fp16-stress`, or `fp16_stress=True` in `compare_models`)"
 )
 
 

@@ -131,6 +131,8 @@ def test_fp16_without_scale_events_is_informational_never_a_pass(events):
         for row in (traj, skipped):
             assert row.passed is None and row.mode == "informational"
             assert "no scale event" in row.detail and "informational" in row.detail
+            # the hint names the setting for the command line and for compare_models
+            assert "--fp16-stress" in row.detail and "fp16_stress=True" in row.detail
 
 
 def test_fp16_different_skips_fail_and_name_the_step():
