@@ -68,9 +68,10 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 # One torch-free process (tests/data/no_torch) runs, as a machine without torch would, one after
 # the other: the example project's own tests (`pytest examples/parity_ci`), `python -m parity
-# check` of the built-in model's golden, and `python -m parity check` of the example's golden with
-# torch's kernels restricted to AVX2 as on a narrower CPU; then `import torch` fails. One
-# interpreter start for all three; the two example checks share compiled programs.
+# check` of the built-in model's golden, `python -m parity check` of the example's golden with
+# torch's kernels restricted to AVX2 as on a narrower CPU, and a check whose --flax-model imports
+# torch (exit 2); then `import torch` fails. One interpreter start for all four; the two example
+# checks share compiled programs.
 _TORCH_FREE = """
 import importlib.metadata, importlib.util, os, runpy, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("torchao") is None
@@ -108,6 +109,9 @@ parity("check", "--golden", mlp_golden, "--no-progress", "--json", mlp_json)
 section("narrower cpu check")
 os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
 parity("check", "--golden", golden, "--no-progress", "--json", golden_json)
+section("a flax model that imports torch")
+parity("check", "--golden", golden, "--no-progress", "--flax-model",
+       "examples.parity_ci.torch_model:reference")
 section("import torch")
 import torch
 """
@@ -125,9 +129,10 @@ def test_goldens_check_without_torch_as_a_machine_without_it_and_on_a_narrower_c
     without torch, transformers' Flax models and the golden check's modules import, and ``import
     torch`` fails as it does where it is not installed. In it: the example project's passing
     case and planted bug through parity.testing; a built-in model's golden checks PASS with no
-    --flax-model (its twin is built from the recorded configuration, torch-free); and
+    --flax-model (its twin is built from the recorded configuration, torch-free);
     ``python -m parity check`` of the example's golden, torch's kernels restricted to AVX2,
-    PASSes (it checks the golden the example's tests checked, with the same Flax port)."""
+    PASSes (it checks the golden the example's tests checked, with the same Flax port); and a
+    --flax-model whose module imports torch exits 2 naming the module and the missing import."""
     mlp_json, example_json = tmp_path / "mlp.json", tmp_path / "example.json"
     args = [str(MLP_GOLDEN), str(mlp_json), str(GOLDEN), str(example_json)]
     done = _run(["-c", _TORCH_FREE, *args], _env())
@@ -165,6 +170,13 @@ def test_goldens_check_without_torch_as_a_machine_without_it_and_on_a_narrower_c
     assert norms and all(v["passed"] is not False and v["value"] < v["tolerance"] for v in norms)
     # the restriction is reported (it restricts torch only; the JAX side is unaffected)
     assert "ATEN_CPU_CAPABILITY=None when recorded, avx2 here" in check
+
+    # a --flax-model module that imports torch is bad input there (exit 2), named with the cause
+    assert "python -m parity exit code: 2" in out["a flax model that imports torch"], tail
+    assert (
+        "module 'examples.parity_ci.torch_model' does not import (No module named 'torch')"
+        in _sections(done.stderr)["a flax model that imports torch"]
+    ), tail
 
 
 def _rewrite(tmp_path, change_header=None, drop: str | None = None) -> Path:
