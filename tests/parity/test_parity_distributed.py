@@ -74,6 +74,7 @@ def correct(tmp_path_factory):
     return code, out
 
 
+@pytest.mark.integration
 def test_a_distributed_run_writes_the_cell_outputs_and_passes_a_correct_port(correct):
     code, out = correct
     assert code == 0
@@ -113,6 +114,7 @@ def test_a_distributed_run_writes_the_cell_outputs_and_passes_a_correct_port(cor
     assert (out / "loss_curves.png").exists()
 
 
+@pytest.mark.integration
 def test_compare_pairs_each_torch_side_with_the_jax_sides_of_its_arm(correct):
     _, out = correct
     runs = load_results(out)["runs"]
