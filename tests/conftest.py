@@ -95,6 +95,18 @@ _BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread while a test module runs (``pytest.mark.usefixtures``): on tiny
+    layers extra threads only contend on a shared 2-core runner."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
 def benchmark_script():
     """Loads a script of `benchmarks/` as a module: ``benchmark_script("bench_loss_scaled")``,
     once per test module. Until the test module ends it is also ``sys.modules[name]``:

@@ -30,15 +30,7 @@ from parity.verdicts.layer_probe import probe_layers  # noqa: E402
 from parity.verdicts.step0 import check_step0  # noqa: E402
 from parity.verdicts.step0_checks import PROBE_CHECK, STOCHASTIC_CHECK  # noqa: E402
 
-pytestmark = [pytest.mark.torch]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 
 # The probe is part of step 0's float32 stage at every precision: a mutation it catches fails a

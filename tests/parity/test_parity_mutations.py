@@ -43,14 +43,8 @@ SMALL = {
 }
 BATCH = 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny layers: extra torch threads only contend on a shared 2-core runner."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# Tiny layers: torch on one thread (extra ones only contend on a shared 2-core runner).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _pair(model: str, **overrides):

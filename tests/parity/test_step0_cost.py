@@ -23,13 +23,7 @@ from parity.verdicts.torch_side import layer_arrays, torch_side
 TINY_RESNET = {"image_shape": (8, 8, 3), "channels": (4, 8, 16), "blocks_per_stage": 1}
 TINY_TRANSFORMER = {"seq_len": 8, "d_model": 16, "num_heads": 2, "num_layers": 1}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _resnet(wrong_port: str = ""):
