@@ -8,6 +8,7 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -71,10 +72,8 @@ def _dot_operand_dtypes(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _dot_operand_dtypes(getattr(sub, "jaxpr", sub))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_operand_dtypes(sub)
     return found
 
 
@@ -105,10 +104,8 @@ def _unguarded_fp8_upcasts(jaxpr) -> list:
             if "float8" in str(src.aval.dtype) and str(eqn.params["new_dtype"]) == "float32":
                 if producer.get(src) != "optimization_barrier":
                     found.append(producer.get(src, "an input of the jaxpr"))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _unguarded_fp8_upcasts(getattr(sub, "jaxpr", sub))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _unguarded_fp8_upcasts(sub)
         for v in eqn.outvars:
             producer[v] = eqn.primitive.name
     return found

@@ -6,6 +6,7 @@ run of torchao's ``_AdamW(bf16_stochastic_round=True)`` drifts as ours does."""
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -159,10 +160,8 @@ def _round_trips(jaxpr) -> list:
                 found.append(str(src.aval.dtype))
             if str(eqn.params["new_dtype"]) in ("float16", "bfloat16"):
                 narrowed.update(eqn.outvars)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _round_trips(getattr(sub, "jaxpr", sub))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _round_trips(sub)
     return found
 
 

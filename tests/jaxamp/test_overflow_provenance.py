@@ -11,6 +11,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -392,12 +393,8 @@ def _primitives(jaxpr, inside_cond: bool, found: dict) -> None:
     for eqn in jaxpr.eqns:
         counts = found.setdefault(inside_cond, collections.Counter())
         counts[eqn.primitive.name] += 1
-        for param in eqn.params.values():
-            subs = param if isinstance(param, (tuple, list)) else [param]
-            for sub in subs:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _primitives(inner, inside_cond or eqn.primitive.name == "cond", found)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _primitives(sub, inside_cond or eqn.primitive.name == "cond", found)
 
 
 def _logs(counts: collections.Counter) -> int:
