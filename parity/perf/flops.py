@@ -11,21 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["jax_matmul_flops", "requested_fraction", "sub_jaxprs"]
+import jax.extend.core
+
+__all__ = ["jax_matmul_flops", "requested_fraction"]
 
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
-
-
-def sub_jaxprs(value: Any):
-    """The jaxprs inside an equation parameter (a Jaxpr, a ClosedJaxpr, or a tuple of them)."""
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from sub_jaxprs(item)
 
 
 def _jax_op_flops(eqn: Any) -> int:
@@ -74,9 +65,8 @@ def jax_matmul_flops(closed_jaxpr: Any) -> dict[str, int]:
             inner = (
                 times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
             )
-            for value in eqn.params.values():
-                for sub in sub_jaxprs(value):
-                    visit(sub, inner)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub, inner)
 
     visit(closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr, 1)
     return totals

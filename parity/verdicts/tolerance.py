@@ -36,12 +36,12 @@ import math
 from typing import Any
 
 import jax
-import jax.extend
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
 from parity.core.losses import loss_jax
-from parity.perf.flops import jax_matmul_flops, sub_jaxprs
+from parity.perf.flops import jax_matmul_flops
 
 __all__ = [
     "FLOOR_FRACTION",
@@ -212,9 +212,8 @@ def program_shape(closed_jaxpr: Any) -> tuple[int, int]:
                 depth += times
                 continue
             inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
-            for value in eqn.params.values():
-                for sub in sub_jaxprs(value):
-                    visit(sub, inner)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub, inner)
 
     visit(closed_jaxpr.jaxpr, 1)
     return fan_in, max(depth, 1)
