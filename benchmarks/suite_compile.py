@@ -8,14 +8,19 @@ seconds spent on a program the same process had compiled before (what a cache co
 and the seconds of tracing and lowering. Then the whole run, with the programs compiled in more
 than one process and the compiles of under 50 ms (one operation run eagerly compiles in about
 that), and a second table by the program's name (``jit_<function>``: which computations the
-compile seconds go to, in how many distinct programs and files). Tables on stdout, JSON in
-`--out`.
+compile seconds go to, in how many distinct programs, structures and files). Tables on stdout,
+JSON in `--out`.
 
     .venv/bin/python benchmarks/suite_compile.py --out benchmarks/results/suite_compile.json
     .venv/bin/python benchmarks/suite_compile.py -- -p no:xdist tests/jaxamp/test_optim.py
 
 A program is the lowered StableHLO module without its source locations, with its device count:
-two tests that build fresh closures over the same computation compile one program twice. A
+two tests that build fresh closures over the same computation compile one program twice. Its
+structure is the same text without its numbers (sizes, indices, constants) but with its
+operations and element types: programs that differ only in shapes and constants (one test's
+batch of 4 and another's of 8, not float16 and float32) share a structure, and the compile
+seconds of a structure's programs beyond its cheapest one are what giving those tests one shape
+could save at most. A
 compile is XLA's (``jax._src.compiler.compile_or_get_cached``, a JAX internal this file wraps;
 a hit in JAX's compilation cache is counted as a compile of little CPU). Compile seconds are the
 compiling thread's process CPU seconds over the call (XLA:CPU compiles on more than one thread);
@@ -31,6 +36,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,6 +46,12 @@ import pytest
 
 _OUT_VAR = "SUITE_COMPILE_OUT"
 _SMALL_S = 0.05  # a compile under this is counted as small: one eager operation's, typically
+# what a program's structure leaves out: dense constants, tensor shapes, then every number that
+# does not follow a letter (sizes and indices in attributes, other constants): element types
+# (f16, bf16, f8E4M3FN) stay
+_CONSTANTS = re.compile(r"dense(?:_resource)?<[^>]*>")
+_SHAPES = re.compile(r"tensor<(?:(?:[0-9]+|\?)x)*")
+_NUMBERS = re.compile(r"(?<![A-Za-z0-9_])[0-9]+")
 _TRACE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -55,7 +67,8 @@ class _Recorder:
     def __init__(self):
         self.test = "<outside any test>"
         self.tests: dict[str, dict] = {}
-        self.compiles: list[tuple[str, str, str, float]] = []  # test, name, program, CPU s
+        # test, name, program, CPU s, structure
+        self.compiles: list[tuple[str, str, str, float, str]] = []
         self.trace_s: collections.Counter = collections.Counter()
 
     def install(self) -> None:
@@ -73,7 +86,8 @@ class _Recorder:
             start = time.process_time()
             executable = original(backend, computation, devices, *args, **kwargs)
             seconds = time.process_time() - start
-            self.compiles.append((self.test, *_program(computation, devices), seconds))
+            name, program, structure = _program(computation, devices)
+            self.compiles.append((self.test, name, program, seconds, structure))
             return executable
 
         compiler.compile_or_get_cached = compile_or_get_cached
@@ -121,8 +135,9 @@ def _jax_version() -> str:
     return jax.__version__
 
 
-def _program(computation, devices) -> tuple[str, str]:
-    """(module name, fingerprint of the module without locations, and its device count)."""
+def _program(computation, devices) -> tuple[str, str, str]:
+    """(module name, fingerprint of the module without locations and its device count, and of
+    its structure: the same without sizes and constants)."""
     operation = computation.operation
     text = operation.get_asm(enable_debug_info=False)
     name = (
@@ -132,7 +147,9 @@ def _program(computation, devices) -> tuple[str, str]:
     )
     count = getattr(devices, "size", None) or len(devices)
     digest = hashlib.sha256(f"{count}\n{text}".encode()).hexdigest()[:20]
-    return name, digest
+    shape_free = _NUMBERS.sub("N", _SHAPES.sub("tensor<", _CONSTANTS.sub("C", text)))
+    structure = hashlib.sha256(f"{count}\n{shape_free}".encode()).hexdigest()[:20]
+    return name, digest, structure
 
 
 def pytest_configure(config):
@@ -153,6 +170,7 @@ def summarize(records: dict[str, dict]) -> dict:
     # each program's first compile in each process: beyond the cheapest of those, what one
     # cache shared by the processes could save
     firsts: dict[str, list[float]] = collections.defaultdict(list)
+    structure_of: dict[str, str] = {}  # program -> its structure
     # per program name: compiles, distinct programs, compile CPU s per file
     names: dict[str, dict] = collections.defaultdict(
         lambda: {"compiles": 0, "programs": set(), "files": collections.Counter()}
@@ -166,7 +184,8 @@ def summarize(records: dict[str, dict]) -> dict:
         for test, seconds in payload["trace_s"].items():
             files[test.split("::")[0]]["trace_lower_s"] += seconds
         seen: set[str] = set()
-        for test, name, program, seconds in payload["compiles"]:
+        for test, name, program, seconds, *structure in payload["compiles"]:
+            structure_of[program] = structure[0] if structure else program
             path = test.split("::")[0]
             file = files[path]
             file["compiles"] += 1
@@ -188,10 +207,12 @@ def summarize(records: dict[str, dict]) -> dict:
     for row in files.values():
         totals.update(row)
     shared = {p: s for p, s in firsts.items() if len(s) > 1}
+    once = {p: min(s) for p, s in firsts.items()}  # each program compiled once, by its cheapest
     by_names = {
         name: {
             "compiles": row["compiles"],
             "programs": len(row["programs"]),
+            **_structures(row["programs"], structure_of, once),
             "compile_cpu_s": sum(row["files"].values()),
             "files": len(row["files"]),
             "costliest_file": row["files"].most_common(1)[0][0],
@@ -204,7 +225,22 @@ def summarize(records: dict[str, dict]) -> dict:
         "processes": len(records),
         "programs_in_more_than_one_process": len(shared),
         "their_compile_cpu_s_beyond_one_process": sum(sum(s) - min(s) for s in shared.values()),
+        "structures": {"programs": len(once), **_structures(set(once), structure_of, once)},
         "names": dict(sorted(by_names.items(), key=lambda kv: -kv[1]["compile_cpu_s"])),
+    }
+
+
+def _structures(programs: set[str], structure_of: dict[str, str], once: dict[str, float]) -> dict:
+    """Distinct structures among `programs`, the programs sharing a structure with another, and
+    their compile seconds (each program once) beyond the cheapest program of each structure."""
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for program in programs:
+        groups[structure_of[program]].append(once[program])
+    alike = [seconds for seconds in groups.values() if len(seconds) > 1]
+    return {
+        "structures": len(groups),
+        "programs_sharing_a_structure": sum(len(seconds) for seconds in alike),
+        "their_compile_cpu_s_beyond_one_per_structure": sum(sum(s) - min(s) for s in alike),
     }
 
 
@@ -240,6 +276,13 @@ def print_table(summary: dict, top: int) -> None:
         f"{summary['their_compile_cpu_s_beyond_one_process']:.1f} compile CPU s beyond one "
         "process's"
     )
+    alike = summary["structures"]
+    print(
+        f"programs that differ from another only in shapes and constants: "
+        f"{alike['programs_sharing_a_structure']} of {alike['programs']} ({alike['structures']} "
+        f"structures), {alike['their_compile_cpu_s_beyond_one_per_structure']:.1f} compile CPU s "
+        "beyond the cheapest of each structure"
+    )
     total = summary["total"]
     print(
         f"compiles under {_SMALL_S * 1000:.0f} ms: {total.get('small_compiles', 0)} of "
@@ -254,14 +297,15 @@ def print_names(summary: dict, top: int) -> None:
     """The compile CPU seconds by program name, costliest first."""
     all_s = summary["total"].get("compile_cpu_s", 0.0) or 1.0
     head = (
-        f"{'program name':32s} {'compiles':>8s} {'programs':>8s} {'XLA CPU s':>9s} {'share':>6s} "
-        f"{'files':>5s}  costliest file"
+        f"{'program name':32s} {'compiles':>8s} {'programs':>8s} {'structs':>7s} {'alike s':>7s} "
+        f"{'XLA CPU s':>9s} {'share':>6s} {'files':>5s}  costliest file"
     )
     print(head)
     print("-" * len(head))
     for name, row in list(summary["names"].items())[:top]:
         print(
-            f"{name[:32]:32s} {row['compiles']:8d} {row['programs']:8d} "
+            f"{name[:32]:32s} {row['compiles']:8d} {row['programs']:8d} {row['structures']:7d} "
+            f"{row['their_compile_cpu_s_beyond_one_per_structure']:7.1f} "
             f"{row['compile_cpu_s']:9.1f} {row['compile_cpu_s'] / all_s:6.1%} {row['files']:5d}  "
             f"{row['costliest_file']}"
         )

@@ -1,7 +1,8 @@
 """The suite-cost benchmark counts what it says: a program compiled again by the same process
 is one program and one repeat, programs compiled in several processes are summed beyond the
-cheapest, compiles are summed by program name and the small ones counted apart, and a run that
-ran no test is reported as such (the whole suite is profiled by hand, never in a test)."""
+cheapest, compiles are summed by program name and the small ones counted apart, programs that
+differ only in shapes share a structure, and a run that ran no test is reported as such (the
+whole suite is profiled by hand, never in a test)."""
 
 import json
 import textwrap
@@ -55,6 +56,46 @@ def test_the_summary_counts_repeats_per_process_and_programs_shared_between_proc
     assert f["compile_cpu_s"] == pytest.approx(0.8)
     assert summary["names"]["jit_h"]["costliest_file"] == "t/b.py"
     assert "small_compiles" not in total  # none under 50 ms here
+    # records without structures: each program its own
+    assert summary["structures"] == {
+        "programs": 3,
+        "structures": 3,
+        "programs_sharing_a_structure": 0,
+        "their_compile_cpu_s_beyond_one_per_structure": 0,
+    }
+
+
+def test_programs_that_differ_only_in_shapes_share_a_structure(bench, capsys):
+    one = {"cpu_s": 3.0, "children_cpu_s": 0.0}
+    records = {
+        "gw0": _record(
+            {"t/a.py::x": one},
+            [
+                ("t/a.py::x", "jit_train_step", "B4", 1.0, "S"),  # batch 4
+                ("t/a.py::x", "jit_train_step", "OTHER", 0.5, "S2"),  # another model
+            ],
+        ),
+        "gw1": _record(
+            {"t/b.py::y": one},
+            [
+                ("t/b.py::y", "jit_train_step", "B8", 1.5, "S"),  # batch 8: the same structure
+                ("t/b.py::y", "jit_train_step", "B4", 0.75, "S"),  # B4 here too, cheaper
+            ],
+        ),
+    }
+    summary = bench.summarize(records)
+    step = summary["names"]["jit_train_step"]
+    assert (step["programs"], step["structures"], step["programs_sharing_a_structure"]) == (3, 2, 2)
+    # each program once at its cheapest (B4: 0.75); beyond the cheapest of structure S: B8's 1.5
+    assert step["their_compile_cpu_s_beyond_one_per_structure"] == pytest.approx(1.5)
+    assert summary["structures"]["their_compile_cpu_s_beyond_one_per_structure"] == pytest.approx(
+        1.5
+    )
+    bench.print_table(summary, top=5)
+    printed = capsys.readouterr().out
+    assert "only in shapes and constants: 2 of 3 (2 structures), 1.5 compile CPU s" in printed
+    (row,) = [line for line in printed.splitlines() if line.startswith("jit_train_step")]
+    assert row.split()[1:5] == ["4", "3", "2", "1.5"]  # compiles, programs, structures, alike
 
 
 def test_small_compiles_are_counted_apart_and_names_printed(bench, capsys):
@@ -99,6 +140,10 @@ def test_a_run_of_pytest_is_profiled_and_written(bench, tmp_path, capsys):
             def test_again_and_another():
                 assert jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).shape == (8,)
                 assert jax.jit(lambda x: jnp.cos(x) + 1)(jnp.ones(8)).shape == (8,)
+
+            def test_another_shape_and_dtype():
+                assert jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(4)).shape == (4,)
+                assert jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(4, jnp.float16)).shape == (4,)
             """
         )
     )
@@ -111,14 +156,16 @@ def test_a_run_of_pytest_is_profiled_and_written(bench, tmp_path, capsys):
     summary = json.loads(out.read_text())
     (name,) = [f for f in summary["files"] if f.endswith("test_two.py")]
     row = summary["files"][name]
-    assert row["tests"] == 2 and row["cpu_s"] > 0
+    assert row["tests"] == 3 and row["cpu_s"] > 0
     # the two tests' programs: sin*2 twice (one repeat) and cos+1; inputs made eagerly may add
     # programs of their own, each compiled once
     assert row["repeat_compiles"] == 1 and row["repeat_compile_cpu_s"] > 0
     assert row["compiles"] == row["programs"] + 1 >= 3
     assert summary["pytest_exit"] == 0 and summary["processes"] == 1
     lambdas = summary["names"]["jit__lambda"]  # both closures are named after `lambda`
-    assert (lambdas["compiles"], lambdas["programs"]) == (3, 2)
+    assert (lambdas["compiles"], lambdas["programs"]) == (5, 4)
+    # sin * 2 on 8 and on 4 elements: one structure; on float16 another
+    assert (lambdas["structures"], lambdas["programs_sharing_a_structure"]) == (3, 2)
     assert lambdas["costliest_file"] == name
 
 
