@@ -20,12 +20,11 @@ structure is the same text without its numbers (sizes, indices, constants) but w
 operations and element types: programs that differ only in shapes and constants (one test's
 batch of 4 and another's of 8, not float16 and float32) share a structure, and the compile
 seconds of a structure's programs beyond its cheapest one are what giving those tests one shape
-could save at most. A
-compile is XLA's (``jax._src.compiler.compile_or_get_cached``, a JAX internal this file wraps;
-a hit in JAX's compilation cache is counted as a compile of little CPU). Compile seconds are the
-compiling thread's process CPU seconds over the call (XLA:CPU compiles on more than one thread);
-tracing and lowering are JAX's own wall-clock events. Runs of one commit at different minutes
-differ by several percent: compare two commits side by side.
+could save at most. A compile is XLA's (``jax._src.compiler.compile_or_get_cached``, a JAX
+internal this file wraps; a hit in JAX's compilation cache is counted as a compile of little
+CPU). Compile seconds are the compiling thread's process CPU seconds over the call (XLA:CPU
+compiles on more than one thread); tracing and lowering are JAX's own wall-clock events. Runs of
+one commit at different minutes differ by several percent: compare two commits side by side.
 """
 
 from __future__ import annotations
