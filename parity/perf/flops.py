@@ -9,14 +9,25 @@ torch; this module does not (a golden check runs the JAX side where torch is not
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax.extend.core
 
-__all__ = ["jax_matmul_flops", "requested_fraction"]
+__all__ = ["counted_equations", "jax_matmul_flops", "requested_fraction"]
 
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def counted_equations(jaxpr: Any, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """Every equation of `jaxpr` and of the jaxprs inside it, with how many times one call runs
+    it: a ``scan`` body ``length`` times, a ``while`` body once (its trip count is not static)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, times
+        inner = times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from counted_equations(sub, inner)
 
 
 def _jax_op_flops(eqn: Any) -> int:
@@ -54,21 +65,12 @@ def jax_matmul_flops(closed_jaxpr: Any) -> dict[str, int]:
       {'float32': 48}
     """
     totals: dict[str, int] = {}
-
-    def visit(jaxpr: Any, times: int) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in _MATMUL_PRIMITIVES:
-                dtypes = [str(v.aval.dtype) for v in eqn.invars[:2]]
-                key = dtypes[0] if dtypes[0] == dtypes[1] else "/".join(dtypes)
-                totals[key] = totals.get(key, 0) + times * _jax_op_flops(eqn)
-                continue
-            inner = (
-                times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else times
-            )
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                visit(sub, inner)
-
-    visit(closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr, 1)
+    jaxpr = closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr
+    for eqn, times in counted_equations(jaxpr):
+        if eqn.primitive.name in _MATMUL_PRIMITIVES:
+            dtypes = [str(v.aval.dtype) for v in eqn.invars[:2]]
+            key = dtypes[0] if dtypes[0] == dtypes[1] else "/".join(dtypes)
+            totals[key] = totals.get(key, 0) + times * _jax_op_flops(eqn)
     return totals
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity.core.losses import loss_jax
-from parity.perf.flops import jax_matmul_flops
+from parity.perf.flops import counted_equations, jax_matmul_flops
 
 __all__ = [
     "FLOOR_FRACTION",
@@ -194,28 +194,18 @@ def program_shape(closed_jaxpr: Any) -> tuple[int, int]:
       (3, 2)
     """
     fan_in, depth = 1, 0
-
-    def visit(jaxpr: Any, times: int) -> None:
-        nonlocal fan_in, depth
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if name == "dot_general":
-                lhs = eqn.invars[0].aval
-                (contract, _), _ = eqn.params["dimension_numbers"]
-                fan_in = max(fan_in, int(math.prod(lhs.shape[a] for a in contract)))
-                depth += times
-                continue
-            if name == "conv_general_dilated":
-                rhs = eqn.invars[1].aval
-                spec = eqn.params["dimension_numbers"].rhs_spec
-                fan_in = max(fan_in, int(math.prod(rhs.shape)) // int(rhs.shape[spec[0]]))
-                depth += times
-                continue
-            inner = times * int(eqn.params.get("length", 1)) if name == "scan" else times
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                visit(sub, inner)
-
-    visit(closed_jaxpr.jaxpr, 1)
+    for eqn, times in counted_equations(closed_jaxpr.jaxpr):
+        name = eqn.primitive.name
+        if name == "dot_general":
+            lhs = eqn.invars[0].aval
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            fan_in = max(fan_in, int(math.prod(lhs.shape[a] for a in contract)))
+            depth += times
+        elif name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval
+            spec = eqn.params["dimension_numbers"].rhs_spec
+            fan_in = max(fan_in, int(math.prod(rhs.shape)) // int(rhs.shape[spec[0]]))
+            depth += times
     return fan_in, max(depth, 1)
 
 
