@@ -1,10 +1,13 @@
-"""The docstring examples of the mapping / adapter / data modules run."""
+"""The docstring examples of the mapping / adapter / data modules, the FLOP count and the step-0
+tolerances run."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,6 +22,8 @@ _MODULES = (
     "parity.pairs.adapters",
     "parity.pairs.dropout",
     "parity.twins.nnx_layers",
+    "parity.perf.flops",
+    "parity.verdicts.tolerance",
 )
 _DATA_NAMES = ("load_digits", "load_text", "text_fraction", "text_stream", "DataSpec")
 
@@ -49,7 +54,7 @@ DOCTESTS = _tests()
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
 def test_docstring_examples_run(test):
-    test.globs = {**test.globs, "np": np}
+    test.globs = {**test.globs, "np": np, "jax": jax, "jnp": jnp}
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report: list[str] = []
     runner.run(test, out=report.append)
